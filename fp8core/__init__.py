@@ -1,0 +1,17 @@
+"""fp8core: FP8 primitives (amax, scaled casts, transposes, delayed-scaling updates, GEMM) for any array.
+
+CPU arrays run on the NumPy + ml_dtypes reference backend; CUDA arrays on kernels compiled at run time.
+Both follow one numerics contract (docs/numerics.md) bit for bit.
+"""
+
+from .formats import Format, as_format
+from .ops import (amax, cast_transpose, compute_scale, dequantize, multi_amax, multi_quantize, quantize,
+                  quantize_dynamic, transpose)
+from .recipe import DelayedScaling, Float8CurrentScaling
+from .scaling import ScalingState
+
+__version__ = "0.1.0"
+
+__all__ = ["Format", "as_format", "amax", "quantize", "quantize_dynamic", "dequantize", "transpose",
+           "cast_transpose", "compute_scale", "multi_amax", "multi_quantize", "DelayedScaling",
+           "Float8CurrentScaling", "ScalingState", "__version__"]

@@ -1,0 +1,258 @@
+"""The CPU reference backend: NUMERICS.md in NumPy + ml_dtypes, vectorized, in cache-sized chunks on all cores.
+
+Arrays here are NumPy arrays in their logical dtype (ml_dtypes for fp8 and bf16).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any, Callable
+
+import numpy as np
+
+from .._tensor import Tensor, logical_numpy_dtype
+from ..formats import Format
+
+xp = np
+name = "cpu"
+
+_CHUNK = 1 << 16  # elements per task: the fp32 temporaries stay in L2
+_THREADS = max(1, min(os.cpu_count() or 1, 8))
+_pool: ThreadPoolExecutor | None = None
+
+F32_NAN_BITS = np.uint32(0x7FFFFFFF)
+FLT_MAX = np.float32(3.4028235e38)
+
+
+def _map(n: int, fn: Callable[[int, int], Any]) -> list[Any]:
+    """Run ``fn(start, stop)`` over chunks of ``range(n)``, on all cores when there is enough work."""
+    global _pool
+    if n <= 2 * _CHUNK or _THREADS == 1:
+        return [fn(0, n)] if n else []
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="fp8core")
+    starts = range(0, n, _CHUNK)
+    return list(_pool.map(lambda s: fn(s, min(s + _CHUNK, n)), starts))
+
+
+def _flat(t: Tensor) -> np.ndarray:
+    return t.data.reshape(-1)
+
+
+# ---- amax -------------------------------------------------------------------------------------------------
+
+def _amax_bits(x: np.ndarray) -> np.uint32:
+    """fp32 bit pattern of max|x| for a flat chunk: unsigned compare of |x| bits, NaN canonicalised."""
+    if x.size == 0:
+        return np.uint32(0)
+    if x.dtype == np.float32:
+        m = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF)).max()
+        return F32_NAN_BITS if m > 0x7F800000 else np.uint32(m)
+    m16 = np.bitwise_and(x.view(np.uint16), np.uint16(0x7FFF)).max()
+    if x.dtype == np.float16:
+        if m16 > 0x7C00:
+            return F32_NAN_BITS
+        return np.array([m16], np.uint16).view(np.float16).astype(np.float32).view(np.uint32)[0]
+    return F32_NAN_BITS if m16 > 0x7F80 else np.uint32(int(m16) << 16)  # bfloat16
+
+
+def _bits_to_f32(bits: Any) -> np.float32:
+    return np.array([bits], np.uint32).view(np.float32)[0]
+
+
+def _accumulate(amax_out: np.ndarray, bits: np.uint32) -> None:
+    """amax_out = max(amax_out, value), compared as bit patterns like the GPU's atomicMax."""
+    view = amax_out.reshape(-1).view(np.uint32)
+    view[0] = max(int(view[0]), int(bits))
+
+
+def amax(x: Tensor) -> np.ndarray:
+    flat = _flat(x)
+    bits = max(_map(flat.size, lambda a, b: _amax_bits(flat[a:b])), default=np.uint32(0))
+    return np.array([bits], np.uint32).view(np.float32)
+
+
+def multi_amax(xs: list[Tensor], out: np.ndarray) -> None:
+    for i, x in enumerate(xs):
+        _accumulate(out[i:i + 1], amax(x).view(np.uint32)[0])
+
+
+# ---- quantize ---------------------------------------------------------------------------------------------
+
+def _to_f32(x: np.ndarray) -> np.ndarray:
+    if x.dtype == np.float32:
+        return x.copy()
+    if x.dtype == np.float16:
+        return x.astype(np.float32)
+    return np.left_shift(x.view(np.uint16), 16, dtype=np.uint32).view(np.float32)  # bf16: exact widening
+
+
+def _canonical_nan_fp8(bits: np.ndarray, fmt: Format) -> None:
+    if fmt is Format.E4M3:
+        bits[bits == 0xFF] = 0x7F
+    else:
+        bits[np.bitwise_and(bits, 0x7F) > 0x7C] = 0x7F
+
+
+def _quantize_chunk(x: np.ndarray, scale: np.float32, fmt: Format, out: np.ndarray) -> np.uint32:
+    """out = SATFINITE_RTNE(fp32(x) * scale); returns the chunk's amax bits (of x, before scaling)."""
+    bits = _amax_bits(x)
+    f = _to_f32(x)
+    np.multiply(f, scale, out=f)
+    fmax = np.float32(fmt.max)
+    np.clip(f, -fmax, fmax, out=f)  # saturates finite values and +-inf; NaN passes through
+    out[...] = f  # ml_dtypes: round-to-nearest-even
+    scale_is_ordinary = bool(np.isfinite(scale)) and scale != 0
+    if bits == F32_NAN_BITS or (not scale_is_ordinary and np.isnan(f).any()):
+        _canonical_nan_fp8(out.view(np.uint8), fmt)
+    return bits
+
+
+def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None) -> np.ndarray:
+    scale = scale_value(scale)
+    q = np.empty(x.shape, dtype=fmt.numpy_dtype)
+    flat, qflat = _flat(x), q.reshape(-1)
+    bits = _map(flat.size, lambda a, b: _quantize_chunk(flat[a:b], scale, fmt, qflat[a:b]))
+    if amax_out is not None:
+        _accumulate(amax_out, max(bits, default=np.uint32(0)))
+    return q
+
+
+def scale_value(scale: Any) -> np.float32:
+    return np.float32(np.asarray(scale).reshape(-1)[0])
+
+
+def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
+                     reduce: Callable | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a = amax(x)
+    if reduce is not None:
+        reduce(a)
+    scale, scale_inv, _ = scale_rule(a, np.array([fmt.max], np.float32), margin, power_of_2, epsilon)
+    return quantize(x, scale, fmt, None), scale_inv, a
+
+
+def multi_quantize(xs: list[Tensor], scales: list[np.ndarray], fmts: list[Format],
+                   amax_outs: list[np.ndarray | None]) -> list[np.ndarray]:
+    return [quantize(x, s, f, a) for x, s, f, a in zip(xs, scales, fmts, amax_outs)]
+
+
+# ---- dequantize -------------------------------------------------------------------------------------------
+
+_CANONICAL_NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x7FFF),
+                  "float16": (np.uint16, 0x7FFF)}
+
+
+@lru_cache(maxsize=64)
+def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarray:
+    """All 256 results: each output depends only on its input byte, so the table is the definition."""
+    codes = np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype)
+    with np.errstate(all="ignore"):
+        y = codes.astype(np.float32) * _bits_to_f32(scale_inv_bits)
+    out = y.astype(logical_numpy_dtype(out_dtype))  # RTNE
+    storage, nan = _CANONICAL_NAN[out_dtype]
+    out.view(storage)[np.isnan(y)] = nan
+    return out
+
+
+def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str) -> np.ndarray:
+    table = _dequant_table(fmt, int(scale_value(scale_inv).view(np.uint32)), out_dtype)
+    codes = _flat(q).view(np.uint8)
+    y = np.empty(q.size, dtype=table.dtype)
+    _map(codes.size, lambda a, b: np.take(table, codes[a:b], out=y[a:b]))
+    return y.reshape(q.shape)
+
+
+# ---- transpose --------------------------------------------------------------------------------------------
+
+def transpose(q: Tensor) -> np.ndarray:
+    rows, cols = q.shape
+    out = np.empty((cols, rows), dtype=q.data.dtype)
+    src = q.data.view(np.uint8)
+    dst = out.view(np.uint8)
+    block = 256  # square tiles keep both the reads and the writes in cache
+    for r in range(0, rows, block):
+        dst[:, r:r + block] = src[r:r + block].T
+    return out
+
+
+def cast_transpose(x: Tensor, scale: Any, fmt: Format,
+                   amax_out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    q = quantize(x, scale, fmt, amax_out)
+    return q, transpose(Tensor(q, fmt.dtype_name, x.device, "numpy"))
+
+
+# ---- the scale rule and the batched delayed-scaling update -------------------------------------------------
+
+def pow2_floor(s: np.ndarray) -> np.ndarray:
+    """2^floor(log2(s)) for s >= 0, exact: the highest set bit of the fp32 pattern, subnormals included."""
+    bits = s.view(np.uint32)
+    exp = np.bitwise_and(bits, np.uint32(0x7F800000))
+    mant = np.bitwise_and(bits, np.uint32(0x007FFFFF))
+    sub = np.zeros_like(bits)
+    nz = mant != 0
+    sub[nz] = np.left_shift(np.uint32(1), (np.frexp(mant[nz].astype(np.float64))[1] - 1).astype(np.uint32))
+    out = np.where(exp != 0, np.bitwise_and(bits, np.uint32(0xFF800000)), sub).astype(np.uint32)
+    return out.view(np.float32)
+
+
+def scale_rule(amax: np.ndarray, fp8_max: np.ndarray, margin: int, power_of_2: bool,
+               epsilon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scale, scale_inv, ok) elementwise; where ``ok`` is False there is no new scale (scale = 1 there)."""
+    amax = np.asarray(amax, np.float32).reshape(-1)
+    with np.errstate(all="ignore"):
+        a = np.where(amax < np.float32(epsilon), np.float32(epsilon), amax).astype(np.float32)
+        ok = np.isfinite(a) & (a != 0)
+        safe = np.where(ok, a, np.float32(1))
+        s = (np.asarray(fp8_max, np.float32) / safe).astype(np.float32)
+        s = np.ldexp(s, np.int32(-margin)).astype(np.float32)
+        s = np.where(np.isinf(s), FLT_MAX, s).astype(np.float32)
+        if power_of_2:
+            s = pow2_floor(s)
+        s = np.where(ok, s, np.float32(1)).astype(np.float32)
+        s_inv = (np.float32(1) / s).astype(np.float32)
+    return s, s_inv, ok
+
+
+def compute_scale(amax: np.ndarray, fp8_max: float, margin: int, power_of_2: bool, epsilon: float,
+                  previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    s, s_inv, ok = scale_rule(amax, np.full(amax.size, fp8_max, np.float32), margin, power_of_2, epsilon)
+    if previous is not None:
+        prev = np.broadcast_to(np.asarray(previous, np.float32).reshape(-1), s.shape)
+        with np.errstate(divide="ignore"):
+            s, s_inv = np.where(ok, s, prev), np.where(ok, s_inv, np.float32(1) / prev)
+    return s.astype(np.float32).reshape(amax.shape), s_inv.astype(np.float32).reshape(amax.shape)
+
+
+def update(history: np.ndarray, scale: np.ndarray, scale_inv: np.ndarray, fp8_max: np.ndarray, margin: int,
+           algo: str, power_of_2: bool, epsilon: float, update_scale: bool, flags: np.ndarray | None) -> None:
+    """The batched delayed-scaling update of NUMERICS.md, in place, all N columns at once."""
+    L = history.shape[0]
+    cur = history[0].copy()
+    ran = cur != 0  # NaN != 0: a NaN amax did run
+    if flags is not None:
+        flags[...] = ~np.isfinite(cur)
+    if not ran.any():
+        return
+    with np.errstate(invalid="ignore"):
+        a = history.max(axis=0) if algo == "max" else cur
+    if update_scale:
+        s, s_inv, ok = scale_rule(a, fp8_max, margin, power_of_2, epsilon)
+        take = ran & ok
+        scale[take] = s[take]
+        scale_inv[take] = s_inv[take]
+    roll(history, ran, cur, L)
+
+
+def roll(history: Any, ran: Any, cur: Any, L: int) -> None:
+    """[cur, h1, ..., h_{L-1}] -> [0, h2, ..., h_{L-1}, cur] in the columns that ran (NumPy or CuPy)."""
+    if L > 1:
+        if bool(ran.all()):
+            history[1:L - 1] = history[2:L].copy()
+            history[L - 1] = cur
+        else:
+            cols = ran.nonzero()[0]
+            history[1:L - 1, cols] = history[2:L, cols]
+            history[L - 1, cols] = cur[cols]
+    history[0][ran] = 0

@@ -1,0 +1,279 @@
+"""The public FP8 primitives. Each validates its arguments, picks the backend by device, and returns the
+caller's own array type. The numerics are in docs/numerics.md; the backends implement them bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import backends
+from ._tensor import Tensor, export, wrap
+from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
+
+__all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose",
+           "compute_scale", "multi_amax", "multi_quantize"]
+
+Array = Any
+MAX_MARGIN = 512
+
+
+# ---- argument checks shared by every primitive; the same errors on every backend ---------------------------
+
+def _contiguous(t: Tensor, arg: str) -> Tensor:
+    data = t.data
+    if data.size > 1 and not data.flags.c_contiguous:
+        raise ValueError(f"{arg}: expected a contiguous (row-major) array, got strides {data.strides} for "
+                         f"shape {data.shape}; make it contiguous first")
+    return t
+
+
+def _high_precision(obj: Any, arg: str) -> Tensor:
+    t = _contiguous(wrap(obj, arg), arg)
+    if t.dtype not in HIGH_PRECISION_DTYPES:
+        if t.dtype in FP8_DTYPES:
+            raise TypeError(f"{arg}: expected float32, bfloat16 or float16 data, got fp8 ({t.dtype}); "
+                            "dequantize it first")
+        raise TypeError(f"{arg}: expected float32, bfloat16 or float16 data, got {t.dtype}")
+    return t
+
+
+def _fp8(obj: Any, arg: str, fmt: Any) -> tuple[Tensor, Format]:
+    """An fp8 tensor: a native fp8 dtype, or uint8 storage (CuPy) with ``fmt`` naming the format."""
+    t = _contiguous(wrap(obj, arg), arg)
+    if t.dtype in FP8_DTYPES:
+        found = as_format(t.dtype)
+        if fmt is not None and as_format(fmt) is not found:
+            raise ValueError(f"fmt: {as_format(fmt).name} does not match {arg}'s dtype {t.dtype}")
+        return t, found
+    if t.dtype == "uint8":
+        if fmt is None:
+            raise TypeError(f"{arg}: uint8 data is fp8 storage only with fmt= naming its format")
+        return t, as_format(fmt)
+    if t.dtype in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{arg}: expected fp8 data (float8_e4m3fn, float8_e5m2), got {t.dtype}; quantize it first")
+    raise TypeError(f"{arg}: expected fp8 data (float8_e4m3fn, float8_e5m2), got {t.dtype}")
+
+
+def _same_device(t: Tensor, x: Tensor, arg: str, xarg: str = "x") -> None:
+    if t.device != x.device:
+        raise ValueError(f"{arg}: is on {t.device_str()} but {xarg} is on {x.device_str()}; "
+                         "put them on the same device")
+
+
+def _new_f32(values: Any, like: Tensor) -> Any:
+    host = np.asarray(values, dtype=np.float32).reshape(-1)
+    if not like.is_cuda:
+        return host
+    import cupy
+
+    with cupy.cuda.Device(like.device[1]):
+        return cupy.asarray(host)
+
+
+def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
+    """A 1-element float32 array on x's device (a Python float becomes one)."""
+    if isinstance(obj, (float, int)) and not isinstance(obj, bool):
+        return _new_f32([obj], x)
+    t = _f32_vector(obj, x, arg, xarg)
+    if t.size != 1:
+        raise ValueError(f"{arg}: expected 1 element, got shape {t.shape}")
+    return t.data.reshape(-1)
+
+
+def _f32_vector(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Tensor:
+    t = _contiguous(wrap(obj, arg), arg)
+    if t.dtype != "float32":
+        raise TypeError(f"{arg}: expected float32, got {t.dtype}")
+    _same_device(t, x, arg, xarg)
+    return t
+
+
+def _amax_slot(obj: Any, x: Tensor) -> Any:
+    if obj is None:
+        return None
+    t = _f32_vector(obj, x, "amax_out")
+    if t.size != 1:
+        raise ValueError(f"amax_out: expected 1 element, got shape {t.shape}")
+    if t.readonly:
+        raise ValueError("amax_out: is read-only (JAX arrays are immutable: fp8core.jax returns amax instead)")
+    return t.data.reshape(-1)
+
+
+def _margin(margin: int) -> int:
+    if isinstance(margin, bool) or not isinstance(margin, (int, np.integer)):
+        raise TypeError(f"margin: expected an int, got {type(margin).__name__}")
+    if abs(int(margin)) > MAX_MARGIN:
+        raise ValueError(f"margin: expected |margin| <= {MAX_MARGIN}, got {margin}")
+    return int(margin)
+
+
+def _epsilon(epsilon: float) -> float:
+    eps = float(epsilon)
+    if not eps >= 0.0 or eps == float("inf"):
+        raise ValueError(f"epsilon: expected a finite value >= 0, got {epsilon}")
+    return eps
+
+
+def _as_2d(t: Tensor, arg: str) -> Tensor:
+    shape = t.shape
+    if len(shape) == 0:
+        raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    return Tensor(t.data.reshape(rows, shape[-1]), t.dtype, t.device, t.origin, t.readonly)
+
+
+def _out_dtype(out_dtype: Any) -> str:
+    name = dtype_name(out_dtype) if not isinstance(out_dtype, str) else out_dtype
+    if name not in HIGH_PRECISION_DTYPES:
+        raise ValueError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype!r}")
+    return name
+
+
+# ---- the primitives ---------------------------------------------------------------------------------------
+
+def amax(x: Array) -> Array:
+    """``max |x|`` as a 1-element float32 array on x's device; NaN propagates, empty gives 0.
+
+    x: float32, bfloat16 or float16, any shape.
+    """
+    t = _high_precision(x, "x")
+    return export(backends.for_device(t.device).amax(t), "float32", t)
+
+
+def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
+             amax_out: Array | None = None) -> Array:
+    """``q = SATFINITE_RTNE(fp32(x) * scale)`` in ``fmt``, same shape as x.
+
+    x: float32/bfloat16/float16. scale: 1-element float32 on x's device (or a Python float).
+    amax_out: optional 1-element float32, updated in place to ``max(amax_out, amax(x))``.
+    """
+    t = _high_precision(x, "x")
+    f = as_format(fmt)
+    s, a = _scalar(scale, t, "scale"), _amax_slot(amax_out, t)
+    return export(backends.for_device(t.device).quantize(t, s, f, a), f.dtype_name, t)
+
+
+def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int = 0, power_of_2: bool = False,
+                     epsilon: float = 0.0, reduce: Callable[[Array], None] | None = None
+                     ) -> tuple[Array, Array, Array]:
+    """Current scaling: amax of x, the scale rule (1.0 when there is no scale), then quantize.
+
+    ``reduce``, when given, MAX-reduces the 1-element amax in place across a process group before the scale
+    is taken. Returns ``(q, scale_inv, amax)``; scale_inv and amax are 1-element float32 on x's device.
+    """
+    t = _high_precision(x, "x")
+    f = as_format(fmt)
+    q, s_inv, a = backends.for_device(t.device).quantize_dynamic(
+        t, f, _margin(margin), bool(power_of_2), _epsilon(epsilon), reduce)
+    return export(q, f.dtype_name, t), export(s_inv, "float32", t), export(a, "float32", t)
+
+
+def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *,
+               fmt: Format | str | None = None) -> Array:
+    """``y = ROUND_TO(out_dtype, fp32(q) * scale_inv)``; NaN comes out canonical.
+
+    q: fp8 (or uint8 storage with ``fmt``). out_dtype: float32, bfloat16 or float16.
+    """
+    t, f = _fp8(q, "q", fmt)
+    name = _out_dtype(out_dtype)
+    s = _scalar(scale_inv, t, "scale_inv", "q")
+    return export(backends.for_device(t.device).dequantize(t, f, s, name), name, t)
+
+
+def transpose(q: Array, *, fmt: Format | str | None = None) -> Array:
+    """``q_t[N, M]`` of fp8 ``q[M, N]`` (more dims are viewed as [prod(leading), last]), bits unchanged."""
+    t, f = _fp8(q, "q", fmt)
+    t = _as_2d(t, "q")
+    return export(backends.for_device(t.device).transpose(t), f.dtype_name, t)
+
+
+def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
+                   amax_out: Array | None = None) -> tuple[Array, Array]:
+    """``(q, q_t)``: ``quantize(x, scale, fmt)`` and its transpose from one read of x.
+
+    x: [M, N] (more dims are viewed as [prod(leading), last]); q has x's shape, q_t is [N, M].
+    """
+    t = _high_precision(x, "x")
+    f = as_format(fmt)
+    s, a = _scalar(scale, t, "scale"), _amax_slot(amax_out, t)
+    q, qt = backends.for_device(t.device).cast_transpose(_as_2d(t, "x"), s, f, a)
+    return export(q.reshape(t.shape), f.dtype_name, t), export(qt, f.dtype_name, t)
+
+
+def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, power_of_2: bool = False,
+                  epsilon: float = 0.0, previous: Array | float | None = None) -> tuple[Array, Array]:
+    """``(scale, scale_inv)`` from amax by the one scale rule of the contract, elementwise.
+
+    Where there is no new scale (amax 0, inf or NaN after the epsilon floor) the result is ``previous``
+    (delayed scaling) or 1.0 (current scaling, ``previous=None``).
+    """
+    f = as_format(fmt)
+    if isinstance(amax, (float, int)):
+        amax = np.array([amax], np.float32)
+    t = _contiguous(wrap(amax, "amax"), "amax")
+    if t.dtype != "float32":
+        raise TypeError(f"amax: expected float32, got {t.dtype}")
+    prev = None
+    if previous is not None:
+        prev = _new_f32([previous], t) if isinstance(previous, (float, int)) else \
+            _f32_vector(previous, t, "previous", "amax").data
+        if prev.size not in (1, t.size):
+            raise ValueError(f"previous: expected 1 or {t.size} elements, got {prev.size}")
+    s, s_inv = backends.for_device(t.device).compute_scale(
+        t.data, f.max, _margin(margin), bool(power_of_2), _epsilon(epsilon), prev)
+    return export(s, "float32", t), export(s_inv, "float32", t)
+
+
+def multi_amax(xs: Sequence[Array], out: Array | None = None) -> Array:
+    """amax of each tensor of ``xs`` into ``out[i] = max(out[i], amax(xs[i]))`` (one launch per dtype on a GPU).
+
+    ``out`` (float32 [len(xs)], e.g. row 0 of a ScalingState history) is created zeroed when omitted.
+    """
+    ts = [_high_precision(x, f"xs[{i}]") for i, x in enumerate(xs)]
+    if not ts:
+        raise ValueError("xs: expected at least one tensor")
+    for i, t in enumerate(ts[1:], 1):
+        _same_device(t, ts[0], f"xs[{i}]", "xs[0]")
+    if out is None:
+        o = Tensor(_new_f32(np.zeros(len(ts)), ts[0]), "float32", ts[0].device, ts[0].origin)
+    else:
+        o = _f32_vector(out, ts[0], "out", "xs[0]")
+        if o.size != len(ts):
+            raise ValueError(f"out: expected {len(ts)} elements, got {o.size}")
+        if o.readonly:
+            raise ValueError("out: is read-only")
+    backends.for_device(ts[0].device).multi_amax(ts, o.data.reshape(-1))
+    return out if out is not None else export(o.data, "float32", ts[0])
+
+
+def multi_quantize(xs: Sequence[Array], scales: Array, fmts: Format | str | Sequence[Format | str], *,
+                   amax_out: Array | None = None) -> list[Array]:
+    """Quantize every tensor of ``xs`` with ``scales[i]`` (float32 [len(xs)]) into ``fmts[i]``.
+
+    ``amax_out`` (float32 [len(xs)]) accumulates each tensor's amax, like :func:`quantize` does.
+    """
+    ts = [_high_precision(x, f"xs[{i}]") for i, x in enumerate(xs)]
+    if not ts:
+        raise ValueError("xs: expected at least one tensor")
+    n = len(ts)
+    fl = [as_format(fmts)] * n if isinstance(fmts, (Format, str)) else [as_format(f) for f in fmts]
+    if len(fl) != n:
+        raise ValueError(f"fmts: expected {n} formats, got {len(fl)}")
+    for i, t in enumerate(ts[1:], 1):
+        _same_device(t, ts[0], f"xs[{i}]", "xs[0]")
+    sc = _f32_vector(scales, ts[0], "scales", "xs[0]").data.reshape(-1)
+    if sc.size != n:
+        raise ValueError(f"scales: expected {n} elements, got {sc.size}")
+    am = None
+    if amax_out is not None:
+        at = _f32_vector(amax_out, ts[0], "amax_out", "xs[0]")
+        if at.size != n:
+            raise ValueError(f"amax_out: expected {n} elements, got {at.size}")
+        if at.readonly:
+            raise ValueError("amax_out: is read-only")
+        am = at.data.reshape(-1)
+    qs = backends.for_device(ts[0].device).multi_quantize(
+        ts, [sc[i:i + 1] for i in range(n)], fl, [None if am is None else am[i:i + 1] for i in range(n)])
+    return [export(q, f.dtype_name, t) for q, f, t in zip(qs, fl, ts)]

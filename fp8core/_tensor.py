@@ -133,10 +133,11 @@ def wrap(obj: Any, arg: str = "x") -> Tensor:
             view = import_dlpack(obj, stream=stream, arg=arg)
         except (BufferError, RuntimeError) as e:
             raise TypeError(f"{arg}: could not be read through DLPack: {e}") from e
+        readonly = view.readonly or origin == "jax"  # JAX arrays are immutable; legacy capsules carry no flag
         if view.device_type in (CPU, CUDA_HOST):
-            return Tensor(_numpy_from_view(view), view.dtype, ("cpu", 0), origin, view.readonly)
+            return Tensor(_numpy_from_view(view), view.dtype, ("cpu", 0), origin, readonly)
         if view.device_type in (CUDA, CUDA_MANAGED):
-            return Tensor(_cupy_from_view(view), view.dtype, ("cuda", view.device_id), origin, view.readonly)
+            return Tensor(_cupy_from_view(view), view.dtype, ("cuda", view.device_id), origin, readonly)
         raise ValueError(f"{arg}: DLPack device type {view.device_type} is neither CPU nor CUDA")
     if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
         arr = np.asarray(obj)

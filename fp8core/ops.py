@@ -63,7 +63,8 @@ def _same_device(t: Tensor, x: Tensor, arg: str, xarg: str = "x") -> None:
 
 
 def _new_f32(values: Any, like: Tensor) -> Any:
-    host = np.asarray(values, dtype=np.float32).reshape(-1)
+    with np.errstate(over="ignore"):
+        host = np.asarray(values, dtype=np.float32).reshape(-1)
     if not like.is_cuda:
         return host
     import cupy

@@ -100,7 +100,8 @@ def _quantize_chunk(x: np.ndarray, scale: np.float32, fmt: Format, out: np.ndarr
     """out = SATFINITE_RTNE(fp32(x) * scale); returns the chunk's amax bits (of x, before scaling)."""
     bits = _amax_bits(x)
     f = _to_f32(x)
-    np.multiply(f, scale, out=f)
+    with np.errstate(all="ignore"):
+        np.multiply(f, scale, out=f)
     fmax = np.float32(fmt.max)
     np.clip(f, -fmax, fmax, out=f)  # saturates finite values and +-inf; NaN passes through
     out[...] = f  # ml_dtypes: round-to-nearest-even
@@ -150,7 +151,7 @@ def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarr
     codes = np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype)
     with np.errstate(all="ignore"):
         y = codes.astype(np.float32) * _bits_to_f32(scale_inv_bits)
-    out = y.astype(logical_numpy_dtype(out_dtype))  # RTNE
+        out = y.astype(logical_numpy_dtype(out_dtype))  # RTNE
     storage, nan = _CANONICAL_NAN[out_dtype]
     out.view(storage)[np.isnan(y)] = nan
     return out

@@ -1,0 +1,193 @@
+// Shared device code for fp8core's kernels. NVRTC compiles these without any CUDA header.
+//
+// Immunity to -ftz=true (which CuPy appends and fp8core passes on purpose): every fp32 operation whose
+// result or input can be subnormal is written as inline PTX without .ftz, or done in fp64 or on bit patterns.
+#pragma once
+
+namespace fp8core {
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+struct bf16 { u16 bits; };
+struct f16 { u16 bits; };
+
+enum { E4M3 = 0, E5M2 = 1 };
+
+static constexpr u32 F32_NAN = 0x7fffffffu;
+static constexpr u32 F32_INF = 0x7f800000u;
+static constexpr float FLT_MAX_F = 3.40282346638528859811704183484516925e+38f;
+
+// ---- exact widening to fp32 --------------------------------------------------------------------------------
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __uint_as_float((u32)x.bits << 16); }
+__device__ __forceinline__ float to_f32(f16 x) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x.bits));
+  return r;
+}
+
+// |x| as fp32 bits, NaN canonicalised: unsigned order is the float order, with NaN above inf.
+__device__ __forceinline__ u32 abs_bits(float x) {
+  u32 b = __float_as_uint(x) & 0x7fffffffu;
+  return b > F32_INF ? F32_NAN : b;
+}
+__device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > F32_INF; }
+__device__ __forceinline__ u32 umax(u32 a, u32 b) { return a > b ? a : b; }
+
+// One IEEE fp32 multiply, round-to-nearest-even, never contracted, never flushed.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ double f2d(float x) {
+  double r;
+  asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float d2f(double x) {
+  float r;
+  asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+  return r;
+}
+
+// ---- fp32 -> fp8, RTNE with saturation; NaN of either sign -> 0x7F ---------------------------------------
+template <int FMT> __device__ __forceinline__ u16 cvt_pair(float lo, float hi);
+template <> __device__ __forceinline__ u16 cvt_pair<E4M3>(float lo, float hi) {
+  u16 r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ u16 cvt_pair<E5M2>(float lo, float hi) {
+  u16 r;
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Quantize two values already widened to fp32; returns lo in bits 0-7, hi in bits 8-15.
+template <int FMT>
+__device__ __forceinline__ u32 quant_pair(float lo, float hi, float scale) {
+  float a = mul_rn(lo, scale), b = mul_rn(hi, scale);
+  u32 r = cvt_pair<FMT>(a, b);
+  if (is_nan(a)) r = (r & 0xff00u) | 0x7fu;
+  if (is_nan(b)) r = (r & 0x00ffu) | 0x7f00u;
+  return r;
+}
+template <int FMT>
+__device__ __forceinline__ u8 quant_one(float x, float scale) { return (u8)(quant_pair<FMT>(x, 0.f, scale) & 0xffu); }
+
+// ---- fp8 -> fp32, exact, by bit manipulation ------------------------------------------------------------
+template <int FMT>
+__device__ __forceinline__ float fp8_to_f32(u32 v) {
+  const u32 sign = (v & 0x80u) << 24;
+  const int MB = FMT == E4M3 ? 3 : 2, BIAS = FMT == E4M3 ? 7 : 15;
+  const u32 e = (v >> MB) & (FMT == E4M3 ? 0xfu : 0x1fu), m = v & ((1u << MB) - 1);
+  if (FMT == E4M3 && (v & 0x7fu) == 0x7fu) return __uint_as_float(F32_NAN);
+  if (FMT == E5M2 && e == 0x1fu) return __uint_as_float(m ? F32_NAN : (sign | F32_INF));
+  if (e == 0) {  // subnormal: m * 2^(1 - BIAS - MB), a normal fp32, made exactly from its bits
+    if (m == 0) return __uint_as_float(sign);
+    const int lz = 31 - __clz(m);  // position of the leading bit
+    const u32 exp32 = (u32)(lz + 1 - BIAS - MB + 127);
+    const u32 frac = (m & ~(1u << lz)) << (23 - lz);
+    return __uint_as_float(sign | (exp32 << 23) | frac);
+  }
+  return __uint_as_float(sign | ((e - BIAS + 127) << 23) | (m << (23 - MB)));
+}
+
+// ---- fp32 -> output dtypes, RTNE, canonical NaN -----------------------------------------------------------
+__device__ __forceinline__ float from_f32_out(float x, float*) { return is_nan(x) ? __uint_as_float(F32_NAN) : x; }
+__device__ __forceinline__ bf16 from_f32_out(float x, bf16*) {
+  bf16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+  if (is_nan(x)) r.bits = 0x7fff;
+  return r;
+}
+__device__ __forceinline__ f16 from_f32_out(float x, f16*) {
+  f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+  if (is_nan(x)) r.bits = 0x7fff;
+  return r;
+}
+
+// ---- reductions -------------------------------------------------------------------------------------------
+__device__ __forceinline__ u32 warp_max(u32 m) {
+  for (int o = 16; o > 0; o >>= 1) m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// Block-wide max of m, valid in thread 0. All threads of the block must call it.
+__device__ __forceinline__ u32 block_max(u32 m) {
+  __shared__ u32 partial[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  m = warp_max(m);
+  __syncthreads();  // partial[] may still be read by a previous call
+  if (lane == 0) partial[warp] = m;
+  __syncthreads();
+  if (warp == 0) m = warp_max(lane < nwarps ? partial[lane] : 0u);
+  return m;
+}
+
+// One atomic per block; amax slots hold fp32 bit patterns compared as unsigned (non-negative or NaN).
+__device__ __forceinline__ void block_amax_atomic(u32 m, u32* out) {
+  m = block_max(m);
+  if (threadIdx.x == 0 && m != 0u) atomicMax(out, m);
+}
+
+// ---- the scale rule of the contract, in fp64 (immune to flush-to-zero) -----------------------------------
+// Returns false where there is no new scale; otherwise *s and *s_inv.
+__device__ __forceinline__ float pow2_floor(float s) {
+  u32 b = __float_as_uint(s);
+  if (b & 0x7f800000u) return __uint_as_float(b & 0xff800000u);
+  const u32 m = b & 0x7fffffu;
+  return __uint_as_float(m ? (1u << (31 - __clz(m))) : 0u);
+}
+
+__device__ __forceinline__ bool scale_from_amax(float amax, float fp8_max, int margin, bool power_of_2,
+                                                float epsilon, float* s_out, float* s_inv_out) {
+  double a = f2d(amax);
+  const double eps = f2d(epsilon);
+  if (a < eps) a = eps;  // a NaN amax stays NaN
+  if (!(a > 0.0) || a > 1.7976931348623157e308) return false;  // 0, NaN or inf: no new scale
+  const float q = d2f(f2d(fp8_max) / a);                         // correctly rounded fp32 division
+  float s;
+  if (__float_as_uint(q) == F32_INF) {
+    s = FLT_MAX_F;
+  } else {
+    const double p = __longlong_as_double((long long)(1023 - margin) << 52);  // 2^-margin, |margin| <= 512
+    s = d2f(f2d(q) * p);
+    if (__float_as_uint(s) == F32_INF) s = FLT_MAX_F;
+  }
+  if (power_of_2) s = pow2_floor(s);
+  *s_out = s;
+  *s_inv_out = d2f(1.0 / f2d(s));
+  return true;
+}
+
+// ---- vector loads of 8 elements as fp32 -------------------------------------------------------------------
+__device__ __forceinline__ void load8(const float* p, float* f) {
+  const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+  f[0] = __uint_as_float(a.x); f[1] = __uint_as_float(a.y); f[2] = __uint_as_float(a.z); f[3] = __uint_as_float(a.w);
+  f[4] = __uint_as_float(b.x); f[5] = __uint_as_float(b.y); f[6] = __uint_as_float(b.z); f[7] = __uint_as_float(b.w);
+}
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* f) {  // bf16, f16: one 16-byte load
+  const uint4 a = *reinterpret_cast<const uint4*>(p);
+  const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    T lo, hi;
+    lo.bits = (u16)(w[i] & 0xffffu);
+    hi.bits = (u16)(w[i] >> 16);
+    f[2 * i] = to_f32(lo);
+    f[2 * i + 1] = to_f32(hi);
+  }
+}
+
+__device__ __forceinline__ bool aligned(const void* p, int bytes) { return ((u64)p & (u64)(bytes - 1)) == 0; }
+
+}  // namespace fp8core

@@ -1,0 +1,67 @@
+// The batched delayed-scaling update and the standalone scale rule.
+#include "common.cuh"
+
+namespace fp8core {
+
+// One thread per tensor column j; the W warps of a block split the history rows 1..L-1 between them
+// (coalesced: lanes are adjacent tensors). Every warp reads what it needs before any warp writes.
+template <bool ALGO_MAX>
+__global__ void update_kernel(float* __restrict__ history, float* __restrict__ scale, float* __restrict__ scale_inv,
+                              const float* __restrict__ fp8_max, u8* __restrict__ non_finite, i64 n, int L,
+                              int margin, int power_of_2, float epsilon, int update_scale) {
+  __shared__ u32 warp_amax[32][33];
+  const int lane = threadIdx.x, w = threadIdx.y, W = blockDim.y;
+  const i64 j = (i64)blockIdx.x * 32 + lane;
+  const bool active = j < n;
+  const float cur = active ? history[j] : 0.f;
+  const bool ran = active && (__float_as_uint(cur) & 0x7fffffffu) != 0u;
+  const int per = (L - 1 + W - 1) / W;
+  const int r0 = 1 + w * per, r1 = min(L, r0 + per);
+  u32 m = 0;
+  float boundary = cur;  // what lands in row r1 - 1: the next range's first row, or cur for the last range
+  if (ran) {
+    if (ALGO_MAX)
+      for (int i = r0; i < r1; ++i) m = umax(m, abs_bits(history[(i64)i * n + j]));
+    if (r1 < L) boundary = history[(i64)r1 * n + j];
+  }
+  warp_amax[w][lane] = m;
+  __syncthreads();
+  if (active && w == 0) {
+    if (non_finite != nullptr) non_finite[j] = (__float_as_uint(cur) & 0x7fffffffu) >= F32_INF;
+    if (ran && update_scale) {
+      u32 a = abs_bits(cur);
+      if (ALGO_MAX)
+        for (int k = 0; k < W; ++k) a = umax(a, warp_amax[k][lane]);
+      float s, s_inv;
+      if (scale_from_amax(__uint_as_float(a), fp8_max[j], margin, power_of_2 != 0, epsilon, &s, &s_inv)) {
+        scale[j] = s;
+        scale_inv[j] = s_inv;
+      }
+    }
+  }
+  if (ran) {
+    for (int i = r0; i + 1 < r1; ++i) history[(i64)i * n + j] = history[(i64)(i + 1) * n + j];
+    if (r0 < r1) history[(i64)(r1 - 1) * n + j] = boundary;
+    if (w == 0) history[j] = 0.f;
+  }
+}
+
+// (scale, scale_inv) from amax elementwise; where there is no new scale: previous (when given) or 1.
+__global__ void compute_scale_kernel(const float* __restrict__ amax, const float* __restrict__ fp8_max,
+                                     float* __restrict__ scale, float* __restrict__ scale_inv, u8* __restrict__ ok,
+                                     const float* __restrict__ previous, i64 previous_size, i64 n, int margin,
+                                     int power_of_2, float epsilon) {
+  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float s, s_inv;
+  const bool fresh = scale_from_amax(amax[i], fp8_max[i], margin, power_of_2 != 0, epsilon, &s, &s_inv);
+  if (!fresh) {
+    s = previous != nullptr ? previous[previous_size == 1 ? 0 : i] : 1.f;
+    s_inv = d2f(1.0 / f2d(s));
+  }
+  scale[i] = s;
+  scale_inv[i] = s_inv;
+  if (ok != nullptr) ok[i] = fresh;
+}
+
+}  // namespace fp8core

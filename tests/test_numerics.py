@@ -41,6 +41,16 @@ def test_every_16bit_pattern_quantizes_like_the_oracle(name, fmt, dtype, scale):
 
 
 @pytest.mark.parametrize("name,fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
+def test_large_16bit_tensors_take_the_table_path_exactly(name, fmt, dtype):
+    x = np.tile(all_patterns(dtype), 5)  # over the size where a lookup table replaces the arithmetic
+    slot = np.zeros(1, np.float32)
+    q = fp8core.quantize(x, 0.3, fmt, amax_out=slot)
+    np.testing.assert_array_equal(q.view(np.uint8), quantize_bits(x.astype(np.float32), 0.3, name))
+    assert slot.view(np.uint32)[0] == 0x7FFFFFFF
+
+
+@pytest.mark.parametrize("name,fmt", FORMATS)
 def test_fp32_edge_values(name, fmt):
     tiny = np.array([1.4e-45, -1.4e-45, 1.1754942e-38, -1e-40], np.float32)  # fp32 subnormals
     values = np.concatenate([tiny, np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, fmt.max, -fmt.max,
@@ -150,7 +160,7 @@ def test_misaligned_views(rng):
 
 
 def test_large_tensor_uses_chunks_and_matches(rng):
-    x = (rng.standard_normal(3 * (1 << 16) + 5) * 100).astype(ml_dtypes.bfloat16)
+    x = (rng.standard_normal(5 * (1 << 16) + 5) * 100).astype(ml_dtypes.bfloat16)  # the table path
     x[12345] = np.nan
     slot = np.zeros(1, np.float32)
     q = fp8core.quantize(x, 0.5, "e4m3", amax_out=slot)

@@ -27,14 +27,17 @@ FLT_MAX = np.float32(3.4028235e38)
 
 
 def _map(n: int, fn: Callable[[int, int], Any]) -> list[Any]:
-    """Run ``fn(start, stop)`` over chunks of ``range(n)``, on all cores when there is enough work."""
+    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``; one contiguous share per core."""
     global _pool
-    if n <= 2 * _CHUNK or _THREADS == 1:
-        return [fn(0, n)] if n else []
+    chunks = [(s, min(s + _CHUNK, n)) for s in range(0, n, _CHUNK)]
+    if len(chunks) <= 2 or _THREADS == 1:
+        return [fn(a, b) for a, b in chunks]
     if _pool is None:
         _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="fp8core")
-    starts = range(0, n, _CHUNK)
-    return list(_pool.map(lambda s: fn(s, min(s + _CHUNK, n)), starts))
+    per = -(-len(chunks) // _THREADS)
+    shares = [chunks[i:i + per] for i in range(0, len(chunks), per)]
+    results = _pool.map(lambda share: [fn(a, b) for a, b in share], shares)
+    return [r for share in results for r in share]
 
 
 def _flat(t: Tensor) -> np.ndarray:
@@ -43,19 +46,26 @@ def _flat(t: Tensor) -> np.ndarray:
 
 # ---- amax -------------------------------------------------------------------------------------------------
 
+_AMAX_VIEWS = {2: (np.int16, np.uint16, 0x8000), 4: (np.int32, np.uint32, 0x80000000)}
+
+
 def _amax_bits(x: np.ndarray) -> np.uint32:
-    """fp32 bit pattern of max|x| for a flat chunk: unsigned compare of |x| bits, NaN canonicalised."""
+    """fp32 bit pattern of max|x| for a flat chunk, NaN canonicalised.
+
+    |x| patterns compare as unsigned integers (NaN above inf). The largest positive pattern is the signed max;
+    the largest negative magnitude is the unsigned max less the sign bit: two read-only reductions.
+    """
     if x.size == 0:
         return np.uint32(0)
+    signed, unsigned, sign = _AMAX_VIEWS[x.dtype.itemsize]
+    m = max(int(x.view(signed).max()), int(x.view(unsigned).max()) - sign, 0)
     if x.dtype == np.float32:
-        m = np.bitwise_and(x.view(np.uint32), np.uint32(0x7FFFFFFF)).max()
         return F32_NAN_BITS if m > 0x7F800000 else np.uint32(m)
-    m16 = np.bitwise_and(x.view(np.uint16), np.uint16(0x7FFF)).max()
     if x.dtype == np.float16:
-        if m16 > 0x7C00:
+        if m > 0x7C00:
             return F32_NAN_BITS
-        return np.array([m16], np.uint16).view(np.float16).astype(np.float32).view(np.uint32)[0]
-    return F32_NAN_BITS if m16 > 0x7F80 else np.uint32(int(m16) << 16)  # bfloat16
+        return np.array([m], np.uint16).view(np.float16).astype(np.float32).view(np.uint32)[0]
+    return F32_NAN_BITS if m > 0x7F80 else np.uint32(m << 16)  # bfloat16
 
 
 def _bits_to_f32(bits: Any) -> np.float32:
@@ -111,11 +121,34 @@ def _quantize_chunk(x: np.ndarray, scale: np.float32, fmt: Format, out: np.ndarr
     return bits
 
 
+@lru_cache(maxsize=16)
+def _quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
+    """quantize() of all 65,536 patterns of a 16-bit input type: each result depends only on its pattern,
+    so a large bf16/fp16 tensor is one table lookup per element, made by the same code as the direct path."""
+    patterns = np.arange(65536, dtype=np.uint16).view(logical_numpy_dtype(dtype))
+    table = np.empty(65536, dtype=fmt.numpy_dtype)
+    _quantize_chunk(patterns, _bits_to_f32(scale_bits), fmt, table)
+    return table.view(np.uint8)
+
+
+_TABLE_MIN = 1 << 18  # below this, building the table costs more than it saves
+
+
 def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None) -> np.ndarray:
     scale = scale_value(scale)
     q = np.empty(x.shape, dtype=fmt.numpy_dtype)
     flat, qflat = _flat(x), q.reshape(-1)
-    bits = _map(flat.size, lambda a, b: _quantize_chunk(flat[a:b], scale, fmt, qflat[a:b]))
+    if flat.dtype.itemsize == 2 and flat.size >= _TABLE_MIN:
+        table = _quantize_table(x.dtype, int(scale.view(np.uint32)), fmt)
+        codes, out = flat.view(np.uint16), qflat.view(np.uint8)
+
+        def chunk(a: int, b: int) -> np.uint32:
+            np.take(table, codes[a:b], out=out[a:b])
+            return _amax_bits(flat[a:b]) if amax_out is not None else np.uint32(0)
+
+        bits = _map(flat.size, chunk)
+    else:
+        bits = _map(flat.size, lambda a, b: _quantize_chunk(flat[a:b], scale, fmt, qflat[a:b]))
     if amax_out is not None:
         _accumulate(amax_out, max(bits, default=np.uint32(0)))
     return q

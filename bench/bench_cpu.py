@@ -1,0 +1,121 @@
+"""CPU throughput of fp8core's reference backend against torch CPU eager and plain ml_dtypes.
+
+GB/s counts the bytes each primitive must read and write. Prints a table; --json writes the rows.
+Usage: python bench/bench_cpu.py [--sizes-mib 1 16 64 256] [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import date
+
+import ml_dtypes
+import numpy as np
+
+import fp8core
+
+
+def timeit(fn, repeat: int) -> tuple[float, float, float]:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    q = statistics.quantiles(times, n=5) if len(times) >= 5 else [min(times)] * 4
+    return statistics.median(times), q[0], q[3]
+
+
+def cases(x: np.ndarray, torch):
+    n = x.size
+    hp = x.dtype.itemsize
+    s = np.array([0.5], np.float32)
+    q = fp8core.quantize(x, s, "e4m3")
+    rows = 1024
+    x2 = x.reshape(rows, -1)
+    out = {
+        "quantize": (n * (hp + 1), lambda: fp8core.quantize(x, s, "e4m3")),
+        "quantize+amax": (n * (hp + 1), lambda: fp8core.quantize(x, s, "e4m3", amax_out=np.zeros(1, np.float32))),
+        "amax": (n * hp, lambda: fp8core.amax(x)),
+        "dequantize": (n * (1 + hp), lambda: fp8core.dequantize(q, s, "bfloat16" if hp == 2 else "float32")),
+        "cast_transpose": (n * (hp + 2), lambda: fp8core.cast_transpose(x2, s, "e4m3")),
+    }
+    peers = {"ml_dtypes": {
+        "quantize": lambda: np.clip(x.astype(np.float32) * s[0], -448, 448).astype(ml_dtypes.float8_e4m3fn),
+        "amax": lambda: np.abs(x.astype(np.float32)).max(),
+        "dequantize": lambda: (q.astype(np.float32) * s[0]).astype(x.dtype),
+    }}
+    if torch is not None:
+        tdt = torch.bfloat16 if x.dtype == ml_dtypes.bfloat16 else torch.float32
+        tx = torch.from_numpy(x.view(np.uint16)).view(tdt) if hp == 2 else torch.from_numpy(x)
+        tq = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        ts = torch.tensor(0.5)
+        peers["torch eager"] = {
+            "quantize": lambda: (tx.float() * ts).clamp(-448, 448).to(torch.float8_e4m3fn),
+            "amax": lambda: tx.abs().max(),
+            "dequantize": lambda: (tq.float() * ts).to(tdt),
+            "cast_transpose": lambda: ((tx.float() * ts).clamp(-448, 448).to(torch.float8_e4m3fn).view(rows, -1),
+                                       (tx.float() * ts).clamp(-448, 448).to(torch.float8_e4m3fn).view(rows, -1)
+                                       .t().contiguous()),
+        }
+    return out, peers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--quick", action="store_true", help="1 and 64 MiB, bf16, few repeats")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    if args.quick:
+        args.sizes_mib, args.dtypes = [1, 64], ["bfloat16"]
+    try:
+        import torch
+
+        torch.set_num_threads(os.cpu_count() or 1)
+    except ImportError:
+        torch = None
+    meta = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "date": str(date.today()),
+            "fp8core": fp8core.__version__, "numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__,
+            "torch": torch.__version__ if torch else None}
+    print("# fp8core CPU benchmark", json.dumps(meta))
+    header = f"{'op':<15} {'dtype':<9} {'MiB':>5} {'fp8core GB/s':>13} {'p20-p80':>13} {'torch GB/s':>11} " \
+             f"{'x torch':>8} {'ml_dtypes GB/s':>15} {'x ml_dtypes':>11}"
+    print(header)
+    rows = []
+    rng = np.random.default_rng(0)
+    for dtype in args.dtypes:
+        for mib in args.sizes_mib:
+            itemsize = 2 if dtype == "bfloat16" else 4
+            n = mib * 2 ** 20 // itemsize
+            x = rng.standard_normal(n, dtype=np.float32).astype(getattr(ml_dtypes, dtype, dtype))
+            repeat = 3 if args.quick or mib >= 256 else 7
+            ours, peers = cases(x, torch)
+            for op, (nbytes, fn) in ours.items():
+                med, p20, p80 = timeit(fn, repeat)
+                row = {"op": op, "dtype": dtype, "mib": mib, "gbps": nbytes / med / 1e9,
+                       "gbps_p20": nbytes / p80 / 1e9, "gbps_p80": nbytes / p20 / 1e9, **meta}
+                peer_op = op.replace("+amax", "")
+                for peer, fns in peers.items():
+                    if peer_op in fns:
+                        pmed = timeit(fns[peer_op], repeat)[0]
+                        row[f"{peer}_gbps"] = nbytes / pmed / 1e9
+                rows.append(row)
+                t, m = row.get("torch eager_gbps"), row.get("ml_dtypes_gbps")
+                print(f"{op:<15} {dtype:<9} {mib:>5} {row['gbps']:>13.2f} "
+                      f"{row['gbps_p20']:>6.2f}-{row['gbps_p80']:<6.2f} "
+                      f"{t if t else float('nan'):>11.2f} {row['gbps'] / t if t else float('nan'):>8.2f} "
+                      f"{m if m else float('nan'):>15.2f} {row['gbps'] / m if m else float('nan'):>11.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

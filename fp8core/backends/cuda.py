@@ -165,6 +165,12 @@ def _groups(xs: list[Tensor], key: Callable[[int], Any]) -> dict[Any, list[int]]
     return groups
 
 
+def _multi_grid(t: Tensor, sizes: list[int]) -> tuple[int, int]:
+    """(blocks per tensor, tensors): the GPU filled once across all tensors, sized by the largest."""
+    per_tensor = _grid(t.device[1], max(sizes) // 8 + 1) // max(1, len(sizes) // 8)
+    return (max(1, per_tensor), len(sizes))
+
+
 def multi_amax(xs: list[Tensor], out: Any) -> None:
     t0 = xs[0]
     stream = _stream(t0)
@@ -174,7 +180,7 @@ def multi_amax(xs: list[Tensor], out: Any) -> None:
         slots = out if len(idx) == len(xs) else None
         dst = slots if slots is not None else _zeros((len(idx),), np.float32, t0, stream)
         _launch(t0, "quantize.cu", f"fp8core::multi_amax_kernel<{_T[dtype]}>",
-                (_grid(t0.device[1], max(sizes) // 8 + 1) // max(1, len(idx) // 8) or 1, len(idx)), _THREADS,
+                _multi_grid(t0, sizes), _THREADS,
                 (ptrs, _pointer_table(sizes, t0, stream, np.int64), dst), stream)
         if slots is None:
             with stream:
@@ -190,7 +196,7 @@ def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Format],
         sizes = [xs[i].size for i in idx]
         table = lambda vals, dt=np.uint64: _pointer_table(vals, t0, stream, dt)  # noqa: E731
         _launch(t0, "quantize.cu", f"fp8core::multi_quantize_kernel<{_T[dtype]}, {fmt.index}>",
-                (max(1, _grid(t0.device[1], max(sizes) // 8 + 1) // max(1, len(idx) // 8)), len(idx)), _THREADS,
+                _multi_grid(t0, sizes), _THREADS,
                 (table([xs[i].data.data.ptr if sizes[k] else 0 for k, i in enumerate(idx)]),
                  table([qs[i].data.ptr if sizes[k] else 0 for k, i in enumerate(idx)]),
                  table(sizes, np.int64), table([scales[i].data.ptr for i in idx]),

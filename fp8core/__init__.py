@@ -5,6 +5,7 @@ Both follow one numerics contract (docs/numerics.md) bit for bit.
 """
 
 from .formats import Format, as_format
+from .gemm import gemm
 from .ops import (amax, cast_transpose, compute_scale, dequantize, multi_amax, multi_quantize, quantize,
                   quantize_dynamic, transpose)
 from .recipe import DelayedScaling, Float8CurrentScaling
@@ -14,4 +15,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Format", "as_format", "amax", "quantize", "quantize_dynamic", "dequantize", "transpose",
            "cast_transpose", "compute_scale", "multi_amax", "multi_quantize", "DelayedScaling",
-           "Float8CurrentScaling", "ScalingState", "__version__"]
+           "Float8CurrentScaling", "ScalingState", "gemm", "__version__"]

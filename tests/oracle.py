@@ -51,3 +51,31 @@ def quantize_bits(x_f32: np.ndarray, scale: float, fmt: str) -> np.ndarray:
     with np.errstate(all="ignore"):
         y = np.asarray(x_f32, np.float32) * np.float32(scale)
     return encode(y, fmt)
+
+
+# ---- gemm: float64 reference and the tolerance the GPU's fp32 accumulation earns --------------------------
+
+# Output rounding: one ulp relative (2^-mantissa bits) and the format's smallest step near zero.
+OUT_ROUNDING = {"float32": (2.0 ** -23, 2.0 ** -149), "bfloat16": (2.0 ** -7, 2.0 ** -133),
+                "float16": (2.0 ** -10, 2.0 ** -24), "float8_e4m3fn": (2.0 ** -3, 2.0 ** -9),
+                "float8_e5m2": (2.0 ** -2, 2.0 ** -16)}
+
+
+def gemm_reference(a_codes: np.ndarray, a_fmt: str, b_codes: np.ndarray, b_fmt: str, a_scale_inv: float,
+                   b_scale_inv: float, bias: np.ndarray | None = None) -> np.ndarray:
+    """float64 D = (a · bᵀ) · a_scale_inv · b_scale_inv (+ bias), from the oracle's decoding of the codes."""
+    a = decode(a_fmt)[a_codes]
+    b = decode(b_fmt)[b_codes]
+    d = (a @ b.T) * a_scale_inv * b_scale_inv
+    return d if bias is None else d + np.asarray(bias, np.float64)
+
+
+def gemm_tolerance(a_codes: np.ndarray, a_fmt: str, b_codes: np.ndarray, b_fmt: str, scale: float,
+                   out_dtype: str, out_scale: float = 1.0, accumulation_eps: float = 2.0 ** -23
+                   ) -> tuple[np.ndarray, float]:
+    """(atol per element, rtol) in the output's domain (D times out_scale): fp32 accumulation errs by at most
+    about K * eps * sum_k |a||b| (growing with K), plus one ulp of the output format."""
+    absprod = np.abs(decode(a_fmt)[a_codes]) @ np.abs(decode(b_fmt)[b_codes]).T * abs(scale * out_scale)
+    k = a_codes.shape[1]
+    rtol, step = OUT_ROUNDING[out_dtype]
+    return k * accumulation_eps * absprod + step, rtol

@@ -290,3 +290,28 @@ def roll(history: Any, ran: Any, cur: Any, L: int) -> None:
             history[1:L - 1, cols] = history[2:L, cols]
             history[L - 1, cols] = cur[cols]
     history[0][ran] = 0
+
+
+# ---- gemm -------------------------------------------------------------------------------------------------
+
+def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
+         out_scale: Any | None, out_amax: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
+    """The emulation: fp8 operands widened exactly, products summed and scaled in float64, the result (+ bias)
+    rounded once to fp32, then cast to the output like :func:`quantize` and NumPy's RTNE casts do.
+    Deterministic: no dependence on BLAS's order of summation.
+    """
+    a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
+    b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
+    with np.errstate(all="ignore"):
+        d = (a64 @ b64.T) * np.float64(scale_value(a_scale_inv)) * np.float64(scale_value(b_scale_inv))
+        if bias is not None:
+            d += bias.data.astype(np.float64)
+        d32 = d.astype(np.float32)
+        if spec.out_fmt is not None:
+            result = quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt, out_amax)
+        else:
+            result = d32.astype(logical_numpy_dtype(spec.out_dtype))
+    if out is None:
+        return result
+    out.view(result.dtype)[...] = result
+    return out

@@ -291,3 +291,12 @@ def update(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, margin: int, 
             (32, warps),
             (history, scale, scale_inv, fp8_max, _ptr(flags), np.int64(n), np.int32(L), np.int32(margin),
              np.int32(power_of_2), np.float32(epsilon), np.int32(update_scale)), _stream(t))
+
+
+# ---- gemm -------------------------------------------------------------------------------------------------
+
+def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
+         out_scale: Any | None, out_amax: Any | None, out: Any | None) -> Any:
+    from . import cublaslt
+
+    return cublaslt.gemm(spec, a, b, a_scale_inv, b_scale_inv, bias, out_scale, out_amax, out, _stream(a))

@@ -1,0 +1,192 @@
+"""The GPU GEMM: cuBLASLt through NVIDIA's generated bindings (``nvmath.bindings.cublasLt``).
+
+Row-major ``D[M, N] = a[M, K] · b[N, K]ᵀ`` is column-major ``Dᵀ[N, M] = b · aᵀ``: cuBLASLt's "TN" form with
+b as its A (transposed, K x N, ld K) and a as its B (K x M, ld K), the only FP8 layout Hopper and Ada
+support, so nothing is transposed at call time. Scales, out_scale and the output amax are device pointers.
+
+Per (thread, device, spec, alignment) a plan holds the matmul descriptor, the four layouts and the
+heuristic's algorithm; each call only rewrites the pointer attributes. One workspace per device, a handle
+per device and thread, the caller's stream.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._tensor import Tensor, storage_dtype
+
+_CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14, "float8_e4m3fn": 28, "float8_e5m2": 29}
+_COMPUTE_32F = 68
+_OP_N, _OP_T = 0, 1
+_WORKSPACE_SM90 = 32 << 20  # Hopper and newer pick faster split-K/stream-K kernels with room to spare
+_WORKSPACE_OLDER = 4 << 20
+MIN_COMPUTE_CAPABILITY = 89
+_SCRATCH = 256  # bytes at the workspace's end, kept from cuBLASLt for the amax word
+
+_local = threading.local()
+_workspaces: dict[int, Any] = {}
+_lock = threading.Lock()
+
+
+def _lt() -> Any:
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as e:
+        raise ImportError("fp8core.gemm on a GPU calls cuBLASLt through nvmath-python; install it with "
+                          "pip install 'fp8core[gemm]'") from e
+    return cublasLt
+
+
+def compute_capability(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+def _check_device(device_id: int) -> None:
+    cc = compute_capability(device_id)
+    if cc < MIN_COMPUTE_CAPABILITY:
+        raise ValueError(f"a: FP8 GEMM needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                         f"cuda:{device_id} is {cc // 10}.{cc % 10}")
+
+
+def _handle(device_id: int) -> int:
+    handles = getattr(_local, "handles", None)
+    if handles is None:
+        handles = _local.handles = {}
+    if device_id not in handles:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            handles[device_id] = _lt().create()
+    return handles[device_id]
+
+
+def _workspace(device_id: int) -> Any:
+    with _lock:
+        ws = _workspaces.get(device_id)
+        if ws is None:
+            import cupy
+
+            size = _WORKSPACE_SM90 if compute_capability(device_id) >= 90 else _WORKSPACE_OLDER
+            with cupy.cuda.Device(device_id):
+                ws = _workspaces[device_id] = cupy.empty(size, dtype=np.uint8)
+        return ws
+
+
+def _set(setter: Any, dtype_of: Any, obj: int, attr: Any, value: Any) -> None:
+    buf = np.array(value, dtype=dtype_of(attr))
+    setter(obj, attr, buf.ctypes.data, buf.itemsize)
+
+
+@dataclass
+class _Plan:
+    desc: int
+    layouts: tuple[int, int, int, int]   # A (= b), B (= a), C, D
+    algo: Any                             # MatmulHeuristicResult, kept alive for its pointer
+    fp8_out: bool
+
+
+def _alignment(ptrs: list[int]) -> int:
+    """The largest of 256 and 16 that every pointer meets: the heuristic's promise is cached with the plan."""
+    return 256 if all(p % 256 == 0 for p in ptrs) else 16
+
+
+def _set_pointers(lt: Any, plan: _Plan, a_s: int, b_s: int, bias: int, out_scale: int, amax: int) -> None:
+    A = lt.MatmulDescAttribute
+    put = lambda attr, v: _set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, plan.desc, attr, v)  # noqa: E731
+    put(A.A_SCALE_POINTER, b_s)  # cuBLASLt's A is our b
+    put(A.B_SCALE_POINTER, a_s)
+    if bias:
+        put(A.BIAS_POINTER, bias)
+    if plan.fp8_out:
+        put(A.D_SCALE_POINTER, out_scale)
+        if amax:
+            put(A.AMAX_D_POINTER, amax)
+
+
+def _make_plan(lt: Any, spec: Any, handle: int, device_id: int, align: int, pointers: tuple) -> _Plan:
+    A = lt.MatmulDescAttribute
+    put = lambda d, attr, v: _set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, d, attr, v)  # noqa: E731
+    desc = lt.matmul_desc_create(_COMPUTE_32F, _CUDA_R["float32"])
+    put(desc, A.TRANSA, _OP_T)
+    put(desc, A.TRANSB, _OP_N)
+    put(desc, A.FAST_ACCUM, 1 if spec.fast_accum else 0)
+    fp8_out = spec.out_fmt is not None
+    if spec.bias_dtype is not None:
+        put(desc, A.EPILOGUE, int(lt.Epilogue.BIAS))
+        put(desc, A.BIAS_DATA_TYPE, _CUDA_R[spec.bias_dtype])
+    # An fp8 output's C type is the bias type (cuBLASLt's FP8 table); C itself is never read (beta = 0).
+    c_type = _CUDA_R[spec.bias_dtype or "bfloat16"] if fp8_out else _CUDA_R[spec.out_dtype]
+    m, n, k = spec.m, spec.n, spec.k
+    layouts = (lt.matrix_layout_create(_CUDA_R[spec.b_fmt.dtype_name], k, n, k),
+               lt.matrix_layout_create(_CUDA_R[spec.a_fmt.dtype_name], k, m, k),
+               lt.matrix_layout_create(c_type, n, m, n),
+               lt.matrix_layout_create(_CUDA_R[spec.out_dtype], n, m, n))
+    plan = _Plan(desc, layouts, lt.MatmulHeuristicResult(1), fp8_out)
+    _set_pointers(lt, plan, *pointers)
+    P = lt.MatmulPreferenceAttribute
+    pref = lt.matmul_preference_create()
+    try:
+        pset = lambda attr, v: _set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype,  # noqa: E731
+                                    pref, attr, v)
+        pset(P.MAX_WORKSPACE_BYTES, _workspace(device_id).nbytes - _SCRATCH)
+        for attr in (P.MIN_ALIGNMENT_A_BYTES, P.MIN_ALIGNMENT_B_BYTES, P.MIN_ALIGNMENT_C_BYTES,
+                     P.MIN_ALIGNMENT_D_BYTES):
+            pset(attr, align)
+        found = np.zeros(1, dtype=np.int32)
+        lt.matmul_algo_get_heuristic(handle, desc, *layouts, pref, 1, plan.algo.ptr, found.ctypes.data)
+    finally:
+        lt.matmul_preference_destroy(pref)
+    if found[0] == 0:
+        raise RuntimeError(f"cuBLASLt found no FP8 GEMM algorithm for {spec}")
+    return plan
+
+
+_ONE = np.ones(1, dtype=np.float32)
+_ZERO = np.zeros(1, dtype=np.float32)
+
+
+def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
+         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: Any) -> Any:
+    import cupy
+
+    device_id = a.device[1]
+    _check_device(device_id)
+    lt = _lt()
+    with cupy.cuda.Device(device_id), stream:
+        d = out if out is not None else cupy.empty((spec.m, spec.n),
+                                                   dtype=storage_dtype(spec.out_dtype))
+        if spec.m == 0:
+            return d
+    ws = _workspace(device_id)
+    # cuBLASLt overwrites AMAX_D; the contract accumulates, so it writes a scratch word, merged after. The word
+    # lives past the end of the workspace cuBLASLt is given: no allocation, so the call can be graph-captured.
+    scratch = ws[-_SCRATCH:].view(np.float32)[:1] if out_amax is not None else None
+    ptr = lambda x: 0 if x is None else int(x.data.ptr)  # noqa: E731
+    align = _alignment([ptr(a.data), ptr(b.data), ptr(d)])
+    pointers = (ptr(a_scale_inv), ptr(b_scale_inv), ptr(bias.data) if bias is not None else 0, ptr(out_scale),
+                ptr(scratch))
+    handle = _handle(device_id)
+    plans = getattr(_local, "plans", None)
+    if plans is None:
+        plans = _local.plans = {}
+    key = (device_id, spec, align, out_amax is not None)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _make_plan(lt, spec, handle, device_id, align, pointers)
+    else:
+        _set_pointers(lt, plan, *pointers)
+    c_ptr = 0 if plan.fp8_out else ptr(d)
+    lt.matmul(handle, plan.desc, _ONE.ctypes.data, ptr(b.data), plan.layouts[0], ptr(a.data), plan.layouts[1],
+              _ZERO.ctypes.data, c_ptr, plan.layouts[2], ptr(d), plan.layouts[3], plan.algo.ptr, ws.data.ptr,
+              ws.nbytes - _SCRATCH, stream.ptr)
+    if scratch is not None:
+        with cupy.cuda.Device(device_id), stream:
+            cupy.maximum(out_amax, scratch, out=out_amax)  # NaN propagates, as amax's contract says
+    return d
+

@@ -1,0 +1,158 @@
+"""The FP8 GEMM: ``D[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias)``, per docs/numerics.md.
+
+One validation for both backends, so code that runs on the CPU emulation runs on cuBLASLt: the limits are
+cuBLASLt's FP8 limits (K and N multiples of 16, no E5M2 x E5M2, E5M2 output only from an E5M2 operand,
+16-byte aligned operands) and they are enforced everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import backends
+from ._tensor import Tensor, export, wrap
+from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
+from .ops import _contiguous, _fp8, _same_device, _scalar
+
+__all__ = ["gemm", "GemmSpec", "ALIGNMENT"]
+
+Array = Any
+ALIGNMENT = 16  # bytes: cuBLASLt's requirement for FP8 operands and outputs
+
+# cuBLASLt's FP8 table: the bias type each output takes (fp8 outputs take the type of C, bf16 or fp16).
+_BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",),
+                "float8_e4m3fn": ("bfloat16", "float16"), "float8_e5m2": ("bfloat16", "float16")}
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """Everything but the pointers: the key of the GPU plan cache."""
+
+    m: int
+    n: int
+    k: int
+    a_fmt: Format
+    b_fmt: Format
+    out_dtype: str          # logical name: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2
+    bias_dtype: str | None
+    fast_accum: bool
+
+    @property
+    def out_fmt(self) -> Format | None:
+        return as_format(self.out_dtype) if self.out_dtype in FP8_DTYPES else None
+
+
+def _parse_out_dtype(out_dtype: Any) -> str:
+    if isinstance(out_dtype, Format):
+        return as_format(out_dtype, arg="out_dtype").dtype_name
+    name = out_dtype if isinstance(out_dtype, str) else dtype_name(out_dtype)
+    if name in HIGH_PRECISION_DTYPES:
+        return name
+    try:
+        return as_format(name, arg="out_dtype").dtype_name
+    except ValueError:
+        raise ValueError(f"out_dtype: expected float32, bfloat16, float16, or an fp8 format (E4M3, E5M2), "
+                         f"got {out_dtype!r}") from None
+
+
+def _aligned(t: Tensor, arg: str) -> None:
+    data = t.data
+    ptr = data.ctypes.data if hasattr(data, "ctypes") else data.data.ptr
+    if t.size and ptr % ALIGNMENT:
+        raise ValueError(f"{arg}: its data pointer must be {ALIGNMENT}-byte aligned (cuBLASLt's FP8 limit), "
+                         f"got an address {ptr % ALIGNMENT} bytes past a boundary; pass a fresh contiguous copy")
+
+
+def _operand(obj: Any, arg: str, fmt: Any, dims: str) -> tuple[Tensor, Format]:
+    t, f = _fp8(obj, arg, fmt)
+    if len(t.shape) != 2:
+        raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {t.shape}")
+    _aligned(t, arg)
+    return t, f
+
+
+def _bias(bias: Any, ta: Tensor, spec_n: int, out_name: str) -> Tensor | None:
+    if bias is None:
+        return None
+    t = _contiguous(wrap(bias, "bias"), "bias")
+    _same_device(t, ta, "bias", "a")
+    allowed = _BIAS_DTYPES[out_name]
+    if t.dtype not in allowed:
+        raise TypeError(f"bias: for out_dtype {out_name} expected {' or '.join(allowed)}, got {t.dtype}")
+    if t.shape != (spec_n,):
+        raise ValueError(f"bias: expected shape ({spec_n},) (N), got {t.shape}")
+    return t
+
+
+def _out_amax(obj: Any, ta: Tensor) -> Any:
+    t = _contiguous(wrap(obj, "out_amax"), "out_amax")
+    if t.dtype != "float32":
+        raise TypeError(f"out_amax: expected float32, got {t.dtype}")
+    _same_device(t, ta, "out_amax", "a")
+    if t.size != 1:
+        raise ValueError(f"out_amax: expected 1 element, got shape {t.shape}")
+    if t.readonly:
+        raise ValueError("out_amax: is read-only")
+    return t.data.reshape(-1)
+
+
+def _out(obj: Any, ta: Tensor, m: int, n: int, out_name: str) -> Any:
+    t = _contiguous(wrap(obj, "out"), "out")
+    _same_device(t, ta, "out", "a")
+    storage_ok = ta.is_cuda and out_name in FP8_DTYPES and t.dtype == "uint8"
+    if t.dtype != out_name and not storage_ok:
+        raise TypeError(f"out: expected {out_name}, got {t.dtype}")
+    if t.shape != (m, n):
+        raise ValueError(f"out: expected shape ({m}, {n}), got {t.shape}")
+    if t.readonly:
+        raise ValueError("out: is read-only")
+    _aligned(t, "out")
+    return t.data
+
+
+def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | float, *,
+         out_dtype: Any = "bfloat16", bias: Array | None = None, out_scale: Array | float | None = None,
+         out_amax: Array | None = None, use_fast_accum: bool = False, out: Array | None = None,
+         a_fmt: Format | str | None = None, b_fmt: Format | str | None = None) -> Array:
+    """FP8 matrix multiply with per-tensor scales; the result comes back in the caller's array type.
+
+    a: fp8 [M, K], b: fp8 [N, K] (laid out like a Linear weight), both row-major and 16-byte aligned;
+    pairs E4M3xE4M3, E4M3xE5M2, E5M2xE4M3. K and N must be positive multiples of 16 (M may be 0).
+    a_scale_inv, b_scale_inv: 1-element float32 on a's device (or Python floats).
+    out_dtype: float32, bfloat16, float16, or an fp8 format (E5M2 only when an operand is E5M2); an fp8
+    output needs ``out_scale`` and is ``quantize(D, out_scale)``; ``out_amax`` (1-element float32) becomes
+    ``max(out_amax, amax(D))`` with D taken before the cast. bias: [N], bfloat16 (float16 for float16 output;
+    either for fp8 output). use_fast_accum: Hopper's fast fp8 accumulation (no effect on the CPU).
+    out: an optional preallocated [M, N] result. a_fmt/b_fmt name the format of uint8 storage (CuPy).
+    """
+    ta, fa = _operand(a, "a", a_fmt, "[M, K]")
+    tb, fb = _operand(b, "b", b_fmt, "[N, K]")
+    _same_device(tb, ta, "b", "a")
+    (m, k), (n, kb) = ta.shape, tb.shape
+    if kb != k:
+        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {ta.shape}, got shape {tb.shape}")
+    if k == 0 or k % 16:
+        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
+    if n == 0 or n % 16:
+        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
+    if fa is Format.E5M2 and fb is Format.E5M2:
+        raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
+    out_name = _parse_out_dtype(out_dtype)
+    if out_name == "float8_e5m2" and Format.E5M2 not in (fa, fb):
+        raise ValueError("out_dtype: E5M2 output needs an E5M2 operand (cuBLASLt); use E4M3 for E4M3 x E4M3")
+    sa = _scalar(a_scale_inv, ta, "a_scale_inv", "a")
+    sb = _scalar(b_scale_inv, ta, "b_scale_inv", "a")
+    fp8_out = out_name in FP8_DTYPES
+    if fp8_out and out_scale is None:
+        raise ValueError(f"out_scale: an fp8 output ({out_name}) needs its scale")
+    if not fp8_out and (out_scale is not None or out_amax is not None):
+        raise ValueError(f"{'out_scale' if out_scale is not None else 'out_amax'}: only for an fp8 out_dtype, "
+                         f"got out_dtype {out_name}")
+    so = _scalar(out_scale, ta, "out_scale", "a") if fp8_out else None
+    am = _out_amax(out_amax, ta) if out_amax is not None else None
+    tbias = _bias(bias, ta, n, out_name)
+    dst = _out(out, ta, m, n, out_name) if out is not None else None
+    spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, bool(use_fast_accum))
+    d = backends.for_device(ta.device).gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
+    return out if out is not None else export(d, out_name, ta)

@@ -166,13 +166,16 @@ def import_dlpack(obj: Any, *, stream: int | None = None, arg: str = "x") -> DLV
 
 # Exporting: each live capsule's ctypes structures are kept here until the consumer calls the deleter.
 _live: dict[int, Any] = {}
-_live_lock = threading.Lock()
+# Re-entrant: a garbage collection inside the locked region can run another capsule's deleter on this thread.
+_live_lock = threading.RLock()
 
 
 @_Deleter
 def _delete_managed(ptr: int) -> None:
     with _live_lock:
-        _live.pop(ptr, None)
+        entry = _live.pop(ptr, None)
+    # Dropped outside the lock: the owner may be a tensor whose release runs further deleters.
+    del entry
 
 
 @_Destructor
@@ -182,6 +185,13 @@ def _destroy_capsule(capsule: int) -> None:
         if _is_valid_raw(capsule, name):
             _delete_managed(_get_pointer_raw(capsule, name))
             return
+
+
+# Consumers (torch, JAX) may free our tensors during interpreter shutdown, after this module's globals are
+# cleared: the two C callbacks and the table they use must outlive it, so they are never released.
+for _immortal in (_delete_managed, _destroy_capsule, _live, _live_lock):
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_immortal))
+del _immortal
 
 
 class Exporter:

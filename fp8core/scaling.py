@@ -8,7 +8,8 @@ import numpy as np
 
 from . import backends
 from .formats import Format, as_format
-from .ops import _margin, quantize
+from ._tensor import wrap
+from .ops import _contiguous, _margin, quantize
 from .recipe import DelayedScaling
 
 __all__ = ["ScalingState"]
@@ -27,16 +28,29 @@ def _parse_device(device: Any) -> tuple:
     raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
+def _external_buffer(buffer: Any, size: int, device: tuple) -> Any:
+    t = _contiguous(wrap(buffer, "buffer"), "buffer")
+    if t.dtype != "float32" or t.size != size:
+        raise ValueError(f"buffer: expected {size} float32 elements, got {t.size} {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"buffer: is on {t.device_str()}, expected {device[0]}:{device[1]}")
+    if t.readonly:
+        raise ValueError("buffer: is read-only")
+    return t.data.reshape(-1)
+
+
 class ScalingState:
     """amax_history [L, N], scale [N] and scale_inv [N], float32, in one buffer on ``device``.
 
     Row 0 of the history is this step's amax of every tensor, contiguous, so one all-reduce covers all N.
     The arrays are NumPy on the CPU and CuPy on a GPU; scales start at 1.0.
     ``formats``: one Format per tensor (default: the recipe's forward format for all).
+    ``buffer``: optionally, memory to hold the state in place (any array fp8core reads zero-copy, e.g. a
+    framework's tensor): float32, contiguous, ``L * N + 2 * N`` elements on ``device``; it is initialised here.
     """
 
     def __init__(self, num_tensors: int, recipe: DelayedScaling | None = None,
-                 formats: Sequence[Format | str] | None = None, device: Any = "cpu") -> None:
+                 formats: Sequence[Format | str] | None = None, device: Any = "cpu", buffer: Any = None) -> None:
         if not isinstance(num_tensors, int) or num_tensors < 1:
             raise ValueError(f"num_tensors: expected an int >= 1, got {num_tensors!r}")
         self.recipe = recipe if recipe is not None else DelayedScaling()
@@ -54,7 +68,9 @@ class ScalingState:
         xp = self._backend.xp
         if self.device[0] == "cuda":
             xp.cuda.Device(self.device[1]).use()
-        self.buffer = xp.zeros(L * n + 2 * n, dtype=xp.float32)
+        self.buffer = xp.zeros(L * n + 2 * n, dtype=xp.float32) if buffer is None else \
+            _external_buffer(buffer, L * n + 2 * n, self.device)
+        self.buffer[...] = 0
         self.amax_history = self.buffer[: L * n].reshape(L, n)
         self.scale = self.buffer[L * n: L * n + n]
         self.scale_inv = self.buffer[L * n + n:]

@@ -152,17 +152,15 @@ _ZERO = np.zeros(1, dtype=np.float32)
 
 
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
-         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: Any) -> Any:
+         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: Any, alloc: Any) -> Any:
     import cupy
 
     device_id = a.device[1]
     _check_device(device_id)
     lt = _lt()
-    with cupy.cuda.Device(device_id), stream:
-        d = out if out is not None else cupy.empty((spec.m, spec.n),
-                                                   dtype=storage_dtype(spec.out_dtype))
-        if spec.m == 0:
-            return d
+    d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
+    if spec.m == 0:
+        return d
     ws = _workspace(device_id)
     # cuBLASLt overwrites AMAX_D; the contract accumulates, so it writes a scratch word, merged after. The word
     # lives past the end of the workspace cuBLASLt is given: no allocation, so the call can be graph-captured.

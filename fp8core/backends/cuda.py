@@ -76,13 +76,24 @@ def _launch(t: Tensor, filename: str, expr: str, grid: Any, block: Any, args: tu
 
 
 def _empty(shape: Any, dtype: Any, t: Tensor, stream: Any) -> Any:
+    """Outputs for torch callers come from torch's caching allocator (stream-ordered, CUDA-graph aware);
+    everyone else's from CuPy's pool on the launch stream."""
+    if t.origin == "torch":
+        import torch
+
+        from .._tensor import wrap
+
+        storage = {1: torch.uint8, 2: torch.int16, 4: torch.float32}[np.dtype(dtype).itemsize]
+        return wrap(torch.empty(shape, dtype=storage, device=f"cuda:{t.device[1]}")).data.view(dtype)
     with cupy.cuda.Device(t.device[1]), stream:
         return cupy.empty(shape, dtype=dtype)
 
 
 def _zeros(shape: Any, dtype: Any, t: Tensor, stream: Any) -> Any:
+    out = _empty(shape, dtype, t, stream)
     with cupy.cuda.Device(t.device[1]), stream:
-        return cupy.zeros(shape, dtype=dtype)
+        out.fill(0)
+    return out
 
 
 # ---- amax and quantize ------------------------------------------------------------------------------------
@@ -299,4 +310,4 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
          out_scale: Any | None, out_amax: Any | None, out: Any | None) -> Any:
     from . import cublaslt
 
-    return cublaslt.gemm(spec, a, b, a_scale_inv, b_scale_inv, bias, out_scale, out_amax, out, _stream(a))
+    return cublaslt.gemm(spec, a, b, a_scale_inv, b_scale_inv, bias, out_scale, out_amax, out, _stream(a), _empty)

@@ -1,0 +1,192 @@
+"""fp8core's primitives as torch custom ops (namespace ``fp8core``), CPU and CUDA, each with a fake so that
+``torch.compile(fullgraph=True)`` traces through them. The numerics are the core's: each op calls fp8core.
+
+Formats are passed as strings ("e4m3", "e5m2"); scales and amax slots are 1-element float32 tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import fp8core
+from fp8core import backends
+from fp8core._tensor import wrap
+
+Tensor = torch.Tensor
+_LIB = "fp8core"
+
+
+def _fp8_dtype(fmt: str) -> torch.dtype:
+    return fp8core.as_format(fmt).torch_dtype
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+
+
+@torch.library.custom_op(f"{_LIB}::amax", mutates_args=())
+def amax(x: Tensor) -> Tensor:
+    """max |x| as float32 [1]."""
+    return fp8core.amax(x)
+
+
+@amax.register_fake
+def _(x):
+    return x.new_empty((1,), dtype=torch.float32)
+
+
+# An optional argument that an op mutates trips Inductor when it is None (torch 2.13), so each op that can
+# accumulate an amax is two custom ops, with and without the slot; the Python function picks one.
+
+def quantize(x: Tensor, scale: Tensor, fmt: str, amax_out: Optional[Tensor] = None) -> Tensor:
+    """SATFINITE_RTNE(fp32(x) * scale) in fmt; amax_out (float32 [1]) accumulates max |x| in place."""
+    if amax_out is None:
+        return torch.ops.fp8core.quantize(x, scale, fmt)
+    return torch.ops.fp8core.quantize_amax(x, scale, fmt, amax_out)
+
+
+@torch.library.custom_op(f"{_LIB}::quantize", mutates_args=())
+def _quantize(x: Tensor, scale: Tensor, fmt: str) -> Tensor:
+    return fp8core.quantize(x, scale, fmt)
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_amax", mutates_args=("amax_out",))
+def _quantize_amax(x: Tensor, scale: Tensor, fmt: str, amax_out: Tensor) -> Tensor:
+    return fp8core.quantize(x, scale, fmt, amax_out=amax_out)
+
+
+@_quantize.register_fake
+def _(x, scale, fmt):
+    return torch.empty_like(x, dtype=_fp8_dtype(fmt))
+
+
+@_quantize_amax.register_fake
+def _(x, scale, fmt, amax_out):
+    return torch.empty_like(x, dtype=_fp8_dtype(fmt))
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_dynamic", mutates_args=())
+def quantize_dynamic(x: Tensor, fmt: str, margin: int = 0, power_of_2: bool = False,
+                     epsilon: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Current scaling: (q, scale_inv [1], amax [1])."""
+    return fp8core.quantize_dynamic(x, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon)
+
+
+@quantize_dynamic.register_fake
+def _(x, fmt, margin=0, power_of_2=False, epsilon=0.0):
+    one = x.new_empty((1,), dtype=torch.float32)
+    return torch.empty_like(x, dtype=_fp8_dtype(fmt)), one, torch.empty_like(one)
+
+
+@torch.library.custom_op(f"{_LIB}::dequantize", mutates_args=())
+def dequantize(q: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return fp8core.dequantize(q, scale_inv, out_dtype)
+
+
+@dequantize.register_fake
+def _(q, scale_inv, out_dtype):
+    return torch.empty_like(q, dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::transpose", mutates_args=())
+def transpose(q: Tensor) -> Tensor:
+    """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
+    return fp8core.transpose(q)
+
+
+@transpose.register_fake
+def _(q):
+    return q.new_empty((q.shape[-1], _rows(q)))
+
+
+def cast_transpose(x: Tensor, scale: Tensor, fmt: str, amax_out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(quantize(x), its [last, prod(leading)] transpose) from one read of x."""
+    if amax_out is None:
+        return torch.ops.fp8core.cast_transpose(x, scale, fmt)
+    return torch.ops.fp8core.cast_transpose_amax(x, scale, fmt, amax_out)
+
+
+@torch.library.custom_op(f"{_LIB}::cast_transpose", mutates_args=())
+def _cast_transpose(x: Tensor, scale: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    return fp8core.cast_transpose(x, scale, fmt)
+
+
+@torch.library.custom_op(f"{_LIB}::cast_transpose_amax", mutates_args=("amax_out",))
+def _cast_transpose_amax(x: Tensor, scale: Tensor, fmt: str, amax_out: Tensor) -> tuple[Tensor, Tensor]:
+    return fp8core.cast_transpose(x, scale, fmt, amax_out=amax_out)
+
+
+def _cast_transpose_fake(x, scale, fmt, amax_out=None):
+    dt = _fp8_dtype(fmt)
+    return torch.empty_like(x, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt)
+
+
+_cast_transpose.register_fake(_cast_transpose_fake)
+_cast_transpose_amax.register_fake(_cast_transpose_fake)
+
+
+@torch.library.custom_op(f"{_LIB}::compute_scale", mutates_args=())
+def compute_scale(amax: Tensor, fmt: str, margin: int = 0, power_of_2: bool = False,
+                  epsilon: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(scale, scale_inv) from amax by the contract's scale rule (1.0 where there is no scale)."""
+    return fp8core.compute_scale(amax, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon)
+
+
+@compute_scale.register_fake
+def _(amax, fmt, margin=0, power_of_2=False, epsilon=0.0):
+    return torch.empty_like(amax), torch.empty_like(amax)
+
+
+def gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
+         bias: Optional[Tensor] = None, out_scale: Optional[Tensor] = None, out_amax: Optional[Tensor] = None,
+         use_fast_accum: bool = False) -> Tensor:
+    """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias); see fp8core.gemm."""
+    if out_amax is None:
+        return torch.ops.fp8core.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, use_fast_accum)
+    return torch.ops.fp8core.gemm_amax(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, out_amax,
+                                       use_fast_accum)
+
+
+@torch.library.custom_op(f"{_LIB}::gemm", mutates_args=())
+def _gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
+          bias: Optional[Tensor], out_scale: Optional[Tensor], use_fast_accum: bool) -> Tensor:
+    return fp8core.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias, out_scale=out_scale,
+                        use_fast_accum=use_fast_accum)
+
+
+@torch.library.custom_op(f"{_LIB}::gemm_amax", mutates_args=("out_amax",))
+def _gemm_amax(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
+               bias: Optional[Tensor], out_scale: Optional[Tensor], out_amax: Tensor, use_fast_accum: bool) -> Tensor:
+    return fp8core.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias, out_scale=out_scale,
+                        out_amax=out_amax, use_fast_accum=use_fast_accum)
+
+
+def _gemm_fake(a, b, a_scale_inv, b_scale_inv, out_dtype, *rest):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+_gemm.register_fake(_gemm_fake)
+_gemm_amax.register_fake(_gemm_fake)
+
+
+@torch.library.custom_op(f"{_LIB}::update", mutates_args=("history", "scale", "scale_inv", "non_finite"))
+def update(history: Tensor, scale: Tensor, scale_inv: Tensor, fp8_max: Tensor, non_finite: Tensor, margin: int,
+           algo: str, power_of_2: bool, epsilon: float, update_scale: bool) -> None:
+    """The batched delayed-scaling update of N tensors, in place: history [L, N], scale/scale_inv/fp8_max
+    float32 [N], non_finite bool [N]. One launch on a GPU."""
+    h = wrap(history, "history")
+    backend = backends.for_device(h.device)
+    args = (h.data, wrap(scale).data, wrap(scale_inv).data, wrap(fp8_max).data, margin, algo, power_of_2,
+            epsilon, update_scale, wrap(non_finite).data)
+    if h.is_cuda:
+        with backend.launch_stream(torch.cuda.current_stream(history.device).cuda_stream):
+            backend.update(*args)
+    else:
+        backend.update(*args)
+
+
+@update.register_fake
+def _(history, scale, scale_inv, fp8_max, non_finite, margin, algo, power_of_2, epsilon, update_scale):
+    return None

@@ -1,0 +1,270 @@
+"""fp8core.torch on the CPU: custom ops (opcheck, compile), Float8Linear against nn.Linear, training, autocast
+(gradient accumulation, did-not-run, distributed amax over gloo), state_dict. test_gpu_torch.py runs the
+device-specific parts on CUDA."""
+
+import copy
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fp8core  # noqa: E402
+from fp8core.torch import Float8Linear, autocast, convert_to_float8, ops  # noqa: E402
+
+RECIPE = fp8core.DelayedScaling(amax_history_len=16)
+
+
+def sqnr(x, ref):
+    return (20 * torch.log10(ref.norm() / (x - ref).norm())).item()
+
+
+def mlp(d_in=64, hidden=128, d_out=32, seed=0, act=torch.nn.GELU):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), act(), torch.nn.Linear(hidden, d_out))
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32
+                                        if t.element_size() == 4 else torch.int16)
+
+
+# ---- the custom ops -----------------------------------------------------------------------------------------
+
+def _op_cases():
+    x = torch.randn(32, 48)
+    s, a = torch.tensor([2.0]), torch.zeros(1)
+    q = fp8core.quantize(x, 1.0, "e4m3")
+    w = fp8core.quantize(torch.randn(16, 48), 1.0, "e5m2")
+    st = fp8core.ScalingState(4, fp8core.DelayedScaling(amax_history_len=3))
+    st.amax_history[...] = np.random.default_rng(0).uniform(0, 10, (3, 4)).astype(np.float32)
+    h = torch.from_numpy(st.amax_history.copy())
+    return [
+        (torch.ops.fp8core.amax, (x,)),
+        (torch.ops.fp8core.quantize, (x, s, "e4m3")),
+        (torch.ops.fp8core.quantize_amax, (x, s, "e5m2", a)),
+        (torch.ops.fp8core.quantize_dynamic, (x, "e4m3", 1, True, 0.0)),
+        (torch.ops.fp8core.dequantize, (q, s, torch.bfloat16)),
+        (torch.ops.fp8core.transpose, (q,)),
+        (torch.ops.fp8core.cast_transpose, (x, s, "e4m3")),
+        (torch.ops.fp8core.cast_transpose_amax, (x, s, "e4m3", a)),
+        (torch.ops.fp8core.compute_scale, (torch.tensor([3.0, 0.0]), "e4m3", 0, False, 0.0)),
+        (torch.ops.fp8core.gemm, (q, w, s, s, torch.float32, None, None, False)),
+        (torch.ops.fp8core.gemm_amax, (q, w, s, s, torch.float8_e4m3fn, None, s, a, False)),
+        (torch.ops.fp8core.update, (h, torch.ones(4), torch.ones(4), torch.full((4,), 448.0),
+                                    torch.zeros(4, dtype=torch.bool), 0, "max", False, 0.0, True)),
+    ]
+
+
+@pytest.mark.parametrize("op,args", _op_cases(), ids=lambda v: str(v).split(".")[-1] if callable(v) else "")
+def test_custom_op_schema_fake_and_autograd_registration(op, args):
+    utils = ["test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"]
+    if not any(isinstance(a, torch.Tensor) and a.element_size() == 1 and a.is_floating_point() for a in args):
+        utils.append("test_schema")  # the schema checker does arithmetic that torch lacks for fp8 on the CPU
+    torch.library.opcheck(op, args, test_utils=utils)
+
+
+def test_ops_give_the_core_bits_eager_and_compiled():
+    x, s = torch.randn(48, 64), torch.tensor([0.5])
+
+    def f(x, s, slot):
+        q, qt = ops.cast_transpose(x, s, "e4m3", slot)
+        return q, qt, ops.dequantize(q, s, torch.float32), ops.gemm(q, q, s, s, torch.bfloat16)
+
+    slot_e, slot_c = torch.zeros(1), torch.zeros(1)
+    eager = f(x, s, slot_e)
+    compiled = torch.compile(f, fullgraph=True)(x, s, slot_c)
+    core_q, core_qt = fp8core.cast_transpose(x, s, "e4m3")
+    assert torch.equal(bits(eager[0]), bits(core_q)) and torch.equal(bits(eager[1]), bits(core_qt))
+    for e, c in zip(eager, compiled):
+        assert torch.equal(bits(e), bits(c))
+    assert slot_e.item() == slot_c.item() == x.abs().max().item()
+
+
+# ---- Float8Linear -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", [RECIPE, fp8core.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float8_linear_against_nn_linear(recipe, dtype):
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(256, 128, dtype=dtype)
+    lin = Float8Linear.from_linear(copy.deepcopy(ref), recipe)
+    x = torch.randn(4, 33, 256, dtype=dtype)  # 132 tokens: padded to 144 for the wgrad GEMM
+    for _ in range(2):  # the second step runs on scales learned from the first
+        with autocast():
+            xa = x.clone().requires_grad_()
+            y = lin(xa)
+            lin.zero_grad()
+            y.backward(torch.randn_like(y))
+    torch.manual_seed(7)
+    g = torch.randn(4, 33, 128, dtype=dtype)
+    xa, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    lin.zero_grad()
+    y, yr = lin(xa), ref(xr)
+    y.backward(g)
+    yr.backward(g)
+    assert y.dtype == dtype and y.shape == yr.shape
+    assert sqnr(y.float(), yr.float()) >= 18
+    assert sqnr(xa.grad.float(), xr.grad.float()) >= 17
+    assert sqnr(lin.weight.grad.float(), ref.weight.grad.float()) >= 17
+    assert torch.allclose(lin.bias.grad.float(), ref.bias.grad.float(), rtol=1e-2, atol=1e-2)
+    assert lin.weight.dtype == dtype  # master weights stay in their precision
+
+
+def test_compiled_mlp_forward_and_backward_match_eager_bits():
+    # ReLU and a sum loss: torch's own elementwise ops are then exact, so any difference would be fp8core's
+    eager = convert_to_float8(mlp(act=torch.nn.ReLU), RECIPE)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True)
+    x = torch.randn(48, 64)
+    for _ in range(3):
+        with autocast():
+            ye, yc = eager(x), compiled(x)
+            ye.sum().backward()
+            yc.sum().backward()
+        assert torch.equal(bits(ye), bits(yc))
+        for pe, pc in zip(eager.parameters(), twin.parameters()):
+            assert torch.equal(bits(pe.grad), bits(pc.grad))
+        assert torch.equal(bits(eager[0]._fp8_state), bits(twin[0]._fp8_state))
+
+
+def test_convert_to_float8_skips_what_the_gemm_cannot_take_and_honours_the_filter():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 10), torch.nn.Linear(10, 32),
+                                torch.nn.Linear(32, 32))
+    with pytest.warns(UserWarning, match=r"1 \(64 -> 10\), 2 \(10 -> 32\)"):
+        convert_to_float8(model, RECIPE, module_filter_fn=lambda m, fqn: fqn != "3")
+    assert [type(m).__name__ for m in model] == ["Float8Linear", "Linear", "Linear", "Linear"]
+    with pytest.raises(ValueError, match="in_features: 24"):
+        Float8Linear(24, 32)
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        Float8Linear(32, 32, recipe=fp8core.DelayedScaling(fp8_format=fp8core.Format.E5M2))
+
+
+def test_autocast_disabled_runs_in_high_precision():
+    lin = Float8Linear(32, 32)
+    x = torch.randn(16, 32)
+    with autocast(enabled=False):
+        y = lin(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert lin._fp8_state.abs().sum() == 2 * 3  # untouched: scales 1, history 0
+
+
+# ---- delayed scaling under autocast -------------------------------------------------------------------------
+
+def test_gradient_accumulation_takes_the_max_over_micro_batches():
+    model = convert_to_float8(mlp(), RECIPE)
+    xs = [torch.randn(32, 64) * s for s in (1.0, 5.0, 0.5)]
+    with autocast():
+        for x in xs:
+            model(x).sum().backward()
+        row0 = model[0]._fp8_state[:6].clone()
+    assert row0[0].item() == max(x.abs().max().item() for x in xs)  # input amax of layer 0
+    L, n = RECIPE.amax_history_len, 6
+    history = model[0]._fp8_state[: L * n].view(L, n)
+    assert torch.equal(history[L - 1], row0) and history[0].abs().sum() == 0  # rolled once, row 0 cleared
+    scale = model[0]._fp8_state[L * n: L * n + n]
+    assert scale[0].item() == pytest.approx(448.0 / row0[0].item(), rel=1e-6)
+
+
+def test_a_module_that_did_not_run_keeps_its_scale():
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, x, head):
+            return self.a(x) if head == "a" else self.b(x)
+
+    model = convert_to_float8(TwoHeads(), RECIPE)
+    with autocast():
+        model(torch.randn(16, 32), "b").sum().backward()
+    L, n = RECIPE.amax_history_len, 6
+    state = model.a._fp8_state
+    before = state.clone()
+    with autocast():
+        model(torch.randn(16, 32) * 3, "a").sum().backward()
+    scale = state[L * n: L * n + n]
+    assert torch.equal(scale[3:], before[L * n + 3: L * n + n])  # head b did not run: same scales
+    assert not torch.equal(scale[:3], before[L * n: L * n + 3])
+
+
+def test_state_dict_round_trip_gives_identical_bits(tmp_path):
+    model = convert_to_float8(mlp(), RECIPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        with autocast():
+            model(torch.randn(32, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+    fresh = convert_to_float8(mlp(seed=99), RECIPE)
+    fresh.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    assert torch.equal(bits(fresh[0]._fp8_state), bits(model[0]._fp8_state))
+    x = torch.randn(32, 64)
+    with autocast():
+        a, b = model(x), fresh(x)
+    assert torch.equal(bits(a), bits(b))
+    assert torch.equal(bits(fresh[0]._fp8_state), bits(model[0]._fp8_state))  # the same update
+
+
+def test_training_200_steps_tracks_the_fp32_loss():
+    torch.manual_seed(0)
+    teacher = mlp(32, 64, 16, seed=5)
+    ref = mlp(32, 64, 16, seed=3)
+    fp8 = convert_to_float8(copy.deepcopy(ref), fp8core.DelayedScaling(amax_history_len=16))
+    opts = [torch.optim.Adam(m.parameters(), lr=3e-3) for m in (ref, fp8)]
+    losses = []
+    for step in range(200):
+        x = torch.randn(64, 32)
+        with torch.no_grad():
+            target = teacher(x)
+        pair = []
+        for model, opt in zip((ref, fp8), opts):
+            with autocast():
+                loss = torch.nn.functional.mse_loss(model(x), target)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    first, last = np.mean(losses[:10], axis=0), np.mean(losses[-20:], axis=0)
+    assert last[0] < 0.2 * first[0]  # the task is learnt
+    assert abs(last[1] - last[0]) <= 0.25 * last[0] + 1e-3, f"fp32 {last[0]:.4g}, fp8 {last[1]:.4g}"
+
+
+# ---- distributed amax (2 processes, gloo) -------------------------------------------------------------------
+
+def _rank_main(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = convert_to_float8(mlp(), RECIPE)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(32, 64) * (1 + 3 * rank)  # different amaxes per rank
+    local = x.abs().max()
+    with autocast():
+        model(x).sum().backward()
+    torch.save({"state": model[0]._fp8_state, "local_amax": local}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_reduce_amax_to_identical_scales(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.spawn(_rank_main, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert torch.equal(bits(r0["state"]), bits(r1["state"]))
+    L, n = RECIPE.amax_history_len, 6
+    reduced = r0["state"][: L * n].view(L, n)[L - 1, 0].item()
+    assert reduced == max(r0["local_amax"].item(), r1["local_amax"].item())
+    assert r0["local_amax"].item() != r1["local_amax"].item()

@@ -1,1 +1,170 @@
-"""placeholder"""
+"""fp8core for JAX: the primitives callable inside ``jax.jit`` on CPU and GPU, through
+``jax.experimental.buffer_callback`` (XLA's buffers and, on a GPU, XLA's stream; no host copy).
+
+JAX arrays are immutable, so where the core accumulates into an amax slot these functions return the amax
+instead; scales and amaxes are float32 [1] arrays. Under ``vmap`` the callbacks run once per batch element
+(``vmap_method="sequential"``). Across devices, reduce amaxes with :func:`reduce_amax` inside ``shard_map``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+import fp8core
+from fp8core._tensor import Tensor, wrap
+from fp8core.backends import for_device
+
+__all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose", "gemm",
+           "update", "reduce_amax"]
+
+Array = jax.Array
+_F32_1 = jax.ShapeDtypeStruct((1,), jnp.float32)
+
+
+def _raw(buf: Any) -> Tensor:
+    """A core Tensor over an XLA buffer whose results come back as raw NumPy/CuPy arrays, not jax.Arrays."""
+    t = wrap(buf)
+    t.origin = "cupy" if t.is_cuda else "numpy"
+    return t
+
+
+def _store(out: Any, value: Any, gpu: bool) -> None:
+    if gpu:
+        dst = wrap(out).data
+        dst[...] = value.view(dst.dtype) if value.dtype != dst.dtype else value
+    else:
+        np.asarray(out)[...] = value
+
+
+def _primitive(fn: Callable[..., Sequence[Any]], shapes: Any) -> Callable[..., Any]:
+    """``fn(*core_tensors) -> results`` as a jit-able JAX function writing XLA's output buffers."""
+    single = not isinstance(shapes, (tuple, list))
+
+    def callback(ctx: Any, out: Any, *bufs: Any) -> None:
+        ins = [_raw(b) for b in bufs]
+        gpu = ins[0].is_cuda
+        outs = [out] if single else list(out)
+        if gpu:
+            import cupy
+
+            from fp8core.backends.cuda import launch_stream
+
+            with launch_stream(ctx.stream), cupy.cuda.ExternalStream(ctx.stream, ins[0].device[1]):
+                results = fn(*ins)
+                for o, r in zip(outs, [results] if single else results):
+                    _store(o, r, True)
+        else:
+            results = fn(*ins)
+            for o, r in zip(outs, [results] if single else results):
+                _store(o, r, False)
+
+    return buffer_callback(callback, shapes, vmap_method="sequential")
+
+
+def _slot(t: Tensor) -> Any:
+    """A zeroed amax slot on t's device (inside the callback: CuPy's current stream is XLA's)."""
+    if t.is_cuda:
+        import cupy
+
+        return cupy.zeros(1, cupy.float32)
+    return np.zeros(1, np.float32)
+
+
+def _f32(v: Any) -> Array:
+    return jnp.asarray(v, jnp.float32).reshape(1)
+
+
+def _fp8_shape(x: Any, fmt: Any, shape: Any = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(x.shape) if shape is None else shape, fp8core.as_format(fmt).jax_dtype)
+
+
+def _rows(x: Any) -> int:
+    return int(np.prod(x.shape[:-1], dtype=np.int64)) if len(x.shape) > 1 else 1
+
+
+def amax(x: Array) -> Array:
+    """max |x| as float32 [1] (NaN propagates)."""
+    return _primitive(lambda t: fp8core.amax(t), _F32_1)(x)
+
+
+def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array]:
+    """(q, amax of x): the contract's scaled cast; q has x's shape and fmt's dtype."""
+    def run(t, s):
+        slot = _slot(t)
+        return fp8core.quantize(t, s.data, fmt, amax_out=slot), slot
+
+    return _primitive(run, (_fp8_shape(x, fmt), _F32_1))(x, _f32(scale))
+
+
+def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2: bool = False,
+                     epsilon: float = 0.0) -> tuple[Array, Array, Array]:
+    """Current scaling: (q, scale_inv [1], amax [1])."""
+    return _primitive(lambda t: fp8core.quantize_dynamic(t, fmt, margin=margin, power_of_2=power_of_2,
+                                                         epsilon=epsilon),
+                      (_fp8_shape(x, fmt), _F32_1, _F32_1))(x)
+
+
+def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = jnp.float32) -> Array:
+    fmt = fp8core.as_format(q.dtype)
+    return _primitive(lambda t, s: fp8core.dequantize(t, s.data, jnp.dtype(out_dtype).name, fmt=fmt),
+                      jax.ShapeDtypeStruct(q.shape, out_dtype))(q, _f32(scale_inv))
+
+
+def transpose(q: Array) -> Array:
+    """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
+    fmt = fp8core.as_format(q.dtype)
+    return _primitive(lambda t: fp8core.transpose(t, fmt=fmt), _fp8_shape(q, fmt, (q.shape[-1], _rows(q))))(q)
+
+
+def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array, Array]:
+    """(q, q_t [last, prod(leading)], amax of x) from one read of x."""
+    def run(t, s):
+        slot = _slot(t)
+        q, qt = fp8core.cast_transpose(t, s.data, fmt, amax_out=slot)
+        return q, qt, slot
+
+    return _primitive(run, (_fp8_shape(x, fmt), _fp8_shape(x, fmt, (x.shape[-1], _rows(x))), _F32_1))(
+        x, _f32(scale))
+
+
+def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | float,
+         out_dtype: Any = jnp.bfloat16, bias: Array | None = None) -> Array:
+    """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias), per fp8core.gemm's limits."""
+    fa, fb = fp8core.as_format(a.dtype), fp8core.as_format(b.dtype)
+    name = jnp.dtype(out_dtype).name
+    shape = jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype)
+    if bias is None:
+        return _primitive(lambda ta, tb, sa, sb: fp8core.gemm(ta, tb, sa.data, sb.data, out_dtype=name, a_fmt=fa,
+                                                              b_fmt=fb), shape)(a, b, _f32(a_scale_inv),
+                                                                                _f32(b_scale_inv))
+    return _primitive(lambda ta, tb, sa, sb, tbias: fp8core.gemm(ta, tb, sa.data, sb.data, out_dtype=name, a_fmt=fa,
+                                                                 b_fmt=fb, bias=tbias),
+                      shape)(a, b, _f32(a_scale_inv), _f32(b_scale_inv), bias)
+
+
+def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.DelayedScaling,
+           formats: Sequence[Any], update_scale: bool = True) -> tuple[Array, Array, Array]:
+    """The batched delayed-scaling update, functional: new (amax_history [L, N], scale [N], scale_inv [N]).
+    Row 0 holds this step's amaxes (reduce them first with :func:`reduce_amax` when sharded)."""
+    fp8_max = jnp.asarray([fp8core.as_format(f).max for f in formats], jnp.float32)
+
+    def run(h, s, si, fm):
+        backend = for_device(h.device)
+        h2, s2, si2 = h.data.copy(), s.data.copy(), si.data.copy()
+        backend.update(h2, s2, si2, fm.data, int(recipe.margin), recipe.amax_compute_algo, recipe.power_of_2,
+                       float(recipe.epsilon), update_scale, None)
+        return h2, s2, si2
+
+    shapes = (jax.ShapeDtypeStruct(amax_history.shape, jnp.float32), jax.ShapeDtypeStruct(scale.shape, jnp.float32),
+              jax.ShapeDtypeStruct(scale_inv.shape, jnp.float32))
+    return _primitive(run, shapes)(amax_history, scale, scale_inv, fp8_max)
+
+
+def reduce_amax(amax: Array, axis_name: Any) -> Array:
+    """MAX over the devices of ``axis_name`` (inside ``shard_map``/``pmap``): every device gets the same scales."""
+    return jax.lax.pmax(amax, axis_name)

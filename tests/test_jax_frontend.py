@@ -1,0 +1,109 @@
+"""fp8core.jax: every primitive gives the core's bits with and without jit (and under vmap); the functional
+update matches ScalingState; amax reduction over 2 CPU devices with shard_map."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+import fp8core  # noqa: E402
+import fp8core.jax as fj  # noqa: E402
+
+
+def u8(a):
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.fixture
+def x(rng):
+    v = (rng.standard_normal((48, 32)) * 100).astype(np.float32)
+    v.reshape(-1)[:6] = [np.nan, np.inf, -0.0, 1e-40, 1e30, 448.0]
+    return v.astype(ml_dtypes.bfloat16)
+
+
+CASES = {
+    "amax": (lambda x: fj.amax(x), lambda x: (fp8core.amax(x),)),
+    "quantize": (lambda x: fj.quantize(x, 2.0, "e4m3"),
+                 lambda x: (fp8core.quantize(x, 2.0, "e4m3"), fp8core.amax(x))),
+    "quantize_dynamic": (lambda x: fj.quantize_dynamic(x, "e5m2", margin=1, power_of_2=True),
+                         lambda x: fp8core.quantize_dynamic(x, "e5m2", margin=1, power_of_2=True)),
+    "cast_transpose": (lambda x: fj.cast_transpose(x, 0.25, "e4m3"),
+                       lambda x: (*fp8core.cast_transpose(x, 0.25, "e4m3"), fp8core.amax(x))),
+    "dequantize": (lambda x: fj.dequantize(fj.quantize(x, 1.0, "e5m2")[0], 3.0, jnp.bfloat16),
+                   lambda x: (fp8core.dequantize(fp8core.quantize(x, 1.0, "e5m2"), 3.0, "bfloat16"),)),
+    "transpose": (lambda x: fj.transpose(fj.quantize(x, 1.0)[0]),
+                  lambda x: (fp8core.transpose(fp8core.quantize(x, 1.0)),)),
+    "gemm": (lambda x: fj.gemm(fj.quantize(x, 0.01)[0], fj.quantize(x[:16], 0.02)[0], 100.0, 50.0, jnp.float32),
+             lambda x: (fp8core.gemm(fp8core.quantize(x, 0.01), fp8core.quantize(x[:16], 0.02), 100.0, 50.0,
+                                     out_dtype="float32"),)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_bits_with_and_without_jit_as_the_core(name, x):
+    ours, core = CASES[name]
+    xj = jnp.asarray(x)
+    eager = jax.tree.leaves(ours(xj))
+    jitted = jax.tree.leaves(jax.jit(ours)(xj))
+    expected = core(x)
+    assert len(eager) == len(expected)
+    for e, j, c in zip(eager, jitted, expected):
+        assert isinstance(e, jax.Array) and e.dtype == np.asarray(c).dtype and e.shape == np.asarray(c).shape
+        np.testing.assert_array_equal(u8(e), u8(c))
+        np.testing.assert_array_equal(u8(j), u8(c))
+
+
+def test_vmap_runs_per_element(x):
+    xj = jnp.asarray(x).reshape(3, 16, 32)
+    got = jax.jit(jax.vmap(fj.amax))(xj)
+    np.testing.assert_array_equal(u8(got).reshape(-1), np.concatenate([u8(fp8core.amax(x.reshape(3, 16, 32)[i]))
+                                                                     for i in range(3)]))
+
+
+def test_functional_update_matches_scaling_state(rng):
+    recipe = fp8core.DelayedScaling(amax_history_len=4, margin=1)
+    st = fp8core.ScalingState(5, recipe)
+    h = rng.uniform(0, 50, (4, 5)).astype(np.float32)
+    h[0, 2] = 0  # did not run
+    st.amax_history[...] = h
+    new = jax.jit(lambda h, s, si: fj.update(h, s, si, recipe, st.formats))(
+        jnp.asarray(h), jnp.ones(5, jnp.float32), jnp.ones(5, jnp.float32))
+    st.update()
+    for got, want in zip(new, (st.amax_history, st.scale, st.scale_inv)):
+        np.testing.assert_array_equal(u8(got), u8(want))
+
+
+def test_errors_surface_from_the_core():
+    a = fj.quantize(jnp.ones((16, 24)), 1.0)[0]
+    with pytest.raises(Exception, match="K = 24"):
+        fj.gemm(a, a, 1.0, 1.0)
+
+
+def test_shard_map_over_two_cpu_devices_reduces_amax():
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        import fp8core.jax as fj
+        assert len(jax.devices()) == 2
+        mesh = Mesh(np.array(jax.devices()), ("d",))
+        x = jnp.concatenate([jnp.full((4, 16), 3.0), jnp.full((4, 16), -7.0)])
+
+        def step(xs):
+            a = fj.amax(xs)
+            return a, fj.reduce_amax(a, "d")
+
+        local, reduced = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d"))))(x)
+        print(np.asarray(local).tolist(), np.asarray(reduced).tolist())
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("] [")[0] == "[3.0, 7.0" and r.stdout.strip().endswith("[7.0, 7.0]")

@@ -1,0 +1,97 @@
+"""fp8core.torch and fp8core.jax on CUDA: Float8Linear against nn.Linear, compile against eager, a training step
+captured in a CUDA graph, JAX primitives inside jit on the GPU. Skipped, with the reason, where there is no GPU."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from conftest import requires_gpu
+
+pytestmark = requires_gpu
+torch = pytest.importorskip("torch")
+
+import fp8core  # noqa: E402
+from fp8core.torch import Float8Linear, autocast, convert_to_float8  # noqa: E402
+
+RECIPE = fp8core.DelayedScaling(amax_history_len=16)
+
+
+def sqnr(x, ref):
+    return (20 * torch.log10(ref.norm() / (x - ref).norm())).item()
+
+
+def test_float8_linear_on_cuda_against_nn_linear():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
+    lin = Float8Linear.from_linear(copy.deepcopy(ref), RECIPE)
+    x = torch.randn(8, 128, 1024, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        with autocast():
+            lin(x).sum().backward()
+    lin.zero_grad()
+    xa, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(8, 128, 512, device="cuda", dtype=torch.bfloat16)
+    y, yr = lin(xa), ref(xr)
+    y.backward(g)
+    yr.backward(g)
+    assert sqnr(y.float(), yr.float()) >= 18
+    assert sqnr(xa.grad.float(), xr.grad.float()) >= 17
+    assert sqnr(lin.weight.grad.float(), ref.weight.grad.float()) >= 17
+
+
+def test_compiled_matches_eager_on_cuda():
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).cuda()
+    eager = convert_to_float8(base, RECIPE)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True)
+    x = torch.randn(128, 256, device="cuda")
+    for _ in range(3):
+        with autocast():
+            ye, yc = eager(x), compiled(x)
+            ye.sum().backward()
+            yc.sum().backward()
+        assert torch.equal(ye, yc)
+        assert torch.equal(eager[0]._fp8_state, twin[0]._fp8_state)
+
+
+def test_training_step_in_a_cuda_graph():
+    torch.manual_seed(0)
+    model = convert_to_float8(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                                  torch.nn.Linear(256, 256)).cuda(), RECIPE)
+    x = torch.randn(64, 256, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: replays must see the same inputs
+
+    def step():
+        with autocast():
+            model(x).square().mean().backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        step()
+    before = model[0]._fp8_state.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(before, model[0]._fp8_state)  # the replay quantized, reduced and updated
+    assert torch.isfinite(model[0].weight.grad).all()
+
+
+def test_jax_primitives_on_the_gpu_inside_jit():
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("GPU test: JAX sees no GPU")
+    import fp8core.jax as fj
+
+    x = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32) * 50
+    xg = jax.device_put(x, jax.devices("gpu")[0])
+    q, a = jax.jit(lambda v: fj.quantize(v, 2.0, "e4m3"))(xg)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), fp8core.quantize(x, 2.0, "e4m3").view(np.uint8))
+    assert np.asarray(a)[0] == np.abs(x).max()

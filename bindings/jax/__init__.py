@@ -168,3 +168,8 @@ def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.
 def reduce_amax(amax: Array, axis_name: Any) -> Array:
     """MAX over the devices of ``axis_name`` (inside ``shard_map``/``pmap``): every device gets the same scales."""
     return jax.lax.pmax(amax, axis_name)
+
+
+from .dense import dense, init_state, next_state  # noqa: E402  (dense is built on the primitives above)
+
+__all__ += ["dense", "init_state", "next_state"]

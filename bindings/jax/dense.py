@@ -1,0 +1,124 @@
+"""``dense``: y = x · wᵀ with fp8 GEMMs forward and backward (jax.custom_vjp), delayed or current scaling.
+
+The delayed-scaling state is an explicit pytree (flax's functional habit): ``{"amax_history": [L, 3],
+"scale": [3], "scale_inv": [3]}`` for input, weight and grad_output. ``dense`` returns the forward amaxes
+folded into row 0 of a new state; the grad_output amax, known only in the backward pass, comes back as the
+gradient of ``state["amax_history"][0, 2]``. :func:`next_state` merges the two and takes the batched update.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import fp8core
+from fp8core import DelayedScaling, Float8CurrentScaling
+
+from . import cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
+
+__all__ = ["init_state", "dense", "next_state"]
+
+_MULTIPLE = 16
+
+
+def init_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
+    """The state of one dense layer: zero history, unit scales."""
+    L = recipe.amax_history_len
+    return {"amax_history": jnp.zeros((L, 3), jnp.float32), "scale": jnp.ones(3, jnp.float32),
+            "scale_inv": jnp.ones(3, jnp.float32)}
+
+
+def _current(x: jax.Array, fmt: str, r: Float8CurrentScaling) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q, s_inv, a = quantize_dynamic(x, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
+    return q, transpose(q), s_inv, a
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fp8_matmul(x, w, scale, scale_inv, grad_slot, recipe):
+    return _forward(x, w, scale, scale_inv, recipe)[0]
+
+
+def _forward(x, w, scale, scale_inv, recipe):
+    fmt = recipe.fp8_format
+    if isinstance(recipe, Float8CurrentScaling):
+        qx, qxt, sx, ax = _current(x, fmt.fwd.value, recipe)
+        qw, qwt, sw, aw = _current(w, fmt.fwd.value, recipe)
+    else:
+        qx, qxt, ax = cast_transpose(x, scale[0:1], fmt.fwd.value)
+        qw, qwt, aw = cast_transpose(w, scale[1:2], fmt.fwd.value)
+        sx, sw = scale_inv[0:1], scale_inv[1:2]
+    y = gemm(qx, qw, sx, sw, x.dtype)
+    # dtypes travel as empty arrays: residuals must be JAX values
+    return (y, ax, aw), (qxt, qwt, sx, sw, scale, scale_inv, jnp.zeros(0, x.dtype), jnp.zeros(0, w.dtype))
+
+
+def _fwd(x, w, scale, scale_inv, grad_slot, recipe):
+    out, res = _forward(x, w, scale, scale_inv, recipe)
+    return out, res
+
+
+def _bwd(recipe, res, cotangents):
+    qxt, qwt, sx, sw, scale, scale_inv, x_like, w_like = res
+    g = cotangents[0]
+    bwd = recipe.fp8_format.bwd.value
+    if isinstance(recipe, Float8CurrentScaling):
+        qg, qgt, sg, ag = _current(g, bwd, recipe)
+    else:
+        qg, qgt, ag = cast_transpose(g, scale[2:3], bwd)
+        sg = scale_inv[2:3]
+    dx = gemm(qg, qwt, sg, sw, x_like.dtype)
+    dw = gemm(qgt, qxt, sg, sx, w_like.dtype)
+    return dx, dw, jnp.zeros_like(scale), jnp.zeros_like(scale_inv), ag
+
+
+_fp8_matmul.defvjp(_fwd, _bwd)
+
+
+def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe: Any,
+          bias: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+    """x [..., K] · w[N, K]ᵀ (+ bias) with fp8 GEMMs; returns (y [..., N] in x's dtype, new state).
+
+    K and N must be multiples of 16; the token count is zero-padded to one. ``state`` is None under
+    Float8CurrentScaling. Differentiate with respect to ``state`` too, and pass that gradient to
+    :func:`next_state`: it carries the grad_output amax.
+    """
+    if recipe.fp8_format is fp8core.Format.E5M2:
+        raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    k, n = x.shape[-1], w.shape[0]
+    if k % _MULTIPLE or n % _MULTIPLE or w.shape[1] != k:
+        raise ValueError(f"w: expected [N, K] with K = {k} and N, K multiples of 16, got {w.shape}")
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    pad = -rows % _MULTIPLE
+    if pad:
+        x2 = jnp.pad(x2, ((0, pad), (0, 0)))
+    if isinstance(recipe, Float8CurrentScaling):
+        one = jnp.ones(3, jnp.float32)
+        y, _, _ = _fp8_matmul(x2, w, one, one, jnp.zeros(1, jnp.float32), recipe)
+        new_state = None
+    else:
+        h = state["amax_history"]
+        y, ax, aw = _fp8_matmul(x2, w, state["scale"], state["scale_inv"], h[0, 2:3], recipe)
+        row0 = h[0].at[0].max(jax.lax.stop_gradient(ax[0])).at[1].max(jax.lax.stop_gradient(aw[0]))
+        new_state = dict(state, amax_history=h.at[0].set(row0))
+    y = y[:rows].reshape(*x.shape[:-1], n)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y, new_state
+
+
+def next_state(state: dict[str, jax.Array], state_grad: dict[str, jax.Array], recipe: DelayedScaling,
+               axis_name: Any = None) -> dict[str, jax.Array]:
+    """Fold the grad_output amax (from ``state_grad``) into row 0, MAX-reduce row 0 over ``axis_name``
+    (inside shard_map) when given, then the batched update of the contract."""
+    h = state["amax_history"]
+    row0 = h[0].at[2].max(jnp.abs(state_grad["amax_history"][0, 2]))
+    if axis_name is not None:
+        row0 = reduce_amax(row0, axis_name)
+    fmt = recipe.fp8_format
+    hist, scale, scale_inv = update(h.at[0].set(row0), state["scale"], state["scale_inv"], recipe,
+                                    [fmt.fwd, fmt.fwd, fmt.bwd])
+    return {"amax_history": hist, "scale": scale, "scale_inv": scale_inv}

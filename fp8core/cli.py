@@ -332,7 +332,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     bench = Path(fp8core.__file__).resolve().parent.parent / "bench"
     on_gpu = gpu_report()["backend"] == "cuda"
-    scripts = ["bench_gpu.py", "bench_gemm.py"] if on_gpu else ["bench_cpu.py"]
+    scripts = ["bench_gpu.py", "bench_gemm.py", "bench_mlp.py"] if on_gpu else ["bench_cpu.py"]
     missing = [s for s in scripts if not (bench / s).is_file()]
     if missing:
         raise CliError(f"the benchmarks ({', '.join(missing)}) ship with the source checkout, not found in {bench}")

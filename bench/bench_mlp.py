@@ -27,7 +27,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--quick", action="store_true", help="2048 tokens")
     args = ap.parse_args()
+    if args.quick:
+        args.tokens = 2048
     info = meta()
     print("# fp8core MLP training-step benchmark", json.dumps(info))
     torch.manual_seed(0)

@@ -15,7 +15,6 @@ import time
 from datetime import date
 
 import cupy as cp
-import numpy as np
 import torch
 
 import fp8core

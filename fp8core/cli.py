@@ -25,8 +25,8 @@ class CliError(Exception):
 
 
 def _progress(done: int, total: int, text: str = "") -> None:
-    if not sys.stderr.isatty() and done not in (total,) and done % max(1, total // 10):
-        return
+    if not sys.stderr.isatty() and done != total and done % max(1, total // 10):
+        return  # a log, not a terminal: every tenth only
     width = 30
     filled = width * done // max(total, 1)
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}")

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import ml_dtypes
 import numpy as np
 import pytest
 

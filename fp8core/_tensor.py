@@ -3,12 +3,16 @@
 A :class:`Tensor` is a zero-copy view of the caller's memory. On the CPU its ``data`` is a NumPy array in the
 logical dtype (ml_dtypes for fp8 and bf16); on a CUDA device it is a CuPy array in storage dtype (uint8 for
 fp8, uint16 for bf16), because CuPy has neither type.
+
+Each array type fp8core knows (NumPy, torch, CuPy, JAX) has a fast path that reads the array's own
+attributes; DLPack capsules are parsed only for other producers. The fast paths and the DLPack path give the
+same views and the same errors (tests/test_fastpath.py runs both).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -16,7 +20,7 @@ import numpy as np
 from ._dlpack import CPU, CUDA, CUDA_HOST, CUDA_MANAGED, DLView, Exporter, import_dlpack
 from .formats import dtype_name
 
-__all__ = ["Tensor", "wrap", "export", "storage_dtype", "logical_numpy_dtype"]
+__all__ = ["Tensor", "wrap", "export", "empty", "storage_dtype", "logical_numpy_dtype"]
 
 _STORAGE = {"float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "bfloat16": np.uint16}
 
@@ -33,9 +37,10 @@ def logical_numpy_dtype(name: str) -> np.dtype:
 
 
 Device = tuple  # ("cpu", 0) or ("cuda", ordinal)
+_CPU = ("cpu", 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Tensor:
     data: Any
     dtype: str
@@ -59,6 +64,157 @@ class Tensor:
         return "cpu" if self.device[0] == "cpu" else f"cuda:{self.device[1]}"
 
 
+# ---- NumPy ------------------------------------------------------------------------------------------------
+
+# dtype.num -> logical name, for native byte order (a big-endian dtype shares its num and is refused first).
+_NP_NAMES: dict[int, str] = {
+    np.dtype(t).num: np.dtype(t).name
+    for t in (np.float32, np.float16, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+              np.uint32, np.uint64, np.bool_, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+}
+
+
+def _numpy_dtype_name(dt: np.dtype, arg: str) -> str:
+    if not dt.isnative:
+        order = "big-endian" if dt.byteorder == ">" else "non-native"
+        raise TypeError(f"{arg}: {order} data (dtype '{dt.str}', byte order '{dt.byteorder}') is not supported; "
+                        f"convert it with .astype('{dt.newbyteorder('=').str}')")
+    name = _NP_NAMES.get(dt.num)
+    return name if name is not None else dtype_name(dt)
+
+
+def _from_numpy(arr: np.ndarray, arg: str, origin: str = "numpy") -> Tensor:
+    dt = arr.dtype
+    name = _NP_NAMES.get(dt.num) if dt.isnative else None
+    if name is None:
+        name = _numpy_dtype_name(dt, arg)
+    return Tensor(arr, name, _CPU, origin, not arr.flags.writeable)
+
+
+# ---- torch ------------------------------------------------------------------------------------------------
+
+_torch: Any = None
+# torch dtype -> (logical name, torch dtype that .numpy() accepts at the same size or None, NumPy view or None)
+_TORCH_INFO: dict[Any, tuple[str, Any, Any]] = {}
+
+
+def _torch_module() -> Any:
+    global _torch
+    if _torch is None:
+        import torch
+
+        _torch = torch
+    return _torch
+
+
+def _torch_info(dt: Any, arg: str) -> tuple[str, Any, Any]:
+    info = _TORCH_INFO.get(dt)
+    if info is not None:
+        return info
+    torch = _torch_module()
+    name = str(dt)[len("torch."):]
+    if dt.is_complex:
+        raise TypeError(f"{arg}: complex data ({name}) is not supported; pass the real part (.real) or a real "
+                        "tensor")
+    try:
+        torch.empty(0, dtype=dt).numpy()
+        info = (name, None, None)
+    except TypeError:
+        logical = getattr(ml_dtypes, name, None)
+        if logical is None:
+            raise TypeError(f"{arg}: torch dtype {name} is not supported") from None
+        size = np.dtype(logical).itemsize
+        info = (name, {1: torch.uint8, 2: torch.int16}[size], np.dtype(logical))
+    _TORCH_INFO[dt] = info
+    return info
+
+
+def _check_torch(t: Any, arg: str) -> None:
+    """Refusals shared by the torch fast path and the DLPack path: lazy negation and conjugation views carry
+    a bit that DLPack cannot express, and a tensor read without it would be read as its opposite."""
+    if t.is_neg():
+        raise ValueError(f"{arg}: the tensor carries torch's negative bit (a lazy negation view such as "
+                         "torch._neg_view(t) or t.conj().imag); call .resolve_neg() on it first")
+    if t.is_complex():
+        raise TypeError(f"{arg}: complex data ({str(t.dtype)[len('torch.'):]}) is not supported; pass a real "
+                        "tensor")
+
+
+def _from_torch(t: Any, arg: str) -> Tensor:
+    if t.is_neg() or t.is_complex():
+        _check_torch(t, arg)
+    name, view_as, logical = _torch_info(t.dtype, arg)
+    kind = t.device.type
+    if kind == "cpu":
+        if t.requires_grad:
+            t = t.detach()
+        try:
+            arr = (t if view_as is None else t.view(view_as)).numpy()
+        except RuntimeError as e:  # tensor subclasses without storage (DTensor, fake tensors)
+            raise TypeError(f"{arg}: could not read the torch tensor's memory: {e}") from e
+        return Tensor(arr if logical is None else arr.view(logical), name, _CPU, "torch")
+    if kind == "cuda":
+        return _torch_cuda(t, name, arg)
+    raise ValueError(f"{arg}: torch device '{t.device}' is neither CPU nor CUDA")
+
+
+def _torch_cuda(t: Any, name: str, arg: str) -> Tensor:
+    cupy = _cupy_module()
+    storage = storage_dtype(name)
+    device_id = t.device.index or 0
+    shape = tuple(t.shape)
+    if t.numel() == 0:
+        with cupy.cuda.Device(device_id):
+            return Tensor(cupy.empty(shape, dtype=storage), name, ("cuda", device_id), "torch")
+    strides = t.stride()
+    extent = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * storage.itemsize
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), extent, t, device_id)
+    arr = cupy.ndarray(shape, dtype=storage, memptr=cupy.cuda.MemoryPointer(mem, 0),
+                       strides=tuple(s * storage.itemsize for s in strides))
+    return Tensor(arr, name, ("cuda", device_id), "torch")
+
+
+# ---- CuPy and JAX -----------------------------------------------------------------------------------------
+
+_cupy: Any = None
+
+
+def _cupy_module() -> Any:
+    global _cupy
+    if _cupy is None:
+        import cupy
+
+        _cupy = cupy
+    return _cupy
+
+
+def _from_cupy(arr: Any, arg: str) -> Tensor:
+    return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), ("cuda", arr.data.device_id), "cupy")
+
+
+def _from_jax(x: Any, arg: str) -> Tensor:
+    device_type, _ = x.__dlpack_device__()
+    if device_type == CPU:
+        return _from_numpy(np.asarray(x), arg, "jax")  # zero-copy and read-only on the CPU
+    return _from_dlpack(x, arg)
+
+
+def _jax_tracer(x: Any, arg: str) -> Tensor:
+    raise TypeError(f"{arg}: got a JAX tracer: the core primitives need concrete arrays and cannot run inside "
+                    "jax.jit, vmap or grad; use the same function from fp8core.jax (e.g. fp8core.jax.quantize), "
+                    "which does")
+
+
+def _from_jax_buffer(b: Any, arg: str) -> Tensor:
+    """A buffer that ``jax.experimental.buffer_callback`` hands fp8core.jax's callbacks: XLA's memory."""
+    if b.__dlpack_device__()[0] == CPU:
+        arr = np.asarray(b)
+        return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), _CPU, "jax", not b.writeable)
+    return _from_dlpack(b, arg)
+
+
+# ---- DLPack: every other producer -------------------------------------------------------------------------
+
 def _origin(obj: Any) -> str:
     module = type(obj).__module__.split(".")[0]
     if module in ("torch", "cupy", "numpy"):
@@ -78,10 +234,10 @@ class _Interface:
         }
 
 
-def _numpy_from_view(view: DLView) -> np.ndarray:
-    logical = logical_numpy_dtype(view.dtype) if not view.dtype.startswith("dlpack(") else None
-    if logical is None:
-        raise TypeError(f"unsupported DLPack dtype {view.dtype}")
+def _numpy_from_view(view: DLView, arg: str = "x") -> np.ndarray:
+    if view.dtype.startswith("dlpack("):
+        raise TypeError(f"{arg}: unsupported DLPack dtype {view.dtype}")
+    logical = logical_numpy_dtype(view.dtype)
     storage = storage_dtype(view.dtype)
     if 0 in view.shape or view.ptr == 0:
         return np.empty(view.shape, dtype=logical)
@@ -90,8 +246,7 @@ def _numpy_from_view(view: DLView) -> np.ndarray:
 
 
 def _cupy_from_view(view: DLView) -> Any:
-    import cupy
-
+    cupy = _cupy_module()
     storage = storage_dtype(view.dtype)
     if 0 in view.shape:
         with cupy.cuda.Device(view.device_id):
@@ -106,44 +261,118 @@ def _cupy_from_view(view: DLView) -> Any:
 def _torch_stream(obj: Any) -> int | None:
     if not obj.is_cuda:
         return None
-    import torch
-
-    handle = torch.cuda.current_stream(obj.device).cuda_stream
+    handle = _torch_module().cuda.current_stream(obj.device).cuda_stream
     return handle or 1  # DLPack forbids 0 for CUDA: 1 names the legacy default stream
 
 
-def wrap(obj: Any, arg: str = "x") -> Tensor:
-    """A zero-copy :class:`Tensor` over ``obj`` (numpy, torch, jax, cupy, any DLPack or array-interface object)."""
-    if isinstance(obj, Tensor):
-        return obj
+def _from_dlpack(obj: Any, arg: str) -> Tensor:
     origin = _origin(obj)
-    if isinstance(obj, np.ndarray):
-        return Tensor(obj, dtype_name(obj.dtype), ("cpu", 0), "numpy", not obj.flags.writeable)
-    if origin == "cupy" or (not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__")):
-        import cupy
+    stream = None
+    if origin == "torch":
+        _check_torch(obj, arg)
+        obj = obj.detach()
+        stream = _torch_stream(obj)
+    elif isinstance(obj, np.ndarray):
+        _numpy_dtype_name(obj.dtype, arg)  # byte order: NumPy's exporter refuses it with a vaguer message
+    try:
+        view = import_dlpack(obj, stream=stream, arg=arg)
+    except (BufferError, RuntimeError) as e:
+        raise TypeError(f"{arg}: could not be read through DLPack: {e}") from e
+    readonly = view.readonly or origin == "jax"  # JAX arrays are immutable; legacy capsules carry no flag
+    if view.device_type in (CPU, CUDA_HOST):
+        return Tensor(_numpy_from_view(view, arg), view.dtype, _CPU, origin, readonly)
+    if view.device_type in (CUDA, CUDA_MANAGED):
+        return Tensor(_cupy_from_view(view), view.dtype, ("cuda", view.device_id), origin, readonly)
+    raise ValueError(f"{arg}: DLPack device type {view.device_type} is neither CPU nor CUDA")
 
-        arr = obj if origin == "cupy" else cupy.asarray(obj)
-        return Tensor(arr, dtype_name(arr.dtype), ("cuda", arr.device.id), origin)
+
+def _generic(obj: Any, arg: str) -> Tensor:
+    if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
+        cupy = _cupy_module()
+        arr = cupy.asarray(obj)
+        return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), ("cuda", arr.data.device_id), _origin(obj))
     if hasattr(obj, "__dlpack__"):
-        stream = None
-        if origin == "torch":
-            obj = obj.detach()
-            stream = _torch_stream(obj)
-        try:
-            view = import_dlpack(obj, stream=stream, arg=arg)
-        except (BufferError, RuntimeError) as e:
-            raise TypeError(f"{arg}: could not be read through DLPack: {e}") from e
-        readonly = view.readonly or origin == "jax"  # JAX arrays are immutable; legacy capsules carry no flag
-        if view.device_type in (CPU, CUDA_HOST):
-            return Tensor(_numpy_from_view(view), view.dtype, ("cpu", 0), origin, readonly)
-        if view.device_type in (CUDA, CUDA_MANAGED):
-            return Tensor(_cupy_from_view(view), view.dtype, ("cuda", view.device_id), origin, readonly)
-        raise ValueError(f"{arg}: DLPack device type {view.device_type} is neither CPU nor CUDA")
+        return _from_dlpack(obj, arg)
     if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
-        arr = np.asarray(obj)
-        return Tensor(arr, dtype_name(arr.dtype), ("cpu", 0), "numpy", not arr.flags.writeable)
+        return _from_numpy(np.asarray(obj), arg)
     raise TypeError(f"{arg}: expected an array (numpy, torch, jax, cupy or any DLPack producer), "
                     f"got {type(obj).__name__}")
+
+
+# ---- dispatch by type -------------------------------------------------------------------------------------
+
+Handler = Callable[[Any, str], Tensor]
+_HANDLERS: dict[type, Handler] = {np.ndarray: _from_numpy, Tensor: lambda t, arg: t}
+# tests/test_fastpath.py turns this off to send every known type through DLPack.
+FAST_PATHS = True
+
+
+def _handler_for(tp: type) -> Handler:
+    """The reader for an array type, decided once per type from its module and base classes."""
+    module = tp.__module__.split(".")[0]
+    handler: Handler = _generic
+    if issubclass(tp, np.ndarray):
+        handler = _from_numpy
+    elif module == "torch" and issubclass(tp, _torch_module().Tensor):
+        handler = _from_torch
+    elif module == "cupy" and issubclass(tp, _cupy_module().ndarray):
+        handler = _from_cupy
+    elif module in ("jax", "jaxlib"):
+        import jax
+
+        if issubclass(tp, jax.core.Tracer):
+            handler = _jax_tracer
+        elif issubclass(tp, jax.Array):
+            handler = _from_jax
+        elif tp.__module__ == "jax.experimental.buffer_callback":
+            handler = _from_jax_buffer
+    _HANDLERS[tp] = handler
+    return handler
+
+
+def wrap(obj: Any, arg: str = "x") -> Tensor:
+    """A zero-copy :class:`Tensor` over ``obj`` (numpy, torch, jax, cupy, any DLPack or array-interface object).
+
+    Refused with an error naming ``arg``: non-native byte order, complex data, torch tensors carrying the
+    negative bit, JAX tracers, devices other than CPU and CUDA.
+    """
+    tp = type(obj)
+    if tp is np.ndarray:
+        dt = obj.dtype
+        name = _NP_NAMES.get(dt.num) if dt.isnative else None
+        if name is not None:
+            return Tensor(obj, name, _CPU, "numpy", not obj.flags.writeable)
+    if not FAST_PATHS and tp is not Tensor:
+        if _handler_for(tp) is _jax_tracer:
+            return _jax_tracer(obj, arg)
+        return _generic(obj, arg)
+    handler = _HANDLERS.get(tp)
+    if handler is None:
+        handler = _handler_for(tp)
+    return handler(obj, arg)
+
+
+# ---- outputs ----------------------------------------------------------------------------------------------
+
+# NumPy storage dtype -> torch dtype of the same size that .numpy() gives back.
+_TORCH_STORAGE: dict[int, Any] = {}
+
+
+def empty(shape: Any, dtype: Any, like: Tensor) -> np.ndarray:
+    """CPU output memory for ``like``'s caller: torch's allocator for torch callers (so the result is an
+    ordinary resizable torch tensor, returned by :func:`export` without a copy), NumPy's otherwise."""
+    if like.origin != "torch":
+        return np.empty(shape, dtype)
+    dt = np.dtype(dtype)
+    torch_dt = _TORCH_STORAGE.get(dt.num)
+    if torch_dt is None:
+        torch = _torch_module()
+        storage = np.dtype(_STORAGE.get(dt.name, dt))
+        torch_dt = {1: torch.uint8, 2: torch.int16}[storage.itemsize] if storage != dt else \
+            getattr(torch, dt.name)
+        _TORCH_STORAGE[dt.num] = torch_dt
+    arr = _torch.empty(shape, dtype=torch_dt).numpy()
+    return arr if arr.dtype == dt else arr.view(dt)
 
 
 def _pointer(data: Any) -> int:
@@ -152,18 +381,56 @@ def _pointer(data: Any) -> int:
     return data.data.ptr if data.size else 0
 
 
+def _exporter(data: Any, dtype: str, like: Tensor) -> Exporter:
+    on_cuda = not isinstance(data, np.ndarray)
+    return Exporter(_pointer(data), tuple(data.shape), dtype, CUDA if on_cuda else CPU,
+                    like.device[1] if on_cuda else 0, owner=data,
+                    strides=tuple(s // data.itemsize for s in data.strides))
+
+
+def _torch_owner(data: Any) -> Any:
+    """The torch tensor whose memory ``data`` covers exactly, when torch allocated it (see :func:`empty` and
+    the CUDA backend's ``_empty``), else None."""
+    torch = _torch
+    if type(data) is np.ndarray:
+        owner = data.base
+        while type(owner) is np.ndarray:
+            owner = owner.base
+        # A C-contiguous view as large as a contiguous owner starts where the owner starts.
+        if isinstance(owner, torch.Tensor) and data.flags.c_contiguous and data.nbytes == owner.nbytes \
+                and owner.is_contiguous():
+            return owner
+        return None
+    mem = getattr(data.data, "mem", None)
+    owner = getattr(mem, "_owner", None)
+    if isinstance(owner, torch.Tensor) and data.flags.c_contiguous and data.nbytes == owner.nbytes \
+            and owner.is_contiguous() and data.data.ptr == owner.data_ptr():
+        return owner
+    return None
+
+
+def _to_torch(data: Any, dtype: str, like: Tensor) -> Any:
+    torch = _torch_module()
+    target = getattr(torch, dtype)
+    if FAST_PATHS:
+        owner = _torch_owner(data)
+        if owner is not None:
+            out = owner if owner.dtype == target else owner.view(target)
+            return out if out.shape == data.shape else out.view(data.shape)
+        if type(data) is np.ndarray and data.flags.writeable and data.flags.c_contiguous:
+            storage = storage_dtype(dtype)
+            t = torch.from_numpy(data if data.dtype == storage else data.view(storage))
+            return t if t.dtype == target else t.view(target)
+    return torch.from_dlpack(_exporter(data, dtype, like))
+
+
 def export(data: Any, dtype: str, like: Tensor) -> Any:
     """Return backend output ``data`` (logical ``dtype``) as the same kind of array as ``like``."""
-    if like.origin == "numpy" or like.origin == "cupy" or like.origin == "dlpack":
+    origin = like.origin
+    if origin == "numpy" or origin == "cupy" or origin == "dlpack":
         return data
-    on_cuda = not isinstance(data, np.ndarray)
-    exporter = Exporter(_pointer(data), tuple(data.shape), dtype, CUDA if on_cuda else CPU,
-                        like.device[1] if on_cuda else 0, owner=data,
-                        strides=tuple(s // data.itemsize for s in data.strides))
-    if like.origin == "torch":
-        import torch
-
-        return torch.from_dlpack(exporter)
+    if origin == "torch":
+        return _to_torch(data, dtype, like)
     import jax.dlpack
 
-    return jax.dlpack.from_dlpack(exporter)
+    return jax.dlpack.from_dlpack(_exporter(data, dtype, like))

@@ -4,26 +4,31 @@ caller's own array type. The numerics are in docs/numerics.md; the backends impl
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import backends
+from . import _checks, backends
 from ._tensor import Tensor, export, wrap
-from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
+from .backends import cpu as _cpu
+from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
 
 __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose",
            "compute_scale", "multi_amax", "multi_quantize"]
 
 Array = Any
-MAX_MARGIN = 512
+MAX_MARGIN = _checks.MAX_MARGIN
+_HP = frozenset(HIGH_PRECISION_DTYPES)
+_F32_MAX = 3.4028234663852886e38
 
 
 # ---- argument checks shared by every primitive; the same errors on every backend ---------------------------
+# The hot path: the cheap test first, the message only when it fails. Scalar rules live in _checks.
 
 def _contiguous(t: Tensor, arg: str) -> Tensor:
     data = t.data
-    if data.size > 1 and not data.flags.c_contiguous:
+    if not data.flags.c_contiguous and data.size > 1:
         raise ValueError(f"{arg}: expected a contiguous (row-major) array, got strides {data.strides} for "
                          f"shape {data.shape}; make it contiguous first")
     return t
@@ -31,27 +36,41 @@ def _contiguous(t: Tensor, arg: str) -> Tensor:
 
 def _high_precision(obj: Any, arg: str) -> Tensor:
     t = _contiguous(wrap(obj, arg), arg)
-    if t.dtype not in HIGH_PRECISION_DTYPES:
-        if t.dtype in FP8_DTYPES:
-            raise TypeError(f"{arg}: expected float32, bfloat16 or float16 data, got fp8 ({t.dtype}); "
-                            "dequantize it first")
-        raise TypeError(f"{arg}: expected float32, bfloat16 or float16 data, got {t.dtype}")
+    if t.dtype not in _HP:
+        _checks.high_precision_name(t.dtype, arg)
     return t
+
+
+# Format lookups without as_format's parsing: every spelling seen once is remembered.
+_FORMATS: dict[Any, Format] = {Format.E4M3: Format.E4M3, Format.E5M2: Format.E5M2}
+_FP8_NAME = {Format.E4M3: "float8_e4m3fn", Format.E5M2: "float8_e5m2"}
+
+
+def _format(fmt: Any) -> Format:
+    try:
+        f = _FORMATS.get(fmt)
+    except TypeError:  # unhashable: as_format names the problem
+        return as_format(fmt)
+    if f is None:
+        f = as_format(fmt)
+        if isinstance(fmt, str) or type(fmt).__module__.split(".")[0] in ("torch", "numpy", "jax", "ml_dtypes"):
+            _FORMATS[fmt] = f
+    return f
 
 
 def _fp8(obj: Any, arg: str, fmt: Any) -> tuple[Tensor, Format]:
     """An fp8 tensor: a native fp8 dtype, or uint8 storage (CuPy) with ``fmt`` naming the format."""
     t = _contiguous(wrap(obj, arg), arg)
     if t.dtype in FP8_DTYPES:
-        found = as_format(t.dtype)
-        if fmt is not None and as_format(fmt) is not found:
-            raise ValueError(f"fmt: {as_format(fmt).name} does not match {arg}'s dtype {t.dtype}")
+        found = _format(t.dtype)
+        if fmt is not None and _format(fmt) is not found:
+            raise ValueError(f"fmt: {_format(fmt).name} does not match {arg}'s dtype {t.dtype}")
         return t, found
     if t.dtype == "uint8":
         if fmt is None:
             raise TypeError(f"{arg}: uint8 data is fp8 storage only with fmt= naming its format")
-        return t, as_format(fmt)
-    if t.dtype in HIGH_PRECISION_DTYPES:
+        return t, _format(fmt)
+    if t.dtype in _HP:
         raise TypeError(f"{arg}: expected fp8 data (float8_e4m3fn, float8_e5m2), got {t.dtype}; quantize it first")
     raise TypeError(f"{arg}: expected fp8 data (float8_e4m3fn, float8_e5m2), got {t.dtype}")
 
@@ -75,19 +94,23 @@ def _new_f32(values: Any, like: Tensor) -> Any:
 
 def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
     """A 1-element float32 array on x's device (a Python float becomes one)."""
-    if isinstance(obj, (float, int)) and not isinstance(obj, bool):
+    tp = type(obj)
+    if tp is float or tp is int or (isinstance(obj, (float, int)) and not isinstance(obj, bool)):
+        if -_F32_MAX <= obj <= _F32_MAX and x.device[0] == "cpu":
+            return np.array([obj], np.float32)
         return _new_f32([obj], x)
-    t = _f32_vector(obj, x, arg, xarg)
-    if t.size != 1:
-        raise ValueError(f"{arg}: expected 1 element, got shape {t.shape}")
-    return t.data.reshape(-1)
+    data = _f32_vector(obj, x, arg, xarg).data
+    if data.size != 1:
+        raise ValueError(f"{arg}: expected 1 element, got shape {tuple(data.shape)}")
+    return data if data.ndim == 1 else data.reshape(-1)
 
 
 def _f32_vector(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Tensor:
     t = _contiguous(wrap(obj, arg), arg)
     if t.dtype != "float32":
         raise TypeError(f"{arg}: expected float32, got {t.dtype}")
-    _same_device(t, x, arg, xarg)
+    if t.device != x.device:
+        _same_device(t, x, arg, xarg)
     return t
 
 
@@ -95,41 +118,49 @@ def _amax_slot(obj: Any, x: Tensor) -> Any:
     if obj is None:
         return None
     t = _f32_vector(obj, x, "amax_out")
-    if t.size != 1:
+    if t.data.size != 1:
         raise ValueError(f"amax_out: expected 1 element, got shape {t.shape}")
     if t.readonly:
         raise ValueError("amax_out: is read-only (JAX arrays are immutable: fp8core.jax returns amax instead)")
-    return t.data.reshape(-1)
+    data = t.data
+    return data if data.ndim == 1 else data.reshape(-1)
 
 
-def _margin(margin: int) -> int:
-    if isinstance(margin, bool) or not isinstance(margin, (int, np.integer)):
-        raise TypeError(f"margin: expected an int, got {type(margin).__name__}")
-    if abs(int(margin)) > MAX_MARGIN:
-        raise ValueError(f"margin: expected |margin| <= {MAX_MARGIN}, got {margin}")
-    return int(margin)
-
-
-def _epsilon(epsilon: float) -> float:
-    eps = float(epsilon)
-    if not eps >= 0.0 or eps == float("inf"):
-        raise ValueError(f"epsilon: expected a finite value >= 0, got {epsilon}")
-    return eps
+_margin = _checks.margin
+_epsilon = _checks.epsilon
 
 
 def _as_2d(t: Tensor, arg: str) -> Tensor:
-    shape = t.shape
+    shape = t.data.shape
     if len(shape) == 0:
         raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
-    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    if len(shape) == 2:
+        return t
+    rows = math.prod(shape[:-1])
     return Tensor(t.data.reshape(rows, shape[-1]), t.dtype, t.device, t.origin, t.readonly)
 
 
+_OUT_DTYPES: dict[Any, str] = {}
+
+
 def _out_dtype(out_dtype: Any) -> str:
-    name = dtype_name(out_dtype) if not isinstance(out_dtype, str) else out_dtype
-    if name not in HIGH_PRECISION_DTYPES:
-        raise ValueError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype!r}")
+    try:
+        name = _OUT_DTYPES.get(out_dtype)
+    except TypeError:
+        return _checks.out_dtype(out_dtype)
+    if name is None:
+        name = _OUT_DTYPES[out_dtype] = _checks.out_dtype(out_dtype)
     return name
+
+
+def _backend(t: Tensor) -> Any:
+    return _cpu if t.device[0] == "cpu" else backends.for_device(t.device)
+
+
+def _reduce(reduce: Any) -> Any:
+    if reduce is not None and not callable(reduce):
+        raise TypeError(f"reduce: expected a callable or None, got {type(reduce).__name__}")
+    return reduce
 
 
 # ---- the primitives ---------------------------------------------------------------------------------------
@@ -140,7 +171,7 @@ def amax(x: Array) -> Array:
     x: float32, bfloat16 or float16, any shape.
     """
     t = _high_precision(x, "x")
-    return export(backends.for_device(t.device).amax(t), "float32", t)
+    return export(_backend(t).amax(t), "float32", t)
 
 
 def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
@@ -151,9 +182,9 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     amax_out: optional 1-element float32, updated in place to ``max(amax_out, amax(x))``.
     """
     t = _high_precision(x, "x")
-    f = as_format(fmt)
+    f = _format(fmt)
     s, a = _scalar(scale, t, "scale"), _amax_slot(amax_out, t)
-    return export(backends.for_device(t.device).quantize(t, s, f, a), f.dtype_name, t)
+    return export(_backend(t).quantize(t, s, f, a), _FP8_NAME[f], t)
 
 
 def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int = 0, power_of_2: bool = False,
@@ -165,10 +196,10 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     is taken. Returns ``(q, scale_inv, amax)``; scale_inv and amax are 1-element float32 on x's device.
     """
     t = _high_precision(x, "x")
-    f = as_format(fmt)
-    q, s_inv, a = backends.for_device(t.device).quantize_dynamic(
-        t, f, _margin(margin), bool(power_of_2), _epsilon(epsilon), reduce)
-    return export(q, f.dtype_name, t), export(s_inv, "float32", t), export(a, "float32", t)
+    f = _format(fmt)
+    q, s_inv, a = _backend(t).quantize_dynamic(
+        t, f, _margin(margin), _checks.flag(power_of_2, "power_of_2"), _epsilon(epsilon), _reduce(reduce))
+    return export(q, _FP8_NAME[f], t), export(s_inv, "float32", t), export(a, "float32", t)
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *,
@@ -180,14 +211,14 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     t, f = _fp8(q, "q", fmt)
     name = _out_dtype(out_dtype)
     s = _scalar(scale_inv, t, "scale_inv", "q")
-    return export(backends.for_device(t.device).dequantize(t, f, s, name), name, t)
+    return export(_backend(t).dequantize(t, f, s, name), name, t)
 
 
 def transpose(q: Array, *, fmt: Format | str | None = None) -> Array:
     """``q_t[N, M]`` of fp8 ``q[M, N]`` (more dims are viewed as [prod(leading), last]), bits unchanged."""
     t, f = _fp8(q, "q", fmt)
     t = _as_2d(t, "q")
-    return export(backends.for_device(t.device).transpose(t), f.dtype_name, t)
+    return export(_backend(t).transpose(t), _FP8_NAME[f], t)
 
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
@@ -197,10 +228,11 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     x: [M, N] (more dims are viewed as [prod(leading), last]); q has x's shape, q_t is [N, M].
     """
     t = _high_precision(x, "x")
-    f = as_format(fmt)
+    f = _format(fmt)
     s, a = _scalar(scale, t, "scale"), _amax_slot(amax_out, t)
-    q, qt = backends.for_device(t.device).cast_transpose(_as_2d(t, "x"), s, f, a)
-    return export(q.reshape(t.shape), f.dtype_name, t), export(qt, f.dtype_name, t)
+    q, qt = _backend(t).cast_transpose(_as_2d(t, "x"), s, f, a)
+    name = _FP8_NAME[f]
+    return export(q.reshape(t.data.shape), name, t), export(qt, name, t)
 
 
 def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, power_of_2: bool = False,
@@ -208,22 +240,31 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
     """``(scale, scale_inv)`` from amax by the one scale rule of the contract, elementwise.
 
     Where there is no new scale (amax 0, inf or NaN after the epsilon floor) the result is ``previous``
-    (delayed scaling) or 1.0 (current scaling, ``previous=None``).
+    (delayed scaling) or 1.0 (current scaling, ``previous=None``). ``previous`` must hold finite scales > 0;
+    it is checked when it is a number or host memory (a GPU array is not read back: that would synchronise).
+    A 0-d amax gives [1] results, like every scale in fp8core; otherwise the results have amax's shape.
     """
-    f = as_format(fmt)
-    if isinstance(amax, (float, int)):
+    f = _format(fmt)
+    if isinstance(amax, (float, int)) and not isinstance(amax, bool):
         amax = np.array([amax], np.float32)
     t = _contiguous(wrap(amax, "amax"), "amax")
     if t.dtype != "float32":
         raise TypeError(f"amax: expected float32, got {t.dtype}")
+    if t.data.ndim == 0:
+        t = Tensor(t.data.reshape(1), t.dtype, t.device, t.origin, t.readonly)
+    m, p2, eps = _margin(margin), _checks.flag(power_of_2, "power_of_2"), _epsilon(epsilon)
     prev = None
     if previous is not None:
-        prev = _new_f32([previous], t) if isinstance(previous, (float, int)) else \
-            _f32_vector(previous, t, "previous", "amax").data
+        if isinstance(previous, (float, int, np.floating, np.integer)) and not isinstance(previous, bool):
+            prev = _new_f32([_checks.scale_value(previous, "previous")], t)
+        else:
+            pt = _f32_vector(previous, t, "previous", "amax")
+            prev = pt.data
+            if not pt.is_cuda:
+                _checks.scale_values(prev, "previous")
         if prev.size not in (1, t.size):
             raise ValueError(f"previous: expected 1 or {t.size} elements, got {prev.size}")
-    s, s_inv = backends.for_device(t.device).compute_scale(
-        t.data, f.max, _margin(margin), bool(power_of_2), _epsilon(epsilon), prev)
+    s, s_inv = _backend(t).compute_scale(t.data, f.max, m, p2, eps, prev)
     return export(s, "float32", t), export(s_inv, "float32", t)
 
 
@@ -232,9 +273,7 @@ def multi_amax(xs: Sequence[Array], out: Array | None = None) -> Array:
 
     ``out`` (float32 [len(xs)], e.g. row 0 of a ScalingState history) is created zeroed when omitted.
     """
-    ts = [_high_precision(x, f"xs[{i}]") for i, x in enumerate(xs)]
-    if not ts:
-        raise ValueError("xs: expected at least one tensor")
+    ts = [_high_precision(x, f"xs[{i}]") for i, x in enumerate(_checks.array_sequence(xs))]
     for i, t in enumerate(ts[1:], 1):
         _same_device(t, ts[0], f"xs[{i}]", "xs[0]")
     if out is None:
@@ -245,7 +284,7 @@ def multi_amax(xs: Sequence[Array], out: Array | None = None) -> Array:
             raise ValueError(f"out: expected {len(ts)} elements, got {o.size}")
         if o.readonly:
             raise ValueError("out: is read-only")
-    backends.for_device(ts[0].device).multi_amax(ts, o.data.reshape(-1))
+    _backend(ts[0]).multi_amax(ts, o.data.reshape(-1))
     return out if out is not None else export(o.data, "float32", ts[0])
 
 
@@ -255,11 +294,9 @@ def multi_quantize(xs: Sequence[Array], scales: Array, fmts: Format | str | Sequ
 
     ``amax_out`` (float32 [len(xs)]) accumulates each tensor's amax, like :func:`quantize` does.
     """
-    ts = [_high_precision(x, f"xs[{i}]") for i, x in enumerate(xs)]
-    if not ts:
-        raise ValueError("xs: expected at least one tensor")
+    ts = [_high_precision(x, f"xs[{i}]") for i, x in enumerate(_checks.array_sequence(xs))]
     n = len(ts)
-    fl = [as_format(fmts)] * n if isinstance(fmts, (Format, str)) else [as_format(f) for f in fmts]
+    fl = [_format(fmts)] * n if isinstance(fmts, (Format, str)) else [_format(f) for f in fmts]
     if len(fl) != n:
         raise ValueError(f"fmts: expected {n} formats, got {len(fl)}")
     for i, t in enumerate(ts[1:], 1):
@@ -275,6 +312,6 @@ def multi_quantize(xs: Sequence[Array], scales: Array, fmts: Format | str | Sequ
         if at.readonly:
             raise ValueError("amax_out: is read-only")
         am = at.data.reshape(-1)
-    qs = backends.for_device(ts[0].device).multi_quantize(
+    qs = _backend(ts[0]).multi_quantize(
         ts, [sc[i:i + 1] for i in range(n)], fl, [None if am is None else am[i:i + 1] for i in range(n)])
-    return [export(q, f.dtype_name, t) for q, f, t in zip(qs, fl, ts)]
+    return [export(q, _FP8_NAME[f], t) for q, f, t in zip(qs, fl, ts)]

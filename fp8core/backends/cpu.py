@@ -6,13 +6,14 @@ Arrays here are NumPy arrays in their logical dtype (ml_dtypes for fp8 and bf16)
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Callable
 
 import numpy as np
 
-from .._tensor import Tensor, logical_numpy_dtype
+from .._tensor import Tensor, empty, logical_numpy_dtype
 from ..formats import Format
 
 xp = np
@@ -20,24 +21,55 @@ name = "cpu"
 
 _CHUNK = 1 << 16  # elements per task: the fp32 temporaries stay in L2
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
+# Below this many elements a call runs on the calling thread alone: handing chunks to the pool costs more than
+# the second core saves (measured on 2 cores, bench/results/cpu-2core-crossover.txt).
+_POOL_MIN = 1 << 20
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 F32_NAN_BITS = np.uint32(0x7FFFFFFF)
 FLT_MAX = np.float32(3.4028235e38)
 
 
-def _map(n: int, fn: Callable[[int, int], Any]) -> list[Any]:
-    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``; one contiguous share per core."""
+def _forget_pool() -> None:
+    """In a forked child: the parent's worker threads do not exist here, and an executor that believes it has
+    idle workers would queue work that nobody runs (a hang). The child makes its own pool when it needs one."""
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _get_pool() -> ThreadPoolExecutor:
     global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="fp8core")
+        return _pool
+
+
+def _run_share(fn: Callable[[int, int], Any], share: list[tuple[int, int]]) -> list[Any]:
+    return [fn(a, b) for a, b in share]
+
+
+def _map(n: int, fn: Callable[[int, int], Any]) -> list[Any]:
+    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``; from ``_POOL_MIN`` elements up, one
+    contiguous share per core, the first on the calling thread."""
+    if n <= _CHUNK:
+        return [fn(0, n)] if n else []
     chunks = [(s, min(s + _CHUNK, n)) for s in range(0, n, _CHUNK)]
-    if len(chunks) <= 2 or _THREADS == 1:
+    if n < _POOL_MIN or _THREADS == 1:
         return [fn(a, b) for a, b in chunks]
-    if _pool is None:
-        _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="fp8core")
+    pool = _pool or _get_pool()
     per = -(-len(chunks) // _THREADS)
     shares = [chunks[i:i + per] for i in range(0, len(chunks), per)]
-    results = _pool.map(lambda share: [fn(a, b) for a, b in share], shares)
-    return [r for share in results for r in share]
+    futures = [pool.submit(_run_share, fn, share) for share in shares[1:]]
+    results = _run_share(fn, shares[0])
+    for f in futures:
+        results.extend(f.result())
+    return results
 
 
 def _flat(t: Tensor) -> np.ndarray:
@@ -136,7 +168,7 @@ _TABLE_MIN = 1 << 18  # below this, building the table costs more than it saves
 
 def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None) -> np.ndarray:
     scale = scale_value(scale)
-    q = np.empty(x.shape, dtype=fmt.numpy_dtype)
+    q = empty(x.shape, fmt.numpy_dtype, x)
     flat, qflat = _flat(x), q.reshape(-1)
     if flat.dtype.itemsize == 2 and flat.size >= _TABLE_MIN:
         table = _quantize_table(x.dtype, int(scale.view(np.uint32)), fmt)
@@ -193,7 +225,7 @@ def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarr
 def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str) -> np.ndarray:
     table = _dequant_table(fmt, int(scale_value(scale_inv).view(np.uint32)), out_dtype)
     codes = _flat(q).view(np.uint8)
-    y = np.empty(q.size, dtype=table.dtype)
+    y = empty(q.size, table.dtype, q)
     _map(codes.size, lambda a, b: np.take(table, codes[a:b], out=y[a:b]))
     return y.reshape(q.shape)
 
@@ -202,7 +234,7 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str) -> np.nda
 
 def transpose(q: Tensor) -> np.ndarray:
     rows, cols = q.shape
-    out = np.empty((cols, rows), dtype=q.data.dtype)
+    out = empty((cols, rows), q.data.dtype, q)
     src = q.data.view(np.uint8)
     dst = out.view(np.uint8)
     block = 256  # square tiles keep both the reads and the writes in cache
@@ -214,7 +246,7 @@ def transpose(q: Tensor) -> np.ndarray:
 def cast_transpose(x: Tensor, scale: Any, fmt: Format,
                    amax_out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     q = quantize(x, scale, fmt, amax_out)
-    return q, transpose(Tensor(q, fmt.dtype_name, x.device, "numpy"))
+    return q, transpose(Tensor(q, fmt.dtype_name, x.device, x.origin))
 
 
 # ---- the scale rule and the batched delayed-scaling update -------------------------------------------------

@@ -1,0 +1,209 @@
+"""Host time per call of every fp8core primitive, by input type, with torch eager's equivalent in the same run.
+
+Small tensors (16 elements by default) make the figure the cost of the call itself: the bridge, validation,
+dispatch and, on the CPU, the reference backend's fixed cost ("backend only" rows call the backend directly,
+so the rest is fp8core's Python around it). Medians with p20/p80, in microseconds.
+
+CPU: NumPy, torch and JAX inputs. GPU (``--gpu``, run by a GPU session): torch CUDA and CuPy inputs, timed while
+a long sleep kernel holds the stream, so a launch never waits for the GPU and the figure is host time only.
+Usage: python bench/bench_overhead.py [--gpu] [--n 16] [--repeat 2000] [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from datetime import date
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_cpu import timeit  # noqa: E402  (median, p20, p80) of a callable, one warm-up call
+
+import fp8core  # noqa: E402
+from fp8core import _tensor  # noqa: E402
+from fp8core.backends import for_device  # noqa: E402
+
+Case = Callable[[], Any]
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch
+    except ImportError:
+        return None
+
+
+def _fp8_cases(x: Any, s: Any, slot: Any, q: Any, x2: Any) -> dict[str, Case]:
+    """fp8core's primitives on one kind of input (x high precision, q fp8, x2 2-D)."""
+    out_dtype = "bfloat16"
+    q2 = q.reshape(x2.shape)
+    return {
+        "amax": lambda: fp8core.amax(x),
+        "quantize": lambda: fp8core.quantize(x, s, "e4m3"),
+        "quantize+amax_out": lambda: fp8core.quantize(x, s, "e4m3", amax_out=slot),
+        "quantize_dynamic": lambda: fp8core.quantize_dynamic(x, "e4m3"),
+        "dequantize": lambda: fp8core.dequantize(q, s, out_dtype, fmt="e4m3"),
+        "transpose": lambda: fp8core.transpose(q2, fmt="e4m3"),
+        "cast_transpose": lambda: fp8core.cast_transpose(x2, s, "e4m3"),
+        "compute_scale": lambda: fp8core.compute_scale(slot, "e4m3"),
+    }
+
+
+def _backend_cases(x: Any, s: Any, slot: Any, q: Any, x2: Any) -> dict[str, Case]:
+    """The same work handed straight to the backend: the floor that fp8core's Python adds to."""
+    tx, tx2 = _tensor.wrap(x), _tensor.wrap(x2)
+    tq = fp8core.ops._fp8(q, "q", "e4m3")[0]
+    be = for_device(tx.device)
+    st, ss = _tensor.wrap(s).data.reshape(-1), _tensor.wrap(slot).data.reshape(-1)
+    e4m3 = fp8core.Format.E4M3
+    return {
+        "amax": lambda: be.amax(tx),
+        "quantize": lambda: be.quantize(tx, st, e4m3, None),
+        "quantize+amax_out": lambda: be.quantize(tx, st, e4m3, ss),
+        "quantize_dynamic": lambda: be.quantize_dynamic(tx, e4m3, 0, False, 0.0, None),
+        "dequantize": lambda: be.dequantize(tq, e4m3, st, "bfloat16"),
+        "cast_transpose": lambda: be.cast_transpose(tx2, st, e4m3, None),
+        "compute_scale": lambda: be.compute_scale(ss, 448.0, 0, False, 0.0, None),
+    }
+
+
+def _torch_eager(torch: Any, x: Any, s: Any, q: Any, x2: Any) -> dict[str, Case]:
+    """torch's own chains for the same results (what a user without fp8core writes)."""
+    def quantize(v: Any) -> Any:
+        return (v.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    def dynamic() -> Any:
+        a = x.abs().max().float()
+        scale = torch.where(a > 0, 448.0 / a, torch.ones_like(a))
+        return (x.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn), 1 / scale, a
+
+    return {
+        "amax": lambda: x.abs().max(),
+        "quantize": lambda: quantize(x),
+        "quantize+amax_out": lambda: (quantize(x), x.abs().max()),
+        "quantize_dynamic": dynamic,
+        "dequantize": lambda: (q.float() * s).to(torch.bfloat16),
+        "transpose": lambda: q.view(x2.shape).t().contiguous(),
+        "cast_transpose": lambda: (lambda c: (c, c.t().contiguous()))(quantize(x2)),
+        "compute_scale": lambda: torch.where(s > 0, 448.0 / s, torch.ones_like(s)),
+    }
+
+
+def _inputs_cpu(kind: str, n: int, torch: Any) -> tuple[Any, Any, Any, Any, Any]:
+    rng = np.random.default_rng(0)
+    xf = rng.standard_normal(n, dtype=np.float32)
+    rows = 4 if n % 4 == 0 else 1
+    if kind == "numpy":
+        x = xf.astype(ml_dtypes.bfloat16)
+        s, slot = np.array([0.5], np.float32), np.ones(1, np.float32)
+    elif kind == "torch":
+        x = torch.from_numpy(xf).to(torch.bfloat16)
+        s, slot = torch.tensor([0.5]), torch.ones(1)
+    else:
+        import jax.numpy as jnp
+
+        x = jnp.asarray(xf, dtype=jnp.bfloat16)
+        s, slot = jnp.asarray([0.5], jnp.float32), np.ones(1, np.float32)  # JAX arrays are immutable
+    q = fp8core.quantize(x, s, "e4m3")
+    return x, s, slot, q, x.reshape(rows, -1)
+
+
+def _inputs_gpu(kind: str, n: int, torch: Any) -> tuple[Any, Any, Any, Any, Any]:
+    if kind == "cupy":  # CuPy has no bfloat16: float32 data
+        import cupy
+
+        x = cupy.random.standard_normal(n, dtype=cupy.float32)
+        s, slot = cupy.full(1, 0.5, cupy.float32), cupy.ones(1, cupy.float32)
+    else:
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        s, slot = torch.tensor([0.5], device="cuda"), torch.ones(1, device="cuda")
+    q = fp8core.quantize(x, s, "e4m3")
+    rows = 4 if n % 4 == 0 else 1
+    return x, s, slot, q, x.reshape(rows, -1)
+
+
+def _busy_sampler(torch: Any, repeat: int) -> Callable[[Case], tuple[float, float, float]]:
+    """Host time per call with the stream held by a sleep kernel: launches queue instead of waiting."""
+    def sample(fn: Case) -> tuple[float, float, float]:
+        import statistics
+        import time
+
+        fn()
+        torch.cuda.synchronize()
+        times: list[float] = []
+        while len(times) < repeat:
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time: longer than a batch of 200 calls on the host
+            for _ in range(200):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+        q = statistics.quantiles(times, n=5)
+        return statistics.median(times), q[0], q[3]
+
+    return sample
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpu", action="store_true", help="torch CUDA and CuPy inputs (needs a GPU)")
+    ap.add_argument("--n", type=int, default=16, help="elements per tensor")
+    ap.add_argument("--repeat", type=int, default=2000)
+    ap.add_argument("--quick", action="store_true", help="300 calls per figure")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    repeat = 300 if args.quick else args.repeat
+    torch = _torch()
+    if torch is not None and not args.gpu:
+        torch.set_num_threads(os.cpu_count() or 1)
+    meta = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "date": str(date.today()), "n": args.n, "repeat": repeat, "fp8core": fp8core.__version__,
+            "numpy": np.__version__, "torch": torch.__version__ if torch else None}
+    if args.gpu:
+        meta["device"] = torch.cuda.get_device_name()
+        kinds, make = ["torch-cuda", "cupy"], _inputs_gpu
+        sample = _busy_sampler(torch, repeat)
+    else:
+        kinds, make = ["numpy", "torch", "jax"], _inputs_cpu
+        def sample(fn: Case) -> tuple[float, float, float]:
+            return timeit(fn, repeat)
+    print("# fp8core host time per call (us)", json.dumps(meta))
+    print(f"{'op':<18} {'input':<11} {'fp8core':>8} {'p20-p80':>13} {'backend':>8} {'torch eager':>12} "
+          f"{'x eager':>8}")
+    rows = []
+    for kind in kinds:
+        try:
+            x, s, slot, q, x2 = make(kind, args.n, torch)
+        except ImportError as e:
+            print(f"# {kind}: skipped ({e})")
+            continue
+        ours = _fp8_cases(x, s, slot, q, x2)
+        floor = _backend_cases(x, s, slot, q, x2)
+        eager = _torch_eager(torch, x, s, q, x2) if kind.startswith("torch") else {}
+        for op, fn in ours.items():
+            med, p20, p80 = (v * 1e6 for v in sample(fn))
+            row = {"op": op, "input": kind, "us": med, "us_p20": p20, "us_p80": p80, **meta}
+            if op in floor:
+                row["backend_us"] = sample(floor[op])[0] * 1e6
+            if op in eager:
+                e_med, e_p20, e_p80 = (v * 1e6 for v in sample(eager[op]))
+                row.update(torch_eager_us=e_med, torch_eager_us_p20=e_p20, torch_eager_us_p80=e_p80)
+            rows.append(row)
+            b, e = row.get("backend_us", float("nan")), row.get("torch_eager_us", float("nan"))
+            print(f"{op:<18} {kind:<11} {med:>8.1f} {p20:>6.1f}-{p80:<6.1f} {b:>8.1f} {e:>12.1f} "
+                  f"{med / e:>8.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The bridge's fast paths (NumPy, torch, JAX read through their own attributes; torch outputs allocated by
+torch) against the DLPack path they replace: identical bits, identical errors. No host synchronisation on the
+GPU path, checked in the source. The CPU thread pool survives fork."""
+
+import ast
+import gc
+import multiprocessing
+import pathlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8core
+from fp8core import _tensor
+from fp8core._tensor import wrap
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["fast", "dlpack"])
+def path(request, monkeypatch):
+    monkeypatch.setattr(_tensor, "FAST_PATHS", request.param == "fast")
+    return request.param
+
+
+def _values(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    v = (rng.standard_normal(n) * 100).astype(np.float32)
+    v[:6] = [0.0, -0.0, np.nan, np.inf, -np.inf, 1e-40]
+    return v
+
+
+def _make(kind, v, dtype):
+    """v (float32 NumPy) as `kind` in `dtype` ('float32' or 'bfloat16')."""
+    if kind == "numpy":
+        return v.astype(getattr(ml_dtypes, dtype, dtype))
+    if kind == "torch":
+        return torch.from_numpy(v.copy()).to(getattr(torch, dtype))
+    return jnp.asarray(v).astype(getattr(jnp, dtype))
+
+
+def _bits(a):
+    """The raw bytes and dtype name of any output."""
+    if isinstance(a, torch.Tensor):
+        return str(a.dtype)[6:], tuple(a.shape), a.contiguous().view(torch.uint8).numpy().tobytes()
+    arr = np.asarray(a)
+    return arr.dtype.name, arr.shape, arr.tobytes()
+
+
+def _ops(kind, dtype):
+    v = _values()
+    x = _make(kind, v, dtype)
+    x2 = x.reshape(6, 8)
+    q = fp8core.quantize(_make(kind, v, "float32"), 0.25, "e4m3")
+    slot = np.zeros(1, np.float32) if kind != "torch" else torch.zeros(1)
+    scale = {"numpy": np.array([0.25], np.float32), "torch": torch.tensor([0.25]),
+             "jax": jnp.array([0.25], jnp.float32)}[kind]
+    return {
+        "amax": lambda: fp8core.amax(x),
+        "quantize": lambda: fp8core.quantize(x, scale, "e4m3"),
+        "quantize_amax_out": lambda: (fp8core.quantize(x, 2.0, "e5m2", amax_out=slot), slot + 0),
+        "quantize_dynamic": lambda: fp8core.quantize_dynamic(x, "e4m3", margin=1),
+        "dequantize": lambda: fp8core.dequantize(q, scale, "bfloat16"),
+        "transpose": lambda: fp8core.transpose(q.reshape(6, 8)),
+        "cast_transpose": lambda: fp8core.cast_transpose(x2, scale, "e4m3"),
+        "compute_scale": lambda: fp8core.compute_scale(fp8core.amax(x), "e4m3", previous=2.0),
+    }
+
+
+OPS = ["amax", "quantize", "quantize_amax_out", "quantize_dynamic", "dequantize", "transpose", "cast_transpose",
+       "compute_scale"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["numpy", "torch", "jax"])
+@pytest.mark.parametrize("op", OPS)
+def test_fast_paths_and_dlpack_give_identical_bits(op, kind, dtype, monkeypatch):
+    results = {}
+    for mode in ("fast", "dlpack"):
+        monkeypatch.setattr(_tensor, "FAST_PATHS", mode == "fast")
+        out = _ops(kind, dtype)[op]()
+        outs = out if isinstance(out, tuple) else (out,)
+        types = {type(o).__module__.split(".")[0].replace("jaxlib", "jax") for o in outs[:1]}
+        results[mode] = ([_bits(o) for o in outs], types)
+    assert results["fast"] == results["dlpack"]
+    assert results["fast"][1] == {"numpy": {"numpy"}, "torch": {"torch"}, "jax": {"jax"}}[kind]
+
+
+def _neg_view():
+    return torch._neg_view(torch.ones(4))
+
+
+BAD = [
+    ("torch negative bit", lambda: fp8core.quantize(_neg_view(), 1.0), ValueError, r"x: .*negative bit.*resolve_neg"),
+    ("torch conj().imag", lambda: fp8core.amax(torch.ones(3, dtype=torch.complex64).conj().imag), ValueError,
+     r"x: .*negative bit"),
+    ("torch negative-bit scale", lambda: fp8core.quantize(torch.ones(4), _neg_view()[:1]), ValueError,
+     r"scale: .*resolve_neg"),
+    ("torch complex", lambda: fp8core.amax(torch.ones(3, dtype=torch.complex64)), TypeError, r"x: complex"),
+    ("numpy big-endian", lambda: fp8core.amax(np.ones(3, ">f4")), TypeError, r"x: big-endian"),
+    ("torch int", lambda: fp8core.quantize(torch.arange(4), 1.0), TypeError, r"x: expected float32"),
+    ("torch non-contiguous", lambda: fp8core.quantize(torch.ones(4, 4).t(), 1.0), ValueError, r"x: .*contiguous"),
+    ("jax fp8 where high precision", lambda: fp8core.amax(jnp.zeros(4, jnp.float8_e4m3fn)), TypeError, r"x: .*fp8"),
+    ("jax tracer", lambda: jax.jit(lambda v: fp8core.amax(v))(jnp.ones(4)), TypeError, r"x: .*tracer.*fp8core\.jax"),
+    ("torch fp8 scale", lambda: fp8core.quantize(torch.ones(4), torch.ones(1, dtype=torch.float8_e4m3fn)),
+     TypeError, r"scale: expected float32"),
+]
+
+
+@pytest.mark.parametrize("case,call,exc,pattern", BAD, ids=[b[0] for b in BAD])
+def test_fast_paths_and_dlpack_give_identical_errors(case, call, exc, pattern, monkeypatch):
+    messages = []
+    for mode in ("fast", "dlpack"):
+        monkeypatch.setattr(_tensor, "FAST_PATHS", mode == "fast")
+        with pytest.raises(exc, match=pattern) as info:
+            call()
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(10, 10, dtype=torch.bfloat16),
+    lambda: torch.randn(10, 10, dtype=torch.bfloat16)[3:],
+    lambda: torch.zeros(16, dtype=torch.float8_e5m2),
+    lambda: torch.randn(5, 7).t(),
+    lambda: torch.randn(8, requires_grad=True),
+    lambda: torch.randn(4, dtype=torch.float16),
+], ids=["bf16", "offset", "fp8", "transposed", "requires_grad", "fp16"])
+def test_torch_fast_path_is_a_zero_copy_view(make, path):
+    t = make()
+    w = wrap(t)
+    assert w.origin == "torch" and w.dtype == str(t.dtype)[6:]
+    assert w.data.ctypes.data == t.data_ptr() and w.data.shape == tuple(t.shape)
+    assert w.data.strides == tuple(s * t.element_size() for s in t.stride())
+    np.testing.assert_array_equal(w.data.view(f"u{t.element_size()}"),
+                                  t.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+                                  .numpy().view(f"u{t.element_size()}"))
+
+
+def test_empty_torch_tensors_and_numpy_subclasses():
+    assert wrap(torch.zeros(0, 3, dtype=torch.bfloat16)).data.shape == (0, 3)
+    assert fp8core.quantize(torch.zeros(0, 3), 1.0).shape == (0, 3)
+    m = np.ma.masked_array(np.ones(4, np.float32))
+    assert wrap(m).dtype == "float32"
+
+
+def test_torch_outputs_are_allocated_by_torch_without_dlpack(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("DLPack export on the torch fast path")
+
+    monkeypatch.setattr(_tensor, "Exporter", refuse)
+    x = torch.randn(4, 6, dtype=torch.bfloat16)
+    q = fp8core.quantize(x, 2.0)
+    q2, qt = fp8core.cast_transpose(x, 2.0)
+    y = fp8core.dequantize(q, 0.5, torch.bfloat16)
+    for out in (q, q2, qt, y):
+        # torch's own allocator: an ordinary storage that can be resized, like any torch.empty result
+        assert out.untyped_storage().resizable()
+    assert q.dtype == torch.float8_e4m3fn and qt.shape == (6, 4) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(q2.view(torch.uint8), q.view(torch.uint8), rtol=0, atol=0)
+    torch.testing.assert_close(qt.view(torch.uint8), q.view(torch.uint8).t(), rtol=0, atol=0)
+    a = fp8core.amax(x)
+    assert a.dtype == torch.float32 and a.shape == (1,)
+
+
+def test_fast_path_outputs_outlive_everything_else():
+    q = fp8core.quantize(torch.full((1000,), 3.0, dtype=torch.bfloat16), 1.0)
+    y = fp8core.dequantize(q, 1.0, torch.float32)
+    del q
+    gc.collect()
+    assert (y == 3.0).all()
+
+
+def test_jax_buffer_callback_buffers_are_read_in_place():
+    import fp8core.jax as fj
+
+    x = jnp.asarray(_values(), jnp.bfloat16)
+    q, a = jax.jit(fj.quantize)(x, 0.5)
+    expected = fp8core.quantize(np.asarray(x), 0.5, "e4m3")
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), expected.view(np.uint8))
+
+
+# ---- no host synchronisation on the GPU path ---------------------------------------------------------------
+
+# Modules that run on the GPU path (whole files: a sync in a CPU-only branch of them would be one line away
+# from a GPU call).
+GPU_PATH = ["fp8core/backends/cuda.py", "fp8core/backends/cublaslt.py", "fp8core/_kernels.py", "fp8core/_tensor.py",
+            "fp8core/_dlpack.py", "fp8core/ops.py", "fp8core/gemm.py", "bindings/torch", "bindings/jax"]
+SYNC_ATTRIBUTES = {"item", "tolist", "asnumpy", "synchronize", "cpu", "deviceSynchronize", "streamSynchronize",
+                   "cudaDeviceSynchronize", "cudaStreamSynchronize", "block_until_ready"}
+
+
+def _host_syncs(source: str) -> list[str]:
+    """Calls that wait for the GPU: .item(), .tolist(), cupy.asnumpy, .get() of an array, any synchronize."""
+    tree = ast.parse(source)
+    context_vars = {t.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                    if isinstance(t, ast.Name) and isinstance(node.value, ast.Call)
+                    and "ContextVar" in ast.unparse(node.value.func)}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name in SYNC_ATTRIBUTES and not (name == "cpu" and node.args):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif name == "get" and isinstance(f, ast.Attribute) and not node.args and not node.keywords:
+            # an array's .get() copies to the host; a context variable's .get() does not
+            if not (isinstance(f.value, ast.Name) and f.value.id in context_vars):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _gpu_path_files():
+    for entry in GPU_PATH:
+        p = ROOT / entry
+        yield from (sorted(p.glob("*.py")) if p.is_dir() else [p])
+
+
+@pytest.mark.parametrize("path_", list(_gpu_path_files()), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_host_synchronisation_on_the_gpu_path(path_):
+    assert _host_syncs(path_.read_text()) == []
+
+
+@pytest.mark.parametrize("snippet", ["a.item()", "cupy.asnumpy(a)", "a.get()", "torch.cuda.synchronize()",
+                                     "stream.synchronize()", "a.tolist()", "x.cpu()"])
+def test_the_sync_scan_sees_each_kind(snippet):
+    assert _host_syncs(f"def f(a, x, stream):\n    return {snippet}\n")
+    assert not _host_syncs("import contextvars\nv = contextvars.ContextVar('v')\n"
+                           "w: contextvars.ContextVar[int] = contextvars.ContextVar('w')\ndef f(d):\n"
+                           "    return v.get(), w.get(), d.get('k')\n")
+
+
+# ---- fork ------------------------------------------------------------------------------------------------
+
+def _child(queue):
+    x = np.ones(1 << 21, ml_dtypes.bfloat16)  # above the pool threshold: uses the thread pool
+    queue.put(float(np.asarray(fp8core.amax(x))[0]))
+
+
+def test_a_forked_child_can_use_the_thread_pool():
+    from fp8core.backends import cpu
+
+    x = np.ones(max(cpu._POOL_MIN, 1 << 21), ml_dtypes.bfloat16)
+    fp8core.amax(x)  # the parent's pool exists now
+    assert cpu._pool is not None or cpu._THREADS == 1
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue,))
+    proc.start()
+    proc.join(timeout=60)
+    hung = proc.is_alive()
+    if hung:
+        proc.kill()
+        proc.join()
+    assert not hung, "the forked child hung on its first pooled call"
+    assert proc.exitcode == 0 and queue.get(timeout=5) == 1.0

@@ -1,7 +1,7 @@
 """CPU throughput of fp8core's reference backend against torch CPU eager and plain ml_dtypes.
 
 GB/s counts the bytes each primitive must read and write. Prints a table; --json writes the rows.
-Usage: python bench/bench_cpu.py [--sizes-mib 1 16 64 256] [--quick] [--json out.json]
+Usage: python bench/bench_cpu.py [--sizes-mib 1 16 64 256] [--sizes-kib 64 256] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -69,12 +69,14 @@ def cases(x: np.ndarray, torch):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 256],
+                    help="small sizes, run before the MiB sizes (where thread-pool dispatch and call overhead show)")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    ap.add_argument("--quick", action="store_true", help="1 and 64 MiB, bf16, few repeats")
+    ap.add_argument("--quick", action="store_true", help="64 KiB, 1 and 64 MiB, bf16, few repeats")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     if args.quick:
-        args.sizes_mib, args.dtypes = [1, 64], ["bfloat16"]
+        args.sizes_kib, args.sizes_mib, args.dtypes = [64], [1, 64], ["bfloat16"]
     try:
         import torch
 
@@ -85,17 +87,18 @@ def main() -> None:
             "fp8core": fp8core.__version__, "numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__,
             "torch": torch.__version__ if torch else None}
     print("# fp8core CPU benchmark", json.dumps(meta))
-    header = f"{'op':<15} {'dtype':<9} {'MiB':>5} {'fp8core GB/s':>13} {'p20-p80':>13} {'torch GB/s':>11} " \
+    header = f"{'op':<15} {'dtype':<9} {'KiB':>6} {'fp8core GB/s':>13} {'p20-p80':>13} {'torch GB/s':>11} " \
              f"{'x torch':>8} {'ml_dtypes GB/s':>15} {'x ml_dtypes':>11}"
     print(header)
     rows = []
     rng = np.random.default_rng(0)
     for dtype in args.dtypes:
-        for mib in args.sizes_mib:
+        for kib in [k for k in args.sizes_kib] + [m * 1024 for m in args.sizes_mib]:
+            mib = kib / 1024
             itemsize = 2 if dtype == "bfloat16" else 4
-            n = mib * 2 ** 20 // itemsize
+            n = kib * 2 ** 10 // itemsize
             x = rng.standard_normal(n, dtype=np.float32).astype(getattr(ml_dtypes, dtype, dtype))
-            repeat = 3 if args.quick or mib >= 256 else 7
+            repeat = 3 if mib >= 256 else 7 if args.quick or mib >= 16 else 31
             ours, peers = cases(x, torch)
             for op, (nbytes, fn) in ours.items():
                 med, p20, p80 = timeit(fn, repeat)
@@ -108,7 +111,7 @@ def main() -> None:
                         row[f"{peer}_gbps"] = nbytes / pmed / 1e9
                 rows.append(row)
                 t, m = row.get("torch eager_gbps"), row.get("ml_dtypes_gbps")
-                print(f"{op:<15} {dtype:<9} {mib:>5} {row['gbps']:>13.2f} "
+                print(f"{op:<15} {dtype:<9} {kib:>6} {row['gbps']:>13.2f} "
                       f"{row['gbps_p20']:>6.2f}-{row['gbps_p80']:<6.2f} "
                       f"{t if t else float('nan'):>11.2f} {row['gbps'] / t if t else float('nan'):>8.2f} "
                       f"{m if m else float('nan'):>15.2f} {row['gbps'] / m if m else float('nan'):>11.2f}", flush=True)

@@ -66,6 +66,35 @@ def cases(x: np.ndarray, torch):
     return out, peers
 
 
+def crossover(repeat: int) -> list[dict]:
+    """The CPU backend with its thread pool forced off and on, by size: where the pool starts to pay."""
+    from fp8core.backends import cpu
+    from fp8core._tensor import wrap
+
+    print(f"# thread-pool crossover (backend only, bf16, us per call; current _POOL_MIN = {cpu._POOL_MIN})")
+    print(f"{'op':<12} {'elements':>9} {'serial us':>10} {'pool us':>9} {'pool/serial':>12}")
+    rows, saved = [], cpu._POOL_MIN
+    rng = np.random.default_rng(0)
+    s = np.array([0.5], np.float32)
+    try:
+        for k in range(16, 23):
+            x = wrap(rng.standard_normal(1 << k, dtype=np.float32).astype(ml_dtypes.bfloat16))
+            q = wrap(cpu.quantize(x, s, fp8core.Format.E4M3, None))
+            ops = {"amax": lambda: cpu.amax(x), "quantize": lambda: cpu.quantize(x, s, fp8core.Format.E4M3, None),
+                   "dequantize": lambda: cpu.dequantize(q, fp8core.Format.E4M3, s, "bfloat16")}
+            for op, fn in ops.items():
+                cpu._POOL_MIN = 1 << 62
+                serial = timeit(fn, repeat)[0]
+                cpu._POOL_MIN = 0
+                pool = timeit(fn, repeat)[0]
+                rows.append({"op": op, "elements": 1 << k, "serial_us": serial * 1e6, "pool_us": pool * 1e6})
+                print(f"{op:<12} {1 << k:>9} {serial * 1e6:>10.0f} {pool * 1e6:>9.0f} {pool / serial:>12.2f}",
+                      flush=True)
+    finally:
+        cpu._POOL_MIN = saved
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -74,6 +103,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--quick", action="store_true", help="64 KiB, 1 and 64 MiB, bf16, few repeats")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--crossover", action="store_true", help="only the thread pool's crossover, by size")
     args = ap.parse_args()
     if args.quick:
         args.sizes_kib, args.sizes_mib, args.dtypes = [64], [1, 64], ["bfloat16"]
@@ -87,6 +117,12 @@ def main() -> None:
             "fp8core": fp8core.__version__, "numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__,
             "torch": torch.__version__ if torch else None}
     print("# fp8core CPU benchmark", json.dumps(meta))
+    if args.crossover:
+        rows = [dict(r, **meta) for r in crossover(5 if args.quick else 21)]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     header = f"{'op':<15} {'dtype':<9} {'KiB':>6} {'fp8core GB/s':>13} {'p20-p80':>13} {'torch GB/s':>11} " \
              f"{'x torch':>8} {'ml_dtypes GB/s':>15} {'x ml_dtypes':>11}"
     print(header)

@@ -4,8 +4,8 @@ Small tensors (16 elements by default) make the figure the cost of the call itse
 dispatch and, on the CPU, the reference backend's fixed cost ("backend only" rows call the backend directly,
 so the rest is fp8core's Python around it). Medians with p20/p80, in microseconds.
 
-CPU: NumPy, torch and JAX inputs. GPU (``--gpu``, run by a GPU session): torch CUDA and CuPy inputs, timed while
-a long sleep kernel holds the stream, so a launch never waits for the GPU and the figure is host time only.
+CPU: NumPy, torch and JAX inputs. GPU (``--gpu``, run by a GPU session): torch CUDA, CuPy and JAX inputs, timed
+while a long sleep kernel holds the stream, so a launch never waits for the GPU and the figure is host time only.
 Usage: python bench/bench_overhead.py [--gpu] [--n 16] [--repeat 2000] [--quick] [--json out.json]
 """
 
@@ -122,6 +122,12 @@ def _inputs_gpu(kind: str, n: int, torch: Any) -> tuple[Any, Any, Any, Any, Any]
 
         x = cupy.random.standard_normal(n, dtype=cupy.float32)
         s, slot = cupy.full(1, 0.5, cupy.float32), cupy.ones(1, cupy.float32)
+    elif kind == "jax-cuda":
+        import cupy
+        import jax.numpy as jnp
+
+        x = jnp.asarray(np.random.default_rng(0).standard_normal(n, dtype=np.float32), jnp.bfloat16)
+        s, slot = jnp.asarray([0.5], jnp.float32), cupy.ones(1, cupy.float32)  # JAX arrays are immutable
     else:
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         s, slot = torch.tensor([0.5], device="cuda"), torch.ones(1, device="cuda")
@@ -169,7 +175,7 @@ def main() -> None:
             "numpy": np.__version__, "torch": torch.__version__ if torch else None}
     if args.gpu:
         meta["device"] = torch.cuda.get_device_name()
-        kinds, make = ["torch-cuda", "cupy"], _inputs_gpu
+        kinds, make = ["torch-cuda", "cupy", "jax-cuda"], _inputs_gpu
         sample = _busy_sampler(torch, repeat)
     else:
         kinds, make = ["numpy", "torch", "jax"], _inputs_cpu

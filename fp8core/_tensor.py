@@ -166,7 +166,7 @@ def _from_torch(t: Any, arg: str) -> Tensor:
     name, typestr, logical = _torch_info(t.dtype, arg)
     if t.is_cuda:
         return _torch_cuda(t, name, arg)
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{arg}: torch device '{t.device}' is neither CPU nor CUDA")
     try:
         arr = _torch_cpu_array(t, typestr, logical)
@@ -178,7 +178,7 @@ def _from_torch(t: Any, arg: str) -> Tensor:
 def _torch_cuda(t: Any, name: str, arg: str) -> Tensor:
     cupy = _cupy_module()
     storage = storage_dtype(name)
-    device_id = t.device.index or 0
+    device_id = t.get_device()
     shape = tuple(t.shape)
     if t.numel() == 0:
         with cupy.cuda.Device(device_id):

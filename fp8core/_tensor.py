@@ -134,18 +134,18 @@ class _TorchMemory:
 
     __slots__ = ("__array_interface__", "tensor")
 
-    def __init__(self, t: Any, typestr: str, itemsize: int) -> None:
+    def __init__(self, t: Any, typestr: str) -> None:
         self.tensor = t
         self.__array_interface__ = {
             "version": 3, "shape": tuple(t.shape), "typestr": typestr, "data": (t.data_ptr(), False),
-            "strides": None if t.is_contiguous() else tuple(s * itemsize for s in t.stride()),
+            "strides": None if t.is_contiguous() else tuple(s * t.element_size() for s in t.stride()),
         }
 
 
 def _torch_cpu_array(t: Any, typestr: str, logical: Any) -> np.ndarray:
     if t.numel() == 0:
         return np.empty(tuple(t.shape), logical if logical is not None else np.dtype(typestr))
-    arr = np.asarray(_TorchMemory(t, typestr, t.element_size()))
+    arr = np.asarray(_TorchMemory(t, typestr))
     return arr if logical is None else arr.view(logical)
 
 

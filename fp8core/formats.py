@@ -37,10 +37,16 @@ class Format(enum.Enum):
             raise ValueError("fmt: HYBRID is a recipe, not an encoding; use Format.HYBRID.fwd or .bwd")
         return self
 
+    # The encodings' constants are read on every primitive call: each is one attribute of the member (set
+    # below, after the class); HYBRID has none, and reading one from it raises _encoding's error.
+
     @property
     def max(self) -> float:
         """Largest finite value: 448 (E4M3), 57344 (E5M2)."""
-        return 448.0 if self._encoding() is Format.E4M3 else 57344.0
+        try:
+            return self._max
+        except AttributeError:
+            raise self._no_encoding() from None
 
     @property
     def dlpack_code(self) -> int:
@@ -49,11 +55,17 @@ class Format(enum.Enum):
 
     @property
     def dtype_name(self) -> str:
-        return "float8_e4m3fn" if self._encoding() is Format.E4M3 else "float8_e5m2"
+        try:
+            return self._dtype_name
+        except AttributeError:
+            raise self._no_encoding() from None
 
     @property
     def numpy_dtype(self) -> np.dtype:
-        return np.dtype(getattr(ml_dtypes, self.dtype_name))
+        try:
+            return self._numpy_dtype
+        except AttributeError:
+            raise self._no_encoding() from None
 
     @property
     def torch_dtype(self) -> Any:
@@ -70,7 +82,23 @@ class Format(enum.Enum):
     @property
     def index(self) -> int:
         """The template parameter of the CUDA kernels: 0 = E4M3, 1 = E5M2."""
-        return 0 if self._encoding() is Format.E4M3 else 1
+        try:
+            return self._index
+        except AttributeError:
+            raise self._no_encoding() from None
+
+    def _no_encoding(self) -> Exception:
+        try:
+            self._encoding()
+        except ValueError as e:
+            return e
+        return AttributeError(self)  # pragma: no cover - every encoding has its constants
+
+
+for _fmt, _max, _name, _index in ((Format.E4M3, 448.0, "float8_e4m3fn", 0), (Format.E5M2, 57344.0, "float8_e5m2", 1)):
+    _fmt._max, _fmt._dtype_name, _fmt._index = _max, _name, _index
+    _fmt._numpy_dtype = np.dtype(getattr(ml_dtypes, _name))
+del _fmt, _max, _name, _index
 
 
 _ALIASES = {

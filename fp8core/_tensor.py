@@ -161,15 +161,18 @@ def _check_torch(t: Any, arg: str) -> None:
 
 
 def _from_torch(t: Any, arg: str) -> Tensor:
-    if t.is_neg() or t.is_complex():
+    if t.is_neg():
         _check_torch(t, arg)
-    name, typestr, logical = _torch_info(t.dtype, arg)
+    name, typestr, logical = _torch_info(t.dtype, arg)  # refuses complex dtypes
     if t.is_cuda:
         return _torch_cuda(t, name, arg)
     if not t.is_cpu:
         raise ValueError(f"{arg}: torch device '{t.device}' is neither CPU nor CUDA")
     try:
-        arr = _torch_cpu_array(t, typestr, logical)
+        if logical is None:  # a dtype NumPy has: torch's own conversion is the quickest
+            arr = (t.detach() if t.requires_grad else t).numpy()
+        else:
+            arr = _torch_cpu_array(t, typestr, logical)
     except RuntimeError as e:  # tensor subclasses without storage (DTensor, fake tensors)
         raise TypeError(f"{arg}: could not read the torch tensor's memory: {e}") from e
     return Tensor(arr, name, _CPU, "torch")
@@ -388,7 +391,7 @@ def empty(shape: Any, dtype: Any, like: Tensor) -> np.ndarray:
         torch_dt = {1: torch.uint8, 2: torch.int16}[storage.itemsize] if storage != dt else getattr(torch, dt.name)
         spec = _TORCH_EMPTY[dt.num] = (torch_dt, storage.str, None if storage == dt else dt)
     t = _torch.empty(shape, dtype=spec[0])
-    return _torch_cpu_array(t, spec[1], spec[2])
+    return t.numpy() if spec[2] is None else _torch_cpu_array(t, spec[1], spec[2])
 
 
 def _pointer(data: Any) -> int:
@@ -427,19 +430,29 @@ def _torch_owner(data: Any) -> Any:
     return None
 
 
+# logical name -> (torch dtype, NumPy dtype torch.from_numpy takes for it)
+_TORCH_OUT: dict[str, tuple[Any, np.dtype]] = {}
+
+
 def _to_torch(data: Any, dtype: str, like: Tensor) -> Any:
-    torch = _torch_module()
-    target = getattr(torch, dtype)
+    spec = _TORCH_OUT.get(dtype)
+    if spec is None:
+        torch = _torch_module()
+        storage = np.dtype({"bfloat16": np.int16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}.get(
+            dtype, dtype))
+        spec = _TORCH_OUT[dtype] = (getattr(torch, dtype), storage)
+    target, storage = spec
     if FAST_PATHS:
         owner = _torch_owner(data)
         if owner is not None:
             out = owner if owner.dtype == target else owner.view(target)
             return out if out.shape == data.shape else out.view(data.shape)
-        if type(data) is np.ndarray and data.flags.writeable and data.flags.c_contiguous:
-            storage = storage_dtype(dtype)
-            t = torch.from_numpy(data if data.dtype == storage else data.view(storage))
-            return t if t.dtype == target else t.view(target)
-    return torch.from_dlpack(_exporter(data, dtype, like))
+        if type(data) is np.ndarray:
+            flags = data.flags
+            if flags.writeable and flags.c_contiguous:
+                t = _torch.from_numpy(data if data.dtype == storage else data.view(storage))
+                return t if t.dtype == target else t.view(target)
+    return _torch_module().from_dlpack(_exporter(data, dtype, like))
 
 
 def export(data: Any, dtype: str, like: Tensor) -> Any:

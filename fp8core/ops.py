@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _checks, backends
-from ._tensor import Tensor, export, wrap
+from ._tensor import Tensor, _cupy_module, export, wrap
 from .backends import cpu as _cpu
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
 
@@ -86,8 +86,7 @@ def _new_f32(values: Any, like: Tensor) -> Any:
         host = np.asarray(values, dtype=np.float32).reshape(-1)
     if not like.is_cuda:
         return host
-    import cupy
-
+    cupy = _cupy_module()
     with cupy.cuda.Device(like.device[1]):
         return cupy.asarray(host)
 
@@ -154,7 +153,15 @@ def _out_dtype(out_dtype: Any) -> str:
 
 
 def _backend(t: Tensor) -> Any:
-    return _cpu if t.device[0] == "cpu" else backends.for_device(t.device)
+    if t.device[0] == "cpu":
+        return _cpu
+    global _cuda
+    if _cuda is None:
+        _cuda = backends.for_device(t.device)
+    return _cuda
+
+
+_cuda: Any = None  # imported on the first CUDA call (it imports CuPy)
 
 
 def _reduce(reduce: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import backends
+from ._fpenv import ieee
 from ._tensor import Tensor, export, wrap
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
 
@@ -62,6 +63,7 @@ def _same_device(t: Tensor, x: Tensor, arg: str, xarg: str = "x") -> None:
                          "put them on the same device")
 
 
+@ieee  # a Python float's fp32 rounding must not flush a subnormal scale
 def _new_f32(values: Any, like: Tensor) -> Any:
     with np.errstate(over="ignore"):
         host = np.asarray(values, dtype=np.float32).reshape(-1)

@@ -24,8 +24,18 @@ import fp8core
 from fp8core import Format
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 2."""
+
+
+def _one_line(e: BaseException, kind: bool = True) -> str:
+    """The first line of an exception's message, terminal escape codes removed, after its type when asked."""
+    text = _ANSI.sub("", str(e)).strip()
+    first = text.splitlines()[0] if text else ""
+    return (f"{type(e).__name__}: {first}" if first else type(e).__name__) if kind else first or type(e).__name__
 
 
 def _progress(done: int, total: int, text: str = "") -> None:
@@ -52,20 +62,56 @@ def _version(module: str) -> str | None:
     return getattr(mod, "__version__", "installed")
 
 
+def _driver_missing(cupy: Any) -> str | None:
+    """Why the CUDA driver cannot serve CuPy's runtime, told apart: no driver at all, or one too old."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return "no CUDA driver (libcuda cannot be loaded)"
+    driver, runtime = cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.runtimeGetVersion()
+    if driver == 0:
+        return "no CUDA driver"
+    if driver < runtime:
+        return (f"the CUDA driver supports CUDA {driver // 1000}.{driver % 1000 // 10}, older than this CuPy's "
+                f"runtime {runtime // 1000}.{runtime % 1000 // 10}; update the driver or install the cupy for it")
+    return None
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy sees a CUDA device; else why not, in words (no cupy, no driver, old driver, no device)."""
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed (pip install 'fp8core[cuda13]')"
+    except Exception as e:
+        return f"cupy cannot be imported ({_one_line(e)})"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+        return None
+    except Exception as e:
+        try:
+            missing = _driver_missing(cupy)
+        except Exception:
+            missing = None
+        return missing or _one_line(e)
+
+
 def gpu_report() -> dict[str, Any]:
     """The backend found: GPU name and compute capability, or why there is none."""
+    why = gpu_unavailable_reason()
+    if why is not None:
+        return {"backend": "CPU only", "why": why}
     try:
         import cupy
 
         n = cupy.cuda.runtime.getDeviceCount()
-        if n < 1:
-            return {"backend": "CPU only", "why": "no CUDA device"}
         props = cupy.cuda.runtime.getDeviceProperties(0)
         cc = int(cupy.cuda.Device(0).compute_capability)
-    except ImportError:
-        return {"backend": "CPU only", "why": "cupy is not installed (pip install 'fp8core[cuda13]')"}
     except Exception as e:
-        return {"backend": "CPU only", "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        return {"backend": "CPU only", "why": _one_line(e)}
     gemm = cc >= 89
     why = "" if gemm else "needs compute capability 8.9+"
     if gemm and _version("nvmath") is None:
@@ -118,16 +164,8 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 DEFAULT_MAX_BYTES = 1 << 30  # per tensor read out of a compressed .npz; --max-bytes raises it
 _CHUNK = 1 << 20  # elements per step of the statistics
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RAW_FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 _HIST_BINS = np.linspace(-152.0, 130.0, 565)  # log2|x| of every finite fp32/fp64-in-fp32-range value, 0.5 wide
-
-
-def _one_line(e: BaseException, kind: bool = True) -> str:
-    """The first line of an exception's message, terminal escape codes removed, after its type when asked."""
-    text = _ANSI.sub("", str(e)).strip()
-    first = text.splitlines()[0] if text else ""
-    return (f"{type(e).__name__}: {first}" if first else type(e).__name__) if kind else first or type(e).__name__
 
 
 def _as_numpy(t: Any) -> np.ndarray:

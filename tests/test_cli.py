@@ -326,3 +326,50 @@ def test_bench_percentiles_contain_the_median():
     for repeat in (1, 2, 3, 7):
         med, p20, p80 = timeit(lambda: sum(range(1000)), repeat)
         assert p20 <= med <= p80, (repeat, p20, med, p80)
+
+
+# ---- why there is no GPU, told truthfully ----------------------------------------------------------------------
+
+class _FakeRuntime:
+    def __init__(self, driver, runtime):
+        self.driverGetVersion = lambda: driver
+        self.runtimeGetVersion = lambda: runtime
+
+
+class _FakeCupy:
+    def __init__(self, driver, runtime):
+        self.cuda = type("cuda", (), {"runtime": _FakeRuntime(driver, runtime)})()
+
+
+@pytest.mark.parametrize("loadable,driver,runtime,expect", [
+    (False, 0, 13020, "no CUDA driver (libcuda cannot be loaded)"),
+    (True, 0, 13020, "no CUDA driver"),
+    (True, 12020, 13020, "the CUDA driver supports CUDA 12.2, older than this CuPy's runtime 13.2"),
+    (True, 13020, 13020, None),
+])
+def test_the_driver_diagnosis_tells_the_cases_apart(monkeypatch, loadable, driver, runtime, expect):
+    import ctypes
+
+    from fp8core import cli
+
+    def cdll(name):
+        if not loadable:
+            raise OSError(f"{name}: cannot open shared object file")
+        return object()
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    got = cli._driver_missing(_FakeCupy(driver, runtime))
+    assert got == expect if expect is None or "older" not in expect else got.startswith(expect)
+
+
+def test_no_driver_here_is_not_called_an_insufficient_driver():
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        from conftest import GPU_REASON
+
+        assert GPU_REASON is not None and "no CUDA driver" in GPU_REASON and "insufficient" not in GPU_REASON
+    else:
+        pytest.skip("this machine has a CUDA driver")

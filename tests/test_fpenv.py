@@ -86,6 +86,7 @@ def _subnormal_cases() -> list:
         ("dequantize, subnormal scale_inv", lambda: fp8core.dequantize(ones, sub_scale, "float32")),
         ("dequantize, bf16 out", lambda: fp8core.dequantize(ones, s[-130], "bfloat16")),
         ("compute_scale, subnormal amax", lambda: fp8core.compute_scale(np.array([TINY]), "e4m3", margin=20)),
+        ("compute_scale, Python float subnormal amax", lambda: fp8core.compute_scale(1e-39, "e4m3")),
         ("compute_scale, subnormal result", lambda: fp8core.compute_scale(np.array([448.0], np.float32), "e4m3",
                                                                            margin=140)),
         ("compute_scale, subnormal pow2", lambda: fp8core.compute_scale(np.array([3.0], np.float32), "e4m3",

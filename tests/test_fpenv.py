@@ -15,6 +15,7 @@ import pytest
 
 import fp8core
 from fp8core import Format
+from fp8core._fpenv import is_default
 from fp8core.backends import cpu
 from oracle import quantize_bits
 
@@ -195,6 +196,7 @@ want_a = fp8core.amax(x[: 1 << 16]).view(np.uint32).copy()
 fp8core.backends.cpu._quantize_table.cache_clear()
 assert torch.set_flush_denormal(True)
 assert np.float32(1e-39) * np.float32(1) == 0
+from fp8core._fpenv import is_default
 from fp8core.backends import cpu
 cpu._pool = None
 q = fp8core.quantize(x, s, "e4m3").view(np.uint8)
@@ -229,3 +231,24 @@ def test_fp8core_jax_on_the_cpu_keeps_subnormals():
     # nothing cached inside XLA's thread poisons plain NumPy calls afterwards
     ones = np.ones(8, ml_dtypes.float8_e4m3fn)
     assert np.all(fp8core.dequantize(ones, np.array([2.0 ** -140], np.float32), "float32") == np.float32(2.0 ** -140))
+
+
+@pytest.mark.parametrize("mode", ["upward", "downward", "toward zero"])
+def test_reference_under_another_rounding_mode(mode):
+    import ctypes
+    import ctypes.util
+    import platform
+
+    modes = {"x86_64": {"upward": 0x800, "downward": 0x400, "toward zero": 0xC00},
+             "aarch64": {"upward": 0x400000, "downward": 0x800000, "toward zero": 0xC00000}}
+    if sys.platform != "linux" or platform.machine() not in modes:
+        pytest.skip("rounding-mode constants known for Linux x86-64 and aarch64 only")
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    expected = _expected()
+    assert libm.fesetround(modes[platform.machine()][mode]) == 0
+    try:
+        assert not is_default()  # the mode is really set
+        got = _run_all()
+    finally:
+        libm.fesetround(0)
+    assert got == expected

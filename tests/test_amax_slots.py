@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import fp8core
+from conftest import requires_gpu
 from fp8core import Format
 
 
@@ -90,3 +91,26 @@ def test_eight_threads_sharing_one_slot_never_lose_the_max():
     finally:
         sys.setswitchinterval(old)
     assert not lost, f"lost the max in {len(lost)} of {rounds} rounds, e.g. {lost[:3]}"
+
+
+SLOT_CASES = [0x80000000, 0xC0A00000, 0xFF800000, 0xFFC00000, 0x80000001, 0x00000000, 0x7FFFFFFF, 0x7FC00000,
+              0x7F800000, 0x40800000, 0x3F800000]
+
+
+@requires_gpu
+@pytest.mark.parametrize("slot_bits", SLOT_CASES, ids=[hex(b) for b in SLOT_CASES])
+def test_gpu_slots_follow_the_same_signed_rule(slot_bits):
+    """The GPU's atomicMax must rank slots as the CPU does (signed int32 of the bit patterns)."""
+    import cupy
+
+    x = np.array([1.5, -3.0, 0.25, np.float32(2.0 ** -140)], np.float32)
+    want = _f32(slot_bits)
+    fp8core.quantize(x, 1.0, Format.E4M3, amax_out=want)
+    slot = cupy.asarray(_f32(slot_bits))
+    fp8core.quantize(cupy.asarray(x), 1.0, Format.E4M3, amax_out=slot)
+    assert int(slot.view(cupy.uint32).get()[0]) == int(want.view(np.uint32)[0])
+    out = cupy.asarray(np.concatenate([_f32(slot_bits), _f32(slot_bits)]))
+    fp8core.multi_amax([cupy.asarray(x), cupy.asarray(x[:1])], out)
+    want2 = np.concatenate([_f32(slot_bits), _f32(slot_bits)])
+    fp8core.multi_amax([x, x[:1]], want2)
+    assert out.view(cupy.uint32).get().tolist() == want2.view(np.uint32).tolist()

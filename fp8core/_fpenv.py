@@ -6,9 +6,10 @@ created from such a thread inherit them. NumPy then multiplies, compares and con
 and written as zero, and fp8core's results would depend on who called. :func:`ieee` runs a function in the
 default environment (round to nearest, no flushing, exceptions masked) and restores the caller's afterwards.
 
-The check is a few Python float operations (~0.1 us); only a thread that is not in the default environment
-pays for the switch and the restore (three libm calls, ~2 us). Trapping exceptions are not checked for. Where libm's ``fenv`` cannot be reached (not glibc, musl or
-macOS), the functions run unguarded and :data:`GUARDED` is False.
+The check is three Python float operations (well under a microsecond with the call); only a thread that is not
+in the default environment pays for the switch and the restore (three libm calls, ~2-3 us). Unmasked
+(trapping) exceptions are not looked for. Where libm's ``fenv`` cannot be reached (not glibc, musl or macOS),
+the functions run unguarded and :data:`GUARDED` is False.
 """
 
 from __future__ import annotations

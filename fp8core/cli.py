@@ -200,7 +200,8 @@ def _raw_bytes_dtype(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray, str | Non
     if x.dtype.itemsize == 1:
         name = _RAW_FP8[raw_fp8]
         other = "e5m2" if raw_fp8 == "e4m3" else "e4m3"
-        return x.view(getattr(ml_dtypes, name)), f"raw 1-byte data (|V1) read as {name}; --raw-fp8 {other} for the other"
+        note = f"raw 1-byte data (|V1) read as {name}; --raw-fp8 {other} for the other"
+        return x.view(getattr(ml_dtypes, name)), note
     if x.dtype.itemsize == 2:
         return x.view(ml_dtypes.bfloat16), "raw 2-byte data (|V2) read as bfloat16 (how ml_dtypes saves it)"
     return x, None

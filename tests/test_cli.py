@@ -271,8 +271,8 @@ def test_inspect_odd_and_corrupt_files_give_one_line(tmp_path, capsys):
 
 def test_inspect_reads_complex_and_nested_state_dicts(tmp_path, capsys):
     torch = pytest.importorskip("torch")
-    torch.save({"model": {"w": torch.ones(4, 4), "b": torch.zeros(4)}, "step": 3, "c": torch.ones(2, dtype=torch.cfloat)},
-               tmp_path / "ckpt.pt")
+    ckpt = {"model": {"w": torch.ones(4, 4), "b": torch.zeros(4)}, "step": 3, "c": torch.ones(2, dtype=torch.cfloat)}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
     code, out, err = inspect(capsys, tmp_path / "ckpt.pt", "--json")
     rows = strict_json(out)
     assert code == 0 and rows["model.w"]["amax"] == 1.0 and rows["model.b"]["amax"] == 0.0

@@ -27,7 +27,7 @@ def timeit(fn, repeat: int) -> tuple[float, float, float]:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    q = statistics.quantiles(times, n=5) if len(times) >= 5 else [min(times)] * 4
+    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) >= 2 else times * 4  # within [min, max]
     return statistics.median(times), q[0], q[3]
 
 

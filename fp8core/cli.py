@@ -6,13 +6,17 @@ Errors are one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
+import pickle
 import platform
+import re
 import runpy
 import sys
+import zipfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -20,18 +24,31 @@ import fp8core
 from fp8core import Format
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 2."""
 
 
+def _one_line(e: BaseException, kind: bool = True) -> str:
+    """The first line of an exception's message, terminal escape codes removed, after its type when asked."""
+    text = _ANSI.sub("", str(e)).strip()
+    first = text.splitlines()[0] if text else ""
+    return (f"{type(e).__name__}: {first}" if first else type(e).__name__) if kind else first or type(e).__name__
+
+
 def _progress(done: int, total: int, text: str = "") -> None:
-    if not sys.stderr.isatty() and done != total and done % max(1, total // 10):
-        return  # a log, not a terminal: every tenth only
+    """A bar redrawn in place on a terminal; in a log (stderr not a terminal), plain lines, every tenth step."""
     width = 30
     filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}")
-    if done == total:
-        sys.stderr.write("\n")
+    bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}"
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r{bar}" + ("\n" if done == total else ""))
+    elif done == total or done % max(1, total // 10) == 0:
+        sys.stderr.write(bar.rstrip() + "\n")
+    else:
+        return
     sys.stderr.flush()
 
 
@@ -45,20 +62,56 @@ def _version(module: str) -> str | None:
     return getattr(mod, "__version__", "installed")
 
 
+def _driver_missing(cupy: Any) -> str | None:
+    """Why the CUDA driver cannot serve CuPy's runtime, told apart: no driver at all, or one too old."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return "no CUDA driver (libcuda cannot be loaded)"
+    driver, runtime = cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.runtimeGetVersion()
+    if driver == 0:
+        return "no CUDA driver"
+    if driver < runtime:
+        return (f"the CUDA driver supports CUDA {driver // 1000}.{driver % 1000 // 10}, older than this CuPy's "
+                f"runtime {runtime // 1000}.{runtime % 1000 // 10}; update the driver or install the cupy for it")
+    return None
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy sees a CUDA device; else why not, in words (no cupy, no driver, old driver, no device)."""
+    try:
+        import cupy
+    except ImportError:
+        return "cupy is not installed (pip install 'fp8core[cuda13]')"
+    except Exception as e:
+        return f"cupy cannot be imported ({_one_line(e)})"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+        return None
+    except Exception as e:
+        try:
+            missing = _driver_missing(cupy)
+        except Exception:
+            missing = None
+        return missing or _one_line(e)
+
+
 def gpu_report() -> dict[str, Any]:
     """The backend found: GPU name and compute capability, or why there is none."""
+    why = gpu_unavailable_reason()
+    if why is not None:
+        return {"backend": "CPU only", "why": why}
     try:
         import cupy
 
         n = cupy.cuda.runtime.getDeviceCount()
-        if n < 1:
-            return {"backend": "CPU only", "why": "no CUDA device"}
         props = cupy.cuda.runtime.getDeviceProperties(0)
         cc = int(cupy.cuda.Device(0).compute_capability)
-    except ImportError:
-        return {"backend": "CPU only", "why": "cupy is not installed (pip install 'fp8core[cuda13]')"}
     except Exception as e:
-        return {"backend": "CPU only", "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        return {"backend": "CPU only", "why": _one_line(e)}
     gemm = cc >= 89
     why = "" if gemm else "needs compute capability 8.9+"
     if gemm and _version("nvmath") is None:
@@ -104,6 +157,16 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 # ---- inspect -------------------------------------------------------------------------------------------------
+#
+# Files are hostile until read: nothing is unpickled, an .npz member's declared size is checked against a cap
+# before it is inflated, a header's shape against the bytes really there, and tensors are read and measured one
+# at a time, in chunks, so memory stays near one tensor plus a few chunk-sized temporaries.
+
+DEFAULT_MAX_BYTES = 1 << 30  # per tensor read out of a compressed .npz; --max-bytes raises it
+_CHUNK = 1 << 20  # elements per step of the statistics
+_RAW_FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+_HIST_BINS = np.linspace(-152.0, 130.0, 565)  # log2|x| of every finite fp32/fp64-in-fp32-range value, 0.5 wide
+
 
 def _as_numpy(t: Any) -> np.ndarray:
     if isinstance(t, np.ndarray):
@@ -116,88 +179,331 @@ def _as_numpy(t: Any) -> np.ndarray:
             import ml_dtypes
 
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.float().numpy() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t.numpy()
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            import ml_dtypes
+
+            name = "float8_e4m3fn" if t.dtype == torch.float8_e4m3fn else "float8_e5m2"
+            return t.view(torch.uint8).numpy().view(getattr(ml_dtypes, name))
+        try:
+            return t.numpy()
+        except TypeError:  # a dtype NumPy has no counterpart for (complex32, quantized, ...)
+            return np.empty(tuple(t.shape), dtype=np.dtype([("unsupported " + str(t.dtype), "V1")]))
     raise CliError(f"unsupported tensor type {type(t).__name__}")
 
 
-def load_tensors(path: str) -> dict[str, np.ndarray]:
+def _raw_bytes_dtype(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray, str | None]:
+    """ml_dtypes arrays saved to .npy come back as raw bytes (|V1, |V2): the header names no float type."""
+    if x.dtype.kind != "V" or x.dtype.fields is not None:
+        return x, None
+    import ml_dtypes
+
+    if x.dtype.itemsize == 1:
+        name = _RAW_FP8[raw_fp8]
+        other = "e5m2" if raw_fp8 == "e4m3" else "e4m3"
+        note = f"raw 1-byte data (|V1) read as {name}; --raw-fp8 {other} for the other"
+        return x.view(getattr(ml_dtypes, name)), note
+    if x.dtype.itemsize == 2:
+        return x.view(ml_dtypes.bfloat16), "raw 2-byte data (|V2) read as bfloat16 (how ml_dtypes saves it)"
+    return x, None
+
+
+def _check_path(path: str) -> Path:
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise CliError(f"{path}: is a directory; name the tensor files in it")
+    if not p.exists():
         raise CliError(f"{path}: no such file")
+    if not p.is_file():
+        raise CliError(f"{path}: not a regular file")
+    return p
+
+
+def iter_tensors(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for each tensor of a .npy, .npz, .safetensors or .pt file, read one at a time.
+
+    Errors are :class:`CliError` with one line naming the file; .npy arrays come back memory-mapped."""
+    p = _check_path(path)
     suffix = p.suffix.lower()
+    readers = {".npy": _read_npy, ".npz": _read_npz, ".safetensors": _read_safetensors, ".pt": _read_torch,
+               ".pth": _read_torch}
+    if suffix not in readers:
+        raise CliError(f"{path}: unknown format {suffix or '(no suffix)'}; expected .npy, .npz, .safetensors or .pt")
     try:
-        if suffix == ".npy":
-            return {p.stem: np.load(p, allow_pickle=False)}
-        if suffix == ".npz":
-            with np.load(p, allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}
-        if suffix == ".safetensors":
-            return _load_safetensors(p)
-        if suffix in (".pt", ".pth"):
-            return _load_torch(p)
+        yield from readers[suffix](p, max_bytes)
     except CliError:
         raise
+    except MemoryError:
+        raise CliError(f"{path}: not enough memory to read it") from None
     except Exception as e:
-        raise CliError(f"{path}: could not be read as {suffix[1:]} ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    raise CliError(f"{path}: unknown format {suffix or '(no suffix)'}; expected .npy, .npz, .safetensors or .pt")
+        raise CliError(f"{path}: could not be read as {suffix[1:]} ({_one_line(e)})") from None
 
 
-def _load_safetensors(p: Path) -> dict[str, np.ndarray]:
+def _npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) from an .npy header, read with ``ast.literal_eval`` (no code runs).
+
+    NumPy's own reader refuses ``'<f1'``, which is how ml_dtypes' float8_e5m2 is saved: read here as E5M2.
+    """
+    magic = f.read(8)
+    if len(magic) < 8 or magic[:6] != b"\x93NUMPY":
+        raise CliError(f"{where}: not an .npy array (no NUMPY magic)")
+    if magic[6] == 1:
+        size = int.from_bytes(f.read(2), "little")
+    elif magic[6] in (2, 3):
+        size = int.from_bytes(f.read(4), "little")
+    else:
+        raise CliError(f"{where}: .npy format version {magic[6]}.{magic[7]} is not supported")
+    if size > 1 << 16:
+        raise CliError(f"{where}: an .npy header of {size} bytes is not plausible")
+    try:
+        header = ast.literal_eval(f.read(size).decode("latin1" if magic[6] < 3 else "utf8"))
+        shape, fortran, descr = header["shape"], header["fortran_order"], header["descr"]
+    except Exception:
+        raise CliError(f"{where}: unreadable .npy header") from None
+    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise CliError(f"{where}: .npy header has an invalid shape {shape!r}")
+    if isinstance(descr, str) and descr[1:] == "f1":
+        import ml_dtypes
+
+        dtype = np.dtype(ml_dtypes.float8_e5m2)
+    else:
+        try:
+            dtype = np.lib.format.descr_to_dtype(descr)
+        except Exception:
+            raise CliError(f"{where}: .npy header has an unknown dtype {descr!r}") from None
+    if dtype.hasobject:
+        raise CliError(f"{where}: holds Python objects, which are not unpickled")
+    return shape, bool(fortran), dtype
+
+
+def _read_npy(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
+    # A memory map: nothing is read before it is measured, and the header's shape is checked against the file.
+    with open(p, "rb") as f:
+        shape, fortran, dtype = _npy_header(f, str(p))
+        offset = f.tell()
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offset + nbytes > p.stat().st_size:
+        raise CliError(f"{p}: its header claims {nbytes} bytes of data but the file holds "
+                       f"{p.stat().st_size - offset}: truncated or crafted")
+    if nbytes == 0:
+        yield p.stem, np.empty(shape, dtype)
+        return
+    yield p.stem, np.memmap(p, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+
+
+def _npy_member(f: Any, name: str, declared: int) -> np.ndarray:
+    shape, fortran, dtype = _npy_header(f, f"member {name}")
+    count = math.prod(shape)
+    if count * dtype.itemsize > declared:
+        raise CliError(f"member {name}: its header claims {count * dtype.itemsize} bytes of data but the member "
+                       f"holds {declared}: corrupt or crafted")
+    data = f.read(count * dtype.itemsize)
+    if len(data) != count * dtype.itemsize:
+        raise CliError(f"member {name}: truncated")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+
+
+def _read_npz(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
+    with zipfile.ZipFile(p) as z:
+        for info in z.infolist():
+            if info.is_dir():
+                continue
+            name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+            if not info.filename.endswith(".npy"):
+                raise CliError(f"{p}: member {info.filename} is not a .npy array")
+            if info.file_size > max_bytes:
+                raise CliError(f"{p}: member {info.filename} would inflate to {info.file_size} bytes, above the "
+                               f"limit of {max_bytes} (--max-bytes raises it)")
+            with z.open(info) as f:
+                try:
+                    yield name, _npy_member(f, info.filename, info.file_size)
+                except CliError as e:
+                    raise CliError(f"{p}: {e}") from None
+
+
+def _read_safetensors(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
     try:
         from safetensors import safe_open
     except ImportError:
         raise CliError(f"{p}: reading .safetensors needs the safetensors package (pip install safetensors)") from None
     framework = "pt" if _version("torch") else "np"
     with safe_open(str(p), framework=framework) as f:
-        return {k: _as_numpy(f.get_tensor(k)) for k in f.keys()}
+        for k in f.keys():
+            yield k, _as_numpy(f.get_tensor(k))
 
 
-def _load_torch(p: Path) -> dict[str, np.ndarray]:
+def _tensors_in(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors_in(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors_in(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def _read_torch(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
     try:
         import torch
     except ImportError:
         raise CliError(f"{p}: reading .pt needs torch (pip install 'fp8core[torch]')") from None
-    obj = torch.load(p, map_location="cpu", weights_only=True)
-    if isinstance(obj, torch.Tensor):
-        return {p.stem: _as_numpy(obj)}
+    try:
+        try:
+            obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            obj = torch.load(p, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        text = _ANSI.sub("", str(e))
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
+            raise CliError(f"{p}: holds pickled Python objects ({found.group(1)}: a whole nn.Module, say), which "
+                           "fp8core does not unpickle; save a state_dict (torch.save(model.state_dict(), path)) and "
+                           "inspect that") from None
+        why = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+        raise CliError(f"{p}: could not be read as pt (not a tensor checkpoint: "
+                       f"{why.group(1) if why else _one_line(e)})") from None
+    found = list(_tensors_in(obj, "" if isinstance(obj, (dict, list, tuple)) else p.stem))
+    if not found and not isinstance(obj, (dict, list, tuple)):
+        raise CliError(f"{p}: holds a {type(obj).__name__}, not a tensor or a dict of tensors")
+    for name, t in found:
+        yield name, _as_numpy(t)
+
+
+def _finite_float(v: float) -> Any:
+    """JSON has no inf or NaN: infinities become the strings "inf"/"-inf", NaN the string "nan"."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def _strict(obj: Any) -> Any:
     if isinstance(obj, dict):
-        return {str(k): _as_numpy(v) for k, v in obj.items() if isinstance(v, torch.Tensor)}
-    raise CliError(f"{p}: holds a {type(obj).__name__}, not a tensor or a dict of tensors")
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strict(v) for v in obj]
+    return _finite_float(obj)
 
 
-def tensor_stats(x: np.ndarray) -> dict[str, Any]:
-    """Per format, under current scaling with a power-of-2 scale: scale, SQNR, underflow, saturation, error."""
+def _measurable(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray | None, str | None]:
+    """The data in a dtype fp8core's amax and quantize take, or None; and a note on what was done to it."""
+    x, note = _raw_bytes_dtype(x, raw_fp8)
+    name = x.dtype.name
+    if name in ("float32", "bfloat16", "float16"):
+        return x, note
+    if name in ("float8_e4m3fn", "float8_e5m2"):
+        return x, note or f"{name} data: statistics of re-quantizing its values"
+    if x.dtype.kind == "f":
+        return x, f"{name} data: rounded to float32 first"
+    if x.dtype.kind in "iub":
+        return x, f"integer data ({name}): statistics of its float32 conversion"
+    return None, None
+
+
+def _chunk_f32(x: np.ndarray, a: int, b: int) -> np.ndarray:
+    c = x[a:b]
+    if c.dtype.name in ("float32", "bfloat16", "float16"):
+        return np.ascontiguousarray(c)
+    with np.errstate(over="ignore"):
+        return c.astype(np.float32)
+
+
+def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None = None,
+                 scale: float | None = None) -> dict[str, Any]:
+    """How x fares in E4M3 and E5M2 under current scaling with a power-of-2 scale.
+
+    Per format: scale (from the amax of the finite values), sqnr_db (over the finite values; inf when exact,
+    None when there is no signal), underflow (nonzero values that become 0), clipped (values with
+    |x * scale| > max before the cast, which saturate), at_max (values that land on +-max, clipped ones
+    included), max_rel_error. Fractions are of the finite values. nan and inf count the non-finite inputs.
+    ``scale``, when given, replaces the per-format scale. ``hist``, when given, accumulates a histogram of
+    log2|x| over :data:`_HIST_BINS`.
+    """
     row: dict[str, Any] = {"shape": list(x.shape), "dtype": str(x.dtype)}
-    if x.dtype.name not in ("float32", "bfloat16", "float16"):
-        x = x.astype(np.float32)
-    x = np.ascontiguousarray(x)
-    amax = fp8core.amax(x)
-    row["amax"] = float(amax[0])
-    ref = x.astype(np.float64).reshape(-1)
-    finite = np.isfinite(ref)
-    nonzero = finite & (ref != 0)
+    data, note = _measurable(x, raw_fp8)
+    if note:
+        row["note"] = note
+    if data is None:
+        row["skipped"] = f"not real-valued numbers ({x.dtype})"
+        return row
+    row["dtype"] = str(data.dtype)
+    flat = data.reshape(-1, order="A") if data.flags.f_contiguous else data.reshape(-1)
+    n = flat.size
+    bounds = [(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
+    amax_bits, finite_amax, nans, infs = 0, 0.0, 0, 0
+    for a, b in bounds:
+        c = _chunk_f32(flat, a, b)
+        amax_bits = max(amax_bits, int(fp8core.amax(c).view(np.uint32)[0]))
+        v = c.astype(np.float64)
+        fin = np.isfinite(v)
+        nans += int(np.isnan(v).sum())
+        infs += int((~fin).sum()) - int(np.isnan(v).sum())
+        if fin.any():
+            av = np.abs(v[fin])
+            finite_amax = max(finite_amax, float(av.max()))
+            if hist is not None:
+                nz = av[av > 0]
+                hist += np.histogram(np.log2(nz), bins=_HIST_BINS)[0]
+    row["amax"] = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
+    row["elements"], row["nan"], row["inf"] = n, nans, infs
+    amax = np.array([finite_amax], np.float32)
     for fmt in (Format.E4M3, Format.E5M2):
-        scale, scale_inv = fp8core.compute_scale(amax, fmt, power_of_2=True)
-        q = fp8core.quantize(x, scale, fmt)
-        y = fp8core.dequantize(q, scale_inv, "float32").astype(np.float64).reshape(-1)
-        err = (y - ref)[finite]
-        signal = float(np.sum(ref[finite] ** 2))
-        noise = float(np.sum(err ** 2))
-        sqnr = math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
-        codes = q.view(np.uint8).reshape(-1) & 0x7F
+        if scale is None:
+            scales = fp8core.compute_scale(amax, fmt, power_of_2=True)
+        else:
+            scales = (np.array([scale], np.float32), np.array([1 / np.float32(scale)], np.float32))
+        s32 = np.float32(scales[0][0])
         max_code = 0x7E if fmt is Format.E4M3 else 0x7B
-        rel = np.abs(err[nonzero[finite]] / ref[nonzero])
+        signal = noise = 0.0
+        finite = nonzero = under = clipped = at_max = 0
+        max_rel = 0.0
+        for a, b in bounds:
+            c = _chunk_f32(flat, a, b)
+            q = fp8core.quantize(c, scales[0], fmt)
+            y = fp8core.dequantize(q, scales[1], "float32").astype(np.float64)
+            v = c.astype(np.float64)
+            fin = np.isfinite(v)
+            err = y[fin] - v[fin]
+            signal += float(np.sum(v[fin] ** 2))
+            noise += float(np.sum(err ** 2))
+            finite += int(fin.sum())
+            nz = fin & (v != 0)
+            nonzero += int(nz.sum())
+            under += int((nz & (y == 0)).sum())
+            with np.errstate(over="ignore", invalid="ignore"):
+                scaled = np.abs(c.astype(np.float32) * s32)  # the contract's one fp32 multiply
+            clipped += int((fin & (scaled > np.float32(fmt.max))).sum())
+            at_max += int((fin & ((q.view(np.uint8) & 0x7F) == max_code)).sum())
+            if nz.any():
+                max_rel = max(max_rel, float(np.max(np.abs((y[nz] - v[nz]) / v[nz]))))
+        if signal > 0:
+            sqnr: float | None = math.inf if noise == 0 else 10 * math.log10(signal / noise)
+        else:
+            sqnr = None
         row[fmt.name] = {
-            "scale": float(scale[0]), "sqnr_db": sqnr,
-            "underflow": float(np.mean((y[nonzero] == 0))) if nonzero.any() else 0.0,
-            "saturated": float(np.mean(codes[finite] == max_code)) if finite.any() else 0.0,
-            "max_rel_error": float(rel.max()) if rel.size else 0.0,
+            "scale": float(s32), "sqnr_db": sqnr,
+            "underflow": under / nonzero if nonzero else 0.0,
+            "clipped": clipped / finite if finite else 0.0,
+            "at_max": at_max / finite if finite else 0.0,
+            "max_rel_error": max_rel,
         }
     return row
 
 
-def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> None:
+def _plot_target(out: str) -> Path:
+    """The file matplotlib will write: it adds ".png" to a name without a known image extension."""
+    import matplotlib.pyplot as plt
+
+    p = Path(out)
+    known = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    return p if p.suffix[1:].lower() in known else p.with_name(p.name + ".png")
+
+
+def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
     try:
         import matplotlib
 
@@ -205,55 +511,82 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise CliError("--plot needs matplotlib (pip install 'fp8core[plot]')") from None
+    target = _plot_target(out)
     n = len(stats)
     fig, axes = plt.subplots(n, 1, figsize=(8, 2.6 * n), squeeze=False)
     ranges = {Format.E4M3: (2.0 ** -9, 448.0, "tab:blue"), Format.E5M2: (2.0 ** -16, 57344.0, "tab:orange")}
-    for ax, (name, (x, row)) in zip(axes[:, 0], stats.items()):
-        v = np.abs(x.astype(np.float64).reshape(-1))
-        v = v[np.isfinite(v) & (v > 0)]
-        if v.size:
-            ax.hist(np.log2(v), bins=120, color="0.3")
-        for fmt, (lo, hi, color) in ranges.items():
+    centers = (_HIST_BINS[:-1] + _HIST_BINS[1:]) / 2
+    for ax, (name, (hist, row)) in zip(axes[:, 0], stats.items()):
+        if hist.any():
+            used = np.nonzero(hist)[0]
+            lo, hi = used[0], used[-1] + 1
+            ax.bar(centers[lo:hi], hist[lo:hi], width=_HIST_BINS[1] - _HIST_BINS[0], color="0.3")
+        for fmt, (lo_v, hi_v, color) in ranges.items():
             s = row[fmt.name]["scale"]
-            ax.axvspan(math.log2(lo / s), math.log2(hi / s), color=color, alpha=0.15, label=f"{fmt.name} range")
+            ax.axvspan(math.log2(lo_v / s), math.log2(hi_v / s), color=color, alpha=0.15, label=f"{fmt.name} range")
         ax.set_title(f"{name}  {row['dtype']} {tuple(row['shape'])}  amax {row['amax']:.4g}")
         ax.set_xlabel("log2 |x|")
         ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    fig.savefig(target, dpi=90)
     plt.close(fig)
+    return target
+
+
+def _cell(v: Any, spec: str, width: int) -> str:
+    if v is None:
+        return f"{'n/a':>{width}}"
+    return f"{v:>{width}{spec}}"
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    rows, arrays = {}, {}
+    rows: dict[str, dict] = {}
+    hists: dict[str, np.ndarray] = {}
     files = list(args.files)
     for i, path in enumerate(files):
-        tensors = load_tensors(path)
-        if not tensors:
+        count = 0
+        try:
+            for name, x in iter_tensors(path, args.max_bytes):
+                key = f"{path}:{name}" if len(files) > 1 else name
+                hist = np.zeros(len(_HIST_BINS) - 1, np.int64) if args.plot else None
+                rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale)
+                if hist is not None and "skipped" not in rows[key]:
+                    hists[key] = hist
+                count += 1
+                del x  # one tensor at a time
+        except CliError:
+            raise
+        except MemoryError:
+            raise CliError(f"{path}: not enough memory to measure it") from None
+        if not count:
             raise CliError(f"{path}: holds no tensors")
-        for name, x in tensors.items():
-            key = f"{path}:{name}" if len(files) > 1 else name
-            rows[key] = tensor_stats(x)
-            arrays[key] = x
         _progress(i + 1, len(files), "files")
-    if args.plot:
-        _plot({k: (arrays[k], rows[k]) for k in rows}, args.plot)
+    written = _plot({k: (hists[k], rows[k]) for k in hists}, args.plot) if args.plot and hists else None
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(_strict(rows), indent=1, allow_nan=False))
         return
-    head = f"{'tensor':<28} {'shape':<16} {'dtype':<9} {'amax':>10}  {'fmt':<4} {'scale':>10} {'SQNR dB':>8} " \
-           f"{'underflow':>9} {'saturated':>9} {'max rel err':>11}"
+    head = f"{'tensor':<28} {'shape':<16} {'dtype':<13} {'amax':>10}  {'fmt':<4} {'scale':>10} {'SQNR dB':>8} " \
+           f"{'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
     print(head)
     print("-" * len(head))
     for key, r in rows.items():
+        lead = f"{key[:28]:<28} {str(tuple(r['shape']))[:16]:<16} {r['dtype'][:13]:<13}"
+        if "skipped" in r:
+            print(f"{lead} skipped: {r['skipped']}")
+            continue
         for j, fmt in enumerate(("E4M3", "E5M2")):
             f = r[fmt]
-            lead = f"{key[:28]:<28} {str(tuple(r['shape']))[:16]:<16} {r['dtype']:<9} {r['amax']:>10.4g}" if j == 0 \
-                else " " * 66
-            print(f"{lead}  {fmt:<4} {f['scale']:>10.4g} {f['sqnr_db']:>8.2f} {f['underflow']:>9.2%} "
-                  f"{f['saturated']:>9.2%} {f['max_rel_error']:>11.3g}")
-    if args.plot:
-        print(f"plot written to {args.plot}")
+            first = f"{lead} {r['amax']:>10.4g}" if j == 0 else " " * (len(lead) + 11)
+            print(f"{first}  {fmt:<4} {f['scale']:>10.4g} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
+                  f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
+        notes = [r["note"]] if "note" in r else []
+        if r["nan"] or r["inf"]:
+            notes.append(f"{r['nan']} NaN and {r['inf']} inf of {r['elements']} values: the statistics are of the "
+                         "finite values")
+        for note in notes:
+            print(f"{'':<28}   note: {note}")
+    if written is not None:
+        print(f"plot written to {written}")
 
 
 # ---- demo ----------------------------------------------------------------------------------------------------
@@ -348,21 +681,39 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fp8core", description="FP8 primitives with exact numerics: "
                                  "inspect tensors, check the install, train a demo, benchmark.")
+    ap.add_argument("--version", action="version", version=f"fp8core {fp8core.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, the backend found, the kernel cache, the GPU-verified stamp")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("inspect", help="per tensor: amax and how it fares in E4M3 and E5M2")
+    p = sub.add_parser("inspect", help="per tensor: amax and how it fares in E4M3 and E5M2",
+                       description="Per tensor, under current scaling with a power-of-2 scale from the amax of its "
+                       "finite values: SQNR, underflow (nonzero values that become 0), clipped (|x*scale| beyond "
+                       "the format's max before the cast: they saturate), at ±max (values that land on ±max, "
+                       "clipped ones included), the largest relative error, and counts of NaN and inf inputs. "
+                       "Nothing in the files is unpickled.")
     p.add_argument("files", nargs="+", help=".npy, .npz, .safetensors or .pt files")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--plot", metavar="OUT.png", help="histograms of log2|x| with each format's range")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output, strict JSON: inf and NaN are written as the strings "
+                        '"inf", "-inf", "nan"; a SQNR with no signal (an all-zero or empty tensor) is null')
+    p.add_argument("--plot", metavar="OUT.png", help="histograms of log2|x| with each format's range "
+                   "(.png is added to a name without an image extension)")
+    p.add_argument("--raw-fp8", choices=sorted(_RAW_FP8), default="e4m3",
+                   help="how to read 1-byte raw (|V1) .npy data, which is how ml_dtypes fp8 arrays are saved "
+                        "(default e4m3); 2-byte raw data is read as bfloat16")
+    p.add_argument("--scale", type=float, default=None, metavar="S",
+                   help="measure with this scale instead of each tensor's own (what a stale delayed-scaling scale "
+                        "would do: values beyond max/S are clipped)")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
+                   help=f"refuse an .npz member that would inflate to more than N bytes (default {DEFAULT_MAX_BYTES})")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("demo", help="train a small MLP with Float8Linear next to an fp32 twin")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when usable, else cpu")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bench", help="the benchmark suite on the device at hand")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats: a smoke run in about a minute, "
+                   "not figures to quote")
     p.set_defaults(fn=cmd_bench)
     return ap
 
@@ -372,6 +723,12 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if getattr(args, "steps", 1) < 1:
             raise CliError("--steps: expected a positive number")
+        scale = getattr(args, "scale", None)
+        if scale is not None and not (math.isfinite(scale) and 0 < scale <= float(np.finfo(np.float32).max)
+                                      and np.float32(scale) > 0):
+            raise CliError(f"--scale: expected a float32 number > 0, got {scale}")
+        if getattr(args, "max_bytes", 1) < 1:
+            raise CliError("--max-bytes: expected a positive number")
         args.fn(args)
     except CliError as e:
         print(f"fp8core: error: {e}", file=sys.stderr)
@@ -379,8 +736,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fp8core: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, OSError) as e:
-        print(f"fp8core: error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, MemoryError) as e:
+        print(f"fp8core: error: {_one_line(e, kind=False)}", file=sys.stderr)
         return 2
     return 0
 

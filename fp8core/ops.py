@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _checks, backends
+from ._fpenv import ieee
 from ._tensor import Tensor, _cupy_module, export, wrap
 from .backends import cpu as _cpu
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
@@ -81,9 +82,14 @@ def _same_device(t: Tensor, x: Tensor, arg: str, xarg: str = "x") -> None:
                          "put them on the same device")
 
 
-def _new_f32(values: Any, like: Tensor) -> Any:
+@ieee  # a Python float's fp32 rounding must not flush a subnormal (FTZ set by the caller)
+def _host_f32(values: Any) -> np.ndarray:
     with np.errstate(over="ignore"):
-        host = np.asarray(values, dtype=np.float32).reshape(-1)
+        return np.asarray(values, dtype=np.float32).reshape(-1)
+
+
+def _new_f32(values: Any, like: Tensor) -> Any:
+    host = _host_f32(values)
     if not like.is_cuda:
         return host
     cupy = _cupy_module()
@@ -253,7 +259,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
     """
     f = _format(fmt)
     if isinstance(amax, (float, int)) and not isinstance(amax, bool):
-        amax = np.array([amax], np.float32)
+        amax = _host_f32([amax])
     t = _contiguous(wrap(amax, "amax"), "amax")
     if t.dtype != "float32":
         raise TypeError(f"amax: expected float32, got {t.dtype}")

@@ -2,17 +2,77 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from .formats import Format, as_format
+from .ops import MAX_MARGIN
 
 __all__ = ["DelayedScaling", "Float8CurrentScaling"]
 
 _ALGOS = ("max", "most_recent")
 
 
-@dataclass(frozen=True)
+# ---- field checks shared by every recipe: at construction, naming the field -------------------------------
+
+def _set(recipe: Any, field: str, value: Any) -> None:
+    object.__setattr__(recipe, field, value)
+
+
+def _int(recipe: Any, field: str, low: int | None = None, high: int | None = None) -> None:
+    """A true integer (not a bool, not a float, not a string) within [low, high], stored as a Python int."""
+    v = getattr(recipe, field)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{field}: expected an int, got {type(v).__name__} {v!r}")
+    v = int(v)
+    if low is not None and v < low:
+        raise ValueError(f"{field}: expected an int >= {low}, got {v}")
+    if high is not None and abs(v) > high:
+        raise ValueError(f"{field}: expected |{field}| <= {high}, got {v}")
+    _set(recipe, field, v)
+
+
+def _bool(recipe: Any, field: str) -> None:
+    """True or False (NumPy's bool too); strings such as "False" are refused, not read as true."""
+    v = getattr(recipe, field)
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{field}: expected True or False, got {type(v).__name__} {v!r}")
+    _set(recipe, field, bool(v))
+
+
+def _epsilon(recipe: Any, field: str) -> None:
+    """A finite real number >= 0, stored as a Python float."""
+    v = getattr(recipe, field)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{field}: expected a finite number >= 0, got {type(v).__name__} {v!r}")
+    f = float(v)
+    if not (math.isfinite(f) and f >= 0.0):
+        raise ValueError(f"{field}: expected a finite number >= 0, got {v!r}")
+    _set(recipe, field, f)
+
+
+def _repr(recipe: Any) -> str:
+    """``DelayedScaling(margin=0, ..., fp8_format=Format.HYBRID, ...)``: formats and callables by name."""
+    def show(v: Any) -> str:
+        if isinstance(v, Format):
+            return f"Format.{v.name}"
+        if callable(v):
+            return getattr(v, "__qualname__", None) or repr(v)
+        return repr(v)
+
+    fields = ", ".join(f"{f}={show(getattr(recipe, f))}" for f in recipe.__dataclass_fields__)
+    return f"{type(recipe).__name__}({fields})"
+
+
+def _format(recipe: Any) -> None:
+    _set(recipe, "fp8_format", as_format(recipe.fp8_format, arg="fp8_format", allow_hybrid=True))
+
+
+@dataclass(frozen=True, repr=False)
 class DelayedScaling:
     """Delayed scaling: each tensor's scale comes from the amax history of earlier steps.
 
@@ -34,23 +94,25 @@ class DelayedScaling:
     epsilon: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "fp8_format", as_format(self.fp8_format, arg="fp8_format", allow_hybrid=True))
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise ValueError(f"amax_history_len: expected an int >= 1, got {self.amax_history_len!r}")
-        if not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"interval: expected an int >= 1, got {self.interval!r}")
-        if not isinstance(self.margin, int) or isinstance(self.margin, bool):
-            raise ValueError(f"margin: expected an int, got {self.margin!r}")
-        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in _ALGOS:
+        _format(self)
+        _int(self, "margin", high=MAX_MARGIN)
+        _int(self, "interval", low=1)
+        _int(self, "amax_history_len", low=1)
+        algo = self.amax_compute_algo
+        if not callable(algo) and not (isinstance(algo, str) and algo in _ALGOS):
             raise ValueError(f"amax_compute_algo: expected 'max', 'most_recent' or a callable, "
                              f"got {self.amax_compute_algo!r}")
         if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
-            raise ValueError("scaling_factor_compute_algo: expected a callable or None")
-        if not float(self.epsilon) >= 0.0:
-            raise ValueError(f"epsilon: expected >= 0, got {self.epsilon!r}")
+            raise TypeError(f"scaling_factor_compute_algo: expected a callable or None, "
+                            f"got {type(self.scaling_factor_compute_algo).__name__}")
+        _bool(self, "power_of_2")
+        _bool(self, "reduce_amax")
+        _epsilon(self, "epsilon")
+
+    __repr__ = _repr
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Float8CurrentScaling:
     """Current (dynamic) scaling: each tensor is scaled by its own amax, taken just before the cast."""
 
@@ -60,8 +122,9 @@ class Float8CurrentScaling:
     margin: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "fp8_format", as_format(self.fp8_format, arg="fp8_format", allow_hybrid=True))
-        if not float(self.amax_epsilon) >= 0.0 or self.amax_epsilon == float("inf"):
-            raise ValueError(f"amax_epsilon: expected a finite value >= 0, got {self.amax_epsilon!r}")
-        if not isinstance(self.margin, int) or isinstance(self.margin, bool):
-            raise ValueError(f"margin: expected an int, got {self.margin!r}")
+        _format(self)
+        _bool(self, "power_of_2")
+        _epsilon(self, "amax_epsilon")
+        _int(self, "margin", high=MAX_MARGIN)
+
+    __repr__ = _repr

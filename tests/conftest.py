@@ -6,19 +6,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from fp8core.cli import gpu_unavailable_reason  # noqa: E402  (after the path is set)
 
-def _gpu_reason() -> str | None:
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-        return None
-    except Exception as e:  # no cupy, no driver, no device
-        return f"no usable GPU ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-
-
-GPU_REASON = _gpu_reason()
+# None, or why there is no usable GPU: "cupy is not installed", "no CUDA driver (libcuda cannot be loaded)",
+# "no CUDA driver", "the CUDA driver supports CUDA 12.2, older than ...", "no CUDA device".
+GPU_REASON = gpu_unavailable_reason()
 requires_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"GPU test: {GPU_REASON}")
 
 

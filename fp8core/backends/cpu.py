@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._fpenv import ieee, set_default
 from .._tensor import Tensor, empty, logical_numpy_dtype
 from ..formats import Format
 
@@ -46,7 +47,7 @@ def _get_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="fp8core")
+            _pool = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="fp8core", initializer=set_default)
         return _pool
 
 
@@ -104,18 +105,38 @@ def _bits_to_f32(bits: Any) -> np.float32:
     return np.array([bits], np.uint32).view(np.float32)[0]
 
 
+_slot_lock = threading.Lock()
+
+
+def _new_slot_lock() -> None:
+    global _slot_lock
+    _slot_lock = threading.Lock()  # a fork child inherits the lock as it was, maybe held by a thread now gone
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_slot_lock)
+
+
 def _accumulate(amax_out: np.ndarray, bits: np.uint32) -> None:
-    """amax_out = max(amax_out, value), compared as bit patterns like the GPU's atomicMax."""
-    view = amax_out.reshape(-1).view(np.uint32)
-    view[0] = max(int(view[0]), int(bits))
+    """amax_out = max(amax_out, value), compared as SIGNED int32 bit patterns, like the GPU's atomicMax.
+
+    A slot holding -0.0 or any negative value (sign bit set) ranks below every amax and takes it; NaN
+    (0x7FFFFFFF) ranks above inf. The lock makes the read-modify-write atomic among fp8core's callers, as the
+    GPU's atomicMax is: threads accumulating into one slot never lose the max.
+    """
+    view = amax_out.reshape(-1).view(np.int32)
+    with _slot_lock:
+        view[0] = max(int(view[0]), int(bits))
 
 
+@ieee
 def amax(x: Tensor) -> np.ndarray:
     flat = _flat(x)
     bits = max(_map(flat.size, lambda a, b: _amax_bits(flat[a:b])), default=np.uint32(0))
     return np.array([bits], np.uint32).view(np.float32)
 
 
+@ieee
 def multi_amax(xs: list[Tensor], out: np.ndarray) -> None:
     for i, x in enumerate(xs):
         _accumulate(out[i:i + 1], amax(x).view(np.uint32)[0])
@@ -154,6 +175,7 @@ def _quantize_chunk(x: np.ndarray, scale: np.float32, fmt: Format, out: np.ndarr
 
 
 @lru_cache(maxsize=16)
+@ieee
 def _quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
     """quantize() of all 65,536 patterns of a 16-bit input type: each result depends only on its pattern,
     so a large bf16/fp16 tensor is one table lookup per element, made by the same code as the direct path."""
@@ -166,6 +188,7 @@ def _quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
 _TABLE_MIN = 1 << 16  # building the table is the direct path over 65,536 patterns: from here it never loses
 
 
+@ieee
 def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None) -> np.ndarray:
     scale = scale_value(scale)
     q = empty(x.shape, fmt.numpy_dtype, x)
@@ -190,6 +213,7 @@ def scale_value(scale: Any) -> np.float32:
     return np.float32(np.asarray(scale).reshape(-1)[0])
 
 
+@ieee
 def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
                      reduce: Callable | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     a = amax(x)
@@ -199,6 +223,7 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
     return quantize(x, scale, fmt, None), scale_inv, a
 
 
+@ieee
 def multi_quantize(xs: list[Tensor], scales: list[np.ndarray], fmts: list[Format],
                    amax_outs: list[np.ndarray | None]) -> list[np.ndarray]:
     return [quantize(x, s, f, a) for x, s, f, a in zip(xs, scales, fmts, amax_outs)]
@@ -211,6 +236,7 @@ _CANONICAL_NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x
 
 
 @lru_cache(maxsize=64)
+@ieee
 def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarray:
     """All 256 results: each output depends only on its input byte, so the table is the definition."""
     codes = np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype)
@@ -222,6 +248,7 @@ def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarr
     return out
 
 
+@ieee
 def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str) -> np.ndarray:
     table = _dequant_table(fmt, int(scale_value(scale_inv).view(np.uint32)), out_dtype)
     codes = _flat(q).view(np.uint8)
@@ -243,6 +270,7 @@ def transpose(q: Tensor) -> np.ndarray:
     return out
 
 
+@ieee
 def cast_transpose(x: Tensor, scale: Any, fmt: Format,
                    amax_out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     q = quantize(x, scale, fmt, amax_out)
@@ -263,6 +291,7 @@ def pow2_floor(s: np.ndarray) -> np.ndarray:
     return out.view(np.float32)
 
 
+@ieee
 def scale_rule(amax: np.ndarray, fp8_max: np.ndarray, margin: int, power_of_2: bool,
                epsilon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(scale, scale_inv, ok) elementwise; where ``ok`` is False there is no new scale (scale = 1 there)."""
@@ -281,6 +310,7 @@ def scale_rule(amax: np.ndarray, fp8_max: np.ndarray, margin: int, power_of_2: b
     return s, s_inv, ok
 
 
+@ieee
 def compute_scale(amax: np.ndarray, fp8_max: float, margin: int, power_of_2: bool, epsilon: float,
                   previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     s, s_inv, ok = scale_rule(amax, np.full(amax.size, fp8_max, np.float32), margin, power_of_2, epsilon)
@@ -291,12 +321,13 @@ def compute_scale(amax: np.ndarray, fp8_max: float, margin: int, power_of_2: boo
     return s.astype(np.float32).reshape(amax.shape), s_inv.astype(np.float32).reshape(amax.shape)
 
 
+@ieee
 def update(history: np.ndarray, scale: np.ndarray, scale_inv: np.ndarray, fp8_max: np.ndarray, margin: int,
            algo: str, power_of_2: bool, epsilon: float, update_scale: bool, flags: np.ndarray | None) -> None:
     """The batched delayed-scaling update of NUMERICS.md, in place, all N columns at once."""
     L = history.shape[0]
     cur = history[0].copy()
-    ran = cur != 0  # NaN != 0: a NaN amax did run
+    ran = (cur.view(np.uint32) & np.uint32(0x7FFFFFFF)) != 0  # on the bits: a subnormal or NaN amax did run
     if flags is not None:
         flags[...] = ~np.isfinite(cur)
     if not ran.any():
@@ -326,6 +357,7 @@ def roll(history: Any, ran: Any, cur: Any, L: int) -> None:
 
 # ---- gemm -------------------------------------------------------------------------------------------------
 
+@ieee
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
          out_scale: Any | None, out_amax: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
     """The emulation: fp8 operands widened exactly, products summed and scaled in float64, the result (+ bias)

@@ -45,7 +45,7 @@ template <typename T, int FMT, bool WRITE_Q>
 __global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
     const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ q_t, const float* __restrict__ scale_p,
     u32* __restrict__ amax_out, i64 rows, i64 cols) {
-  __shared__ u8 tile[TILE][TILE + PAD];
+  __shared__ __align__(16) u8 tile[TILE][TILE + PAD];  // written as 32-bit words
   const i64 tiles_c = (cols + TILE - 1) / TILE;
   const i64 tile_id = blockIdx.x + (i64)blockIdx.y * gridDim.x;
   if (tile_id >= tiles_c * ((rows + TILE - 1) / TILE)) return;

@@ -67,10 +67,7 @@ def _new_f32(values: Any, like: Tensor) -> Any:
         host = np.asarray(values, dtype=np.float32).reshape(-1)
     if not like.is_cuda:
         return host
-    import cupy
-
-    with cupy.cuda.Device(like.device[1]):
-        return cupy.asarray(host)
+    return backends.for_device(like.device).device_f32(host, like)  # on the caller's stream, capture-safe
 
 
 def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
@@ -223,7 +220,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
         if prev.size not in (1, t.size):
             raise ValueError(f"previous: expected 1 or {t.size} elements, got {prev.size}")
     s, s_inv = backends.for_device(t.device).compute_scale(
-        t.data, f.max, _margin(margin), bool(power_of_2), _epsilon(epsilon), prev)
+        t if t.is_cuda else t.data, f.max, _margin(margin), bool(power_of_2), _epsilon(epsilon), prev)
     return export(s, "float32", t), export(s_inv, "float32", t)
 
 

@@ -182,6 +182,14 @@ def _destroy(lt: Any, plan: _Plan) -> None:
     lt.matmul_desc_destroy(plan.desc)
 
 
+def _remember(lt: Any, plans: OrderedDict, key: Any, plan: _Plan) -> _Plan:
+    """Insert plan as the most recent; the least recent beyond _PLANS_PER_THREAD are destroyed."""
+    plans[key] = plan
+    while len(plans) > _PLANS_PER_THREAD:
+        _destroy(lt, plans.popitem(last=False)[1])
+    return plan
+
+
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
          out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: int, alloc: Any) -> Any:
     """stream: the raw handle of the caller's stream; alloc(shape, dtype, like, stream): the caller's allocator."""
@@ -206,9 +214,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     key = (device_id, spec, align, out_amax is not None)
     plan = plans.get(key)
     if plan is None:
-        plan = plans[key] = _make_plan(lt, spec, handle, device_id, align, pointers)
-        while len(plans) > _PLANS_PER_THREAD:
-            _destroy(lt, plans.popitem(last=False)[1])
+        plan = _remember(lt, plans, key, _make_plan(lt, spec, handle, device_id, align, pointers))
     else:
         plans.move_to_end(key)
         _set_pointers(lt, plan, *pointers)

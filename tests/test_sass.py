@@ -156,6 +156,12 @@ def test_sass_of_every_kernel(filename, expr, arch, soft, tmp_path_factory):
     for pattern in VECTOR.get(kind(expr), []):
         assert re.search(rf"\b{pattern}\b", sass), f"{expr}: no {pattern} on sm_{arch}"
 
+    # cast_transpose's vector path transposes through shared memory in 32-bit words (byte permutes, a quad
+    # shuffle); byte-wide shared loads are left only in the edge path.
+    if kind(expr) == "cast_transpose_kernel":
+        byte_loads = len(re.findall(r"\bLDS\.U8\b", sass))
+        assert byte_loads <= 8 and re.search(r"\bPRMT\b", sass), f"{expr}: {byte_loads} byte-wide shared loads"
+
     # Registers leave room for what the launches assume (the grids are sized by the occupancy API).
     threads = 512 if kind(expr) == "update_kernel" else 256
     assert res["REG"] <= MAX_REGS[threads], f"{expr}: {res['REG']} registers on sm_{arch}"

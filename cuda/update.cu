@@ -27,8 +27,10 @@ __global__ void update_kernel(float* __restrict__ history, float* __restrict__ s
   u32 m = 0;
   float boundary = cur;  // what lands in row r1 - 1: the next range's first row, or cur for the last range
   if (ran) {
-    if (ALGO_MAX)
+    if (ALGO_MAX) {
+#pragma unroll 8
       for (int i = r0; i < r1; ++i) m = umax(m, abs_bits(history[(i64)i * n + j]));
+    }
     if (r1 < L) boundary = history[(i64)r1 * n + j];
   }
   warp_amax[w][lane] = m;
@@ -47,7 +49,17 @@ __global__ void update_kernel(float* __restrict__ history, float* __restrict__ s
     }
   }
   if (ran) {
-    for (int i = r0; i + 1 < r1; ++i) history[(i64)i * n + j] = history[(i64)(i + 1) * n + j];
+    // The roll in chunks of 8: eight loads in flight, then eight stores (rows i..i+7 take rows i+1..i+8; the
+    // next chunk reads from row i+9 on, which no store has touched yet).
+    int i = r0;
+    for (; i + 8 < r1; i += 8) {
+      float v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = history[(i64)(i + 1 + k) * n + j];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) history[(i64)(i + k) * n + j] = v[k];
+    }
+    for (; i + 1 < r1; ++i) history[(i64)i * n + j] = history[(i64)(i + 1) * n + j];
     if (r0 < r1) history[(i64)(r1 - 1) * n + j] = boundary;
     if (w == 0) history[j] = 0.f;
   }

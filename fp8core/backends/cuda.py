@@ -191,23 +191,28 @@ def _ptr(a: Any) -> int:
 
 # ---- outputs ----------------------------------------------------------------------------------------------
 
-_STORAGE_TORCH: dict[int, Any] = {}
+_torch_devices: dict[int, Any] = {}
 
 
 def _empty(shape: Any, dtype: Any, t: Tensor, stream: Any = None) -> Any:
-    """Outputs for torch callers come from torch's caching allocator (stream-ordered, CUDA-graph aware);
-    everyone else's from CuPy's pool on CuPy's current stream (the JAX front-end makes it XLA's).
-    Call inside the device guard. ``stream`` is unused (kept for the GEMM's allocator signature)."""
+    """Outputs for torch callers come from torch's caching allocator (stream-ordered, CUDA-graph aware), as a
+    CuPy view whose memory owner is the torch tensor (no DLPack round trip); everyone else's from CuPy's pool on
+    CuPy's current stream (the JAX front-end makes it XLA's). Call inside the device guard. ``stream`` is unused
+    (kept for the GEMM's allocator signature)."""
     if t.origin == "torch":
-        from .._tensor import wrap
+        device = t.device[1]
+        torch_device = _torch_devices.get(device)
+        if torch_device is None:
+            import torch
 
-        import torch
-
-        size = np.dtype(dtype).itemsize
-        storage = _STORAGE_TORCH.get(size)
-        if storage is None:
-            storage = _STORAGE_TORCH[size] = {1: torch.uint8, 2: torch.int16, 4: torch.float32}[size]
-        return wrap(torch.empty(shape, dtype=storage, device=torch.device("cuda", t.device[1]))).data.view(dtype)
+            global _torch
+            _torch = torch
+            torch_device = _torch_devices[device] = torch.device("cuda", device)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes:
+            owner = _torch.empty(nbytes, dtype=_torch.uint8, device=torch_device)
+            mem = cupy.cuda.UnownedMemory(owner.data_ptr(), nbytes, owner, device)
+            return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
     return cupy.empty(shape, dtype=dtype)
 
 
@@ -278,28 +283,28 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
     device = x.device[1]
     with _On(device):
         stream = _stream(x)
-        s_inv = _empty((1,), np.float32, x)
         q = _empty(x.shape, np.uint8, x)
         if reduce is not None or x.size == 0:
             # Distributed: amax, the group's MAX-reduce, then one quantize that makes the scale in every block.
             a = amax(x)
             if reduce is not None:
                 reduce(a)
+            s_inv = _empty((1,), np.float32, x)
             _quantize(x, q, None, fmt, None, a, s_inv, margin, power_of_2, epsilon, stream)
             return q, s_inv, a
-        a = _empty((1,), np.float32, x)  # written whole by block 0
         plan = _plan(device, "quantize.cu", f"fp8core::quantize_dynamic_kernel<{_T[x.dtype]}, {fmt.index}>")
         blocks = plan.grid(x.size)
-        # The grid barrier's workspace: two words and one partial per block, allocated for this call from the
-        # caller's allocator and zeroed on the launch stream just before the launch. Invariant: nothing of the
-        # barrier outlives the launch, so no two launches share it (threads whose per-thread default streams
-        # have one handle, concurrent streams), and a captured graph replays the memset node with the kernel.
-        ws = _empty((2 + blocks,), np.uint32, x)
-        _runtime.memsetAsync(ws.data.ptr, 0, 8, stream)
+        # One allocation: [amax, scale_inv, barrier count, barrier generation, one partial per block], from the
+        # caller's allocator, the barrier's two words zeroed on the launch stream just before the launch.
+        # Invariant: nothing of the barrier outlives the launch, so no two launches share it (threads whose
+        # per-thread default streams have one handle, concurrent streams), and a captured graph replays the
+        # memset node with the kernel. amax and scale_inv are written whole by block 0.
+        ws = _empty((4 + blocks,), np.uint32, x)
+        _runtime.memsetAsync(ws.data.ptr + 8, 0, 8, stream)
         plan.launch(blocks, _THREADS,
-                    (x.data.data.ptr, q.data.ptr, ws.data.ptr, a.data.ptr, s_inv.data.ptr, x.size, fmt.max, margin,
-                     int(power_of_2), epsilon), stream, cooperative=True)
-        return q, s_inv, a
+                    (x.data.data.ptr, q.data.ptr, ws.data.ptr + 8, ws.data.ptr, ws.data.ptr + 4, x.size, fmt.max,
+                     margin, int(power_of_2), epsilon), stream, cooperative=True)
+        return q, ws[1:2].view(np.float32), ws[0:1].view(np.float32)
 
 
 def _multi_blocks(sizes: list[int], max_blocks: int) -> list[int]:

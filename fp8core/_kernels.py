@@ -187,6 +187,7 @@ def get_function(filename: str, expr: str, device_id: int) -> Any:
 
         module = _module(filename, device_id, soft)
         with cupy.cuda.Device(device_id):
-            fn = module.get_function(expr)
+            # RawModule.get_function gives a RawKernel; its .kernel is the Function loaded on this device.
+            fn = module.get_function(expr).kernel
         _functions[key] = fn
     return fn

@@ -53,6 +53,20 @@ def test_cuda_hash_covers_every_file(tmp_path, monkeypatch):
     assert _kernels.module_options(True) != _kernels.module_options(False)
 
 
+@pytest.mark.parametrize("filename", sorted(_kernels.KERNELS))
+def test_cupy_compiles_what_rawmodule_is_given(filename, monkeypatch):
+    """CuPy's own NVRTC path (the one RawModule takes on a GPU: source in a temporary directory, -I for the
+    headers, CuPy's added options) compiles every file; only the device's architecture is supplied here."""
+    from cupy.cuda import compiler
+
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    source = (_kernels.cuda_dir() / filename).read_text()
+    options = (*_kernels._RAWMODULE_OPTIONS, f"-I{_kernels.cuda_dir()}", *_kernels.module_options(False), "-ftz=true")
+    cubin, mapping = compiler.compile_using_nvrtc(source, options, arch="90",
+                                                  name_expressions=_kernels.KERNELS[filename])
+    assert cubin[:4] == b"\x7fELF" and set(mapping) == set(_kernels.KERNELS[filename])
+
+
 def test_rawmodule_is_built_lazily_without_a_gpu():
     """Constructing the RawModule compiles nothing: the compile happens on the device it runs on."""
     import cupy

@@ -39,7 +39,6 @@ name = "cuda"
 _THREADS = 256
 _T = {"float32": "float", "bfloat16": "fp8core::bf16", "float16": "fp8core::f16"}
 _stream_override: contextvars.ContextVar[int | None] = contextvars.ContextVar("fp8core_stream", default=None)
-_torch: Any = None
 
 MIN_COMPUTE_CAPABILITY = 80  # every primitive but the FP8 GEMM (which needs 89, see cublaslt.py)
 MULTI_CHUNK = 64             # tensors per multi-tensor launch: MultiArgs in quantize.cu
@@ -83,13 +82,25 @@ def _stream(t: Tensor) -> int:
     if override is not None:
         return override
     if t.origin == "torch":
-        global _torch
-        if _torch is None:
-            import torch
-
-            _torch = torch
-        return _torch.cuda.current_stream(t.device[1]).cuda_stream
+        global _torch_stream
+        if _torch_stream is None:
+            _torch_stream = _torch_current_stream()
+        return _torch_stream(t.device[1])
     return cupy.cuda.get_current_stream().ptr
+
+
+_torch_stream: Callable[[int], int] | None = None
+
+
+def _torch_current_stream() -> Callable[[int], int]:
+    """device -> torch's current stream handle. torch._C._cuda_getCurrentRawStream (what torch's own compiled
+    code calls) returns the handle without making a Stream object; the public API where it is missing."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
 # ---- launch plans -----------------------------------------------------------------------------------------
@@ -201,16 +212,14 @@ def _empty(shape: Any, dtype: Any, t: Tensor, stream: Any = None) -> Any:
     (kept for the GEMM's allocator signature)."""
     if t.origin == "torch":
         device = t.device[1]
+        import torch
+
         torch_device = _torch_devices.get(device)
         if torch_device is None:
-            import torch
-
-            global _torch
-            _torch = torch
             torch_device = _torch_devices[device] = torch.device("cuda", device)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         if nbytes:
-            owner = _torch.empty(nbytes, dtype=_torch.uint8, device=torch_device)
+            owner = torch.empty(nbytes, dtype=torch.uint8, device=torch_device)
             mem = cupy.cuda.UnownedMemory(owner.data_ptr(), nbytes, owner, device)
             return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
     return cupy.empty(shape, dtype=dtype)

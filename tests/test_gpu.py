@@ -229,9 +229,9 @@ def test_torch_side_stream(rng):
     x = data((1 << 20,), np.float32, rng)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
+        g = torch.from_numpy(x).to("cuda")
         torch.cuda._sleep(50_000_000)  # keep the side stream busy: a launch on another stream would run first
-        g = torch.from_numpy(x).to("cuda", non_blocking=False)
-        g = g * 1.0  # written on the side stream, after the sleep
+        g = g * 1.0  # written on the side stream (non-blocking), after the sleep, into fresh memory
         amax = fp8core.amax(g)
         scale, scale_inv = fp8core.compute_scale(amax, "e4m3", margin=1)
         q = fp8core.quantize(g, scale, "e4m3")

@@ -17,7 +17,6 @@ import contextlib
 import contextvars
 import ctypes
 import struct
-import threading
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -146,7 +145,6 @@ def arg_layout(fmt: str) -> list[tuple[int, int]]:
 
 _plans: dict[tuple[int, str, bool], _Plan] = {}
 _sm_counts: dict[int, int] = {}
-_plan_lock = threading.Lock()
 _capability_ok: set[int] = set()
 
 # Argument layouts (struct codes, native alignment): P pointer, q int64, i int32, I uint32, f float.
@@ -187,12 +185,11 @@ def _plan(device: int, filename: str, expr: str, threads: int = _THREADS) -> _Pl
     plan = _plans.get(key)
     if plan is None:
         _check_capability(device)
-        with _plan_lock:
-            plan = _plans.get(key)
-            if plan is None:
-                kernel = expr.split("::")[1].split("<")[0]
-                plan = _plans[key] = _Plan(_kernels.get_function(filename, expr, device), ARGS[kernel], device,
-                                           threads)
+        kernel = expr.split("::")[1].split("<")[0]
+        # Built outside any lock (get_function compiles once per file and device under its own lock); a thread
+        # that races here builds an equal plan over the same function, and the first one stored is kept.
+        plan = _plans.setdefault(key, _Plan(_kernels.get_function(filename, expr, device), ARGS[kernel], device,
+                                            threads))
     return plan
 
 

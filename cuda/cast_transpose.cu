@@ -1,12 +1,18 @@
 // cast_transpose (one read of x, q and q_t out, fused amax) and the fp8 transpose, through 64x64 tiles
-// staged in padded shared memory.
+// staged in padded, swizzled shared memory.
 #include "common.cuh"
 
 namespace fp8core {
 
 static constexpr int TILE = 64;
-static constexpr int PAD = 4;  // row stride 68 bytes = 17 words: column reads spread over the banks
+static constexpr int ROW_WORDS = 20;  // a tile row: 16 words of data + 4 of padding (80 bytes, 16-byte aligned)
 static constexpr int THREADS = 256;
+
+// The tile's word (r, w), w = column / 4, is stored at r * ROW_WORDS + (w ^ swizzle(r)). With this padding and
+// swizzle both the row-wise 32-bit writes (4 threads per row) and the column-wise 32-bit reads of the transpose
+// (4 threads per 16 rows, see below) hit 32 different banks in every warp: no conflicts.
+__device__ __forceinline__ int swizzle(int r) { return (((r >> 3) << 1) ^ (r & 3)) & 15; }
+__device__ __forceinline__ int word_at(int r, int w) { return r * ROW_WORDS + (w ^ swizzle(r)); }
 
 struct Passthrough {};  // input already fp8 (transpose): bytes copied unchanged
 
@@ -45,7 +51,8 @@ template <typename T, int FMT, bool WRITE_Q>
 __global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
     const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ q_t, const float* __restrict__ scale_p,
     u32* __restrict__ amax_out, i64 rows, i64 cols) {
-  __shared__ u8 tile[TILE][TILE + PAD];
+  __shared__ u32 tile[TILE * ROW_WORDS];
+  u8* const tile_bytes = reinterpret_cast<u8*>(tile);
   const i64 tiles_c = (cols + TILE - 1) / TILE;
   const i64 tile_id = blockIdx.x + (i64)blockIdx.y * gridDim.x;
   if (tile_id >= tiles_c * ((rows + TILE - 1) / TILE)) return;
@@ -62,13 +69,32 @@ __global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
     convert16<T, FMT>(x + (r0 + r) * cols + c0 + 16 * g, scale, m, w);
     if (WRITE_Q) *reinterpret_cast<uint4*>(q + (r0 + r) * cols + c0 + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) *reinterpret_cast<u32*>(&tile[r][16 * g + 4 * k]) = w[k];
+    for (int k = 0; k < 4; ++k) tile[word_at(r, 4 * g + k)] = w[k];
     __syncthreads();
-    const int oc = t >> 2;  // each thread: 16 rows of one column -> 16 bytes of a q_t row
-    u32 o[4] = {0u, 0u, 0u, 0u};
+    // Each thread: 4 columns (4cw..4cw+3) x 4 rows (rb..rb+3) as four 32-bit reads, transposed in registers;
+    // the four threads of a quad (j = 0..3, rows 16gq..16gq+15) then swap words so that each holds 16 bytes of
+    // one q_t row (column 4cw + j), stored with one 16-byte store. A warp writes 64 contiguous bytes per q_t row.
+    const int j = t & 3, gq = (t >> 2) & 3, cw = t >> 4, rb = 16 * gq + 4 * j;
+    u32 in[4];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) o[k >> 2] |= (u32)tile[16 * g + k][oc] << (8 * (k & 3));
-    *reinterpret_cast<uint4*>(q_t + (c0 + oc) * rows + r0 + 16 * g) = make_uint4(o[0], o[1], o[2], o[3]);
+    for (int i = 0; i < 4; ++i) in[i] = tile[word_at(rb + i, cw)];
+    const u32 lo01 = __byte_perm(in[0], in[1], 0x5140), lo23 = __byte_perm(in[2], in[3], 0x5140);
+    const u32 hi01 = __byte_perm(in[0], in[1], 0x7362), hi23 = __byte_perm(in[2], in[3], 0x7362);
+    const u32 o[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                      __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};  // o[c]: column 4cw + c
+    u32 fin[4] = {0u, 0u, 0u, 0u};  // fin[s]: rows 16gq + 4s .. +3 of column 4cw + j
+    const int quad = (t & 31) & ~3;
+#pragma unroll
+    for (int round = 0; round < 4; ++round) {
+      const int send = (j - round) & 3, from = (j + round) & 3;
+      const u32 v = send == 0 ? o[0] : send == 1 ? o[1] : send == 2 ? o[2] : o[3];
+      const u32 got = __shfl_sync(0xffffffffu, v, quad | from);
+      fin[0] = from == 0 ? got : fin[0];
+      fin[1] = from == 1 ? got : fin[1];
+      fin[2] = from == 2 ? got : fin[2];
+      fin[3] = from == 3 ? got : fin[3];
+    }
+    *reinterpret_cast<uint4*>(q_t + (c0 + 4 * cw + j) * rows + r0 + 16 * gq) = make_uint4(fin[0], fin[1], fin[2], fin[3]);
   } else {
     for (int idx = t; idx < TILE * TILE; idx += THREADS) {
       const int r = idx / TILE, c = idx % TILE;
@@ -76,13 +102,13 @@ __global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
         const i64 i = (r0 + r) * cols + c0 + c;
         const u8 b = convert_one<T, FMT>(x, i, scale, m);
         if (WRITE_Q) q[i] = b;
-        tile[r][c] = b;
+        tile_bytes[4 * word_at(r, c >> 2) + (c & 3)] = b;
       }
     }
     __syncthreads();
     for (int idx = t; idx < TILE * TILE; idx += THREADS) {
       const int c = idx / TILE, r = idx % TILE;
-      if (r0 + r < rows && c0 + c < cols) q_t[(c0 + c) * rows + r0 + r] = tile[r][c];
+      if (r0 + r < rows && c0 + c < cols) q_t[(c0 + c) * rows + r0 + r] = tile_bytes[4 * word_at(r, c >> 2) + (c & 3)];
     }
   }
   if (amax_out != nullptr) block_amax_atomic(m, amax_out);

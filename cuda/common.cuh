@@ -56,7 +56,45 @@ __device__ __forceinline__ float d2f(double x) {
 }
 
 // ---- fp32 -> fp8, RTNE with saturation; NaN of either sign -> 0x7F ---------------------------------------
+// sm_89+ converts in hardware (cvt.rn.satfinite); older GPUs (sm_80/86), or any GPU when the backend is told to
+// (FP8CORE_FORCE_SOFT_FP8), use the software conversion below, which writes the same bits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(FP8CORE_FORCE_SOFT_FP8)
+#define FP8CORE_HW_FP8 1
+#else
+#define FP8CORE_HW_FP8 0
+#endif
+
+// RTNE into the format with saturation to +-max, on bit patterns (no float arithmetic, so -ftz cannot touch
+// it). A NaN input gives 0x7F; the sign of a result that rounds to zero is kept.
+template <int FMT>
+__device__ __forceinline__ u32 soft_cvt(float f) {
+  constexpr int MB = FMT == E4M3 ? 3 : 2, BIAS = FMT == E4M3 ? 7 : 15;
+  constexpr u32 MAX_BITS = FMT == E4M3 ? 0x7eu : 0x7bu;  // 448, 57344
+  const u32 b = __float_as_uint(f), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
+  if (a > F32_INF) return 0x7fu;
+  const int e = (int)(a >> 23) - 127;
+  u32 r;
+  if (e >= 1 - BIAS) {  // a normal of the format, or beyond it: keep MB mantissa bits
+    constexpr int SHIFT = 23 - MB;
+    const u32 mant = a & 0x7fffffu, rem = mant & ((1u << SHIFT) - 1u), half = 1u << (SHIFT - 1);
+    r = ((u32)(e + BIAS) << MB) | (mant >> SHIFT);
+    if (rem > half || (rem == half && (r & 1u))) ++r;  // a carry moves into the exponent, as it should
+    if (r > MAX_BITS) r = MAX_BITS;
+  } else {  // a subnormal of the format: m24 * 2^(e-23) in units of 2^(1-BIAS-MB)
+    const int s = 24 - BIAS - MB - e;  // > 0 here
+    if (s >= 25 || (a >> 23) == 0u) {
+      r = 0u;  // below half the smallest subnormal (fp32 subnormals included)
+    } else {
+      const u32 m24 = (a & 0x7fffffu) | 0x800000u, rem = m24 & ((1u << s) - 1u), half = 1u << (s - 1);
+      r = m24 >> s;
+      if (rem > half || (rem == half && (r & 1u))) ++r;  // may become the smallest normal: same bits
+    }
+  }
+  return r | sign;
+}
+
 template <int FMT> __device__ __forceinline__ u16 cvt_pair(float lo, float hi);
+#if FP8CORE_HW_FP8
 template <> __device__ __forceinline__ u16 cvt_pair<E4M3>(float lo, float hi) {
   u16 r;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
@@ -67,6 +105,14 @@ template <> __device__ __forceinline__ u16 cvt_pair<E5M2>(float lo, float hi) {
   asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+#else
+template <> __device__ __forceinline__ u16 cvt_pair<E4M3>(float lo, float hi) {
+  return (u16)(soft_cvt<E4M3>(lo) | (soft_cvt<E4M3>(hi) << 8));
+}
+template <> __device__ __forceinline__ u16 cvt_pair<E5M2>(float lo, float hi) {
+  return (u16)(soft_cvt<E5M2>(lo) | (soft_cvt<E5M2>(hi) << 8));
+}
+#endif
 
 // Quantize two values already widened to fp32; returns lo in bits 0-7, hi in bits 8-15.
 template <int FMT>
@@ -96,6 +142,36 @@ __device__ __forceinline__ float fp8_to_f32(u32 v) {
     return __uint_as_float(sign | (exp32 << 23) | frac);
   }
   return __uint_as_float(sign | ((e - BIAS + 127) << 23) | (m << (23 - MB)));
+}
+
+// Two fp8 codes (lo in bits 0-7, hi in bits 8-15) to fp32, exact: through f16, which holds every E4M3 and
+// E5M2 value exactly. sm_89+ decodes a pair in one instruction; an E5M2 code is the top byte of an f16 anyway.
+template <int FMT>
+__device__ __forceinline__ void fp8x2_to_f32(u32 pair, float& lo, float& hi) {
+#if FP8CORE_HW_FP8
+  u32 h2;
+  const u16 in = (u16)pair;
+  if (FMT == E4M3)
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  else
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(in));
+  f16 a, b;
+  a.bits = (u16)(h2 & 0xffffu);
+  b.bits = (u16)(h2 >> 16);
+  lo = to_f32(a);
+  hi = to_f32(b);
+#else
+  if (FMT == E5M2) {
+    f16 a, b;
+    a.bits = (u16)((pair & 0xffu) << 8);
+    b.bits = (u16)(pair & 0xff00u);
+    lo = to_f32(a);
+    hi = to_f32(b);
+  } else {
+    lo = fp8_to_f32<FMT>(pair & 0xffu);
+    hi = fp8_to_f32<FMT>((pair >> 8) & 0xffu);
+  }
+#endif
 }
 
 // ---- fp32 -> output dtypes, RTNE, canonical NaN -----------------------------------------------------------
@@ -132,10 +208,13 @@ __device__ __forceinline__ u32 block_max(u32 m) {
   return m;
 }
 
-// One atomic per block; amax slots hold fp32 bit patterns compared as unsigned (non-negative or NaN).
+// One atomic per block. An amax slot holds an fp32 bit pattern and slots compare as SIGNED 32-bit integers:
+// every amax (non-negative or NaN 0x7FFFFFFF, which is above inf) is above a slot holding -0.0 or a negative
+// value, so max(slot, amax) is amax there; the CPU reference compares the same way. m is an abs_bits value
+// (<= 0x7FFFFFFF), so it is the same number signed or unsigned. No skip when m == 0: 0 is above -0.0.
 __device__ __forceinline__ void block_amax_atomic(u32 m, u32* out) {
   m = block_max(m);
-  if (threadIdx.x == 0 && m != 0u) atomicMax(out, m);
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(out), (int)m);
 }
 
 // ---- the scale rule of the contract, in fp64 (immune to flush-to-zero) -----------------------------------
@@ -189,5 +268,25 @@ __device__ __forceinline__ void load8(const T* p, float* f) {  // bf16, f16: one
 }
 
 __device__ __forceinline__ bool aligned(const void* p, int bytes) { return ((u64)p & (u64)(bytes - 1)) == 0; }
+
+// How a flat loop over n elements splits for 8-wide vectors: [0, head) and [head + 8 * nv, n) one by one,
+// 8 * nv elements between as vectors. The head peels x up to 16 bytes, so a misaligned view still runs its
+// body vectorised when the other operand (XE-byte input, YE-byte output, Y_ALIGN-byte vector) lines up too.
+struct Split {
+  i64 head, nv;
+};
+template <int XE, int YE, int Y_ALIGN>
+__device__ __forceinline__ Split split8(const void* x, const void* y, i64 n) {
+  const u32 mis = (u32)((u64)x & 15u);
+  const i64 head = mis == 0u ? 0 : (i64)((16u - mis) / XE);
+  const bool ok = mis % XE == 0u && head <= n && (y == nullptr || aligned((const u8*)y + head * YE, Y_ALIGN));
+  if (!ok) return Split{n, 0};
+  return Split{head, (n - head) / 8};
+}
+
+// The indices this thread takes from [0, cnt) of a grid-stride loop, k-th first or last.
+__device__ __forceinline__ i64 stride_count(i64 start, i64 stride, i64 total) {
+  return start < total ? (total - 1 - start) / stride + 1 : 0;
+}
 
 }  // namespace fp8core

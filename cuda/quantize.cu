@@ -3,30 +3,61 @@
 
 namespace fp8core {
 
-// Quantize x[i] for i = start, start + stride, ... (in vectors of 8 when both pointers allow it).
-// Returns the amax bits of the elements this thread read.
-template <typename T, int FMT>
+// Amax bits of 8 values and their quantized bytes as two words.
+template <int FMT>
+__device__ __forceinline__ uint2 quant8(const float* f, float scale, u32& m) {
+  u32 w[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) m = umax(m, abs_bits(f[4 * k + j]));
+    w[k] = quant_pair<FMT>(f[4 * k], f[4 * k + 1], scale) | (quant_pair<FMT>(f[4 * k + 2], f[4 * k + 3], scale) << 16);
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Quantize x[i] for i = start, start + stride, ... (in vectors of 8 after a peeled head, two vectors in flight
+// per thread). REVERSE walks this thread's vectors last first: quantize_dynamic's second pass then
+// starts on what its first pass read last, still in L2. Returns the amax bits of the elements read.
+// 8 quantized bytes to q: one 8-byte store, or byte stores where a misaligned view of x left q off 8 bytes.
+__device__ __forceinline__ void store8(u8* q, uint2 w, bool vec) {
+  if (vec) {
+    *reinterpret_cast<uint2*>(q) = w;
+  } else {
+#pragma unroll
+    for (int b = 0; b < 8; ++b) q[b] = (u8)(((b < 4 ? w.x : w.y) >> (8 * (b & 3))) & 0xffu);
+  }
+}
+
+template <typename T, int FMT, bool REVERSE>
 __device__ __forceinline__ u32 quantize_range(const T* __restrict__ x, u8* __restrict__ q, i64 n, float scale,
                                               i64 start, i64 stride) {
   u32 m = 0;
-  i64 done = 0;
-  if (aligned(x, 16) && aligned(q, 8)) {
-    const i64 nv = n / 8;
-    for (i64 v = start; v < nv; v += stride) {
-      float f[8];
-      load8(x + v * 8, f);
-      u32 w[2];
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) m = umax(m, abs_bits(f[4 * k + j]));
-        w[k] = quant_pair<FMT>(f[4 * k], f[4 * k + 1], scale) | (quant_pair<FMT>(f[4 * k + 2], f[4 * k + 3], scale) << 16);
-      }
-      *reinterpret_cast<uint2*>(q + v * 8) = make_uint2(w[0], w[1]);
-    }
-    done = nv * 8;
+  const Split sp = split8<sizeof(T), 1, 1>(x, nullptr, n);  // x peeled to 16 bytes: its loads stay vectors
+  const T* __restrict__ xb = x + sp.head;
+  u8* __restrict__ qb = q + sp.head;
+  const bool q_vec = aligned(qb, 8);
+  const i64 cnt = stride_count(start, stride, sp.nv);
+  for (i64 k = 0; k + 1 < cnt; k += 2) {
+    const i64 v0 = start + (REVERSE ? cnt - 1 - k : k) * stride, v1 = REVERSE ? v0 - stride : v0 + stride;
+    float f0[8], f1[8];
+    load8(xb + v0 * 8, f0);
+    load8(xb + v1 * 8, f1);
+    store8(qb + v0 * 8, quant8<FMT>(f0, scale, m), q_vec);
+    store8(qb + v1 * 8, quant8<FMT>(f1, scale, m), q_vec);
   }
-  for (i64 i = done + start; i < n; i += stride) {
+  if (cnt & 1) {
+    const i64 v = start + (REVERSE ? 0 : cnt - 1) * stride;
+    float f[8];
+    load8(xb + v * 8, f);
+    store8(qb + v * 8, quant8<FMT>(f, scale, m), q_vec);
+  }
+  for (i64 i = start; i < sp.head; i += stride) {
+    const float f = to_f32(x[i]);
+    m = umax(m, abs_bits(f));
+    q[i] = quant_one<FMT>(f, scale);
+  }
+  for (i64 i = sp.head + sp.nv * 8 + start; i < n; i += stride) {
     const float f = to_f32(x[i]);
     m = umax(m, abs_bits(f));
     q[i] = quant_one<FMT>(f, scale);
@@ -37,18 +68,25 @@ __device__ __forceinline__ u32 quantize_range(const T* __restrict__ x, u8* __res
 template <typename T>
 __device__ __forceinline__ u32 amax_range(const T* __restrict__ x, i64 n, i64 start, i64 stride) {
   u32 m = 0;
-  i64 done = 0;
-  if (aligned(x, 16)) {
-    const i64 nv = n / 8;
-    for (i64 v = start; v < nv; v += stride) {
-      float f[8];
-      load8(x + v * 8, f);
+  const Split sp = split8<sizeof(T), 1, 1>(x, nullptr, n);
+  const T* __restrict__ xb = x + sp.head;
+  const i64 cnt = stride_count(start, stride, sp.nv);
+  for (i64 k = 0; k + 1 < cnt; k += 2) {
+    const i64 v0 = start + k * stride;
+    float f0[8], f1[8];
+    load8(xb + v0 * 8, f0);
+    load8(xb + (v0 + stride) * 8, f1);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(f[j]));
-    }
-    done = nv * 8;
+    for (int j = 0; j < 8; ++j) m = umax(m, umax(abs_bits(f0[j]), abs_bits(f1[j])));
   }
-  for (i64 i = done + start; i < n; i += stride) m = umax(m, abs_bits(to_f32(x[i])));
+  if (cnt & 1) {
+    float f[8];
+    load8(xb + (start + (cnt - 1) * stride) * 8, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(f[j]));
+  }
+  for (i64 i = start; i < sp.head; i += stride) m = umax(m, abs_bits(to_f32(x[i])));
+  for (i64 i = sp.head + sp.nv * 8 + start; i < n; i += stride) m = umax(m, abs_bits(to_f32(x[i])));
   return m;
 }
 
@@ -66,6 +104,7 @@ __device__ __forceinline__ float block_scale(const float* scale, const float* am
   return s;
 }
 
+// n may be 0: one block then merges amax 0 into the slot (a slot holding -0.0 or less becomes 0).
 template <typename T>
 __global__ void amax_kernel(const T* __restrict__ x, u32* __restrict__ amax_out, i64 n) {
   block_amax_atomic(amax_range(x, n, global_thread(), grid_threads()), amax_out);
@@ -77,12 +116,13 @@ __global__ void quantize_kernel(const T* __restrict__ x, u8* __restrict__ q, con
                                 float* __restrict__ scale_inv_out, i64 n, float fp8_max, int margin,
                                 int power_of_2, float epsilon) {
   const float s = block_scale(scale, amax_in, scale_inv_out, fp8_max, margin, power_of_2, epsilon);
-  const u32 m = quantize_range<T, FMT>(x, q, n, s, global_thread(), grid_threads());
+  const u32 m = quantize_range<T, FMT, false>(x, q, n, s, global_thread(), grid_threads());
   if (amax_out != nullptr) block_amax_atomic(m, amax_out);
 }
 
-// A barrier across all blocks of a cooperative launch (every block is resident). The counter returns to 0
-// after each use, and the generation only grows, so the two words can be reused launch after launch.
+// A barrier across all blocks of a cooperative launch (every block is resident). The host zeroes both words
+// on the launch stream before every launch (see cuda.py, quantize_dynamic), so nothing carries over between
+// launches, streams, threads or graph replays.
 __device__ __forceinline__ void grid_barrier(u32* count, volatile u32* generation) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -102,15 +142,16 @@ __device__ __forceinline__ void grid_barrier(u32* count, volatile u32* generatio
 }
 
 // Current scaling in one launch: amax partials, a grid barrier, the scale in every block, then the cast.
-// The second read of x hits L2 for tensors that fit there.
+// workspace: [0] barrier count, [1] barrier generation (both zero at launch), [2 ...] one partial per block.
 template <typename T, int FMT>
-__global__ void quantize_dynamic_kernel(const T* __restrict__ x, u8* __restrict__ q, u32* partials, u32* barrier,
+__global__ void quantize_dynamic_kernel(const T* __restrict__ x, u8* __restrict__ q, u32* workspace,
                                         float* __restrict__ amax_out, float* __restrict__ scale_inv_out, i64 n,
                                         float fp8_max, int margin, int power_of_2, float epsilon) {
+  u32* partials = workspace + 2;
   u32 m = block_max(amax_range(x, n, global_thread(), grid_threads()));
   if (threadIdx.x == 0) ((volatile u32*)partials)[blockIdx.x] = m;
   __threadfence();
-  grid_barrier(barrier, barrier + 1);
+  grid_barrier(workspace, workspace + 1);
   m = 0;
   for (u32 b = threadIdx.x; b < gridDim.x; b += blockDim.x) m = umax(m, ((volatile u32*)partials)[b]);
   m = block_max(m);
@@ -125,27 +166,51 @@ __global__ void quantize_dynamic_kernel(const T* __restrict__ x, u8* __restrict_
     }
   }
   __syncthreads();
-  quantize_range<T, FMT>(x, q, n, s_shared, global_thread(), grid_threads());
+  quantize_range<T, FMT, true>(x, q, n, s_shared, global_thread(), grid_threads());
 }
 
-// Multi-tensor forms: blockIdx.y is the tensor; pointers, sizes and slots come as device arrays.
+// Multi-tensor forms. The table travels by value as the kernel's parameter (no device copy per call); lists
+// longer than MULTI_CHUNK are launched in chunks. Blocks are shared out by elements: tensor t owns blocks
+// [first_block[t], first_block[t + 1]) of a 1-D grid (no grid.y limit), at least one each.
+static constexpr int MULTI_CHUNK = 64;
+struct MultiArgs {
+  u64 x[MULTI_CHUNK];      // input data
+  u64 q[MULTI_CHUNK];      // fp8 outputs (multi_quantize)
+  u64 scale[MULTI_CHUNK];  // 1-element fp32 scales (multi_quantize)
+  u64 amax[MULTI_CHUNK];   // amax slots, 0 for none
+  i64 n[MULTI_CHUNK];
+  u32 first_block[MULTI_CHUNK + 1];
+  int count;
+};
+
+// The tensor of this block: the last t with first_block[t] <= blockIdx.x (empty ranges are skipped).
+__device__ __forceinline__ int multi_tensor(const MultiArgs& a) {
+  int lo = 0, hi = a.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.first_block[mid] <= blockIdx.x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 template <typename T>
-__global__ void multi_amax_kernel(const u64* __restrict__ ptrs, const i64* __restrict__ sizes,
-                                  u32* __restrict__ out) {
-  const int t = blockIdx.y;
-  const i64 stride = (i64)gridDim.x * blockDim.x;
-  block_amax_atomic(amax_range(reinterpret_cast<const T*>(ptrs[t]), sizes[t], global_thread(), stride), out + t);
+__global__ void multi_amax_kernel(const __grid_constant__ MultiArgs a) {
+  const int t = multi_tensor(a);
+  const i64 blocks = a.first_block[t + 1] - a.first_block[t];
+  const i64 start = (i64)(blockIdx.x - a.first_block[t]) * blockDim.x + threadIdx.x;
+  block_amax_atomic(amax_range(reinterpret_cast<const T*>(a.x[t]), a.n[t], start, blocks * blockDim.x),
+                    reinterpret_cast<u32*>(a.amax[t]));
 }
 
 template <typename T, int FMT>
-__global__ void multi_quantize_kernel(const u64* __restrict__ x_ptrs, const u64* __restrict__ q_ptrs,
-                                      const i64* __restrict__ sizes, const u64* __restrict__ scale_ptrs,
-                                      const u64* __restrict__ amax_ptrs) {
-  const int t = blockIdx.y;
-  const float s = *reinterpret_cast<const float*>(scale_ptrs[t]);
-  const u32 m = quantize_range<T, FMT>(reinterpret_cast<const T*>(x_ptrs[t]), reinterpret_cast<u8*>(q_ptrs[t]),
-                                       sizes[t], s, global_thread(), (i64)gridDim.x * blockDim.x);
-  if (amax_ptrs[t] != 0ull) block_amax_atomic(m, reinterpret_cast<u32*>(amax_ptrs[t]));
+__global__ void multi_quantize_kernel(const __grid_constant__ MultiArgs a) {
+  const int t = multi_tensor(a);
+  const i64 blocks = a.first_block[t + 1] - a.first_block[t];
+  const i64 start = (i64)(blockIdx.x - a.first_block[t]) * blockDim.x + threadIdx.x;
+  const float s = *reinterpret_cast<const float*>(a.scale[t]);
+  const u32 m = quantize_range<T, FMT, false>(reinterpret_cast<const T*>(a.x[t]), reinterpret_cast<u8*>(a.q[t]),
+                                              a.n[t], s, start, blocks * blockDim.x);
+  if (a.amax[t] != 0ull) block_amax_atomic(m, reinterpret_cast<u32*>(a.amax[t]));
 }
 
 }  // namespace fp8core

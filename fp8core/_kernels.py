@@ -1,26 +1,37 @@
-"""The kernel loader: NVRTC compiles ``cuda/*.cu`` per architecture; cubins are cached in memory and on disk.
+"""The kernel loader: ``cupy.RawModule`` compiles each ``cuda/*.cu`` with NVRTC for the device it runs on.
 
-The cache key covers every file under cuda/ (a header edit recompiles), the NVRTC version, the options and
-the architecture. Disk entries are written atomically; an unwritable cache directory degrades to memory.
-Concurrent first calls from threads compile once.
+CuPy keys its disk cache on the source text and the options, not on included headers, so the options carry
+``-DFP8CORE_CUDA_SHA=`` (a hash of every file under cuda/): a header edit recompiles. Modules are held per
+(file, device, conversion path); concurrent first calls from threads compile once.
+
+``compile_cubin`` compiles without a GPU for any architecture (the CI's NVRTC and SASS tests), with the same
+source and options. It calls NVRTC itself and sizes the cubin with nvrtcGetCUBINSize: CuPy's
+``nvrtc.getCUBIN`` returns it one byte short, which is harmless to a module load but not to cuobjdump.
+
+Conversion path: sm_89+ converts to and from fp8 in hardware; sm_80/86 get the software conversion of
+common.cuh (same bits). ``FP8CORE_FORCE_SOFT_FP8=1`` in the environment at import (or ``FORCE_SOFT_FP8 = True``
+before the first launch) takes the software path on every GPU, to test it against the hardware one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
-import json
 import os
-import struct
-import tempfile
 import threading
-import warnings
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cuda_dir", "cuda_sha256", "compile_cubin", "get_function", "KERNELS", "OPTIONS", "cache_dir"]
+__all__ = ["cuda_dir", "cuda_sha256", "compile_cubin", "get_function", "KERNELS", "OPTIONS", "cache_dir",
+           "FORCE_SOFT_FP8", "module_options"]
 
-# -ftz=true on purpose: CuPy appends it to every compile, and the kernels are written to be immune to it.
+# CuPy's RawModule appends -ftz=true and --device-as-default-execution-space to every compile; compile_cubin
+# passes them too so that it compiles what runs. The kernels are written to be immune to -ftz.
 OPTIONS = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
+_RAWMODULE_OPTIONS = ("--std=c++17",)
+
+FORCE_SOFT_FP8 = os.environ.get("FP8CORE_FORCE_SOFT_FP8", "") not in ("", "0")
 
 _T = ("float", "fp8core::bf16", "fp8core::f16")
 _FMT = (0, 1)
@@ -34,7 +45,8 @@ KERNELS: dict[str, list[str]] = {
     "dequantize.cu": [f"fp8core::dequantize_kernel<{f}, {t}>" for f in _FMT for t in _T],
     "cast_transpose.cu": [f"fp8core::cast_transpose_kernel<{t}, {f}, true>" for t in _T for f in _FMT]
     + ["fp8core::cast_transpose_kernel<fp8core::Passthrough, 0, false>"],
-    "update.cu": ["fp8core::update_kernel<true>", "fp8core::update_kernel<false>", "fp8core::compute_scale_kernel"],
+    "update.cu": ["fp8core::update_kernel<true>", "fp8core::update_kernel<false>", "fp8core::compute_scale_kernel",
+                  "fp8core::fill_kernel"],
 }
 
 
@@ -61,14 +73,54 @@ def cuda_sha256() -> str:
     return h.hexdigest()
 
 
+def module_options(soft_fp8: bool) -> tuple[str, ...]:
+    """The -D options of every compile: the cuda/ hash (CuPy's cache key) and the forced software path."""
+    return (f"-DFP8CORE_CUDA_SHA=0x{cuda_sha256()[:16]}",) + (("-DFP8CORE_FORCE_SOFT_FP8=1",) if soft_fp8 else ())
+
+
 def _nvrtc() -> Any:
     from cupy.cuda import nvrtc
 
     return nvrtc
 
 
-def compile_cubin(filename: str, arch: str) -> tuple[bytes, dict[str, str]]:
-    """Compile ``cuda/filename`` for ``arch`` (e.g. "90"); returns the cubin and name expression -> symbol."""
+@lru_cache(maxsize=1)
+def _libnvrtc() -> ctypes.CDLL:
+    """The libnvrtc CuPy loaded (for nvrtcGetCUBINSize, which CuPy does not wrap)."""
+    _nvrtc().getVersion()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libnvrtc.so" in path or "libnvrtc64" in path:
+                return ctypes.CDLL(path)
+    return ctypes.CDLL("libnvrtc.so")
+
+
+def _cubin(prog: int) -> bytes:
+    lib = _libnvrtc()
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0:
+        raise RuntimeError("nvrtcGetCUBINSize failed")
+    buf = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) != 0:
+        raise RuntimeError("nvrtcGetCUBIN failed")
+    return buf.raw
+
+
+_compiled: dict[tuple[str, str, bool, str], tuple[bytes, dict[str, str]]] = {}
+
+
+def compile_cubin(filename: str, arch: str, soft_fp8: bool = False) -> tuple[bytes, dict[str, str]]:
+    """Compile ``cuda/filename`` for ``arch`` (e.g. "90"), no GPU needed; the cubin and name expression -> symbol.
+
+    Kept in memory per (file, arch, path, cuda/ hash) for the tests that read the same cubins."""
+    key = (filename, arch, soft_fp8, cuda_sha256())
+    if key not in _compiled:
+        _compiled[key] = _compile_cubin(filename, arch, soft_fp8)
+    return _compiled[key]
+
+
+def _compile_cubin(filename: str, arch: str, soft_fp8: bool) -> tuple[bytes, dict[str, str]]:
     nvrtc = _nvrtc()
     root = cuda_dir()
     headers = [p for p in _sources() if p.suffix == ".cuh"]
@@ -77,86 +129,65 @@ def compile_cubin(filename: str, arch: str) -> tuple[bytes, dict[str, str]]:
     try:
         for expr in KERNELS[filename]:
             nvrtc.addNameExpression(prog, expr)
-        options = [*OPTIONS, f"-arch=sm_{arch}", f"-DFP8CORE_CUDA_SHA=0x{cuda_sha256()[:12]}"]
+        options = [*OPTIONS, f"-arch=sm_{arch}", *module_options(soft_fp8)]
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise RuntimeError(f"NVRTC failed on cuda/{filename} for sm_{arch}: {e}\n{log}") from None
         mapping = {expr: nvrtc.getLoweredName(prog, expr) for expr in KERNELS[filename]}
-        return bytes(nvrtc.getCUBIN(prog)), mapping
+        return _cubin(prog), mapping
     finally:
         nvrtc.destroyProgram(prog)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FP8CORE_CACHE_DIR", Path.home() / ".cache" / "fp8core" / "kernels"))
+    """CuPy's kernel cache, where the compiled modules live."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
 
 
-def _key(filename: str, arch: str) -> str:
-    nvrtc_version = ".".join(map(str, _nvrtc().getVersion()))
-    text = json.dumps([filename, arch, cuda_sha256(), nvrtc_version, OPTIONS, KERNELS[filename]])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _read_disk(path: Path) -> tuple[bytes, dict[str, str]] | None:
-    try:
-        blob = path.read_bytes()
-        (n,) = struct.unpack_from("<I", blob)
-        return blob[4 + n:], json.loads(blob[4:4 + n])
-    except (OSError, ValueError, struct.error):
-        return None
-
-
-def _write_disk(path: Path, cubin: bytes, mapping: dict[str, str]) -> None:
-    meta = json.dumps(mapping).encode()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<I", len(meta)) + meta + cubin)
-        os.replace(tmp, path)
-    except OSError as e:
-        warnings.warn(f"fp8core: kernel cache {path.parent} is not writable ({e}); caching in memory only",
-                      RuntimeWarning, stacklevel=3)
-
-
-_modules: dict[tuple[str, int], tuple[Any, dict[str, str]]] = {}
+_modules: dict[tuple[str, int, bool], Any] = {}
+_functions: dict[tuple[str, str, int, bool], Any] = {}
 _lock = threading.Lock()
-_compiling: dict[tuple[str, int], threading.Lock] = {}
+_compiling: dict[tuple[str, int, bool], threading.Lock] = {}
 
 
-def _device_arch(device_id: int) -> str:
-    import cupy
-
-    return cupy.cuda.Device(device_id).compute_capability
-
-
-def _load(filename: str, device_id: int) -> tuple[Any, dict[str, str]]:
-    key = (filename, device_id)
-    if key in _modules:
-        return _modules[key]
+def _module(filename: str, device_id: int, soft: bool) -> Any:
+    key = (filename, device_id, soft)
+    module = _modules.get(key)
+    if module is not None:
+        return module
     with _lock:
         file_lock = _compiling.setdefault(key, threading.Lock())
     with file_lock:
-        if key in _modules:
-            return _modules[key]
-        import cupy
+        module = _modules.get(key)
+        if module is None:
+            import cupy
 
-        arch = _device_arch(device_id)
-        path = cache_dir() / f"{Path(filename).stem}-sm{arch}-{_key(filename, arch)}.bin"
-        entry = _read_disk(path)
-        if entry is None:
-            entry = compile_cubin(filename, arch)
-            _write_disk(path, *entry)
-        with cupy.cuda.Device(device_id):
-            module = cupy.cuda.function.Module()
-            module.load(entry[0])
-        _modules[key] = (module, entry[1])
-        return _modules[key]
+            module = cupy.RawModule(
+                code=(cuda_dir() / filename).read_text(), backend="nvrtc",
+                options=(*_RAWMODULE_OPTIONS, f"-I{cuda_dir()}", *module_options(soft)),
+                name_expressions=KERNELS[filename])
+            with cupy.cuda.Device(device_id):
+                try:
+                    module.compile()  # for this device's architecture, into CuPy's disk cache
+                except cupy.cuda.compiler.CompileException as e:
+                    raise RuntimeError(f"NVRTC failed on cuda/{filename} for cuda:{device_id}: {e}") from None
+            _modules[key] = module
+        return module
 
 
 def get_function(filename: str, expr: str, device_id: int) -> Any:
-    """The loaded kernel ``expr`` (a name expression of KERNELS[filename]) on ``device_id``."""
-    module, mapping = _load(filename, device_id)
-    return module.get_function(mapping[expr])
+    """The loaded kernel ``expr`` (a name expression of KERNELS[filename]) on ``device_id`` (a cupy Function)."""
+    soft = FORCE_SOFT_FP8
+    key = (filename, expr, device_id, soft)
+    fn = _functions.get(key)
+    if fn is None:
+        import cupy
+
+        module = _module(filename, device_id, soft)
+        with cupy.cuda.Device(device_id):
+            # RawModule.get_function gives a RawKernel; its .kernel is the Function loaded on this device.
+            fn = module.get_function(expr).kernel
+        _functions[key] = fn
+    return fn

@@ -92,9 +92,7 @@ def _new_f32(values: Any, like: Tensor) -> Any:
     host = _host_f32(values)
     if not like.is_cuda:
         return host
-    cupy = _cupy_module()
-    with cupy.cuda.Device(like.device[1]):
-        return cupy.asarray(host)
+    return _backend(like).device_f32(host, like)  # on the caller's stream, capture-safe
 
 
 def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
@@ -277,7 +275,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
                 _checks.scale_values(prev, "previous")
         if prev.size not in (1, t.size):
             raise ValueError(f"previous: expected 1 or {t.size} elements, got {prev.size}")
-    s, s_inv = _backend(t).compute_scale(t.data, f.max, m, p2, eps, prev)
+    s, s_inv = _backend(t).compute_scale(t if t.is_cuda else t.data, f.max, m, p2, eps, prev)
     return export(s, "float32", t), export(s_inv, "float32", t)
 
 

@@ -101,8 +101,17 @@ class ScalingState:
         if callable(r.amax_compute_algo) or r.scaling_factor_compute_algo is not None:
             self._update_callable(update_scale)
             return
+        step: dict[str, Any] = {}
+        if self.device[0] == "cuda" and r.interval > 1:
+            # The interval's counter lives on the device, so a captured graph replays the schedule; it is made
+            # again from self.steps when the host count moved without it (load_state_dict).
+            if getattr(self, "_step_counter_at", None) != self.steps - 1:
+                self._step_counter = self._backend.step_counter((self.steps - 1) % r.interval, self.amax_history)
+            self._step_counter_at = self.steps
+            step = {"step": self._step_counter, "interval": r.interval}
         self._backend.update(self.amax_history, self.scale, self.scale_inv, self.fp8_max, _margin(r.margin),
-                             r.amax_compute_algo, r.power_of_2, float(r.epsilon), update_scale, self.non_finite)
+                             r.amax_compute_algo, r.power_of_2, float(r.epsilon), update_scale, self.non_finite,
+                             **step)
 
     def _update_callable(self, update_scale: bool) -> None:
         """The slower array path for callable algorithms: same roll, same did-not-run rule."""

@@ -175,3 +175,242 @@ def test_over_2_31_elements(cp):
     q = fp8core.quantize(x, 1.0, "e4m3", amax_out=slot)
     assert int(q[-1]) == int(fp8core.quantize(np.array([-300.0], np.float16), 1.0, "e4m3").view(np.uint8)[0])
     assert int(q[n // 2]) == 0x40 and float(slot.get()[0]) == 300.0
+
+
+# ---- streams, threads, graphs, devices (issue 15) ------------------------------------------------------------
+
+def cpu_dynamic(x):
+    q, si, a = fp8core.quantize_dynamic(x, "e4m3")
+    return q.view(np.uint8), si.view(np.uint32), a.view(np.uint32)
+
+
+@pytest.mark.parametrize("per_thread_default", [False, True], ids=["own-streams", "per-thread-default-stream"])
+def test_concurrent_threads(cp, per_thread_default):
+    """Several threads launch at once, each on its own stream: no shared barrier, workspace or scale upload.
+    The per-thread default stream has one handle in every thread, the case a (device, stream) key got wrong."""
+    import threading
+
+    errors, results = [], {}
+
+    def work(k):
+        try:
+            r = np.random.default_rng(k)
+            stream = cp.cuda.Stream.ptds if per_thread_default else cp.cuda.Stream(non_blocking=True)
+            with stream:
+                for it in range(20):
+                    x = data((70000 + 1000 * k + it,), np.float32, r)
+                    g = cp.asarray(x)
+                    q, si, a = fp8core.quantize_dynamic(g, "e4m3")
+                    qc, qt = fp8core.cast_transpose(g[:64 * 1000].reshape(64, 1000), 0.5, "e5m2")
+                    results[(k, it)] = (x, host_bits(q), host_bits(si), host_bits(a), host_bits(qc), host_bits(qt))
+        except Exception as e:  # reported below, with the thread
+            errors.append((k, e))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (k, it), (x, q, si, a, qc, qt) in results.items():
+        rq, rsi, ra = cpu_dynamic(x)
+        np.testing.assert_array_equal(q, rq)
+        assert si[0] == rsi[0] and a[0] == ra[0]
+        cq, cqt = fp8core.cast_transpose(x[:64 * 1000].reshape(64, 1000), 0.5, "e5m2")
+        np.testing.assert_array_equal(qc, cq.view(np.uint8))
+        np.testing.assert_array_equal(qt, cqt.view(np.uint8))
+
+
+def test_torch_side_stream(rng):
+    """Work on a torch side stream, no synchronisation: every launch (the float scale's upload, compute_scale,
+    quantize_dynamic) is ordered after the side stream's own writes of x and amax."""
+    import torch
+
+    x = data((1 << 20,), np.float32, rng)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        g = torch.from_numpy(x).to("cuda")
+        torch.cuda._sleep(50_000_000)  # keep the side stream busy: a launch on another stream would run first
+        g = g * 1.0  # written on the side stream (non-blocking), after the sleep, into fresh memory
+        amax = fp8core.amax(g)
+        scale, scale_inv = fp8core.compute_scale(amax, "e4m3", margin=1)
+        q = fp8core.quantize(g, scale, "e4m3")
+        q2 = fp8core.quantize(g, 0.25, "e5m2")
+        qd, si, a = fp8core.quantize_dynamic(g, "e4m3")
+    side.synchronize()
+    ra = fp8core.amax(x)
+    rs, rsi = fp8core.compute_scale(ra, "e4m3", margin=1)
+    np.testing.assert_array_equal(host_bits(q), fp8core.quantize(x, rs, "e4m3").view(np.uint8))
+    np.testing.assert_array_equal(host_bits(q2), fp8core.quantize(x, 0.25, "e5m2").view(np.uint8))
+    rq, rsi2, ra2 = cpu_dynamic(x)
+    np.testing.assert_array_equal(host_bits(qd), rq)
+    assert host_bits(scale_inv)[0] == rsi.view(np.uint32)[0] and host_bits(a)[0] == ra2[0]
+
+
+def test_graph_capture_replays_equal_eager(cp, rng):
+    """quantize_dynamic, cast_transpose, multi_quantize (with a Python-float scale upload) and the update with
+    interval 3, captured once and replayed 10 times on new data, against the same calls made eagerly."""
+    recipe = fp8core.DelayedScaling(amax_history_len=4, interval=3)
+    st = fp8core.ScalingState(3, recipe, device="cuda")
+    x = cp.asarray(data((3000, 256), np.float32, rng))
+    small = cp.asarray(data((5,), np.float16, rng))
+    scales = cp.asarray(np.array([0.5, 2.0], np.float32))
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def step(state):
+        q = state.quantize(x, 0)
+        qd, si, a = fp8core.quantize_dynamic(x, "e4m3")
+        qc, qt = fp8core.cast_transpose(x, 0.75, "e5m2")
+        qs = fp8core.multi_quantize([x, small], scales, "e4m3", amax_out=state.amax_history[0, 1:3])
+        state.update()
+        return [q, qd, si, a, qc, qt, *qs]
+
+    with stream:
+        step(st)  # compile, plan and allocate outside the capture
+    stream.synchronize()
+    eager = fp8core.ScalingState(3, recipe, device="cuda")
+    eager.load_state_dict(st.state_dict())
+    with stream:
+        stream.begin_capture()
+        outs = step(st)
+        graph = stream.end_capture()
+    for replay in range(10):
+        new = data((3000, 256), np.float32, np.random.default_rng(replay))
+        with stream:
+            x[...] = cp.asarray(new)
+            graph.launch()
+            stream.synchronize()
+            got = [host_bits(o) for o in outs]
+            want = [host_bits(o) for o in step(eager)]
+            stream.synchronize()
+        for g_, w_ in zip(got, want):
+            np.testing.assert_array_equal(g_, w_)
+        np.testing.assert_array_equal(st.buffer.get().view(np.uint32), eager.buffer.get().view(np.uint32))
+
+
+def test_update_interval_schedule_on_device(cp):
+    """interval 3: the scale changes on steps 0, 3, 6 only, decided on the device, as on the CPU."""
+    recipe = fp8core.DelayedScaling(amax_history_len=2, interval=3)
+    cpu, gpu = fp8core.ScalingState(2, recipe), fp8core.ScalingState(2, recipe, device="cuda")
+    for k in range(8):
+        row = np.array([1.0 + k, 100.0 / (k + 1)], np.float32)
+        cpu.amax_history[0] = row
+        gpu.amax_history[0] = cp.asarray(row)
+        cpu.update()
+        gpu.update()
+        np.testing.assert_array_equal(gpu.buffer.get().view(np.uint32), cpu.buffer.view(np.uint32))
+    state = gpu.state_dict()
+    again = fp8core.ScalingState(2, recipe, device="cuda")
+    again.load_state_dict({"buffer": state["buffer"], "steps": 8})
+    again.amax_history[0] = cp.asarray(np.array([7.0, 9.0], np.float32))
+    cpu.amax_history[0] = np.array([7.0, 9.0], np.float32)
+    again.update()
+    cpu.update()
+    np.testing.assert_array_equal(again.buffer.get().view(np.uint32), cpu.buffer.view(np.uint32))
+
+
+def test_multi_tensor_chunks_and_shares(cp, rng):
+    """More tensors than one launch's table (64), a large one among small ones, empty ones, mixed dtypes."""
+    sizes = [0, 3, 1 << 20] + [int(s) for s in rng.integers(1, 3000, size=150)] + [0]
+    dtypes = [np.float32, np.float16]
+    xs = [data((n,), dtypes[i % 2], rng) for i, n in enumerate(sizes)]
+    out = cp.zeros(len(xs), cp.float32)
+    fp8core.multi_amax([cp.asarray(x) for x in xs], out)
+    ref = np.concatenate([fp8core.amax(x) for x in xs])
+    np.testing.assert_array_equal(out.get().view(np.uint32), ref.view(np.uint32))
+    scales = (rng.uniform(0.1, 4, size=len(xs))).astype(np.float32)
+    fmts = ["e4m3" if i % 3 else "e5m2" for i in range(len(xs))]
+    slots = cp.zeros(len(xs), cp.float32)
+    qs = fp8core.multi_quantize([cp.asarray(x) for x in xs], cp.asarray(scales), fmts, amax_out=slots)
+    for q, x, s, f in zip(qs, xs, scales, fmts):
+        np.testing.assert_array_equal(host_bits(q), fp8core.quantize(x, float(s), f).view(np.uint8))
+    np.testing.assert_array_equal(slots.get().view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("slot", [-0.0, -1.0, 0.0, np.nan])
+def test_amax_slot_signed_order(cp, slot):
+    """Slots compare as signed int32 of their bits: -0.0 and negatives are below every amax, NaN above inf."""
+    for x in [np.zeros(0, np.float32), np.array([0.0, -0.0], np.float32), np.array([2.0, -np.inf], np.float32)]:
+        ref = np.array([slot], np.float32)
+        fp8core.quantize(x, 1.0, "e4m3", amax_out=ref)
+        got = cp.asarray(np.array([slot], np.float32))
+        fp8core.quantize(cp.asarray(x), 1.0, "e4m3", amax_out=got)
+        assert got.get().view(np.uint32)[0] == ref.view(np.uint32)[0], (slot, x)
+        ref_m, got_m = np.array([slot], np.float32), cp.asarray(np.array([slot], np.float32))
+        fp8core.multi_amax([x], ref_m)
+        fp8core.multi_amax([cp.asarray(x)], got_m)
+        assert got_m.get().view(np.uint32)[0] == ref_m.view(np.uint32)[0], (slot, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_misaligned_views_all_dtypes(cp, dtype, rng):
+    """A view off the 16-byte boundary peels a head and vectorises the rest (quantize and dequantize)."""
+    base = data((8195,), dtype, rng)
+    g = to_gpu(cp, base)
+    codes = fp8core.quantize(base, 0.5, "e4m3")
+    gc = cp.asarray(codes.view(np.uint8))
+    for off in range(0, 9):
+        ref = fp8core.quantize(base[off:off + 8000], 0.5, "e4m3")
+        np.testing.assert_array_equal(host_bits(fp8core.quantize(g[off:off + 8000], 0.5, "e4m3")), ref.view(np.uint8))
+        ref_d = fp8core.dequantize(codes[off:off + 8000], 3.0, "float32")
+        got_d = fp8core.dequantize(gc[off:off + 8000], 3.0, "float32", fmt="e4m3")
+        np.testing.assert_array_equal(host_bits(got_d), ref_d.view(np.uint32))
+
+
+def test_software_fp8_path_matches_hardware(cp, monkeypatch):
+    """The sm_80 conversion (forced on this GPU) against the hardware one, bit for bit, on every 16-bit pattern,
+    fp32 specials and boundaries, and every fp8 code."""
+    from fp8core import _kernels
+
+    cc = int(cp.cuda.Device().compute_capability)
+    if cc < 89:
+        pytest.skip(f"GPU test: the hardware fp8 path needs sm_89+, this GPU is sm_{cc}")
+    f32 = np.concatenate([np.arange(65536, dtype=np.uint32) << 16,  # every bf16 value as fp32
+                          np.arange(0, 1 << 32, 65521, dtype=np.uint64).astype(np.uint32)]).view(np.float32)
+    inputs = [np.arange(65536, dtype=np.uint16).view(np.float16), f32]
+    codes = cp.asarray(np.arange(256, dtype=np.uint8))
+
+    def run():
+        out = []
+        for x in inputs:
+            for scale in [1.0, 3.0, 2.0 ** -20, 2.0 ** 20, 0.0]:
+                for fmt in FORMATS:
+                    out.append(host_bits(fp8core.quantize(cp.asarray(x), scale, fmt)))
+            q, qt = fp8core.cast_transpose(cp.asarray(x[:64 * 1024]).reshape(64, 1024), 0.75, "e4m3")
+            out += [host_bits(q), host_bits(qt)]
+        for fmt in FORMATS:
+            for o in ["float32", "bfloat16", "float16"]:
+                out.append(host_bits(fp8core.dequantize(codes, 0.375, o, fmt=fmt)))
+        return out
+
+    hardware = run()
+    monkeypatch.setattr(_kernels, "FORCE_SOFT_FP8", True)
+    software = run()
+    for h, s in zip(hardware, software):
+        np.testing.assert_array_equal(s, h)
+
+
+def test_two_devices(rng):
+    """Tensors on cuda:1 with cuda:0 current: every launch goes to cuda:1, and cuda:0 stays current."""
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("GPU test: needs two GPUs")
+    x = data((300, 200), np.float32, rng)
+    with cupy.cuda.Device(0):
+        with cupy.cuda.Device(1):
+            g = cupy.asarray(x)
+            slot = cupy.zeros(1, cupy.float32)
+        q = fp8core.quantize(g, 0.5, "e4m3", amax_out=slot)
+        qd, si, a = fp8core.quantize_dynamic(g, "e5m2")
+        qc, qt = fp8core.cast_transpose(g, 0.5, "e4m3")
+        y = fp8core.dequantize(q, 2.0, "float32", fmt="e4m3")
+        assert cupy.cuda.runtime.getDevice() == 0
+    assert q.device.id == 1 and qd.device.id == 1 and qt.device.id == 1
+    np.testing.assert_array_equal(host_bits(q), fp8core.quantize(x, 0.5, "e4m3").view(np.uint8))
+    np.testing.assert_array_equal(host_bits(qt), fp8core.cast_transpose(x, 0.5, "e4m3")[1].view(np.uint8))
+    rq, _, _ = fp8core.quantize_dynamic(x, "e5m2")
+    np.testing.assert_array_equal(host_bits(qd), rq.view(np.uint8))
+    ref_y = fp8core.dequantize(fp8core.quantize(x, 0.5, "e4m3"), 2.0, "float32")
+    np.testing.assert_array_equal(host_bits(y), ref_y.view(np.uint32))
+    assert slot.get().view(np.uint32)[0] == fp8core.amax(x).view(np.uint32)[0]

@@ -142,3 +142,84 @@ def test_cuda_graph_capture(rng):
     atol, rtol = gemm_tolerance(ac2, "e4m3", bc, "e4m3", 0.5, "float8_e4m3fn", 0.5)
     check(to_f64(out), ref, atol, rtol)
     assert amax.item() > 0
+
+
+def test_cuda_graph_10_replays_equal_eager(rng):
+    """The GEMM with an fp8 output and an amax, captured once (its first call on the capture stream: the
+    workspace comes from the graph's pool) and replayed 10 times on new data, bit for bit against eager."""
+    bc = fp8_codes(rng, (64, 128), "e4m3")
+    a, b = cuda_fp8(fp8_codes(rng, (96, 128), "e4m3"), "e4m3"), cuda_fp8(bc, "e4m3")
+    sa, sb, so = scalar(1.0), scalar(0.5), scalar(2.0)
+    amax = torch.zeros(1, device="cuda")
+    out = torch.empty(96, 64, device="cuda", dtype=torch.float8_e4m3fn)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8core.gemm(a, b, sa, sb, out_dtype="e4m3", out_scale=so, out_amax=amax, out=out)
+    for replay in range(10):
+        a.copy_(cuda_fp8(fp8_codes(np.random.default_rng(replay), (96, 128), "e4m3"), "e4m3"))
+        amax.zero_()
+        graph.replay()
+        got, got_amax = out.view(torch.uint8).clone(), amax.clone()
+        eager_amax = torch.zeros(1, device="cuda")
+        eager = fp8core.gemm(a, b, sa, sb, out_dtype="e4m3", out_scale=so, out_amax=eager_amax)
+        torch.cuda.synchronize()
+        assert torch.equal(got, eager.view(torch.uint8))
+        assert torch.equal(got_amax.view(torch.int32), eager_amax.view(torch.int32))
+
+
+def test_concurrent_gemms_on_streams(rng):
+    """Threads on their own streams: each has its own workspace and AMAX_D scratch word."""
+    import threading
+
+    cases, errors = [], []
+    for k in range(4):
+        ac, bc = fp8_codes(rng, (256, 512), "e4m3"), fp8_codes(rng, (128, 512), "e4m3")
+        cases.append((ac, bc, 2.0 ** -k))
+
+    def work(k, out):
+        try:
+            ac, bc, s = cases[k]
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                a, b = cuda_fp8(ac, "e4m3"), cuda_fp8(bc, "e4m3")
+                for _ in range(10):
+                    amax = torch.zeros(1, device="cuda")
+                    d = fp8core.gemm(a, b, scalar(s), scalar(1.0), out_dtype="float32")
+                    d8 = fp8core.gemm(a, b, scalar(s), scalar(1.0), out_dtype="e4m3", out_scale=scalar(1.0),
+                                      out_amax=amax)
+            stream.synchronize()
+            out[k] = (d.cpu(), d8.float().cpu(), amax.cpu())
+        except Exception as e:  # reported below
+            errors.append((k, e))
+
+    out = {}
+    threads = [threading.Thread(target=work, args=(k, out)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k, (d, d8, amax) in out.items():
+        ac, bc, s = cases[k]
+        ref = gemm_reference(ac, "e4m3", bc, "e4m3", s, 1.0)
+        atol, rtol = gemm_tolerance(ac, "e4m3", bc, "e4m3", s, "float32")
+        check(d.numpy().astype(np.float64), ref, atol, rtol)
+        assert abs(float(amax[0]) - np.abs(ref).max()) <= atol.max() + 2.0 ** -20 * np.abs(ref).max()
+        check(d8.numpy().astype(np.float64), np.clip(ref, -448, 448), *gemm_tolerance(ac, "e4m3", bc, "e4m3", s,
+                                                                                       "float8_e4m3fn", 1.0))
+
+
+def test_gemm_on_the_second_device(rng):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("GPU test: needs two GPUs")
+    ac, bc = fp8_codes(rng, (32, 64), "e4m3"), fp8_codes(rng, (48, 64), "e4m3")
+    a = torch.from_numpy(ac.copy()).to("cuda:1").view(torch.float8_e4m3fn)
+    b = torch.from_numpy(bc.copy()).to("cuda:1").view(torch.float8_e4m3fn)
+    one = torch.ones(1, device="cuda:1")
+    with torch.cuda.device(0):
+        d = fp8core.gemm(a, b, one, one, out_dtype="float32")
+        assert torch.cuda.current_device() == 0
+    assert d.device == torch.device("cuda:1")
+    ref = gemm_reference(ac, "e4m3", bc, "e4m3", 1.0, 1.0)
+    atol, rtol = gemm_tolerance(ac, "e4m3", bc, "e4m3", 1.0, "float32")
+    check(to_f64(d), ref, atol, rtol)

@@ -1,19 +1,42 @@
 """Every kernel and every template instantiation compiles with NVRTC for each target, without a GPU."""
 
+import struct
+
 import pytest
 
 from fp8core import _kernels
 
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed: NVRTC comes with it")
 
+ARCHS = ["80", "89", "90", "100", "120"]
 
-@pytest.mark.parametrize("arch", ["89", "90", "100", "120"])
+
+def elf_extent(cubin: bytes) -> int:
+    """The bytes an ELF64 file needs: the end of its section header table or of its furthest section."""
+    e_shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    e_shentsize, e_shnum = struct.unpack_from("<HH", cubin, 0x3A)
+    end = e_shoff + e_shentsize * e_shnum
+    for i in range(e_shnum):
+        sh_type, = struct.unpack_from("<I", cubin, e_shoff + i * e_shentsize + 4)
+        sh_offset, sh_size = struct.unpack_from("<QQ", cubin, e_shoff + i * e_shentsize + 0x18)
+        if sh_type != 8:  # NOBITS has no bytes in the file
+            end = max(end, sh_offset + sh_size)
+    return end
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("filename", sorted(_kernels.KERNELS))
 def test_nvrtc_compiles_every_instantiation(filename, arch):
     cubin, mapping = _kernels.compile_cubin(filename, arch)
     assert cubin[:4] == b"\x7fELF"
+    assert elf_extent(cubin) <= len(cubin), "the cubin is cut short (nvrtcGetCUBINSize not used?)"
     assert set(mapping) == set(_kernels.KERNELS[filename])
     assert all(symbol.startswith("_Z") for symbol in mapping.values())
+
+
+def test_forced_software_path_compiles_on_sm90():
+    cubin, _ = _kernels.compile_cubin("quantize.cu", "90", soft_fp8=True)
+    assert elf_extent(cubin) <= len(cubin)
 
 
 def test_cuda_hash_covers_every_file(tmp_path, monkeypatch):
@@ -22,17 +45,38 @@ def test_cuda_hash_covers_every_file(tmp_path, monkeypatch):
     src = tmp_path / "cuda"
     shutil.copytree(_kernels.cuda_dir(), src)
     monkeypatch.setattr(_kernels, "cuda_dir", lambda: src)
-    before = _kernels.cuda_sha256()
+    before, options = _kernels.cuda_sha256(), _kernels.module_options(False)
     (src / "common.cuh").write_text((src / "common.cuh").read_text() + "\n// edit\n")
     assert _kernels.cuda_sha256() != before
-    assert _kernels._key("update.cu", "90") != _kernels._key("update.cu", "89")
+    # CuPy keys its disk cache on the options: a header edit must change them, so the module recompiles.
+    assert _kernels.module_options(False) != options
+    assert _kernels.module_options(True) != _kernels.module_options(False)
 
 
-def test_unwritable_cache_degrades_to_memory(tmp_path, monkeypatch):
-    blocked = tmp_path / "file"
-    blocked.write_text("not a directory")
-    with pytest.warns(RuntimeWarning, match="not writable"):
-        _kernels._write_disk(blocked / "sub" / "x.bin", b"cubin", {"a": "b"})
-    good = tmp_path / "ok" / "x.bin"
-    _kernels._write_disk(good, b"\x7fELFdata", {"k": "_Z1k"})
-    assert _kernels._read_disk(good) == (b"\x7fELFdata", {"k": "_Z1k"})
+@pytest.mark.parametrize("filename", sorted(_kernels.KERNELS))
+def test_cupy_compiles_what_rawmodule_is_given(filename, monkeypatch):
+    """CuPy's own NVRTC path (the one RawModule takes on a GPU: source in a temporary directory, -I for the
+    headers, CuPy's added options) compiles every file; only the device's architecture is supplied here."""
+    from cupy.cuda import compiler
+
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    source = (_kernels.cuda_dir() / filename).read_text()
+    options = (*_kernels._RAWMODULE_OPTIONS, f"-I{_kernels.cuda_dir()}", *_kernels.module_options(False), "-ftz=true")
+    cubin, mapping = compiler.compile_using_nvrtc(source, options, arch="90",
+                                                  name_expressions=_kernels.KERNELS[filename])
+    assert cubin[:4] == b"\x7fELF" and set(mapping) == set(_kernels.KERNELS[filename])
+
+
+def test_rawmodule_is_built_lazily_without_a_gpu():
+    """Constructing the RawModule compiles nothing: the compile happens on the device it runs on."""
+    import cupy
+
+    module = cupy.RawModule(code=(_kernels.cuda_dir() / "update.cu").read_text(), backend="nvrtc",
+                            options=("--std=c++17", f"-I{_kernels.cuda_dir()}", *_kernels.module_options(False)),
+                            name_expressions=_kernels.KERNELS["update.cu"])
+    assert module is not None
+
+
+def test_cache_dir_is_cupys(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    assert _kernels.cache_dir() == tmp_path

@@ -5,14 +5,18 @@ b as its A (transposed, K x N, ld K) and a as its B (K x M, ld K), the only FP8 
 support, so nothing is transposed at call time. Scales, out_scale and the output amax are device pointers.
 
 Per (thread, device, spec, alignment) a plan holds the matmul descriptor, the four layouts and the
-heuristic's algorithm; each call only rewrites the pointer attributes. One workspace per device, a handle
-per device and thread, the caller's stream.
+heuristic's algorithm; each call only rewrites the pointer attributes. Plans are kept in a bounded LRU per
+thread (M varies from call to call). A handle per device and thread; the workspace and the AMAX_D scratch word
+per (device, stream), as Transformer Engine and torch keep them, so concurrent GEMMs on different streams never
+share one; the caller's stream. cuda.gemm runs this inside its device guard.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -27,8 +31,11 @@ _WORKSPACE_OLDER = 4 << 20
 MIN_COMPUTE_CAPABILITY = 89
 _SCRATCH = 256  # bytes at the workspace's end, kept from cuBLASLt for the amax word
 
+_PLANS_PER_THREAD = 64      # LRU bound of the plan cache
+_PER_THREAD_STREAM = 2      # cudaStreamPerThread: one handle, a different stream in every thread
+
 _local = threading.local()
-_workspaces: dict[int, Any] = {}
+_workspaces: dict[tuple[int, int, int], Any] = {}
 _lock = threading.Lock()
 
 
@@ -41,6 +48,7 @@ def _lt() -> Any:
     return cublasLt
 
 
+@lru_cache(maxsize=None)
 def compute_capability(device_id: int) -> int:
     import cupy
 
@@ -66,16 +74,25 @@ def _handle(device_id: int) -> int:
     return handles[device_id]
 
 
-def _workspace(device_id: int) -> Any:
-    with _lock:
-        ws = _workspaces.get(device_id)
-        if ws is None:
-            import cupy
+def _workspace_size(device_id: int) -> int:
+    return _WORKSPACE_SM90 if compute_capability(device_id) >= 90 else _WORKSPACE_OLDER
 
-            size = _WORKSPACE_SM90 if compute_capability(device_id) >= 90 else _WORKSPACE_OLDER
-            with cupy.cuda.Device(device_id):
-                ws = _workspaces[device_id] = cupy.empty(size, dtype=np.uint8)
-        return ws
+
+def _workspace(device_id: int, stream: int, t: Tensor, alloc: Any) -> Any:
+    """The workspace of (device, stream), its last _SCRATCH bytes kept for the AMAX_D word.
+
+    Allocated by the caller's allocator (torch's for torch tensors: inside a graph capture it comes from the
+    graph's pool, so a GEMM's first call on a capture stream can be captured). Stream-ordered: calls on one stream
+    reuse it in order; the per-thread default stream is one handle for every thread, so it is keyed by thread too.
+    """
+    key = (device_id, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0)
+    ws = _workspaces.get(key)
+    if ws is None:
+        with _lock:
+            ws = _workspaces.get(key)
+            if ws is None:
+                ws = _workspaces[key] = alloc((_workspace_size(device_id),), np.uint8, t, stream)
+    return ws
 
 
 def _set(setter: Any, dtype_of: Any, obj: int, attr: Any, value: Any) -> None:
@@ -134,7 +151,7 @@ def _make_plan(lt: Any, spec: Any, handle: int, device_id: int, align: int, poin
     try:
         pset = lambda attr, v: _set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype,  # noqa: E731
                                     pref, attr, v)
-        pset(P.MAX_WORKSPACE_BYTES, _workspace(device_id).nbytes - _SCRATCH)
+        pset(P.MAX_WORKSPACE_BYTES, _workspace_size(device_id) - _SCRATCH)
         for attr in (P.MIN_ALIGNMENT_A_BYTES, P.MIN_ALIGNMENT_B_BYTES, P.MIN_ALIGNMENT_C_BYTES,
                      P.MIN_ALIGNMENT_D_BYTES):
             pset(attr, align)
@@ -151,9 +168,32 @@ _ONE = np.ones(1, dtype=np.float32)
 _ZERO = np.zeros(1, dtype=np.float32)
 
 
+def _plans() -> OrderedDict:
+    plans = getattr(_local, "plans", None)
+    if plans is None:
+        plans = _local.plans = OrderedDict()
+    return plans
+
+
+def _destroy(lt: Any, plan: _Plan) -> None:
+    """cuBLASLt reads the descriptors at call time (and at capture): an evicted plan can go at once."""
+    for layout in plan.layouts:
+        lt.matrix_layout_destroy(layout)
+    lt.matmul_desc_destroy(plan.desc)
+
+
+def _remember(lt: Any, plans: OrderedDict, key: Any, plan: _Plan) -> _Plan:
+    """Insert plan as the most recent; the least recent beyond _PLANS_PER_THREAD are destroyed."""
+    plans[key] = plan
+    while len(plans) > _PLANS_PER_THREAD:
+        _destroy(lt, plans.popitem(last=False)[1])
+    return plan
+
+
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
-         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: Any, alloc: Any) -> Any:
-    import cupy
+         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: int, alloc: Any) -> Any:
+    """stream: the raw handle of the caller's stream; alloc(shape, dtype, like, stream): the caller's allocator."""
+    from . import cuda
 
     device_id = a.device[1]
     _check_device(device_id)
@@ -161,7 +201,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
     if spec.m == 0:
         return d
-    ws = _workspace(device_id)
+    ws = _workspace(device_id, stream, a, alloc)
     # cuBLASLt overwrites AMAX_D; the contract accumulates, so it writes a scratch word, merged after. The word
     # lives past the end of the workspace cuBLASLt is given: no allocation, so the call can be graph-captured.
     scratch = ws[-_SCRATCH:].view(np.float32)[:1] if out_amax is not None else None
@@ -170,21 +210,18 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     pointers = (ptr(a_scale_inv), ptr(b_scale_inv), ptr(bias.data) if bias is not None else 0, ptr(out_scale),
                 ptr(scratch))
     handle = _handle(device_id)
-    plans = getattr(_local, "plans", None)
-    if plans is None:
-        plans = _local.plans = {}
+    plans = _plans()
     key = (device_id, spec, align, out_amax is not None)
     plan = plans.get(key)
     if plan is None:
-        plan = plans[key] = _make_plan(lt, spec, handle, device_id, align, pointers)
+        plan = _remember(lt, plans, key, _make_plan(lt, spec, handle, device_id, align, pointers))
     else:
+        plans.move_to_end(key)
         _set_pointers(lt, plan, *pointers)
     c_ptr = 0 if plan.fp8_out else ptr(d)
     lt.matmul(handle, plan.desc, _ONE.ctypes.data, ptr(b.data), plan.layouts[0], ptr(a.data), plan.layouts[1],
               _ZERO.ctypes.data, c_ptr, plan.layouts[2], ptr(d), plan.layouts[3], plan.algo.ptr, ws.data.ptr,
-              ws.nbytes - _SCRATCH, stream.ptr)
+              ws.nbytes - _SCRATCH, stream)
     if scratch is not None:
-        with cupy.cuda.Device(device_id), stream:
-            cupy.maximum(out_amax, scratch, out=out_amax)  # NaN propagates, as amax's contract says
+        cuda.merge_amax(out_amax, scratch, device_id, stream)  # max(out_amax, |amax(D)|); NaN propagates
     return d
-

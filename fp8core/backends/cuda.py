@@ -1,40 +1,52 @@
 """The CUDA backend: one thin launch per primitive over the kernels of cuda/ (see _kernels.KERNELS).
 
-Arrays here are CuPy arrays in storage dtype (uint8 fp8, uint16 bf16). Kernels run on the caller's
-stream (torch's current stream for torch tensors, CuPy's current stream otherwise, or the stream a
-front-end sets with :func:`launch_stream`); nothing synchronises with the host.
+Arrays here are CuPy arrays in storage dtype (uint8 fp8, uint16 bf16). Every call:
+- makes the tensor's device current for its duration (tensors on cuda:1 with cuda:0 current work);
+- reads the caller's stream once — the stream a front-end set with :func:`launch_stream`, else torch's
+  current stream for torch tensors, else CuPy's current stream — and launches everything on it, including
+  the upload of a Python-float scale (a kernel parameter of ``fill_kernel``, never a host-to-device copy);
+- launches through the driver with the arguments packed once (``_Plan``: the function, its argument layout
+  and its occupancy-limited grid are cached per device, kernel and conversion path).
+Nothing synchronises with the host, and nothing a call leaves behind is shared between streams or threads,
+so calls can run concurrently and be captured in CUDA graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from functools import lru_cache
+import ctypes
+import struct
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 try:
     import cupy
+    from cupy_backends.cuda.api import driver as _driver
+    from cupy_backends.cuda.api import runtime as _runtime
 
     xp = cupy
 except ImportError:  # pragma: no cover - fp8core[cuda12|cuda13] brings it
-    cupy = xp = None
+    cupy = xp = _driver = _runtime = None
 
-from .._kernels import get_function
+from .. import _kernels
 from .._tensor import Tensor
 from ..formats import Format
 
 name = "cuda"
 _THREADS = 256
 _T = {"float32": "float", "bfloat16": "fp8core::bf16", "float16": "fp8core::f16"}
-_NULL = np.uint64(0)
 _stream_override: contextvars.ContextVar[int | None] = contextvars.ContextVar("fp8core_stream", default=None)
+
+MIN_COMPUTE_CAPABILITY = 80  # every primitive but the FP8 GEMM (which needs 89, see cublaslt.py)
+MULTI_CHUNK = 64             # tensors per multi-tensor launch: MultiArgs in quantize.cu
+_MULTI_FORMAT = f"@{4 * MULTI_CHUNK}Q{MULTI_CHUNK}q{MULTI_CHUNK + 1}Ii"  # sizeof(MultiArgs) = 2824 bytes
 
 
 @contextlib.contextmanager
 def launch_stream(handle: int) -> Iterator[None]:
-    """Launch on the raw CUDA stream ``handle`` inside this block (used by the JAX front-end)."""
+    """Launch on the raw CUDA stream ``handle`` inside this block (used by the JAX and torch front-ends)."""
     token = _stream_override.set(handle)
     try:
         yield
@@ -42,266 +54,446 @@ def launch_stream(handle: int) -> Iterator[None]:
         _stream_override.reset(token)
 
 
-def _stream(t: Tensor) -> Any:
+class _On:
+    """The device guard: ``device`` current inside, the caller's device restored after.
+
+    cudaSetDevice is called even when the device is already current: it also makes the device's primary
+    context current on this thread, which the driver-API launches below need in a fresh thread.
+    """
+
+    __slots__ = ("device", "previous")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        self.previous = _runtime.getDevice()
+        _runtime.setDevice(self.device)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous != self.device:
+            _runtime.setDevice(self.previous)
+
+
+def _stream(t: Tensor) -> int:
+    """The raw handle of the stream this call launches on (read once per call, inside the device guard)."""
     override = _stream_override.get()
     if override is not None:
-        return cupy.cuda.ExternalStream(override, t.device[1])
+        return override
     if t.origin == "torch":
+        global _torch_stream
+        if _torch_stream is None:
+            _torch_stream = _torch_current_stream()
+        return _torch_stream(t.device[1])
+    return cupy.cuda.get_current_stream().ptr
+
+
+_torch_stream: Callable[[int], int] | None = None
+
+
+def _torch_current_stream() -> Callable[[int], int]:
+    """device -> torch's current stream handle. torch._C._cuda_getCurrentRawStream (what torch's own compiled
+    code calls) returns the handle without making a Stream object; the public API where it is missing."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
+# ---- launch plans -----------------------------------------------------------------------------------------
+
+class _Plan:
+    """A kernel ready to launch: its function, the layout of its arguments and the most blocks that run at once."""
+
+    __slots__ = ("fn", "fmt", "size", "offsets", "max_blocks", "function")
+
+    def __init__(self, function: Any, fmt: str, device: int, threads: int) -> None:
+        self.function = function  # keeps the module loaded
+        self.fn = function.ptr
+        self.fmt = fmt
+        self.size = struct.calcsize(fmt)
+        self.offsets = [offset for offset, _ in arg_layout(fmt)]
+        per_sm = _driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn, threads, 0)
+        self.max_blocks = max(1, per_sm) * _sm_count(device)
+
+    def grid(self, elements: int, per_thread: int = 8) -> int:
+        """Blocks for a grid-stride loop: no more than run at once, no more than there is work."""
+        return max(1, min(self.max_blocks, -(-elements // (per_thread * _THREADS))))
+
+    def launch(self, grid: Any, block: Any, args: tuple, stream: int, cooperative: bool = False) -> None:
+        buf = ctypes.create_string_buffer(self.size)
+        struct.pack_into(self.fmt, buf, 0, *args)
+        base = ctypes.addressof(buf)
+        params = (ctypes.c_void_p * len(self.offsets))(*[base + o for o in self.offsets])
+        gx, gy = (grid, 1) if isinstance(grid, int) else grid
+        bx, by = (block, 1) if isinstance(block, int) else block
+        if cooperative:
+            _driver.launchCooperativeKernel(self.fn, gx, gy, 1, bx, by, 1, 0, stream, ctypes.addressof(params))
+        else:
+            _driver.launchKernel(self.fn, gx, gy, 1, bx, by, 1, 0, stream, ctypes.addressof(params), 0)
+
+
+def arg_layout(fmt: str) -> list[tuple[int, int]]:
+    """(offset, size) of each kernel argument packed by ``fmt`` (native alignment, as the kernel's parameter
+    buffer lays them out; tests/test_sass.py checks them against every cubin). A by-value struct is one argument."""
+    codes = [fmt[1:]] if fmt == _MULTI_FORMAT else list(fmt[1:])
+    return [(struct.calcsize("@" + "".join(codes[:i + 1])) - struct.calcsize("@" + codes[i]),
+             struct.calcsize("@" + codes[i])) for i in range(len(codes))]
+
+
+_plans: dict[tuple[int, str, bool], _Plan] = {}
+_sm_counts: dict[int, int] = {}
+_capability_ok: set[int] = set()
+
+# Argument layouts (struct codes, native alignment): P pointer, q int64, i int32, I uint32, f float.
+ARGS = {
+    "amax_kernel": "@PPq",
+    "quantize_kernel": "@PPPPPPqfiif",
+    "quantize_dynamic_kernel": "@PPPPPqfiif",
+    "multi_amax_kernel": _MULTI_FORMAT,
+    "multi_quantize_kernel": _MULTI_FORMAT,
+    "dequantize_kernel": "@PPPq",
+    "cast_transpose_kernel": "@PPPPPqq",
+    "update_kernel": "@PPPPPqiiifiPi",
+    "compute_scale_kernel": "@PPfPPPPqqiif",
+    "fill_kernel": "@PIq",
+}
+
+
+def _sm_count(device: int) -> int:
+    n = _sm_counts.get(device)
+    if n is None:
+        n = _sm_counts[device] = _runtime.getDeviceProperties(device)["multiProcessorCount"]
+    return n
+
+
+def _check_capability(device: int) -> None:
+    if device in _capability_ok:
+        return
+    cc = int(cupy.cuda.Device(device).compute_capability)
+    if cc < MIN_COMPUTE_CAPABILITY:
+        raise RuntimeError(f"fp8core's CUDA kernels need compute capability 8.0 or newer (Ampere, Ada, Hopper, "
+                           f"Blackwell); cuda:{device} is {cc // 10}.{cc % 10}")
+    _capability_ok.add(device)
+
+
+def _plan(device: int, filename: str, expr: str, threads: int = _THREADS) -> _Plan:
+    """The cached plan of kernel ``expr``; call inside the device guard."""
+    key = (device, expr, _kernels.FORCE_SOFT_FP8)
+    plan = _plans.get(key)
+    if plan is None:
+        _check_capability(device)
+        kernel = expr.split("::")[1].split("<")[0]
+        # Built outside any lock (get_function compiles once per file and device under its own lock); a thread
+        # that races here builds an equal plan over the same function, and the first one stored is kept.
+        plan = _plans.setdefault(key, _Plan(_kernels.get_function(filename, expr, device), ARGS[kernel], device,
+                                            threads))
+    return plan
+
+
+def _ptr(a: Any) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+# ---- outputs ----------------------------------------------------------------------------------------------
+
+_torch_devices: dict[int, Any] = {}
+
+
+def _empty(shape: Any, dtype: Any, t: Tensor, stream: Any = None) -> Any:
+    """Outputs for torch callers come from torch's caching allocator (stream-ordered, CUDA-graph aware), as a
+    CuPy view whose memory owner is the torch tensor (no DLPack round trip); everyone else's from CuPy's pool on
+    CuPy's current stream (the JAX front-end makes it XLA's). Call inside the device guard. ``stream`` is unused
+    (kept for the GEMM's allocator signature)."""
+    if t.origin == "torch":
+        device = t.device[1]
         import torch
 
-        return cupy.cuda.ExternalStream(torch.cuda.current_stream(t.device[1]).cuda_stream, t.device[1])
-    return cupy.cuda.get_current_stream()
+        torch_device = _torch_devices.get(device)
+        if torch_device is None:
+            torch_device = _torch_devices[device] = torch.device("cuda", device)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes:
+            owner = torch.empty(nbytes, dtype=torch.uint8, device=torch_device)
+            mem = cupy.cuda.UnownedMemory(owner.data_ptr(), nbytes, owner, device)
+            return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+    return cupy.empty(shape, dtype=dtype)
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+def _fill(out: Any, bits: int, device: int, stream: int) -> None:
+    if out.size:
+        plan = _plan(device, "update.cu", "fp8core::fill_kernel")
+        plan.launch(plan.grid(out.size, 1), _THREADS, (out.data.ptr, bits, out.size), stream)
 
 
-def _grid(device_id: int, work_items: int) -> int:
-    """Blocks for a grid-stride loop: enough to fill the GPU, no more than there is work."""
-    return max(1, min(_sm_count(device_id) * 8, -(-work_items // _THREADS)))
+def device_f32(values: Any, like: Tensor) -> Any:
+    """Host values as a float32 device array on like's device, written on the caller's stream.
 
-
-def _ptr(a: Any) -> np.uint64:
-    return _NULL if a is None else np.uint64(a.data.ptr)
-
-
-def _launch(t: Tensor, filename: str, expr: str, grid: Any, block: Any, args: tuple, stream: Any,
-            cooperative: bool = False) -> None:
-    fn = get_function(filename, expr, t.device[1])
-    with cupy.cuda.Device(t.device[1]):
-        fn(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,), args,
-           stream=stream, enable_cooperative_groups=cooperative)
-
-
-def _empty(shape: Any, dtype: Any, t: Tensor, stream: Any) -> Any:
-    """Outputs for torch callers come from torch's caching allocator (stream-ordered, CUDA-graph aware);
-    everyone else's from CuPy's pool on the launch stream."""
-    if t.origin == "torch":
-        import torch
-
-        from .._tensor import wrap
-
-        storage = {1: torch.uint8, 2: torch.int16, 4: torch.float32}[np.dtype(dtype).itemsize]
-        return wrap(torch.empty(shape, dtype=storage, device=f"cuda:{t.device[1]}")).data.view(dtype)
-    with cupy.cuda.Device(t.device[1]), stream:
-        return cupy.empty(shape, dtype=dtype)
-
-
-def _zeros(shape: Any, dtype: Any, t: Tensor, stream: Any) -> Any:
-    out = _empty(shape, dtype, t, stream)
-    with cupy.cuda.Device(t.device[1]), stream:
-        out.fill(0)
+    One value, or equal values, travel as a kernel parameter (no host-to-device copy, so this can be captured in
+    a CUDA graph and is ordered with the caller's work); other lists are copied on the same stream.
+    """
+    with np.errstate(over="ignore"):
+        host = np.asarray(values, dtype=np.float32).reshape(-1)
+    device = like.device[1]
+    with _On(device):
+        stream = _stream(like)
+        out = _empty(host.shape, np.float32, like)
+        bits = host.view(np.uint32)
+        if host.size == 0 or (bits == bits[0]).all():
+            _fill(out.view(np.uint32), int(bits[0]) if host.size else 0, device, stream)
+        else:
+            with cupy.cuda.ExternalStream(stream, device):
+                out.set(host)
     return out
 
 
 # ---- amax and quantize ------------------------------------------------------------------------------------
 
 def amax(x: Tensor) -> Any:
-    stream = _stream(x)
-    out = _zeros((1,), np.float32, x, stream)
-    if x.size:
-        _launch(x, "quantize.cu", f"fp8core::amax_kernel<{_T[x.dtype]}>", _grid(x.device[1], x.size // 8 + 1),
-                _THREADS, (x.data, out, np.int64(x.size)), stream)
-    return out
+    device = x.device[1]
+    with _On(device):
+        stream = _stream(x)
+        out = _empty((1,), np.float32, x)
+        _runtime.memsetAsync(out.data.ptr, 0, 4, stream)
+        if x.size:
+            plan = _plan(device, "quantize.cu", f"fp8core::amax_kernel<{_T[x.dtype]}>")
+            plan.launch(plan.grid(x.size), _THREADS, (x.data.data.ptr, out.data.ptr, x.size), stream)
+        return out
+
+
+def _quantize(x: Tensor, q: Any, scale: Any, fmt: Format, amax_out: Any | None, amax_in: Any | None,
+              scale_inv_out: Any | None, margin: int, power_of_2: bool, epsilon: float, stream: int) -> None:
+    # An empty x still launches when there is a slot to merge 0 into, or a scale_inv to write.
+    if x.size or amax_in is not None or amax_out is not None:
+        plan = _plan(x.device[1], "quantize.cu", f"fp8core::quantize_kernel<{_T[x.dtype]}, {fmt.index}>")
+        plan.launch(plan.grid(x.size), _THREADS,
+                    (_ptr(x.data) if x.size else 0, _ptr(q) if x.size else 0, _ptr(scale), _ptr(amax_in),
+                     _ptr(amax_out), _ptr(scale_inv_out), x.size, fmt.max, margin, int(power_of_2), epsilon),
+                    stream)
 
 
 def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *, amax_in: Any | None = None,
              scale_inv_out: Any | None = None, margin: int = 0, power_of_2: bool = False,
              epsilon: float = 0.0) -> Any:
-    stream = _stream(x)
-    q = _empty(x.shape, np.uint8, x, stream)
-    if x.size or amax_in is not None:
-        _launch(x, "quantize.cu", f"fp8core::quantize_kernel<{_T[x.dtype]}, {fmt.index}>",
-                _grid(x.device[1], x.size // 8 + 1), _THREADS,
-                (x.data, q, _ptr(scale), _ptr(amax_in), _ptr(amax_out), _ptr(scale_inv_out), np.int64(x.size),
-                 np.float32(fmt.max), np.int32(margin), np.int32(power_of_2), np.float32(epsilon)), stream)
-    return q
-
-
-_workspaces: dict[tuple[int, int], Any] = {}
-
-
-def _workspace(x: Tensor, stream: Any, blocks: int) -> Any:
-    """Per (device, stream): the grid barrier's two words and one amax partial per block."""
-    key = (x.device[1], stream.ptr)
-    ws = _workspaces.get(key)
-    if ws is None or ws.size < 2 + blocks:
-        ws = _zeros(2 + max(blocks, 4096), np.uint32, x, stream)
-        _workspaces[key] = ws
-    return ws
-
-
-@lru_cache(maxsize=None)
-def _cooperative_blocks(device_id: int, expr: str) -> int:
-    fn = get_function("quantize.cu", expr, device_id)
-    per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, _THREADS, 0)
-    return max(1, min(per_sm, 8)) * _sm_count(device_id)
+    with _On(x.device[1]):
+        stream = _stream(x)
+        q = _empty(x.shape, np.uint8, x)
+        _quantize(x, q, scale, fmt, amax_out, amax_in, scale_inv_out, margin, power_of_2, epsilon, stream)
+        return q
 
 
 def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
                      reduce: Callable | None) -> tuple[Any, Any, Any]:
-    stream = _stream(x)
-    a = _zeros((1,), np.float32, x, stream)
-    s_inv = _empty((1,), np.float32, x, stream)
-    if reduce is not None or x.size == 0:
-        # Distributed: amax, the group's MAX-reduce, then one quantize that makes the scale in every block.
-        if x.size:
+    device = x.device[1]
+    with _On(device):
+        stream = _stream(x)
+        q = _empty(x.shape, np.uint8, x)
+        if reduce is not None or x.size == 0:
+            # Distributed: amax, the group's MAX-reduce, then one quantize that makes the scale in every block.
             a = amax(x)
-        if reduce is not None:
-            reduce(a)
-        q = quantize(x, None, fmt, None, amax_in=a, scale_inv_out=s_inv, margin=margin, power_of_2=power_of_2,
-                     epsilon=epsilon)
-        return q, s_inv, a
-    expr = f"fp8core::quantize_dynamic_kernel<{_T[x.dtype]}, {fmt.index}>"
-    blocks = min(_cooperative_blocks(x.device[1], expr), _grid(x.device[1], x.size // 8 + 1))
-    ws = _workspace(x, stream, blocks)
-    q = _empty(x.shape, np.uint8, x, stream)
-    _launch(x, "quantize.cu", expr, blocks, _THREADS,
-            (x.data, q, ws[2:], ws[:2], a, s_inv, np.int64(x.size), np.float32(fmt.max), np.int32(margin),
-             np.int32(power_of_2), np.float32(epsilon)), stream, cooperative=True)
-    return q, s_inv, a
+            if reduce is not None:
+                reduce(a)
+            s_inv = _empty((1,), np.float32, x)
+            _quantize(x, q, None, fmt, None, a, s_inv, margin, power_of_2, epsilon, stream)
+            return q, s_inv, a
+        plan = _plan(device, "quantize.cu", f"fp8core::quantize_dynamic_kernel<{_T[x.dtype]}, {fmt.index}>")
+        blocks = plan.grid(x.size)
+        # One allocation: [amax, scale_inv, barrier count, barrier generation, one partial per block], from the
+        # caller's allocator, the barrier's two words zeroed on the launch stream just before the launch.
+        # Invariant: nothing of the barrier outlives the launch, so no two launches share it (threads whose
+        # per-thread default streams have one handle, concurrent streams), and a captured graph replays the
+        # memset node with the kernel. amax and scale_inv are written whole by block 0.
+        ws = _empty((4 + blocks,), np.uint32, x)
+        _runtime.memsetAsync(ws.data.ptr + 8, 0, 8, stream)
+        plan.launch(blocks, _THREADS,
+                    (x.data.data.ptr, q.data.ptr, ws.data.ptr + 8, ws.data.ptr, ws.data.ptr + 4, x.size, fmt.max,
+                     margin, int(power_of_2), epsilon), stream, cooperative=True)
+        return q, ws[1:2].view(np.float32), ws[0:1].view(np.float32)
 
 
-def _pointer_table(values: list[int], t: Tensor, stream: Any, dtype: Any = np.uint64) -> Any:
-    with cupy.cuda.Device(t.device[1]), stream:
-        return cupy.asarray(np.asarray(values, dtype=dtype))
+def _multi_blocks(sizes: list[int], max_blocks: int) -> list[int]:
+    """first_block of each tensor: blocks shared out by elements (at least one each, so an empty tensor still
+    merges its amax 0), the total near what runs at once."""
+    total = sum(sizes)
+    budget = max(max_blocks, len(sizes))
+    first, b = [], 0
+    for n in sizes:
+        first.append(b)
+        want = -(-n // (8 * _THREADS))
+        share = -(-budget * n // total) if total else 1
+        b += max(1, min(want, share))
+    first.append(b)
+    return first
 
 
-def _groups(xs: list[Tensor], key: Callable[[int], Any]) -> dict[Any, list[int]]:
-    groups: dict[Any, list[int]] = {}
-    for i in range(len(xs)):
-        groups.setdefault(key(i), []).append(i)
-    return groups
-
-
-def _multi_grid(t: Tensor, sizes: list[int]) -> tuple[int, int]:
-    """(blocks per tensor, tensors): the GPU filled once across all tensors, sized by the largest."""
-    per_tensor = _grid(t.device[1], max(sizes) // 8 + 1) // max(1, len(sizes) // 8)
-    return (max(1, per_tensor), len(sizes))
+def _multi_launch(t0: Tensor, expr: str, entries: list[tuple[int, int, int, int, int]], stream: int) -> None:
+    """entries: (x, q, scale, amax, n) per tensor, launched MULTI_CHUNK at a time, the table by value."""
+    plan = _plan(t0.device[1], "quantize.cu", expr)
+    pad = [0] * MULTI_CHUNK
+    for c in range(0, len(entries), MULTI_CHUNK):
+        chunk = entries[c:c + MULTI_CHUNK]
+        cols = [list(col) + pad[len(chunk):] for col in zip(*chunk)]
+        first = _multi_blocks([e[4] for e in chunk], plan.max_blocks)
+        first += [first[-1]] * (MULTI_CHUNK + 1 - len(first))
+        plan.launch(first[len(chunk)], _THREADS, (*cols[0], *cols[1], *cols[2], *cols[3], *cols[4], *first,
+                                                  len(chunk)), stream)
 
 
 def multi_amax(xs: list[Tensor], out: Any) -> None:
     t0 = xs[0]
-    stream = _stream(t0)
-    for dtype, idx in _groups(xs, lambda i: xs[i].dtype).items():
-        sizes = [xs[i].size for i in idx]
-        ptrs = _pointer_table([xs[i].data.data.ptr if xs[i].size else 0 for i in idx], t0, stream)
-        slots = out if len(idx) == len(xs) else None
-        dst = slots if slots is not None else _zeros((len(idx),), np.float32, t0, stream)
-        _launch(t0, "quantize.cu", f"fp8core::multi_amax_kernel<{_T[dtype]}>",
-                _multi_grid(t0, sizes), _THREADS,
-                (ptrs, _pointer_table(sizes, t0, stream, np.int64), dst), stream)
-        if slots is None:
-            with stream:
-                out[idx] = cupy.maximum(out[idx].view(np.uint32), dst.view(np.uint32)).view(np.float32)
+    with _On(t0.device[1]):
+        stream = _stream(t0)
+        base = out.data.ptr
+        groups: dict[str, list[tuple[int, int, int, int, int]]] = {}
+        for i, x in enumerate(xs):
+            groups.setdefault(x.dtype, []).append((_ptr(x.data) if x.size else 0, 0, 0, base + 4 * i, x.size))
+        for dtype, entries in groups.items():
+            _multi_launch(t0, f"fp8core::multi_amax_kernel<{_T[dtype]}>", entries, stream)
 
 
 def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Format],
                    amax_outs: list[Any | None]) -> list[Any]:
     t0 = xs[0]
-    stream = _stream(t0)
-    qs = [_empty(x.shape, np.uint8, t0, stream) for x in xs]
-    for (dtype, fmt), idx in _groups(xs, lambda i: (xs[i].dtype, fmts[i])).items():
-        sizes = [xs[i].size for i in idx]
-        table = lambda vals, dt=np.uint64: _pointer_table(vals, t0, stream, dt)  # noqa: E731
-        _launch(t0, "quantize.cu", f"fp8core::multi_quantize_kernel<{_T[dtype]}, {fmt.index}>",
-                _multi_grid(t0, sizes), _THREADS,
-                (table([xs[i].data.data.ptr if sizes[k] else 0 for k, i in enumerate(idx)]),
-                 table([qs[i].data.ptr if sizes[k] else 0 for k, i in enumerate(idx)]),
-                 table(sizes, np.int64), table([scales[i].data.ptr for i in idx]),
-                 table([int(_ptr(amax_outs[i])) for i in idx])), stream)
-    return qs
+    with _On(t0.device[1]):
+        stream = _stream(t0)
+        qs = [_empty(x.shape, np.uint8, t0) for x in xs]
+        groups: dict[tuple[str, int], list[tuple[int, int, int, int, int]]] = {}
+        for i, x in enumerate(xs):
+            groups.setdefault((x.dtype, fmts[i].index), []).append(
+                (_ptr(x.data) if x.size else 0, _ptr(qs[i]) if x.size else 0, _ptr(scales[i]), _ptr(amax_outs[i]),
+                 x.size))
+        for (dtype, fmt), entries in groups.items():
+            _multi_launch(t0, f"fp8core::multi_quantize_kernel<{_T[dtype]}, {fmt}>", entries, stream)
+        return qs
 
 
 # ---- dequantize, transpose, cast_transpose ----------------------------------------------------------------
 
 _OUT_STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
-_OUT_T = {"float32": "float", "bfloat16": "fp8core::bf16", "float16": "fp8core::f16"}
 
 
 def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str) -> Any:
-    stream = _stream(q)
-    y = _empty(q.shape, _OUT_STORAGE[out_dtype], q, stream)
-    if q.size:
-        _launch(q, "dequantize.cu", f"fp8core::dequantize_kernel<{fmt.index}, {_OUT_T[out_dtype]}>",
-                _grid(q.device[1], q.size // 8 + 1), _THREADS, (q.data, y, scale_inv, np.int64(q.size)), stream)
-    return y
+    device = q.device[1]
+    with _On(device):
+        stream = _stream(q)
+        y = _empty(q.shape, _OUT_STORAGE[out_dtype], q)
+        if q.size:
+            plan = _plan(device, "dequantize.cu", f"fp8core::dequantize_kernel<{fmt.index}, {_T[out_dtype]}>")
+            plan.launch(plan.grid(q.size), _THREADS, (q.data.data.ptr, y.data.ptr, scale_inv.data.ptr, q.size),
+                        stream)
+        return y
+
+
+_TILE = 64
+_MAX_GRID_Y = 65535
 
 
 def _tiles(rows: int, cols: int) -> tuple[int, int]:
-    n = -(-rows // 64) * -(-cols // 64)
-    return (min(n, 65535), -(-n // 65535))
+    """One block per 64x64 tile, the tiles spread over (x, y) so that neither passes its limit."""
+    n = -(-rows // _TILE) * -(-cols // _TILE)
+    grid = (min(n, 65535), -(-n // 65535))
+    if grid[1] > _MAX_GRID_Y:
+        raise ValueError(f"x: {rows} x {cols} is too large for one cast_transpose launch")
+    return grid
 
 
 def transpose(q: Tensor) -> Any:
     rows, cols = q.shape
-    stream = _stream(q)
-    out = _empty((cols, rows), np.uint8, q, stream)
-    if q.size:
-        _launch(q, "cast_transpose.cu", "fp8core::cast_transpose_kernel<fp8core::Passthrough, 0, false>",
-                _tiles(rows, cols), _THREADS,
-                (q.data, _NULL, out, _NULL, _NULL, np.int64(rows), np.int64(cols)), stream)
-    return out
+    device = q.device[1]
+    with _On(device):
+        stream = _stream(q)
+        out = _empty((cols, rows), np.uint8, q)
+        if q.size:
+            plan = _plan(device, "cast_transpose.cu", "fp8core::cast_transpose_kernel<fp8core::Passthrough, 0, false>")
+            plan.launch(_tiles(rows, cols), _THREADS, (q.data.data.ptr, 0, out.data.ptr, 0, 0, rows, cols), stream)
+        return out
 
 
 def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None) -> tuple[Any, Any]:
     rows, cols = x.shape
-    stream = _stream(x)
-    q = _empty((rows, cols), np.uint8, x, stream)
-    qt = _empty((cols, rows), np.uint8, x, stream)
-    if x.size:
-        _launch(x, "cast_transpose.cu", f"fp8core::cast_transpose_kernel<{_T[x.dtype]}, {fmt.index}, true>",
-                _tiles(rows, cols), _THREADS,
-                (x.data, q, qt, scale, _ptr(amax_out), np.int64(rows), np.int64(cols)), stream)
-    return q, qt
+    device = x.device[1]
+    with _On(device):
+        stream = _stream(x)
+        q = _empty((rows, cols), np.uint8, x)
+        qt = _empty((cols, rows), np.uint8, x)
+        if x.size:
+            plan = _plan(device, "cast_transpose.cu",
+                         f"fp8core::cast_transpose_kernel<{_T[x.dtype]}, {fmt.index}, true>")
+            plan.launch(_tiles(rows, cols), _THREADS,
+                        (x.data.data.ptr, q.data.ptr, qt.data.ptr, scale.data.ptr, _ptr(amax_out), rows, cols), stream)
+        elif amax_out is not None:  # merge amax 0 into the slot, as the CPU does
+            plan = _plan(device, "quantize.cu", "fp8core::amax_kernel<float>")
+            plan.launch(1, _THREADS, (0, amax_out.data.ptr, 0), stream)
+        return q, qt
 
 
 # ---- the scale rule and the batched update ----------------------------------------------------------------
 
 def _array_tensor(a: Any) -> Tensor:
+    if isinstance(a, Tensor):
+        return a
     return Tensor(a, "float32", ("cuda", a.device.id), "cupy")
 
 
-def _scale_launch(amax: Any, fp8_max: Any, margin: int, power_of_2: bool, epsilon: float, previous: Any | None,
-                  ok: Any | None) -> tuple[Any, Any]:
-    t = _array_tensor(amax)
-    stream = _stream(t)
-    s = _empty(amax.shape, np.float32, t, stream)
-    s_inv = _empty(amax.shape, np.float32, t, stream)
+def _scale_launch(t: Tensor, fp8_max: Any, fp8_max_value: float, margin: int, power_of_2: bool, epsilon: float,
+                  previous: Any | None, ok: Any | None, stream: int) -> tuple[Any, Any]:
+    amax = t.data
+    s = _empty(amax.shape, np.float32, t)
+    s_inv = _empty(amax.shape, np.float32, t)
     n = amax.size
     if n:
-        _launch(t, "update.cu", "fp8core::compute_scale_kernel", -(-n // _THREADS), _THREADS,
-                (amax, fp8_max, s, s_inv, _ptr(ok), _ptr(previous),
-                 np.int64(0 if previous is None else previous.size), np.int64(n), np.int32(margin),
-                 np.int32(power_of_2), np.float32(epsilon)), stream)
+        plan = _plan(t.device[1], "update.cu", "fp8core::compute_scale_kernel")
+        plan.launch(-(-n // _THREADS), _THREADS,
+                    (amax.data.ptr, _ptr(fp8_max), fp8_max_value, s.data.ptr, s_inv.data.ptr, _ptr(ok),
+                     _ptr(previous), 0 if previous is None else previous.size, n, margin, int(power_of_2), epsilon),
+                    stream)
     return s, s_inv
 
 
 def compute_scale(amax: Any, fp8_max: float, margin: int, power_of_2: bool, epsilon: float,
                   previous: Any | None) -> tuple[Any, Any]:
-    with cupy.cuda.Device(amax.device.id):
-        maxes = cupy.full(amax.shape, fp8_max, dtype=np.float32)
-    return _scale_launch(amax, maxes, margin, power_of_2, epsilon, previous, None)
+    """amax: a float32 CuPy array, or a Tensor over one (then its origin picks the stream and the allocator)."""
+    t = _array_tensor(amax)
+    with _On(t.device[1]):
+        return _scale_launch(t, None, fp8_max, margin, power_of_2, epsilon, previous, None, _stream(t))
 
 
 def scale_rule(amax: Any, fp8_max: Any, margin: int, power_of_2: bool, epsilon: float) -> tuple[Any, Any, Any]:
     """(scale, scale_inv, ok) elementwise, for the array path of callable recipes."""
-    ok = cupy.empty(amax.shape, dtype=cupy.bool_)
-    s, s_inv = _scale_launch(amax, fp8_max, margin, power_of_2, epsilon, None, ok)
-    return s, s_inv, ok
+    t = _array_tensor(amax)
+    with _On(t.device[1]):
+        ok = cupy.empty(amax.shape, dtype=cupy.bool_)
+        s, s_inv = _scale_launch(t, fp8_max, 0.0, margin, power_of_2, epsilon, None, ok, _stream(t))
+        return s, s_inv, ok
 
 
 def update(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, margin: int, algo: str, power_of_2: bool,
-           epsilon: float, update_scale: bool, flags: Any | None) -> None:
+           epsilon: float, update_scale: bool, flags: Any | None, step: Any | None = None,
+           interval: int = 1) -> None:
+    """The batched delayed-scaling update. ``step`` (int32 [2] on the device: steps % interval, then 0), when
+    given, decides update_scale on the device and advances, so a captured graph replays the schedule."""
     L, n = history.shape
     t = _array_tensor(history)
     warps = max(1, min(16, (L - 1 + 63) // 64))
-    _launch(t, "update.cu", f"fp8core::update_kernel<{'true' if algo == 'max' else 'false'}>", -(-n // 32),
-            (32, warps),
-            (history, scale, scale_inv, fp8_max, _ptr(flags), np.int64(n), np.int32(L), np.int32(margin),
-             np.int32(power_of_2), np.float32(epsilon), np.int32(update_scale)), _stream(t))
+    with _On(t.device[1]):
+        plan = _plan(t.device[1], "update.cu", f"fp8core::update_kernel<{'true' if algo == 'max' else 'false'}>",
+                     32 * warps)
+        plan.launch(-(-n // 32), (32, warps),
+                    (history.data.ptr, scale.data.ptr, scale_inv.data.ptr, fp8_max.data.ptr, _ptr(flags), n, L,
+                     margin, int(power_of_2), epsilon, int(update_scale), _ptr(step), int(interval)), _stream(t))
+
+
+def step_counter(step: int, like: Any) -> Any:
+    """The device counter of :func:`update` (int32 [step, 0]) on like's device, written on the launch stream."""
+    t = _array_tensor(like)
+    with _On(t.device[1]):
+        stream = _stream(t)
+        counter = cupy.empty(2, dtype=np.int32)
+        _fill(counter[:1].view(np.uint32), int(step), t.device[1], stream)
+        _fill(counter[1:].view(np.uint32), 0, t.device[1], stream)
+        return counter
 
 
 # ---- gemm -------------------------------------------------------------------------------------------------
@@ -310,4 +502,12 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
          out_scale: Any | None, out_amax: Any | None, out: Any | None) -> Any:
     from . import cublaslt
 
-    return cublaslt.gemm(spec, a, b, a_scale_inv, b_scale_inv, bias, out_scale, out_amax, out, _stream(a), _empty)
+    with _On(a.device[1]):
+        return cublaslt.gemm(spec, a, b, a_scale_inv, b_scale_inv, bias, out_scale, out_amax, out, _stream(a),
+                             _empty)
+
+
+def merge_amax(slot: Any, value: Any, device: int, stream: int) -> None:
+    """slot = max(slot, |value|) for 1-element float32 device arrays, as every amax slot merges (signed order)."""
+    plan = _plan(device, "quantize.cu", "fp8core::amax_kernel<float>")
+    plan.launch(1, _THREADS, (value.data.ptr, slot.data.ptr, 1), stream)

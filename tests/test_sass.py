@@ -1,0 +1,181 @@
+"""The machine code of every kernel, read in CI without a GPU: NVRTC compiles each for sm_80, 89, 90, 100 and
+120, cuobjdump disassembles it, and the tests assert what the fast paths and the numerics rely on, so a change
+that loses one fails here before any GPU runs it.
+
+cuobjdump comes from the ``nvidia-cuda-cuobjdump`` wheel and, for SASS, calls nvdisasm from the
+``nvidia-cuda-nvdisasm`` wheel (both in the ``test`` extra).
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fp8core import _kernels
+
+pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed: NVRTC comes with it")
+from fp8core.backends import cuda as backend  # noqa: E402
+
+ARCHS = ["80", "89", "90", "100", "120"]
+TARGETS = [(a, False) for a in ARCHS] + [("90", True)]  # the software conversion forced on sm_90 too
+MAX_REGS = {256: 64, 512: 128}  # threads per block -> registers that keep >= 1024 threads resident per SM
+
+
+def _find(tool: str) -> str | None:
+    """tool on PATH, or in the bin/ of an nvidia-* wheel on sys.path (nvidia/cu13/bin, nvidia/cuda_*/bin)."""
+    found = shutil.which(tool)
+    if found:
+        return found
+    for root in sys.path:
+        for path in sorted(glob.glob(os.path.join(root, "nvidia", "*", "bin", tool))):
+            if os.access(path, os.X_OK):
+                return path
+    return None
+
+
+CUOBJDUMP, NVDISASM = _find("cuobjdump"), _find("nvdisasm")
+pytestmark = pytest.mark.skipif(
+    CUOBJDUMP is None or NVDISASM is None,
+    reason=f"cuobjdump ({CUOBJDUMP or 'not found'}) and nvdisasm ({NVDISASM or 'not found'}) are needed: "
+           "pip install 'fp8core[test]' (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+
+
+class Disassembly:
+    """One cubin's SASS, resource usage and parameter layout, per mangled kernel name."""
+
+    def __init__(self, cubin: bytes, tmp: str) -> None:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        env = dict(os.environ, PATH=os.path.dirname(NVDISASM) + os.pathsep + os.environ.get("PATH", ""))
+        run = lambda *args: subprocess.run([CUOBJDUMP, *args, path], check=True, capture_output=True,  # noqa: E731
+                                           text=True, env=env).stdout
+        self.sass = dict(self._split(run("-sass"), r"Function : (\S+)"))
+        self.resources = {name: dict((k, int(v)) for k, v in re.findall(r"(\w+):(\d+)", body))
+                          for name, body in self._split(run("-res-usage"), r"Function (\S+?):")}
+        self.params = {}
+        for name, body in self._split(run("-elf"), r"^\.nv\.info\.(\S+)$"):
+            found = re.findall(r"Ordinal : 0x([0-9a-f]+)\s+Offset\s*: 0x([0-9a-f]+)\s+Size\s*: 0x([0-9a-f]+)", body)
+            if found:
+                self.params[name] = sorted((int(o, 16), int(off, 16), int(sz, 16)) for o, off, sz in found)
+
+    @staticmethod
+    def _split(text: str, header: str) -> list[tuple[str, str]]:
+        parts = re.split(header, text, flags=re.M)
+        return list(zip(parts[1::2], parts[2::2]))
+
+
+_cache: dict = {}
+
+
+def disassemble(filename: str, arch: str, soft: bool, tmp_path_factory) -> tuple[Disassembly, dict[str, str]]:
+    key = (filename, arch, soft)
+    if key not in _cache:
+        cubin, mapping = _kernels.compile_cubin(filename, arch, soft_fp8=soft)
+        _cache[key] = (Disassembly(cubin, str(tmp_path_factory.mktemp("sass"))), mapping)
+    return _cache[key]
+
+
+def kernels(filename: str):
+    return [pytest.param(filename, e, id=e.replace("fp8core::", "")) for e in _kernels.KERNELS[filename]]
+
+
+ALL = [p for f in sorted(_kernels.KERNELS) for p in kernels(f)]
+
+
+def kind(expr: str) -> str:
+    return expr.split("::")[1].split("<")[0]
+
+
+def template_args(expr: str) -> list[str]:
+    return [a.strip() for a in expr[expr.index("<") + 1:-1].split(",")] if "<" in expr else []
+
+
+def fp8_format(expr: str) -> str | None:
+    """"E4M3"/"E5M2" for kernels that convert to or from fp8, else None."""
+    k, args = kind(expr), template_args(expr)
+    if k in ("quantize_kernel", "quantize_dynamic_kernel", "multi_quantize_kernel"):
+        return ("E4M3", "E5M2")[int(args[1])]
+    if k == "cast_transpose_kernel" and args[2] == "true":
+        return ("E4M3", "E5M2")[int(args[1])]
+    if k == "dequantize_kernel":
+        return ("E4M3", "E5M2")[int(args[0])]
+    return None
+
+
+# Vector global accesses the fast path of each kernel must keep (16-byte, or 8 where 8 bytes is the whole vector).
+VECTOR = {
+    "amax_kernel": [r"LDG\.E\.128"],
+    "multi_amax_kernel": [r"LDG\.E\.128"],
+    "quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
+    "quantize_dynamic_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
+    "multi_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
+    "dequantize_kernel": [r"LDG\.E\.64", r"STG\.E\.128"],
+    "cast_transpose_kernel": [r"LDG\.E\.128", r"STG\.E\.128"],
+}
+
+
+def function(filename, expr, arch, soft, tmp_path_factory):
+    dis, mapping = disassemble(filename, arch, soft, tmp_path_factory)
+    name = mapping[expr]
+    assert name in dis.sass, f"{expr}: {name} not in the SASS of {filename} for sm_{arch}"
+    return dis, name
+
+
+@pytest.mark.parametrize("arch,soft", TARGETS, ids=[f"sm{a}{'-soft' if s else ''}" for a, s in TARGETS])
+@pytest.mark.parametrize("filename,expr", ALL)
+def test_sass_of_every_kernel(filename, expr, arch, soft, tmp_path_factory):
+    dis, name = function(filename, expr, arch, soft, tmp_path_factory)
+    sass, res = dis.sass[name], dis.resources[name]
+
+    # No local memory: no spills, no stack, no struct argument copied out of the parameter bank.
+    assert not re.search(r"\b(LDL|STL)\b", sass), f"{expr}: local memory on sm_{arch}"
+    assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, f"{expr}: {res}"
+
+    # No flush-to-zero arithmetic anywhere (CuPy compiles with -ftz=true; the contract keeps subnormals).
+    ftz = re.findall(r"\b(?:FMUL|FFMA|FADD|FMNMX|HMUL2|HFMA2|HADD2)[.\w]*\.FTZ[.\w]*", sass)
+    assert not ftz, f"{expr}: flush-to-zero arithmetic on sm_{arch}: {sorted(set(ftz))}"
+
+    # fp8 conversions: the hardware's on sm_89+, none (the software path) on sm_80 or when forced.
+    fmt = fp8_format(expr)
+    hw_fp8 = re.findall(r"\bF2FP\.[.\w]*(?:E4M3|E5M2)[.\w]*", sass)
+    if int(arch) < 89 or soft:
+        assert not hw_fp8, f"{expr}: hardware fp8 conversions on sm_{arch} (soft={soft}): {sorted(set(hw_fp8))}"
+    elif fmt is not None:
+        if kind(expr) == "dequantize_kernel":
+            want = rf"\bF2FP\.F16\.{fmt}\.UNPACK_B\b"  # cvt.rn.f16x2.{fmt}x2: two codes per instruction
+        else:
+            want = rf"\bF2FP\.SATFINITE\.{fmt}\.F32\.PACK_AB"
+        assert re.search(want, sass), f"{expr}: no {want} on sm_{arch}"
+
+    # The vectorised fast path is there.
+    for pattern in VECTOR.get(kind(expr), []):
+        assert re.search(rf"\b{pattern}\b", sass), f"{expr}: no {pattern} on sm_{arch}"
+
+    # cast_transpose's vector path transposes through shared memory in 32-bit words (byte permutes, a quad
+    # shuffle); byte-wide shared loads are left only in the edge path.
+    if kind(expr) == "cast_transpose_kernel":
+        byte_loads = len(re.findall(r"\bLDS\.U8\b", sass))
+        assert byte_loads <= 8 and re.search(r"\bPRMT\b", sass), f"{expr}: {byte_loads} byte-wide shared loads"
+
+    # Registers leave room for what the launches assume (the grids are sized by the occupancy API).
+    threads = 512 if kind(expr) == "update_kernel" else 256
+    assert res["REG"] <= MAX_REGS[threads], f"{expr}: {res['REG']} registers on sm_{arch}"
+
+
+@pytest.mark.parametrize("filename,expr", ALL)
+def test_launch_arguments_match_the_kernel(filename, expr, tmp_path_factory):
+    """The driver launches pack arguments by hand (cuda.ARGS): offsets and sizes must be the kernel's."""
+    dis, name = function(filename, expr, "90", False, tmp_path_factory)
+    got = [(offset, size) for _, offset, size in dis.params[name]]
+    assert got == backend.arg_layout(backend.ARGS[kind(expr)]), expr
+
+
+def test_multi_args_fit_the_parameter_limit(tmp_path_factory):
+    dis, mapping = disassemble("quantize.cu", "80", False, tmp_path_factory)
+    (_, offset, size), = dis.params[mapping["fp8core::multi_quantize_kernel<float, 0>"]]
+    assert size == backend.arg_layout(backend.ARGS["multi_quantize_kernel"])[0][1] and size <= 4096

@@ -15,7 +15,7 @@ import numpy as np
 
 from .._tensor import Tensor, logical_numpy_dtype
 from ..formats import Format
-from .cpu import _CANONICAL_NAN, _canonical_nan_fp8, _to_f32, scale_rule
+from .cpu import _CANONICAL_NAN, _canonical_nan_fp8, _map, _quantize_table, _to_f32, scale_rule
 
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 E8M0_NAN = 0xFF
@@ -55,9 +55,22 @@ def abs_bits(f: np.ndarray) -> np.ndarray:
     return b
 
 
-def block_amax_bits(f: np.ndarray, br: int, bc: int) -> np.ndarray:
-    """The amax of every br x bc block of fp32 ``f[rows, cols]`` as fp32 bits, ``[ceil(rows/br), ceil(cols/bc)]``."""
-    return _padded(abs_bits(f), br, bc).max(axis=(1, 3))
+def block_amax_bits(x: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """The amax of every br x bc block of ``x[rows, cols]`` as fp32 bits, ``[ceil(rows/br), ceil(cols/bc)]``.
+
+    bf16 and fp16 reduce on their own 16-bit |x| patterns (unsigned order is their float order too, NaN above
+    inf), widened once per block: no fp32 copy of the tensor.
+    """
+    if x.dtype == np.float32:
+        return _padded(abs_bits(x), br, bc).max(axis=(1, 3))
+    m = _padded(np.bitwise_and(x.view(np.uint16), np.uint16(0x7FFF)), br, bc).max(axis=(1, 3))
+    if x.dtype == np.float16:
+        bits = m.view(np.float16).astype(np.float32).view(np.uint32)
+        bits[m > 0x7C00] = _F32_NAN
+        return bits
+    bits = np.left_shift(m.astype(np.uint32), 16)  # bfloat16
+    bits[m > 0x7F80] = _F32_NAN
+    return bits
 
 
 def _highest_bit(m: np.ndarray) -> np.ndarray:
@@ -107,10 +120,18 @@ def e8m0_factor(e: np.ndarray, sign: int) -> np.ndarray:
     return f
 
 
-def _scaled_cast(f: np.ndarray, factor: np.ndarray, br: int, bc: int, fmt: Format) -> np.ndarray:
-    """SATFINITE_RTNE(f *rn factor[block]) into ``fmt``; f is fp32 [rows, cols], factor one per block."""
-    rows, cols = f.shape
-    blocks = _padded(f, br, bc)
+TABLE_MIN = 1 << 18  # 16-bit inputs from this size quantize by table lookup
+TABLE_MAX_SCALES = 16  # ... when their blocks use at most this many distinct scales (cpu's table cache size)
+
+
+def _scaled_cast(x: np.ndarray, factor: np.ndarray, br: int, bc: int, fmt: Format) -> np.ndarray:
+    """SATFINITE_RTNE(fp32(x) *rn factor[block]) into ``fmt``; x is [rows, cols], factor fp32, one per block."""
+    rows, cols = x.shape
+    if x.dtype.itemsize == 2 and x.size >= TABLE_MIN:
+        scales = np.unique(factor.view(np.uint32))
+        if scales.size <= TABLE_MAX_SCALES:
+            return _table_cast(x, factor, scales, br, bc, fmt)
+    blocks = _padded(_to_f32(x), br, bc)
     with np.errstate(all="ignore"):
         np.multiply(blocks, factor[:, None, :, None], out=blocks)
     fmax = np.float32(fmt.max)
@@ -118,6 +139,27 @@ def _scaled_cast(f: np.ndarray, factor: np.ndarray, br: int, bc: int, fmt: Forma
     q = _unpadded(blocks, rows, cols).astype(fmt.numpy_dtype)  # RTNE
     _canonical_nan_fp8(q.view(np.uint8), fmt)
     return q
+
+
+def _table_cast(x: np.ndarray, factor: np.ndarray, scales: np.ndarray, br: int, bc: int, fmt: Format) -> np.ndarray:
+    """The same cast for bf16/fp16 as lookups: cpu's quantize table of all 65,536 patterns for each distinct
+    block scale (made by the direct path, so the bits are the same), indexed by (scale, pattern), in
+    cache-sized chunks on cpu's thread pool."""
+    rows, cols = x.shape
+    name = "bfloat16" if x.dtype == ml_dtypes.bfloat16 else "float16"
+    tables = np.concatenate([_quantize_table(name, int(s), fmt) for s in scales])
+    which = np.searchsorted(scales, factor.view(np.uint32)).astype(np.intp) << 16  # [R, C]
+    codes = x.view(np.uint16).reshape(-1)
+    q = np.empty(rows * cols, np.uint8)
+
+    def chunk(a: int, b: int) -> None:  # flat elements [a, b): the offsets of the rows they touch
+        r0, r1 = a // cols, -(-b // cols)
+        rows_which = np.repeat(which[r0 // br:-(-r1 // br)], br, axis=0)[r0 % br:r0 % br + r1 - r0]
+        offs = np.repeat(rows_which, bc, axis=1)[:, :cols].reshape(-1)[a - r0 * cols:b - r0 * cols]
+        np.take(tables, offs + codes[a:b], out=q[a:b])
+
+    _map(q.size, chunk)
+    return q.reshape(rows, cols).view(fmt.numpy_dtype)
 
 
 def _scaled_widen(q: np.ndarray, factor: np.ndarray, br: int, bc: int, out_dtype: str) -> np.ndarray:
@@ -142,23 +184,15 @@ def _mx_shape(columnwise: bool) -> tuple[int, int]:
 
 def quantize_mxfp8(x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q [rows, cols] fmt, scale E8M0 [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
-    f = _to_f32(x.data)
     br, bc = _mx_shape(columnwise)
-    bits = block_amax_bits(f, br, bc)
+    bits = block_amax_bits(x.data, br, bc)
     e = e8m0_rceil(bits, fmt) if scale_mode == "rceil" else e8m0_floor(bits, fmt)
-    return _scaled_cast(f, e8m0_factor(e, -1), br, bc, fmt), e.view(E8M0)
+    return _scaled_cast(x.data, e8m0_factor(e, -1), br, bc, fmt), e.view(E8M0)
 
 
 def quantize_mxfp8_both(x: Tensor, fmt: Format, scale_mode: str) -> tuple[np.ndarray, ...]:
-    """(q_rowwise, scale_rowwise, q_columnwise, scale_columnwise) from one widening of x."""
-    f = _to_f32(x.data)
-    out = []
-    for columnwise in (False, True):
-        br, bc = _mx_shape(columnwise)
-        bits = block_amax_bits(f, br, bc)
-        e = e8m0_rceil(bits, fmt) if scale_mode == "rceil" else e8m0_floor(bits, fmt)
-        out += [_scaled_cast(f.copy(), e8m0_factor(e, -1), br, bc, fmt), e.view(E8M0)]
-    return tuple(out)
+    """(q_rowwise, scale_rowwise, q_columnwise, scale_columnwise)."""
+    return (*quantize_mxfp8(x, fmt, scale_mode, False), *quantize_mxfp8(x, fmt, scale_mode, True))
 
 
 def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, out_dtype: str) -> np.ndarray:
@@ -172,11 +206,10 @@ def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, ou
 def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool,
                        epsilon: float) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q, scale_inv fp32 [ceil(rows/br), ceil(cols/128)]), each block by the scale rule."""
-    f = _to_f32(x.data)
-    bits = block_amax_bits(f, br, FP32_BLOCK)
+    bits = block_amax_bits(x.data, br, FP32_BLOCK)
     amax = bits.view(np.float32)
     s, s_inv, _ = scale_rule(amax.reshape(-1), np.float32(fmt.max), 0, power_of_2, epsilon)
-    q = _scaled_cast(f, s.reshape(amax.shape), br, FP32_BLOCK, fmt)
+    q = _scaled_cast(x.data, s.reshape(amax.shape), br, FP32_BLOCK, fmt)
     return q, s_inv.reshape(amax.shape)
 
 

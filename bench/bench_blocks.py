@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -128,7 +129,7 @@ def main() -> None:
         sync: Callable[[], None] = torch.cuda.synchronize
         where = torch.cuda.get_device_name()
     else:
-        sync, where = (lambda: None), f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores"
+        sync, where = (lambda: None), f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     rows_out = []
     print(f"# bench_blocks on {args.device} ({where}); bf16 input, E4M3 output; median of {args.repeat} "
           "[20th-80th percentile]")

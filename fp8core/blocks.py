@@ -19,7 +19,7 @@ from .ops import _as_2d, _contiguous, _epsilon, _fp8, _high_precision, _out_dtyp
 from .recipe import _scale_mode
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
-           "quantize_blockwise", "dequantize_blockwise", "MX_BLOCK", "FP32_BLOCK"]
+           "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "MX_BLOCK", "FP32_BLOCK"]
 
 Array = Any
 MX_BLOCK = 32
@@ -199,6 +199,31 @@ def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = "float32", *,
     name = _out_dtype(out_dtype)
     y = _backend(tq).dequantize_blockwise(tq, ts, f, br, name)
     return export(y.reshape(wrap(t[0]).shape), name, tq)
+
+
+# ---- transposes --------------------------------------------------------------------------------------------
+
+def transpose_blocks(t: MXTensor | BlockScaledTensor, *, fmt: Format | str | None = None) -> Any:
+    """The block-scaled transpose, bits unchanged: what a backward GEMM takes as its K-major operand.
+
+    An MXTensor of x [rows, cols] (viewed 2-D) becomes the MXTensor of x.T: columnwise scales become rowwise
+    ones and back (so ``transpose_blocks(quantize_mxfp8(x, columnwise=True))`` equals
+    ``quantize_mxfp8(x.T)`` bit for bit). A BlockScaledTensor of 128x128 tiles becomes that of x.T; 1x128
+    blocks have no transpose (quantize x.T instead).
+    """
+    if isinstance(t, MXTensor):
+        tq, ts, f, _ = _mx_parts(t, "t", fmt)
+    else:
+        tq, ts, f, br = _block_parts(t, "t", fmt)
+        if br == 1 and tq.shape[0] > 1:
+            raise ValueError("t: 1x128 blocks lie along rows and have no transpose; quantize the transposed "
+                             "tensor instead")
+    backend = _backend(tq)
+    from . import backends
+
+    q_t = backends.for_device(tq.device).transpose(tq)
+    s_t = backend.transpose_scale(ts)
+    return type(t)(export(q_t, f.dtype_name, tq), export(s_t, ts.dtype, tq))
 
 
 # ---- operands of fp8core.gemm -----------------------------------------------------------------------------

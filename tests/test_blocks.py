@@ -11,7 +11,7 @@ import pytest
 import fp8core
 from fp8core import Format, MXTensor, BlockScaledTensor
 from fp8core.blocks import (dequantize_blockwise, dequantize_mxfp8, quantize_blockwise, quantize_mxfp8,
-                            quantize_mxfp8_both)
+                            quantize_mxfp8_both, transpose_blocks)
 from oracle import decode, encode
 
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -194,6 +194,26 @@ def test_columnwise_equals_rowwise_of_the_transpose(rng, dtype, shape):
     np.testing.assert_array_equal(bits(both_row.scale), bits(quantize_mxfp8(x, "e5m2").scale))
     np.testing.assert_array_equal(bits(both_col.data), bits(col.data))
     np.testing.assert_array_equal(bits(both_col.scale), bits(col.scale))
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (37, 70), (1, 33), (2, 3, 40)])
+def test_transpose_blocks_gives_the_quantization_of_the_transpose(rng, shape):
+    x = (rng.standard_normal(shape) * 2.0 ** rng.uniform(-8, 8, shape)).astype(np.float32)
+    x2 = x.reshape(-1, shape[-1])
+    xt = np.ascontiguousarray(x2.T)
+    for columnwise in (False, True):
+        t = transpose_blocks(quantize_mxfp8(x, "e4m3", columnwise=columnwise))
+        want = quantize_mxfp8(xt, "e4m3", columnwise=not columnwise)
+        assert t.scale.dtype == E8M0
+        np.testing.assert_array_equal(bits(t.data), bits(want.data))
+        np.testing.assert_array_equal(bits(t.scale), bits(want.scale))
+    t = transpose_blocks(quantize_blockwise(x, "e5m2", block="128x128"))
+    want = quantize_blockwise(xt, "e5m2", block="128x128")
+    np.testing.assert_array_equal(bits(t.data), bits(want.data))
+    np.testing.assert_array_equal(t.scale_inv, want.scale_inv)
+    if x2.shape[0] > 1:
+        with pytest.raises(ValueError, match="t: 1x128 blocks lie along rows"):
+            transpose_blocks(quantize_blockwise(x))
 
 
 def test_special_values_in_blocks():

@@ -39,7 +39,7 @@ def test_torch_ops_compile_fullgraph_and_match_the_core(x, rng):
         c, d = bo.quantize_blockwise(x, "e4m3", "1x128", False), bo.quantize_blockwise(w, block="128x128")
         return (a.data, a.scale, row.scale, col.data, col.scale, bo.dequantize_mxfp8(col, torch.bfloat16),
                 c.data, c.scale_inv, bo.dequantize_blockwise(d), bo.block_gemm(b, b, torch.float32),
-                bo.block_gemm(c, d, torch.float32))
+                bo.block_gemm(c, d, torch.float32), *bo.transpose_blocks(col), *bo.transpose_blocks(d))
 
     tx, tw = torch.from_numpy(x), torch.from_numpy(w)
     eager = step(tx, tw)
@@ -54,6 +54,10 @@ def test_torch_ops_compile_fullgraph_and_match_the_core(x, rng):
     d = quantize_blockwise(w, block="128x128")
     np.testing.assert_array_equal(eager[8].numpy(), dequantize_blockwise(d))
     assert eager[5].dtype == torch.bfloat16 and eager[9].shape == (32, 32)
+    want_t = quantize_mxfp8(np.ascontiguousarray(x.T), "e5m2")
+    np.testing.assert_array_equal(tbits(eager[11]), bits(want_t.data))
+    np.testing.assert_array_equal(tbits(eager[12]), bits(want_t.scale))
+    assert eager[13].shape == (256, 32) and eager[14].shape == (2, 1)
 
 
 @pytest.mark.parametrize("op,args", [

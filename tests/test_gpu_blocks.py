@@ -96,6 +96,22 @@ def test_blockwise_bits_match_the_cpu(rng, dtype, shape, block, power_of_2):
                                           cpu_bits(dequantize_blockwise(want, out)))
 
 
+@pytest.mark.parametrize("shape", [(64, 96), (37, 70), (300, 257)])
+def test_transpose_blocks_bits_match_the_cpu(rng, shape):
+    from fp8core.blocks import transpose_blocks
+
+    x = inputs(rng, shape, np.float32)
+    for columnwise in (False, True):
+        want = transpose_blocks(quantize_mxfp8(x, columnwise=columnwise))
+        got = transpose_blocks(quantize_mxfp8(to_cuda(x), columnwise=columnwise))
+        np.testing.assert_array_equal(host(got.data), cpu_bits(want.data))
+        np.testing.assert_array_equal(host(got.scale), cpu_bits(want.scale))
+    want = transpose_blocks(quantize_blockwise(x, block="128x128"))
+    got = transpose_blocks(quantize_blockwise(to_cuda(x), block="128x128"))
+    np.testing.assert_array_equal(host(got.data), cpu_bits(want.data))
+    np.testing.assert_array_equal(host(got.scale_inv), cpu_bits(want.scale_inv))
+
+
 def test_misaligned_views_take_the_scalar_path(rng):
     x = inputs(rng, (64, 257), np.float32)
     xg = to_cuda(x)[:, 1:]  # rows start 4 bytes past 16: not contiguous -> refused; a flat offset view is

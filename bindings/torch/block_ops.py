@@ -18,7 +18,7 @@ Tensor = torch.Tensor
 _LIB = "fp8core"
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
-           "dequantize_blockwise", "block_gemm"]
+           "dequantize_blockwise", "transpose_blocks", "block_gemm"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -95,6 +95,17 @@ def _(data, scale_inv, out_dtype):
     return torch.empty_like(data, dtype=out_dtype)
 
 
+@torch.library.custom_op(f"{_LIB}::transpose_blocks", mutates_args=())
+def _transpose_blocks(data: Tensor, scale: Tensor, mx: bool) -> tuple[Tensor, Tensor]:
+    return tuple(core.transpose_blocks((MXTensor if mx else BlockScaledTensor)(data, scale)))
+
+
+@_transpose_blocks.register_fake
+def _(data, scale, mx):
+    rows = _rows_of(data)
+    return data.new_empty((data.shape[-1], rows)), scale.new_empty((scale.shape[1], scale.shape[0]))
+
+
 @torch.library.custom_op(f"{_LIB}::block_gemm", mutates_args=())
 def _block_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, mx: bool,
                 out_dtype: torch.dtype) -> Tensor:
@@ -132,6 +143,11 @@ def quantize_blockwise(x: Tensor, fmt: str = "e4m3", block: str = "1x128", power
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.ops.fp8core.dequantize_blockwise(t[0], t[1], out_dtype)
+
+
+def transpose_blocks(t: MXTensor | BlockScaledTensor) -> MXTensor | BlockScaledTensor:
+    """The block-scaled transpose (fp8core.blocks.transpose_blocks), as an op."""
+    return type(t)(*torch.ops.fp8core.transpose_blocks(t[0], t[1], isinstance(t, MXTensor)))
 
 
 def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,

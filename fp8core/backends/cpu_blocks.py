@@ -217,6 +217,11 @@ def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out
     return _scaled_widen(q.data.view(fmt.numpy_dtype), scale_inv.data, br, FP32_BLOCK, out_dtype)
 
 
+def transpose_scale(scale: Tensor) -> np.ndarray:
+    """A block-scale array [a, b] as a contiguous [b, a] (E8M0 bytes or fp32), values unchanged."""
+    return np.ascontiguousarray(scale.data.T)
+
+
 # ---- the block-scaled GEMM emulation ----------------------------------------------------------------------
 
 BLOCK_ROWS = {"1x32": 1, "1x128": 1, "128x128": 128}

@@ -100,6 +100,16 @@ def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out
     return _dequantize(q, scale_inv, fmt, out_dtype, br, FP32_BLOCK, _cdiv(q.shape[1], FP32_BLOCK), False)
 
 
+def transpose_scale(scale: Tensor) -> Any:
+    """A block-scale array [a, b] as a contiguous [b, a] on the caller's stream, values unchanged."""
+    stream = _stream(scale)
+    rows, cols = scale.shape
+    out = _empty((cols, rows), scale.data.dtype, scale, stream)
+    with cupy.cuda.Device(scale.device[1]), stream:
+        out[...] = scale.data.T
+    return out
+
+
 # ---- the scale layouts cuBLASLt reads ---------------------------------------------------------------------
 
 def mx_swizzled_size(rows: int, kgroups: int) -> int:

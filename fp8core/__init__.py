@@ -8,11 +8,15 @@ from .formats import Format, as_format
 from .gemm import gemm
 from .ops import (amax, cast_transpose, compute_scale, dequantize, multi_amax, multi_quantize, quantize,
                   quantize_dynamic, transpose)
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequantize_mxfp8, quantize_blockwise,
+                     quantize_mxfp8, quantize_mxfp8_both, transpose_blocks)
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .scaling import ScalingState
 
 __version__ = "0.1.0"
 
 __all__ = ["Format", "as_format", "amax", "quantize", "quantize_dynamic", "dequantize", "transpose",
            "cast_transpose", "compute_scale", "multi_amax", "multi_quantize", "DelayedScaling",
-           "Float8CurrentScaling", "ScalingState", "gemm", "__version__"]
+           "Float8CurrentScaling", "ScalingState", "gemm", "__version__", "MXFP8BlockScaling", "Float8BlockScaling",
+           "MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
+           "quantize_blockwise", "dequantize_blockwise", "transpose_blocks"]

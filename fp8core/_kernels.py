@@ -47,6 +47,13 @@ KERNELS: dict[str, list[str]] = {
     + ["fp8core::cast_transpose_kernel<fp8core::Passthrough, 0, false>"],
     "update.cu": ["fp8core::update_kernel<true>", "fp8core::update_kernel<false>", "fp8core::compute_scale_kernel",
                   "fp8core::fill_kernel"],
+    # block scaling (fp8core.blocks, backends/cuda_blocks.py)
+    "block_quantize.cu": [f"fp8core::mx_quantize_kernel<{t}, {f}, {r}>" for t in _T for f in _FMT
+                          for r in ("true", "false")]
+    + [f"fp8core::{k}<{t}, {f}>" for k in ("quantize_1x128_kernel", "quantize_128x128_kernel") for t in _T
+       for f in _FMT]
+    + [f"fp8core::block_dequantize_kernel<{f}, {t}, {e}>" for f in _FMT for t in _T for e in ("true", "false")]
+    + ["fp8core::mx_scale_swizzle_kernel"],
 }
 
 

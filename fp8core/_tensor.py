@@ -22,7 +22,7 @@ from .formats import dtype_name
 
 __all__ = ["Tensor", "wrap", "export", "empty", "storage_dtype", "logical_numpy_dtype"]
 
-_STORAGE = {"float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "bfloat16": np.uint16}
+_STORAGE = {"float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "float8_e8m0fnu": np.uint8, "bfloat16": np.uint16}
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -31,7 +31,7 @@ def storage_dtype(name: str) -> np.dtype:
 
 
 def logical_numpy_dtype(name: str) -> np.dtype:
-    if name in ("float8_e4m3fn", "float8_e5m2", "bfloat16"):
+    if name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "bfloat16"):
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 

@@ -37,6 +37,8 @@ class GemmSpec:
     out_dtype: str          # logical name: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2
     bias_dtype: str | None
     fast_accum: bool
+    a_block: str | None = None  # block-scaled operands (fp8core.blocks): "1x32", "1x128" or "128x128"
+    b_block: str | None = None
 
     @property
     def out_fmt(self) -> Format | None:
@@ -111,7 +113,7 @@ def _out(obj: Any, ta: Tensor, m: int, n: int, out_name: str) -> Any:
     return t.data
 
 
-def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | float, *,
+def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_inv: Array | float | None = None, *,
          out_dtype: Any = "bfloat16", bias: Array | None = None, out_scale: Array | float | None = None,
          out_amax: Array | None = None, use_fast_accum: bool = False, out: Array | None = None,
          a_fmt: Format | str | None = None, b_fmt: Format | str | None = None) -> Array:
@@ -125,7 +127,21 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | fl
     ``max(out_amax, amax(D))`` with D taken before the cast. bias: [N], bfloat16 (float16 for float16 output;
     either for fp8 output). use_fast_accum: Hopper's fast fp8 accumulation (no effect on the CPU).
     out: an optional preallocated [M, N] result. a_fmt/b_fmt name the format of uint8 storage (CuPy).
+
+    Block-scaled operands (:mod:`fp8core.blocks`) carry their scales, so a_scale_inv and b_scale_inv stay
+    None: rowwise ``MXTensor`` x ``MXTensor`` (1x32 E8M0 blocks along K, K a multiple of 32; cuBLASLt on
+    sm_100+), or ``BlockScaledTensor`` x ``BlockScaledTensor`` with 1x128 and/or 128x128 fp32 blocks (not both
+    128x128; K a multiple of 128; cuBLASLt >= 12.9 on sm_90). Their output is float32, bfloat16 or float16.
     """
+    blocks = None
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        from .blocks import gemm_operands
+
+        blocks = gemm_operands(a, b, a_scale_inv, b_scale_inv)
+        a, b = blocks.a_data, blocks.b_data
+    elif a_scale_inv is None or b_scale_inv is None:
+        raise TypeError(f"{'a_scale_inv' if a_scale_inv is None else 'b_scale_inv'}: required for fp8 operands "
+                        "with per-tensor scales")
     ta, fa = _operand(a, "a", a_fmt, "[M, K]")
     tb, fb = _operand(b, "b", b_fmt, "[N, K]")
     _same_device(tb, ta, "b", "a")
@@ -141,8 +157,14 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | fl
     out_name = _parse_out_dtype(out_dtype)
     if out_name == "float8_e5m2" and Format.E5M2 not in (fa, fb):
         raise ValueError("out_dtype: E5M2 output needs an E5M2 operand (cuBLASLt); use E4M3 for E4M3 x E4M3")
-    sa = _scalar(a_scale_inv, ta, "a_scale_inv", "a")
-    sb = _scalar(b_scale_inv, ta, "b_scale_inv", "a")
+    a_block = b_block = None
+    if blocks is not None:
+        from .blocks import gemm_scales
+
+        sa, sb, a_block, b_block = gemm_scales(blocks, ta, tb, k, out_name)
+    else:
+        sa = _scalar(a_scale_inv, ta, "a_scale_inv", "a")
+        sb = _scalar(b_scale_inv, ta, "b_scale_inv", "a")
     fp8_out = out_name in FP8_DTYPES
     if fp8_out and out_scale is None:
         raise ValueError(f"out_scale: an fp8 output ({out_name}) needs its scale")
@@ -153,6 +175,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | fl
     am = _out_amax(out_amax, ta) if out_amax is not None else None
     tbias = _bias(bias, ta, n, out_name)
     dst = _out(out, ta, m, n, out_name) if out is not None else None
-    spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, bool(use_fast_accum))
+    spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, bool(use_fast_accum),
+                    a_block, b_block)
     d = backends.for_device(ta.device).gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
     return out if out is not None else export(d, out_name, ta)

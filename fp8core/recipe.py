@@ -12,7 +12,7 @@ import numpy as np
 from .formats import Format, as_format
 from .ops import MAX_MARGIN
 
-__all__ = ["DelayedScaling", "Float8CurrentScaling"]
+__all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling"]
 
 _ALGOS = ("max", "most_recent")
 
@@ -126,5 +126,63 @@ class Float8CurrentScaling:
         _bool(self, "power_of_2")
         _epsilon(self, "amax_epsilon")
         _int(self, "margin", high=MAX_MARGIN)
+
+    __repr__ = _repr
+
+
+SCALE_MODES = ("rceil", "floor")
+
+
+def _scale_mode(mode: Any) -> str:
+    if not isinstance(mode, str) or mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode: expected 'rceil' (NVIDIA, Transformer Engine) or 'floor' (OCP), got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True, repr=False)
+class MXFP8BlockScaling:
+    """MXFP8 (OCP Microscaling): one E8M0 scale per 32 consecutive elements, made from the block's own amax.
+
+    Stateless, like current scaling. scale_mode: "rceil" rounds the scale up (the block's amax lands at or
+    below fp8_max; NVIDIA's hardware conversion and Transformer Engine), "floor" is the OCP specification's.
+    """
+
+    fp8_format: Format = Format.E4M3
+    scale_mode: str = "rceil"
+
+    def __post_init__(self) -> None:
+        _format(self)
+        _scale_mode(self.scale_mode)
+
+    __repr__ = _repr
+
+
+_BLOCK_DIMS = (1, 2)
+
+
+@dataclass(frozen=True, repr=False)
+class Float8BlockScaling:
+    """DeepSeek-V3's block scaling: fp32 scales per 1x128 block (activations, gradients) and per 128x128 tile
+    (weights), each from its block's amax by the per-tensor scale rule. Stateless, like current scaling.
+
+    power_of_2: round every block scale down to a power of two (Transformer Engine's default here).
+    epsilon: floor of each block's amax. x/w/grad_block_scaling_dim: 1 = 1x128 blocks, 2 = 128x128 tiles.
+    """
+
+    fp8_format: Format = Format.E4M3
+    power_of_2: bool = True
+    epsilon: float = 0.0
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    def __post_init__(self) -> None:
+        _format(self)
+        _bool(self, "power_of_2")
+        _epsilon(self, "epsilon")
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in _BLOCK_DIMS:
+                raise ValueError(f"{name}: expected 1 (1x128 blocks) or 2 (128x128 tiles), got {value!r}")
 
     __repr__ = _repr

@@ -173,3 +173,4 @@ def reduce_amax(amax: Array, axis_name: Any) -> Array:
 from .dense import dense, init_state, next_state  # noqa: E402  (dense is built on the primitives above)
 
 __all__ += ["dense", "init_state", "next_state"]
+from . import blocks  # noqa: E402,F401  (block scaling, fp8core.jax.blocks: MXFP8 and 1x128/128x128 under jit)

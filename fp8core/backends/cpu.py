@@ -364,10 +364,15 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     rounded once to fp32, then cast to the output like :func:`quantize` and NumPy's RTNE casts do.
     Deterministic: no dependence on BLAS's order of summation.
     """
-    a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
-    b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
     with np.errstate(all="ignore"):
-        d = (a64 @ b64.T) * np.float64(scale_value(a_scale_inv)) * np.float64(scale_value(b_scale_inv))
+        if spec.a_block is not None:  # block-scaled operands (fp8core.blocks): a_/b_scale_inv are block scales
+            from . import cpu_blocks
+
+            d = cpu_blocks.gemm(spec, a, b, a_scale_inv, b_scale_inv)
+        else:
+            a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
+            b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
+            d = (a64 @ b64.T) * np.float64(scale_value(a_scale_inv)) * np.float64(scale_value(b_scale_inv))
         if bias is not None:
             d += bias.data.astype(np.float64)
         d32 = d.astype(np.float32)

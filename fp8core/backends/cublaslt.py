@@ -133,6 +133,8 @@ def _make_plan(lt: Any, spec: Any, handle: int, device_id: int, align: int, poin
     put(desc, A.TRANSA, _OP_T)
     put(desc, A.TRANSB, _OP_N)
     put(desc, A.FAST_ACCUM, 1 if spec.fast_accum else 0)
+    if spec.a_block is not None:
+        _set_block_scale_modes(lt, desc, spec)
     fp8_out = spec.out_fmt is not None
     if spec.bias_dtype is not None:
         put(desc, A.EPILOGUE, int(lt.Epilogue.BIAS))
@@ -201,6 +203,8 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
     if spec.m == 0:
         return d
+    if spec.a_block is not None:
+        a_scale_inv, b_scale_inv = _block_scales(spec, device_id, a, a_scale_inv, b_scale_inv, stream)
     ws = _workspace(device_id, stream, a, alloc)
     # cuBLASLt overwrites AMAX_D; the contract accumulates, so it writes a scratch word, merged after. The word
     # lives past the end of the workspace cuBLASLt is given: no allocation, so the call can be graph-captured.
@@ -225,3 +229,40 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     if scratch is not None:
         cuda.merge_amax(out_amax, scratch, device_id, stream)  # max(out_amax, |amax(D)|); NaN propagates
     return d
+
+
+# ---- block scaling (fp8core.blocks): the scale modes and the scale layouts cuBLASLt reads ------------------
+# Kept apart from the plan cache and workspace above: a plan of a block-scaled spec differs only by the two
+# scale-mode attributes, and its scale "pointers" are the operands' block scales rearranged for cuBLASLt.
+
+_MIN_BLOCK_VERSION = 120900  # cuBLAS 12.9: VEC128_32F and BLK128x128_32F
+
+
+def _scale_mode(lt: Any, kind: str) -> int:
+    M = lt.MatmulMatrixScale
+    return int({"1x32": M.VEC32_UE8M0, "1x128": M.VEC128_32F, "128x128": M.BLK128x128_32F}[kind])
+
+
+def _set_block_scale_modes(lt: Any, desc: int, spec: Any) -> None:
+    A = lt.MatmulDescAttribute
+    put = lambda attr, v: _set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, attr, v)  # noqa: E731
+    put(A.A_SCALE_MODE, _scale_mode(lt, spec.b_block))  # cuBLASLt's A is our b
+    put(A.B_SCALE_MODE, _scale_mode(lt, spec.a_block))
+
+
+def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: Any, stream: Any) -> tuple[Any, Any]:
+    from . import cuda_blocks
+
+    cc = compute_capability(device_id)
+    if spec.a_block == "1x32" and cc < 100:
+        raise ValueError(f"a: an MXFP8 GEMM needs a GPU of compute capability 10.0 or newer (Blackwell); "
+                         f"cuda:{device_id} is {cc // 10}.{cc % 10}")
+    if spec.a_block != "1x32":
+        if cc < 90:
+            raise ValueError(f"a: a 1x128/128x128 block GEMM needs a GPU of compute capability 9.0 or newer "
+                             f"(Hopper); cuda:{device_id} is {cc // 10}.{cc % 10}")
+        version = int(_lt().get_version())
+        if version < _MIN_BLOCK_VERSION:
+            raise ValueError(f"a: a 1x128/128x128 block GEMM needs cuBLAS 12.9 or newer, found {version}")
+    return (cuda_blocks.gemm_scale(a_scale, spec.a_block, a, stream),
+            cuda_blocks.gemm_scale(b_scale, spec.b_block, a, stream))

@@ -1,0 +1,94 @@
+"""Block scaling for JAX, callable inside ``jax.jit``: MXFP8 and 1x128 / 128x128 blocks (fp8core.blocks).
+
+Results are the core's typed pairs of jax.Arrays: ``MXTensor(data, scale)`` with float8_e8m0fnu scales,
+``BlockScaledTensor(data, scale_inv)`` with float32 scale inverses; both go into :func:`block_gemm`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import fp8core
+from fp8core import blocks as core
+from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor
+
+from . import _fp8_shape, _primitive, _rows
+
+__all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
+           "dequantize_blockwise", "block_gemm"]
+
+Array = jax.Array
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _e8m0(shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float8_e8m0fnu)
+
+
+def _mx_scale_shape(x: Any, columnwise: bool) -> tuple[int, int]:
+    rows, cols = _rows(x), x.shape[-1]
+    return (_cdiv(rows, MX_BLOCK), cols) if columnwise else (rows, _cdiv(cols, MX_BLOCK))
+
+
+def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
+    """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
+    fp8core.recipe._scale_mode(scale_mode)
+    shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, columnwise)))
+    return MXTensor(*_primitive(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode,
+                                                                     columnwise=columnwise)), shapes)(x))
+
+
+def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
+    """(rowwise, columnwise) from one read of x."""
+    fp8core.recipe._scale_mode(scale_mode)
+    shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, False)), _fp8_shape(x, fmt),
+              _e8m0(_mx_scale_shape(x, True)))
+
+    def run(t):
+        row, col = core.quantize_mxfp8_both(t, fmt, scale_mode=scale_mode)
+        return (*row, *col)
+
+    q, s, qc, sc = _primitive(run, shapes)(x)
+    return MXTensor(q, s), MXTensor(qc, sc)
+
+
+def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
+    data, scale = t
+    fmt = fp8core.as_format(data.dtype)
+    return _primitive(lambda q, s: core.dequantize_mxfp8(MXTensor(q, s), jnp.dtype(out_dtype).name, fmt=fmt),
+                      jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale)
+
+
+def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", power_of_2: bool = True,
+                       epsilon: float = 0.0) -> BlockScaledTensor:
+    """BlockScaledTensor(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)])."""
+    br = core._block_rows(block)
+    s_shape = (_cdiv(_rows(x), br), _cdiv(x.shape[-1], FP32_BLOCK))
+    shapes = (_fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
+    return BlockScaledTensor(*_primitive(lambda t: tuple(core.quantize_blockwise(
+        t, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon)), shapes)(x))
+
+
+def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
+    data, scale_inv = t
+    fmt = fp8core.as_format(data.dtype)
+    return _primitive(lambda q, s: core.dequantize_blockwise(BlockScaledTensor(q, s), jnp.dtype(out_dtype).name,
+                                                             fmt=fmt),
+                      jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale_inv)
+
+
+def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,
+               out_dtype: Any = jnp.bfloat16) -> Array:
+    """[M, N] = sum over K-blocks of the block-scaled products, as :func:`fp8core.gemm` with block operands."""
+    kind = type(a)
+    fa, fb = fp8core.as_format(a[0].dtype), fp8core.as_format(b[0].dtype)
+    name = jnp.dtype(out_dtype).name
+    return _primitive(lambda ad, asc, bd, bsc: fp8core.gemm(kind(ad, asc), type(b)(bd, bsc), out_dtype=name,
+                                                            a_fmt=fa, b_fmt=fb),
+                      jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(a[0], a[1], b[0], b[1])

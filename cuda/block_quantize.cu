@@ -1,0 +1,310 @@
+// Block scaling (NUMERICS.md, "Block scaling"): MXFP8 rowwise and columnwise from one read of x, 1x128 and
+// 128x128 blocks with fp32 scales, and the dequantization of both. Same bits as the CPU reference.
+//
+// E8M0 "rceil" is computed on bit patterns; on a family-specific Blackwell target (sm_100f, sm_120f, ...)
+// cvt.rp.satfinite.ue8m0x2.f32 does it in one instruction and gives the same byte (the GPU tests compare).
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && \
+    (defined(__CUDA_ARCH_FAMILY_SPECIFIC__) || defined(__CUDA_ARCH_SPECIFIC__) || defined(__CUDA_ARCH_FEAT_SM100_ALL))
+#define FP8CORE_HW_E8M0 1
+#else
+#define FP8CORE_HW_E8M0 0
+#endif
+
+namespace fp8core {
+
+static constexpr int BLOCK_THREADS = 256;
+static constexpr int MX = 32;         // MXFP8 block: 32 elements of a row or of a column
+static constexpr int MX_TILE_R = 32;  // one CTA: a 32 x 64 tile, 8 elements per thread
+static constexpr int MX_TILE_C = 64;
+static constexpr u32 E8M0_NAN = 0xffu;
+
+// 2^k as fp32 for k in [-149, 127], from its bits (exact, subnormals included, immune to -ftz).
+__device__ __forceinline__ float pow2_exact(int k) {
+  return __uint_as_float(k >= -126 ? (u32)(k + 127) << 23 : 1u << (k + 149));
+}
+
+// "rceil": v = amax *rn fp32(1/fp8_max); the exponent of v rounded toward +inf, 0..254; NaN -> 0xFF.
+__device__ __forceinline__ u32 e8m0_rceil(u32 amax_bits, float inv_max) {
+  const float v = mul_rn(__uint_as_float(amax_bits), inv_max);
+#if FP8CORE_HW_E8M0
+  u16 r;
+  asm("cvt.rp.satfinite.ue8m0x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));
+  return r & 0xffu;
+#else
+  const u32 b = __float_as_uint(v);  // v >= 0 or NaN
+  if (b > F32_INF) return E8M0_NAN;
+  const u32 exp = b >> 23, mant = b & 0x7fffffu;
+  // subnormal v: 2^-127 (mantissa 0x400000) and below round up to 2^-127 (0); above it to 2^-126 (1)
+  const u32 e = exp == 0 ? (mant > 0x400000u ? 1u : 0u) : exp + (mant != 0u ? 1u : 0u);
+  return e > 254u ? 254u : e;  // inf and the top binade saturate
+#endif
+}
+
+// "floor" (OCP): clamp(floor(log2(amax)) - emax + 127, 0, 254); 0 -> 0, inf -> 254, NaN -> 0xFF.
+__device__ __forceinline__ u32 e8m0_floor(u32 a, int emax) {
+  if (a > F32_INF) return E8M0_NAN;
+  if (a == F32_INF) return 254u;
+  if (a == 0u) return 0u;
+  const int exp = (int)(a >> 23);
+  const int log2 = exp != 0 ? exp - 127 : (31 - __clz(a & 0x7fffffu)) - 149;
+  const int e = log2 - emax + 127;
+  return (u32)(e < 0 ? 0 : (e > 254 ? 254 : e));
+}
+
+template <bool RCEIL>
+__device__ __forceinline__ u32 e8m0(u32 amax_bits, float inv_max, int emax) {
+  return RCEIL ? e8m0_rceil(amax_bits, inv_max) : e8m0_floor(amax_bits, emax);
+}
+
+// 2^(127 - e), what a block is quantized with; the NaN byte gives NaN (every element then becomes 0x7F).
+__device__ __forceinline__ float e8m0_quant_factor(u32 e) {
+  return e == E8M0_NAN ? __uint_as_float(F32_NAN) : pow2_exact(127 - (int)e);
+}
+// 2^(e - 127), what dequantize multiplies by.
+__device__ __forceinline__ float e8m0_value(u32 e) {
+  return e == E8M0_NAN ? __uint_as_float(F32_NAN) : pow2_exact((int)e - 127);
+}
+
+template <int FMT>
+__device__ __forceinline__ uint2 quant8(const float* f, float s) {
+  return make_uint2(quant_pair<FMT>(f[0], f[1], s) | (quant_pair<FMT>(f[2], f[3], s) << 16),
+                    quant_pair<FMT>(f[4], f[5], s) | (quant_pair<FMT>(f[6], f[7], s) << 16));
+}
+
+__device__ __forceinline__ i64 tile_index() { return blockIdx.x + (i64)blockIdx.y * gridDim.x; }
+
+// ---- MXFP8 quantize ---------------------------------------------------------------------------------------
+// x [rows, cols] -> rowwise (q, s [rows, ceil(cols/32)]) and/or columnwise (qc, sc [ceil(rows/32), cols]);
+// a null q or qc skips that half. One CTA per 32 x 64 tile: thread t holds 8 consecutive elements of row t/8
+// in registers (one 16- or 32-byte load), the row blocks reduce across 4 lanes, the column blocks through
+// shared memory.
+template <typename T, int FMT, bool RCEIL>
+__global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
+    const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ s, u8* __restrict__ qc, u8* __restrict__ sc,
+    i64 rows, i64 cols, float inv_max, int emax) {
+  __shared__ __align__(16) float tile[MX_TILE_R][MX_TILE_C];  // float4 stores
+  __shared__ u32 part[4][MX_TILE_C];
+  const i64 tiles_c = (cols + MX_TILE_C - 1) / MX_TILE_C;
+  const i64 id = tile_index();
+  if (id >= tiles_c * ((rows + MX_TILE_R - 1) / MX_TILE_R)) return;  // the whole CTA, before any barrier
+  const i64 r0 = id / tiles_c * MX_TILE_R, c0 = id % tiles_c * MX_TILE_C;
+  const int t = threadIdx.x, r = t >> 3, g = t & 7;
+  const i64 row = r0 + r, col = c0 + 8 * g;
+  const bool in = row < rows && col < cols;
+  // cols % 8 == 0 and col % 8 == 0: the 8 elements are whole, and 16-byte aligned when x is
+  const bool vec = cols % 8 == 0 && aligned(x, 16);
+  float f[8];
+  if (in && vec) {
+    load8(x + row * cols + col, f);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = in && col + j < cols ? to_f32(x[row * cols + col + j]) : 0.f;  // 0: no amax
+  }
+
+  if (q != nullptr) {
+    u32 m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(f[j]));
+    m = umax(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the 4 lanes g&~3 .. g|3 hold one 32-element block
+    m = umax(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const u32 e = e8m0<RCEIL>(m, inv_max, emax);
+    const float factor = e8m0_quant_factor(e);
+    if (in) {
+      if (vec && aligned(q, 8)) {
+        *reinterpret_cast<uint2*>(q + row * cols + col) = quant8<FMT>(f, factor);
+      } else {
+        for (int j = 0; j < 8 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[j], factor);
+      }
+      if ((g & 3) == 0) s[row * ((cols + MX - 1) / MX) + col / MX] = (u8)e;
+    }
+  }
+
+  if (qc != nullptr) {
+    *reinterpret_cast<float4*>(&tile[r][8 * g]) = make_float4(f[0], f[1], f[2], f[3]);
+    *reinterpret_cast<float4*>(&tile[r][8 * g + 4]) = make_float4(f[4], f[5], f[6], f[7]);
+    __syncthreads();
+    const int c = t & (MX_TILE_C - 1), h = t >> 6;  // column c, rows 8h .. 8h+7 of the tile
+    float v[8];
+    u32 m = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] = tile[8 * h + i][c];
+      m = umax(m, abs_bits(v[i]));
+    }
+    part[h][c] = m;
+    __syncthreads();
+    m = umax(umax(part[0][c], part[1][c]), umax(part[2][c], part[3][c]));
+    const u32 e = e8m0<RCEIL>(m, inv_max, emax);
+    const float factor = e8m0_quant_factor(e);
+    const i64 cc = c0 + c;
+    if (cc < cols) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const i64 rr = r0 + 8 * h + i;
+        if (rr < rows) qc[rr * cols + cc] = quant_one<FMT>(v[i], factor);
+      }
+      if (h == 0) sc[(r0 / MX) * cols + cc] = (u8)e;
+    }
+  }
+}
+
+// ---- fp32 block scales: 1x128 blocks (one warp each) and 128x128 tiles (one CTA each) ---------------------
+
+__device__ __forceinline__ void block_scale(u32 amax_bits, float fp8_max, int power_of_2, float epsilon, float* s,
+                                            float* s_inv) {
+  *s = 1.f;
+  *s_inv = 1.f;
+  scale_from_amax(__uint_as_float(amax_bits), fp8_max, 0, power_of_2 != 0, epsilon, s, s_inv);
+}
+
+// x [rows, cols]: block (row, kb) is x[row, 128 kb : 128 kb + 128]; lane l holds its elements 4l .. 4l+3.
+template <typename T, int FMT>
+__global__ void __launch_bounds__(BLOCK_THREADS) quantize_1x128_kernel(
+    const T* __restrict__ x, u8* __restrict__ q, float* __restrict__ scale_inv, i64 rows, i64 cols,
+    float fp8_max, int power_of_2, float epsilon) {
+  const i64 kbs = (cols + 127) / 128, nblocks = rows * kbs;
+  const int lane = threadIdx.x & 31;
+  const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+  const bool vec = cols % 4 == 0 && aligned(x, 16) && aligned(q, 4);
+  for (i64 b = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nblocks; b += warps) {  // warp-uniform
+    const i64 row = b / kbs, col = (b % kbs) * 128 + 4 * lane;
+    const T* src = x + row * cols + col;
+    float f[4];
+    if (vec && col < cols) {
+      if constexpr (sizeof(T) == 4) {
+        const uint4 w = *reinterpret_cast<const uint4*>(src);
+        f[0] = __uint_as_float(w.x); f[1] = __uint_as_float(w.y); f[2] = __uint_as_float(w.z); f[3] = __uint_as_float(w.w);
+      } else {
+        const uint2 w = *reinterpret_cast<const uint2*>(src);
+        const u32 h[2] = {w.x, w.y};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          T e;
+          reinterpret_cast<u16*>(&e)[0] = (u16)(h[j >> 1] >> (16 * (j & 1)));
+          f[j] = to_f32(e);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) f[j] = col + j < cols ? to_f32(src[j]) : 0.f;
+    }
+    u32 m = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) m = umax(m, abs_bits(f[j]));
+    m = warp_max(m);
+    float sc, sc_inv;
+    block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
+    if (vec && col < cols) {
+      *reinterpret_cast<u32*>(q + row * cols + col) = quant_pair<FMT>(f[0], f[1], sc) | (quant_pair<FMT>(f[2], f[3], sc) << 16);
+    } else {
+      for (int j = 0; j < 4 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[j], sc);
+    }
+    if (lane == 0) scale_inv[b] = sc_inv;
+  }
+}
+
+// One CTA per 128x128 tile; thread t holds rows t/16 + 16 i (i < 8), columns 8 (t%16) .. +7: 64 values in
+// registers, so x is read once.
+template <typename T, int FMT>
+__global__ void __launch_bounds__(BLOCK_THREADS) quantize_128x128_kernel(
+    const T* __restrict__ x, u8* __restrict__ q, float* __restrict__ scale_inv, i64 rows, i64 cols,
+    float fp8_max, int power_of_2, float epsilon) {
+  const i64 tiles_c = (cols + 127) / 128;
+  const i64 id = tile_index();
+  if (id >= tiles_c * ((rows + 127) / 128)) return;
+  const i64 r0 = id / tiles_c * 128, c0 = id % tiles_c * 128;
+  const int t = threadIdx.x;
+  const i64 col = c0 + 8 * (t & 15);
+  const bool vec = cols % 8 == 0 && aligned(x, 16);
+  float f[8][8];
+  u32 m = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const i64 row = r0 + (t >> 4) + 16 * i;
+    const bool in = row < rows && col < cols;
+    if (in && vec) {
+      load8(x + row * cols + col, f[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[i][j] = in && col + j < cols ? to_f32(x[row * cols + col + j]) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(f[i][j]));
+  }
+  m = block_max(m);
+  __shared__ float shared_scale;
+  if (t == 0) {
+    float sc, sc_inv;
+    block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
+    shared_scale = sc;
+    scale_inv[id] = sc_inv;  // tiles are numbered row-major: [ceil(rows/128), ceil(cols/128)]
+  }
+  __syncthreads();
+  const float sc = shared_scale;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const i64 row = r0 + (t >> 4) + 16 * i;
+    if (row >= rows || col >= cols) continue;
+    if (vec && aligned(q, 8)) {
+      *reinterpret_cast<uint2*>(q + row * cols + col) = quant8<FMT>(f[i], sc);
+    } else {
+      for (int j = 0; j < 8 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[i][j], sc);
+    }
+  }
+}
+
+// ---- dequantize: y = ROUND_TO(out, fp32(q) *rn factor[block]) -------------------------------------------
+// Blocks are br x bc; the factor of (r, c) is at scale[(r / br) * sld + c / bc]: E8M0 bytes (E8M0 = true) or
+// fp32 scale inverses. Eight consecutive elements per step.
+template <bool E8M0>
+__device__ __forceinline__ float block_factor(const void* scale, i64 idx) {
+  if (E8M0) return e8m0_value(reinterpret_cast<const u8*>(scale)[idx]);
+  return reinterpret_cast<const float*>(scale)[idx];
+}
+
+template <int FMT, typename OUT, bool E8M0>
+__global__ void block_dequantize_kernel(const u8* __restrict__ q, const void* __restrict__ scale,
+                                        OUT* __restrict__ y, i64 rows, i64 cols, int br, int bc, i64 sld) {
+  struct alignas(16) Pack { OUT v[8]; };
+  const i64 n = rows * cols;
+  const i64 start = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+  const bool vec = cols % 8 == 0 && aligned(q, 8) && aligned(y, 16);
+  if (vec) {
+    for (i64 v = start; v < n / 8; v += stride) {
+      const i64 r = v * 8 / cols, c0 = v * 8 % cols;  // the 8 elements share a row
+      const uint2 w = *reinterpret_cast<const uint2*>(q + v * 8);
+      Pack p;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const u32 byte = ((j < 4 ? w.x : w.y) >> (8 * (j & 3))) & 0xffu;
+        const float factor = block_factor<E8M0>(scale, (r / br) * sld + (c0 + j) / bc);
+        p.v[j] = from_f32_out(mul_rn(fp8_to_f32<FMT>(byte), factor), (OUT*)nullptr);
+      }
+      *reinterpret_cast<Pack*>(y + v * 8) = p;
+    }
+  } else {
+    for (i64 i = start; i < n; i += stride) {
+      const i64 r = i / cols, c = i % cols;
+      const float factor = block_factor<E8M0>(scale, (r / br) * sld + c / bc);
+      y[i] = from_f32_out(mul_rn(fp8_to_f32<FMT>(q[i]), factor), (OUT*)nullptr);
+    }
+  }
+}
+
+// ---- scale layouts for cuBLASLt ---------------------------------------------------------------------------
+// MXFP8 (VEC32_UE8M0): scales [rows, kgroups] into 128 x 4 tiles of 512 bytes, tile (rb, cb) at
+// (rb * ceil(kgroups/4) + cb) * 512, element (r, c) of a tile at (r % 32) * 16 + (r / 32) * 4 + c; padding 0.
+__global__ void mx_scale_swizzle_kernel(const u8* __restrict__ s, u8* __restrict__ out, i64 rows, i64 kgroups) {
+  const i64 tiles_c = (kgroups + 3) / 4, n = ((rows + 127) / 128) * tiles_c * 512;
+  for (i64 o = (i64)blockIdx.x * blockDim.x + threadIdx.x; o < n; o += (i64)gridDim.x * blockDim.x) {
+    const i64 tile = o / 512;
+    const int within = (int)(o % 512);
+    const i64 r = (tile / tiles_c) * 128 + (within % 16) / 4 * 32 + within / 16;
+    const i64 c = (tile % tiles_c) * 4 + within % 4;
+    out[o] = r < rows && c < kgroups ? s[r * kgroups + c] : (u8)0;
+  }
+}
+
+}  // namespace fp8core

@@ -37,8 +37,8 @@ from fp8core import Format, _oracle
 from fp8core._tensor import Tensor, logical_numpy_dtype, storage_dtype
 from fp8core.formats import dtype_name
 
-__all__ = ["run", "main", "configure_parser", "stamp_record", "EXIT_PASS", "EXIT_FAIL", "EXIT_USAGE",
-           "EXIT_NO_GPU"]
+__all__ = ["run", "main", "configure_parser", "stamp_record", "versions", "commit_of_checkout", "EXIT_PASS",
+           "EXIT_FAIL", "EXIT_USAGE", "EXIT_NO_GPU"]
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
 EPILOG = """exit status:
@@ -258,10 +258,6 @@ def _data(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, spe
     if specials and flat.size >= 10:
         flat[:10] = [np.nan, -np.inf, np.inf, -0.0, 1e-40, -1e-42, 1e30, 448.0, -57344.0, 2.0 ** -133]
     return x.astype(dtype)
-
-
-def _finite(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    return _data(rng, shape, dtype, specials=False)
 
 
 def _f32(v: Any) -> np.ndarray:
@@ -867,7 +863,7 @@ def run(backend: str = "cuda", quick: bool = False, device_id: int = 0, seed: in
     return Report(target.name, target.backend_name, quick, results, time.perf_counter() - start, device_id)
 
 
-def _commit() -> str | None:
+def commit_of_checkout() -> str | None:
     root = Path(fp8core.__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -909,7 +905,7 @@ def stamp_record(report: Report) -> dict[str, Any]:
     """The GPU-verified stamp (shared/GPU.md) for a report that passed on a GPU."""
     from ._kernels import cuda_sha256
 
-    return {"cuda_sha256": cuda_sha256(), "commit": _commit(), "device": report.target,
+    return {"cuda_sha256": cuda_sha256(), "commit": commit_of_checkout(), "device": report.target,
             "passed": report.cases - report.failed, "failed": report.failed, "versions": versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "by": "fp8core selftest" + (" --quick" if report.quick else "")}

@@ -75,6 +75,7 @@ def main() -> None:
     for m in ([4096] if args.quick else [1024, 4096, 16384]):
         for model, proj, k, n in LLAMA3:
             rows.append(gemm_row(f"llama3-{model} {proj}", m, n, k, info))
+            write_json(args.json, info, rows, [], complete=False)  # a cut-short run keeps what it measured
     overhead = []
     for size in (16, 64, 256):
         _, _, a8, w8, one = operands(size, size, size)

@@ -1,9 +1,11 @@
-"""GPU benchmarks of fp8core's kernels against torch eager, torch.compile and a device-to-device copy.
+"""GPU benchmarks of fp8core's kernels against torch eager, torch.compile, JAX and a device-to-device copy.
 
 Every figure is a median of CUDA-event timings with p20/p80 (each sample times enough back-to-back calls to
 last about a millisecond), in GB/s of the bytes each op must move and as a fraction of the device-to-device
 copy bandwidth measured in the same run at the same size; ratios are against the peers of the same run.
-Inputs below the L2 size stay L2-resident across calls: compare ratios there, not bandwidth.
+Inputs below the L2 size stay L2-resident across calls: compare ratios there, not bandwidth. JAX runs on
+its own stream, so its times are host-clock times of batches ending in a wait (the batches last a millisecond
+or more, so launch gaps hardly count).
 The goals of issue 11 that these figures decide are printed met or missed and stored with the rows.
 Also the shared helpers of the other GPU benchmarks (timing, metadata, goals, the JSON file).
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from datetime import datetime, timezone
@@ -22,6 +25,8 @@ from typing import Any, Callable
 
 import cupy as cp
 import torch
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX, when it is a peer, shares the GPU
 
 import fp8core
 from fp8core.selftest import commit_of_checkout, versions
@@ -51,6 +56,43 @@ def cuda_time(fn: Callable[[], Any], repeat: int = 20, target_s: float = 1e-3) -
         times.append(a.elapsed_time(b) / 1e3 / inner)
     q = statistics.quantiles(times, n=5)
     return statistics.median(times), q[0], q[3]
+
+
+def wall_time(fn: Callable[[], Any], repeat: int = 20, target_s: float = 1e-3) -> tuple[float, float, float]:
+    """(median, p20, p80) seconds per call by the host clock around batches of calls that end in a wait
+    (``fn`` returns something with ``block_until_ready``): for peers on their own streams, like JAX."""
+    fn().block_until_ready()
+    t = time.perf_counter()
+    fn().block_until_ready()
+    inner = int(max(1, min(1000, target_s / max(time.perf_counter() - t, 1e-7))))
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(inner - 1):
+            fn()
+        fn().block_until_ready()
+        times.append((time.perf_counter() - t) / inner)
+    q = statistics.quantiles(times, n=5)
+    return statistics.median(times), q[0], q[3]
+
+
+def jax_quantize() -> Callable | None:
+    """The peer in JAX (jit: amax and the scaled, clipped cast), or None where JAX has no GPU."""
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        if jax.default_backend() != "gpu":
+            return None
+    except Exception:
+        return None
+
+    @jax.jit
+    def quantize(x: Any, s: Any) -> Any:
+        amax = jnp.max(jnp.abs(x))
+        return jnp.clip(x.astype(jnp.float32) * s, -448, 448).astype(jnp.float8_e4m3fn), amax
+
+    return quantize
 
 
 def host_overhead(fn: Callable[[], Any], repeat: int = 2000) -> tuple[float, float, float]:
@@ -143,6 +185,7 @@ def copy_bandwidth(x: torch.Tensor) -> float:
 def quantize_rows(sizes: list[int], info: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     compiled = torch.compile(torch_quantize)
+    jq = jax_quantize()
     for mib in sizes:
         n = mib * 2 ** 20 // 2
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -156,9 +199,16 @@ def quantize_rows(sizes: list[int], info: dict[str, Any]) -> list[dict[str, Any]
             "torch eager quantize+amax": (lambda: torch_quantize(x, s), 3 * n),
             "torch.compile quantize+amax": (lambda: compiled(x, s), 3 * n),
         }
+        if jq is not None:
+            import jax
+            import jax.numpy as jnp
+
+            xj = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.bfloat16)
+            sj = jnp.float32(0.5)
+            cases["JAX jit quantize+amax"] = (lambda: jq(xj, sj)[0], 3 * n)
         measured = {}
         for name, (fn, moved) in cases.items():
-            t = cuda_time(fn)
+            t = wall_time(fn) if name.startswith("JAX") else cuda_time(fn)
             measured[name] = t[0]
             row = {"op": name, "mib": mib, "bytes": moved, "gbps": moved / t[0] / 1e9, "copy_gbps": copy / 1e9,
                    "fraction_of_copy": moved / t[0] / copy, **stats("us", t), **info}
@@ -168,13 +218,17 @@ def quantize_rows(sizes: list[int], info: dict[str, Any]) -> list[dict[str, Any]
             if row["op"].startswith("fp8core quantize"):
                 row["vs_torch_eager"] = measured["torch eager quantize+amax"] / (row["us"] / 1e6)
                 row["vs_torch_compile"] = measured["torch.compile quantize+amax"] / (row["us"] / 1e6)
+                if "JAX jit quantize+amax" in measured:
+                    row["vs_jax"] = measured["JAX jit quantize+amax"] / (row["us"] / 1e6)
             if row["op"].startswith("fp8core quantize_dynamic"):
                 row["vs_delayed"] = ours / (row["us"] / 1e6)
-            extra = "".join(f" x{row[k]:.2f} {k[3:]}" for k in ("vs_torch_eager", "vs_torch_compile", "vs_delayed")
+            extra = "".join(f" x{row[k]:.2f} {k[3:]}" for k in ("vs_torch_eager", "vs_torch_compile", "vs_jax",
+                                                                "vs_delayed")
                             if k in row)
             print(f"{row['op']:<36} {mib:>5} MiB {row['gbps']:>7.0f} GB/s {row['fraction_of_copy']:>6.1%} of copy "
                   f"{row['us']:>9.1f} us (p20 {row['us_p20']:.1f}, p80 {row['us_p80']:.1f}){extra}", flush=True)
-        del x
+        del x, cases
+        xj = None
     return rows
 
 

@@ -236,7 +236,7 @@ def phase1(run: Run) -> int:
                             "complete": step.status in ("passed", "failed")}
         run.facts[f"sanitizer {tool}"] = f"{step.status}, {errors if errors is not None else 'no'} error summary"
     if run.dry_run:
-        run.steps.append(Step("stamp", ["(written when everything above passed)"], 0, str(STAMP.relative_to(ROOT))))
+        run.steps.append(Step("stamp", ["(written when everything above passed)"], 0, os.path.relpath(STAMP, ROOT)))
         run.summary()
         return EXIT_OK
     refused = []
@@ -261,7 +261,7 @@ def phase1(run: Run) -> int:
     run.write_json("gpu-verified.json", record)
     STAMP.parent.mkdir(parents=True, exist_ok=True)
     STAMP.write_text(json.dumps(record, indent=1) + "\n")
-    stamp_step.status, stamp_step.note = "written", f"{STAMP.relative_to(ROOT)} and RESULTS/gpu-verified.json"
+    stamp_step.status, stamp_step.note = "written", f"{os.path.relpath(STAMP, ROOT)} and RESULTS/gpu-verified.json"
     run.summary()
     return EXIT_OK
 

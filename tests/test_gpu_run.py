@@ -114,3 +114,84 @@ def test_bench_gpu_goals_from_rows():
     assert goals["update_launches"]["met"] and goals["update_us"]["met"] is False
     assert goals["host_small_quantize"]["met"] is None and goals["host_small_quantize"]["figure"] is None
     assert goals["quantize_copy"]["profile"] == ["bench/bench_gpu.py", "--profile", "quantize"]
+
+
+def _fake_execute(outcomes):
+    """Run.execute that runs nothing: each step 'ends' as ``outcomes[name](run, step)`` says (files it leaves)."""
+    def execute(self, step):
+        self.steps.append(step)
+        for key, act in outcomes.items():
+            if step.name.startswith(key):
+                step.rc = act(self, step)
+                step.status = "passed" if step.rc == 0 else "failed"
+        self.summary()
+        return step
+    return execute
+
+
+def _junit(failures):
+    return (f'<testsuites><testsuite name="pytest" tests="10" failures="{failures}" errors="0" skipped="2">'
+            '</testsuite></testsuites>')
+
+
+def _phase1_outcomes(failures=0, sanitizer_errors=0):
+    def selftest_ok(run, step):
+        (run.results / "selftest-stamp.json").write_text(json.dumps({"cuda_sha256": cuda_sha256(), "commit": "c",
+                                                                     "device": "cuda:0 (GPU)", "passed": 99,
+                                                                     "failed": 0, "versions": {}}))
+        return 0
+
+    def suite(run, step):
+        (run.results / "junit.xml").write_text(_junit(failures))
+        return 1 if failures else 0
+
+    def sanitizer(run, step):
+        (run.results / step.log).write_text(f"========= ERROR SUMMARY: {sanitizer_errors} errors\n")
+        return 86 if sanitizer_errors else 0
+
+    return {"fp8core selftest": selftest_ok, "test suite": suite, "compute-sanitizer": sanitizer}
+
+
+def test_phase1_writes_the_stamp_when_everything_passed(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_run.Run, "execute", _fake_execute(_phase1_outcomes()))
+    monkeypatch.setattr(gpu_run, "STAMP", tmp_path / "repo" / "gpu-verified.json")
+    run = gpu_run.Run("phase1", tmp_path / "r", 500, dry_run=False)
+    assert gpu_run.phase1(run) == 0
+    stamp = json.loads((tmp_path / "repo" / "gpu-verified.json").read_text())
+    assert stamp == json.loads((tmp_path / "r" / "gpu-verified.json").read_text())
+    assert stamp["cuda_sha256"] == cuda_sha256() and stamp["passed"] == 8 and stamp["failed"] == 0
+    assert stamp["selftest"] == {"passed": 99, "failed": 0}
+    assert stamp["sanitizer"]["memcheck"]["errors"] == 0 and stamp["sanitizer"]["racecheck"]["complete"]
+    assert "| stamp | written" in (tmp_path / "r" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("failures,sanitizer_errors", [(1, 0), (0, 3)])
+def test_phase1_refuses_the_stamp_after_a_failure(tmp_path, monkeypatch, failures, sanitizer_errors):
+    monkeypatch.setattr(gpu_run.Run, "execute", _fake_execute(_phase1_outcomes(failures, sanitizer_errors)))
+    monkeypatch.setattr(gpu_run, "STAMP", tmp_path / "repo" / "gpu-verified.json")
+    run = gpu_run.Run("phase1", tmp_path / "r", 500, dry_run=False)
+    assert gpu_run.phase1(run) == 1
+    assert not (tmp_path / "repo" / "gpu-verified.json").exists()
+    assert not (tmp_path / "r" / "gpu-verified.json").exists()
+    why = (tmp_path / "r" / "stamp-refused.txt").read_text()
+    assert ("test suite" in why) == bool(failures) and ("memcheck" in why) == bool(sanitizer_errors)
+    assert "| stamp | refused" in (tmp_path / "r" / "summary.md").read_text()
+
+
+def test_phase2_profiles_the_missed_goals_once_each(tmp_path, monkeypatch):
+    def bench(run, step):
+        if step.name == "bench_gpu.py":
+            goals = [_goal("a", 0.5, 0.9), _goal("a2", 0.5, 0.9), _goal("b", 0.95, 0.9)]
+            goals[1]["profile"] = goals[0]["profile"]
+            (run.results / "bench_gpu.json").write_text(json.dumps({"rows": [], "goals": goals}))
+        return 0
+
+    monkeypatch.setattr(gpu_run.Run, "execute", _fake_execute({"bench_": bench}))
+    monkeypatch.setattr(gpu_run, "gpu_reason", lambda: None)
+    run = gpu_run.Run("phase2", tmp_path, 500, dry_run=False)
+    assert gpu_run.phase2(run) == 0
+    ncu = [s for s in run.steps if s.name.startswith("ncu")]
+    assert [s.name for s in ncu] == ["ncu a"]
+    assert ncu[0].cmd[0] == "ncu" and ncu[0].cmd[-3:] == ["bench/bench_gpu.py", "--profile", "a"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Goals" in summary and "| goal a | 0.5 x | >= 0.9 x | MISSED | bench_gpu.json |" in summary

@@ -113,8 +113,14 @@ class Run:
         with open(self.results / step.log, "ab") as log:
             log.write(f"$ {shlex.join(step.cmd)}   (cap {cap:.0f} s)\n".encode())
             log.flush()
-            proc = subprocess.Popen(step.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            try:
+                proc = subprocess.Popen(step.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+            except OSError as e:  # the tool is not installed here
+                step.status, step.note = "failed", f"could not start {step.cmd[0]}: {e.strerror or e}"
+                log.write(f"[gpu_run: {step.note}]\n".encode())
+                self.summary()
+                return step
             try:
                 step.rc = proc.wait(timeout=cap)
                 step.status = "passed" if step.rc == 0 else "failed"
@@ -221,7 +227,7 @@ def phase1(run: Run) -> int:
         run.facts["verdict"] = f"no usable GPU ({gpu_reason()}); nothing else was run"
         run.summary()
         return EXIT_NO_GPU
-    parallel = ["-n", "4", "--dist", "loadfile"] if _has_module("xdist") else []
+    parallel = ["-n", "8", "--dist", "loadfile"] if _has_module("xdist") else []
     timeout = ["--timeout", "240"] if _has_module("pytest_timeout") else []
     tests = run.execute(Step("test suite (GPU tests included)",
                              [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *parallel,
@@ -339,7 +345,7 @@ def phase2(run: Run) -> int:
             continue
         profiled.add(tuple(prof))
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", g["id"])
-        cmd = ["ncu", "--target-processes", "all", "--kernel-name", f"regex:{PROFILED_KERNELS}",
+        cmd = ["ncu", "--target-processes", "all", "--clock-control", "none", "--kernel-name", f"regex:{PROFILED_KERNELS}",
                "--launch-skip", "1", "--launch-count", "3", "--section", "SpeedOfLight", "--section", "MemoryWorkloadAnalysis", "--section", "Occupancy",
                "--section", "LaunchStats", sys.executable, *prof]
         run.execute(Step(f"ncu {g['id']}", cmd, 60, f"ncu-{name}.txt"))

@@ -195,3 +195,10 @@ def test_phase2_profiles_the_missed_goals_once_each(tmp_path, monkeypatch):
     assert ncu[0].cmd[0] == "ncu" and ncu[0].cmd[-3:] == ["bench/bench_gpu.py", "--profile", "a"]
     summary = (tmp_path / "summary.md").read_text()
     assert "## Goals" in summary and "| goal a | 0.5 x | >= 0.9 x | MISSED | bench_gpu.json |" in summary
+
+
+def test_a_missing_tool_fails_its_step_not_the_run(tmp_path):
+    run = gpu_run.Run("phase1", tmp_path, budget_s=100, dry_run=False)
+    step = run.execute(gpu_run.Step("sanitizer", ["no-such-tool-fp8core", "--x"], 30, "s.log"))
+    assert step.status == "failed" and "could not start no-such-tool-fp8core" in step.note
+    assert "could not start" in (tmp_path / "s.log").read_text()

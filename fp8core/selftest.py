@@ -669,32 +669,47 @@ def _gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None
 
 # ---- coverage: every backend function and every kernel instantiation must have run -------------------------
 
-def backend_functions() -> list[str]:
-    """The primitives every backend implements: public functions defined in both backend modules."""
+def backend_pairs() -> list[tuple[str, Any, Any]]:
+    """(prefix, CPU module, CUDA module) of every backend pair: cpu/cuda, and cpu_X/cuda_X for any X added."""
+    import importlib
+    import pkgutil
+
+    from . import backends
+
+    names = {m.name for m in pkgutil.iter_modules(backends.__path__)}
+    pairs = [("", "cpu", "cuda")] + [(f"{n[5:]}.", f"cpu_{n[5:]}", n) for n in sorted(names)
+                                     if n.startswith("cuda_") and f"cpu_{n[5:]}" in names]
+    return [(prefix, importlib.import_module(f"{backends.__name__}.{c}"),
+             importlib.import_module(f"{backends.__name__}.{g}")) for prefix, c, g in pairs]
+
+
+def _public(mod: Any) -> set[str]:
     import inspect
 
-    from .backends import cpu, cuda
+    return {n for n, f in vars(mod).items() if inspect.isfunction(f) and f.__module__ == mod.__name__
+            and not n.startswith("_")} - _NOT_PRIMITIVES
 
-    def public(mod: Any) -> set[str]:
-        return {n for n, f in vars(mod).items() if inspect.isfunction(f) and f.__module__ == mod.__name__
-                and not n.startswith("_")}
 
-    return sorted((public(cpu) & public(cuda)) - _NOT_PRIMITIVES)
+def backend_functions() -> list[str]:
+    """The primitives every backend implements: public functions defined in both modules of a backend pair
+    (``name`` for cpu/cuda, ``X.name`` for cpu_X/cuda_X)."""
+    return sorted(prefix + n for prefix, c, g in backend_pairs() for n in _public(c) & _public(g))
 
 
 class _Coverage:
-    """Records which backend functions (outermost calls only) and which kernels the checks reached."""
+    """Records which backend functions (outermost calls under dut() only) and which kernels the checks reached.
+
+    The functions are wrapped where callers look them up (module attributes), and ``get_function`` wherever a
+    backend module holds it, so a kernel launched through any backend is seen.
+    """
 
     def __init__(self, target: Target) -> None:
-        from . import backends
-
-        self.module = backends.for_device(("cpu", 0) if target.backend_name == "cpu" else ("cuda", 0))
+        self.cuda = target.backend_name == "cuda"
+        self.target = target
         self.functions: set[str] = set()
         self.kernels: set[tuple[str, str]] = set()
         self._depth = threading.local()
-        self._saved: dict[str, Any] = {}
-        self.cuda = target.backend_name == "cuda"
-        self.target = target
+        self._saved: list[tuple[Any, str, Any]] = []
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -709,24 +724,33 @@ class _Coverage:
                 self._depth.n = depth
         return recorded
 
+    def _patch(self, module: Any, attr: str, value: Any) -> None:
+        self._saved.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, value)
+
     def __enter__(self) -> "_Coverage":
-        for name in backend_functions():
-            self._saved[name] = getattr(self.module, name)
-            setattr(self.module, name, self._wrap(name, self._saved[name]))
+        from . import _kernels
+
+        for prefix, cpu_mod, cuda_mod in backend_pairs():
+            module = cuda_mod if self.cuda else cpu_mod
+            for name in _public(cpu_mod) & _public(cuda_mod):
+                self._patch(module, name, self._wrap(prefix + name, getattr(module, name)))
         if self.cuda:
-            get_function = self.module.get_function
-            self._saved["get_function"] = get_function
+            get_function = _kernels.get_function
 
             def recorded(filename: str, expr: str, device_id: int) -> Any:
                 self.kernels.add((filename, expr))
                 return get_function(filename, expr, device_id)
 
-            self.module.get_function = recorded
+            holders = [_kernels] + [m for _, _, m in backend_pairs() if getattr(m, "get_function", None) is get_function]
+            for holder in holders:
+                self._patch(holder, "get_function", recorded)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for name, fn in self._saved.items():
-            setattr(self.module, name, fn)
+        for module, attr, value in reversed(self._saved):
+            setattr(module, attr, value)
+        self._saved.clear()
 
     def missing_kernels(self) -> list[str]:
         from ._kernels import KERNELS

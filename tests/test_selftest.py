@@ -130,3 +130,19 @@ def test_a_failing_case_reports_where(cpu_report):
     x = np.array([1.0, 2.0, 3.0], np.float32)
     assert not rec.equal("label", x, np.array([1.0, 2.5, 3.0], np.float32), x)
     assert result.failed == 1 and "1 of 3 differ; first at [1] (input 0x40000000)" in result.failures[0]
+
+
+def test_a_new_backend_pair_is_covered_too(tmp_path, monkeypatch):
+    """cpu_X.py / cuda_X.py added beside the backends: their shared public functions must be exercised."""
+    from fp8core import backends
+
+    for name in ("cpu_fake", "cuda_fake"):
+        (tmp_path / f"{name}.py").write_text("def frob(x):\n    return x\n")
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(tmp_path)])
+    try:
+        assert "fake.frob" in selftest.backend_functions()
+        cover = selftest.run("cpu", quick=True).checks[-1]
+        assert cover.failed == 1 and "fake.frob was never called" in cover.failures[0]
+    finally:
+        for name in ("cpu_fake", "cuda_fake"):
+            sys.modules.pop(f"fp8core.backends.{name}", None)

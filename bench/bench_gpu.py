@@ -272,13 +272,13 @@ def update_rows(counts: list[int], info: dict[str, Any]) -> list[dict[str, Any]]
         fill = cuda_time(lambda: row0.fill(1.0))
         h = torch.rand(1024, n_t, device="cuda") + 0.5
         stacked = cuda_time(lambda: (448.0 / h.amax(0), h.roll(-1, 0)))
-        prof = kernels_per_call(step)
+        prof, prof_fill = kernels_per_call(step), kernels_per_call(lambda: row0.fill(1.0))
         row = {"op": f"update N={n_t} L=1024", "n": n_t, "L": 1024, **stats("us_with_fill", t),
                "fill_us": fill[0] * 1e6, **stats("torch_stacked_us", stacked), **info}
-        if prof is not None:
-            row["launches"] = prof[0] - 1  # less the fill
-            row["kernel_us"] = prof[1]
-            row["kernels"] = prof[2]
+        if prof is not None and prof_fill is not None:  # the update's own kernels: less the fill's
+            row["launches"] = prof[0] - prof_fill[0]
+            row["kernel_us"] = prof[1] - prof_fill[1]
+            row["kernels"] = sorted(set(prof[2]) - set(prof_fill[2]))
         rows.append(row)
         print(f"update N={n_t:<6} L=1024 {row['us_with_fill']:8.1f} us with a row-0 fill ({row['fill_us']:.1f} us "
               f"alone); kernels {row.get('kernel_us', float('nan')):.1f} us in {row.get('launches', '?')} launch(es) "

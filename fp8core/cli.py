@@ -715,6 +715,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats: a smoke run in about a minute, "
                    "not figures to quote")
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("selftest", help="check fp8core on this GPU against the CPU reference, bit for bit "
+                       "(exit 0 pass, 1 fail, 3 no GPU)")
+    from fp8core import selftest
+
+    selftest.configure_parser(p)
+    p.set_defaults(fn=lambda a: sys.exit(selftest.main(a)))
     return ap
 
 

@@ -1,0 +1,135 @@
+"""An FP8 oracle written from the format definitions alone (no other fp8core module, no ml_dtypes casts).
+
+The tests and ``fp8core selftest`` check both backends against it; the GEMM tolerance rule lives here too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# (exponent bits, mantissa bits, bias, max finite, has inf)
+SPECS = {"e4m3": (4, 3, 7, 448.0, False), "e5m2": (5, 2, 15, 57344.0, True)}
+
+
+def decode(fmt: str) -> np.ndarray:
+    """float64 value of every code 0..255 (NaN for NaN codes, +-inf for E5M2's)."""
+    eb, mb, bias, _, has_inf = SPECS[fmt]
+    out = np.empty(256)
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        e, m = (code >> mb) & ((1 << eb) - 1), code & ((1 << mb) - 1)
+        if has_inf and e == (1 << eb) - 1:
+            out[code] = sign * np.inf if m == 0 else np.nan
+        elif not has_inf and (code & 0x7F) == 0x7F:
+            out[code] = np.nan
+        elif e == 0:
+            out[code] = sign * m * 2.0 ** (1 - bias - mb)
+        else:
+            out[code] = sign * (1 + m / 2 ** mb) * 2.0 ** (e - bias)
+    return out
+
+
+def encode(v: np.ndarray, fmt: str) -> np.ndarray:
+    """SATFINITE round-to-nearest-even of fp32 values ``v`` into codes; NaN -> 0x7F; sign of zero kept."""
+    v = np.asarray(v, np.float64)
+    _, _, _, fmax, _ = SPECS[fmt]
+    values = decode(fmt)[:128]
+    codes = np.arange(128)
+    finite = np.isfinite(values) & (values <= fmax)
+    values, codes = values[finite], codes[finite]  # ascending positive values, code order = value order
+    a = np.minimum(np.abs(np.nan_to_num(v, nan=0.0, posinf=np.inf)), fmax)
+    hi = np.clip(np.searchsorted(values, a, side="left"), 0, len(values) - 1)
+    lo = np.clip(hi - 1, 0, len(values) - 1)
+    d_lo, d_hi = a - values[lo], values[hi] - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (codes[hi] % 2 == 0))
+    pick_hi |= values[hi] == a
+    out = np.where(pick_hi, codes[hi], codes[lo]).astype(np.uint8)
+    out |= np.where(np.signbit(v), 0x80, 0).astype(np.uint8)
+    out[np.isnan(v)] = 0x7F
+    return out
+
+
+def quantize_bits(x_f32: np.ndarray, scale: float, fmt: str) -> np.ndarray:
+    """The contract's quantize: one fp32 multiply (IEEE, round-to-nearest-even), then :func:`encode`."""
+    with np.errstate(all="ignore"):
+        y = np.asarray(x_f32, np.float32) * np.float32(scale)
+    return encode(y, fmt)
+
+
+# ---- gemm: float64 reference and the tolerance the GPU's fp32 accumulation earns --------------------------
+
+# Hopper's fast fp8 accumulation keeps fewer bits between promotions to fp32.
+FAST_ACCUM_EPS = 2.0 ** -12
+
+# Output rounding: one ulp relative (2^-mantissa bits) and the format's smallest step near zero.
+OUT_ROUNDING = {"float32": (2.0 ** -23, 2.0 ** -149), "bfloat16": (2.0 ** -7, 2.0 ** -133),
+                "float16": (2.0 ** -10, 2.0 ** -24), "float8_e4m3fn": (2.0 ** -3, 2.0 ** -9),
+                "float8_e5m2": (2.0 ** -2, 2.0 ** -16)}
+
+
+def gemm_reference(a_codes: np.ndarray, a_fmt: str, b_codes: np.ndarray, b_fmt: str, a_scale_inv: float,
+                   b_scale_inv: float, bias: np.ndarray | None = None) -> np.ndarray:
+    """float64 D = (a · bᵀ) · a_scale_inv · b_scale_inv (+ bias), from the oracle's decoding of the codes."""
+    a = decode(a_fmt)[a_codes]
+    b = decode(b_fmt)[b_codes]
+    d = (a @ b.T) * a_scale_inv * b_scale_inv
+    return d if bias is None else d + np.asarray(bias, np.float64)
+
+
+def gemm_tolerance(a_codes: np.ndarray, a_fmt: str, b_codes: np.ndarray, b_fmt: str, scale: float,
+                   out_dtype: str, out_scale: float = 1.0, accumulation_eps: float = 2.0 ** -23
+                   ) -> tuple[np.ndarray, float]:
+    """(atol per element, rtol) in the output's domain (D times out_scale): fp32 accumulation errs by at most
+    about K * eps * sum_k |a||b| (growing with K), plus one ulp of the output format."""
+    absprod = np.abs(decode(a_fmt)[a_codes]) @ np.abs(decode(b_fmt)[b_codes]).T * abs(scale * out_scale)
+    k = a_codes.shape[1]
+    rtol, step = OUT_ROUNDING[out_dtype]
+    return k * accumulation_eps * absprod + step, rtol
+
+
+# ---- the scale rule and the batched update, one element at a time ------------------------------------------
+
+def scale_rule(amax: float, fp8_max: float, margin: int = 0, power_of_2: bool = False, epsilon: float = 0.0
+               ) -> tuple[np.float32, np.float32, bool]:
+    """(scale, scale_inv, ok) of one amax by the contract's rule, in Python floats.
+
+    float64 division then one rounding to fp32 equals fp32's correctly rounded division (53 >= 2 * 24 + 2).
+    """
+    with np.errstate(all="ignore"):
+        a = np.float32(amax)
+        if a < np.float32(epsilon):
+            a = np.float32(epsilon)
+        if a == 0 or not np.isfinite(a):
+            return np.float32(1), np.float32(1), False
+        s = np.float32(math.ldexp(float(np.float32(float(fp8_max) / float(a))), -margin))
+        if np.isinf(s):
+            s = np.float32(3.4028234663852886e38)
+        if power_of_2 and s != 0:
+            s = np.float32(math.ldexp(1.0, math.frexp(float(s))[1] - 1))
+        return s, np.float32(1.0 / float(s)) if s != 0 else np.float32(np.inf), True
+
+
+def update(history: np.ndarray, scale: np.ndarray, scale_inv: np.ndarray, fp8_max: np.ndarray, margin: int,
+           algo: str, power_of_2: bool, epsilon: float, update_scale: bool) -> np.ndarray:
+    """The batched delayed-scaling update, column by column, in place; returns the non-finite flags.
+
+    A column whose row 0 is 0 did not run this step: nothing of it changes. Otherwise its scale comes from the
+    history's max (or row 0), and the column rolls to [0, h2, ..., h_{L-1}, h0].
+    """
+    L, n = history.shape
+    flags = np.zeros(n, bool)
+    for j in range(n):
+        col = history[:, j].copy()
+        cur = col[0]
+        flags[j] = not np.isfinite(cur)
+        if cur == 0:
+            continue
+        a = col[0] if algo == "most_recent" else (np.nan if np.isnan(col).any() else col.max())
+        if update_scale:
+            s, s_inv, ok = scale_rule(a, fp8_max[j], margin, power_of_2, epsilon)
+            if ok:
+                scale[j], scale_inv[j] = s, s_inv
+        history[:, j] = np.concatenate([[0.0], col[2:], [cur]]) if L > 1 else [0.0]
+    return flags

@@ -109,9 +109,9 @@ def amax(x: Tensor) -> Any:
 
 def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *, amax_in: Any | None = None,
              scale_inv_out: Any | None = None, margin: int = 0, power_of_2: bool = False,
-             epsilon: float = 0.0) -> Any:
+             epsilon: float = 0.0, out: Any | None = None) -> Any:
     stream = _stream(x)
-    q = _empty(x.shape, np.uint8, x, stream)
+    q = _empty(x.shape, np.uint8, x, stream) if out is None else out
     if x.size or amax_in is not None:
         _launch(x, "quantize.cu", f"fp8core::quantize_kernel<{_T[x.dtype]}, {fmt.index}>",
                 _grid(x.device[1], x.size // 8 + 1), _THREADS,
@@ -141,23 +141,30 @@ def _cooperative_blocks(device_id: int, expr: str) -> int:
 
 
 def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
-                     reduce: Callable | None) -> tuple[Any, Any, Any]:
+                     reduce: Callable | None, *, out: tuple = (None, None, None)) -> tuple[Any, Any, Any]:
     stream = _stream(x)
-    a = _zeros((1,), np.float32, x, stream)
-    s_inv = _empty((1,), np.float32, x, stream)
+    q_out, s_inv_out, a_out = out
+    if a_out is None:
+        a = _zeros((1,), np.float32, x, stream)
+    else:
+        a = a_out
+        with cupy.cuda.Device(x.device[1]), stream:
+            a.fill(0)
+    s_inv = _empty((1,), np.float32, x, stream) if s_inv_out is None else s_inv_out
     if reduce is not None or x.size == 0:
         # Distributed: amax, the group's MAX-reduce, then one quantize that makes the scale in every block.
         if x.size:
-            a = amax(x)
+            with cupy.cuda.Device(x.device[1]), stream:
+                a[...] = amax(x)
         if reduce is not None:
             reduce(a)
         q = quantize(x, None, fmt, None, amax_in=a, scale_inv_out=s_inv, margin=margin, power_of_2=power_of_2,
-                     epsilon=epsilon)
+                     epsilon=epsilon, out=q_out)
         return q, s_inv, a
     expr = f"fp8core::quantize_dynamic_kernel<{_T[x.dtype]}, {fmt.index}>"
     blocks = min(_cooperative_blocks(x.device[1], expr), _grid(x.device[1], x.size // 8 + 1))
     ws = _workspace(x, stream, blocks)
-    q = _empty(x.shape, np.uint8, x, stream)
+    q = _empty(x.shape, np.uint8, x, stream) if q_out is None else q_out
     _launch(x, "quantize.cu", expr, blocks, _THREADS,
             (x.data, q, ws[2:], ws[:2], a, s_inv, np.int64(x.size), np.float32(fmt.max), np.int32(margin),
              np.int32(power_of_2), np.float32(epsilon)), stream, cooperative=True)
@@ -199,10 +206,11 @@ def multi_amax(xs: list[Tensor], out: Any) -> None:
 
 
 def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Format],
-                   amax_outs: list[Any | None]) -> list[Any]:
+                   amax_outs: list[Any | None], *, outs: list[Any | None] | None = None) -> list[Any]:
     t0 = xs[0]
     stream = _stream(t0)
-    qs = [_empty(x.shape, np.uint8, t0, stream) for x in xs]
+    outs = outs if outs is not None else [None] * len(xs)
+    qs = [_empty(x.shape, np.uint8, t0, stream) if o is None else o for x, o in zip(xs, outs)]
     for (dtype, fmt), idx in _groups(xs, lambda i: (xs[i].dtype, fmts[i])).items():
         sizes = [xs[i].size for i in idx]
         table = lambda vals, dt=np.uint64: _pointer_table(vals, t0, stream, dt)  # noqa: E731
@@ -221,9 +229,9 @@ _OUT_STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.floa
 _OUT_T = {"float32": "float", "bfloat16": "fp8core::bf16", "float16": "fp8core::f16"}
 
 
-def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str) -> Any:
+def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *, out: Any | None = None) -> Any:
     stream = _stream(q)
-    y = _empty(q.shape, _OUT_STORAGE[out_dtype], q, stream)
+    y = _empty(q.shape, _OUT_STORAGE[out_dtype], q, stream) if out is None else out
     if q.size:
         _launch(q, "dequantize.cu", f"fp8core::dequantize_kernel<{fmt.index}, {_OUT_T[out_dtype]}>",
                 _grid(q.device[1], q.size // 8 + 1), _THREADS, (q.data, y, scale_inv, np.int64(q.size)), stream)
@@ -235,10 +243,10 @@ def _tiles(rows: int, cols: int) -> tuple[int, int]:
     return (min(n, 65535), -(-n // 65535))
 
 
-def transpose(q: Tensor) -> Any:
+def transpose(q: Tensor, *, out: Any | None = None) -> Any:
     rows, cols = q.shape
     stream = _stream(q)
-    out = _empty((cols, rows), np.uint8, q, stream)
+    out = _empty((cols, rows), np.uint8, q, stream) if out is None else out
     if q.size:
         _launch(q, "cast_transpose.cu", "fp8core::cast_transpose_kernel<fp8core::Passthrough, 0, false>",
                 _tiles(rows, cols), _THREADS,
@@ -246,11 +254,12 @@ def transpose(q: Tensor) -> Any:
     return out
 
 
-def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None) -> tuple[Any, Any]:
+def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *,
+                   out: tuple = (None, None)) -> tuple[Any, Any]:
     rows, cols = x.shape
     stream = _stream(x)
-    q = _empty((rows, cols), np.uint8, x, stream)
-    qt = _empty((cols, rows), np.uint8, x, stream)
+    q = _empty((rows, cols), np.uint8, x, stream) if out[0] is None else out[0]
+    qt = _empty((cols, rows), np.uint8, x, stream) if out[1] is None else out[1]
     if x.size:
         _launch(x, "cast_transpose.cu", f"fp8core::cast_transpose_kernel<{_T[x.dtype]}, {fmt.index}, true>",
                 _tiles(rows, cols), _THREADS,

@@ -20,7 +20,7 @@ from fp8core._tensor import Tensor, wrap
 from fp8core.backends import for_device
 
 __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose", "gemm",
-           "update", "reduce_amax"]
+           "compute_scale", "update", "reduce_amax"]
 
 Array = jax.Array
 _F32_1 = jax.ShapeDtypeStruct((1,), jnp.float32)
@@ -155,6 +155,19 @@ def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.
     return _primitive(run, shapes)(amax_history, scale, scale_inv, fp8_max)
 
 
+def compute_scale(amax: Array, fmt: Any, *, margin: int = 0, power_of_2: bool = False,
+                  epsilon: float = 0.0) -> tuple[Array, Array]:
+    """(scale, scale_inv), float32 like amax, by the contract's scale rule (1.0 where there is no scale): with
+    :func:`cast_transpose`, current scaling from an amax reduced across devices first."""
+    def run(outs, a):
+        for o, r in zip(outs, fp8core.compute_scale(a, fmt, margin=margin, power_of_2=power_of_2,
+                                                    epsilon=epsilon)):
+            o.data[...] = r  # [N] floats: no out= on the core's scale rule
+
+    shape = jax.ShapeDtypeStruct(amax.shape, jnp.float32)
+    return _primitive(run, (shape, shape))(amax)
+
+
 def reduce_amax(amax: Array, axis_name: Any) -> Array:
     """MAX over the devices of ``axis_name`` (inside ``shard_map``/``pmap``): every device gets the same scales."""
     return jax.lax.pmax(amax, axis_name)
@@ -163,3 +176,11 @@ def reduce_amax(amax: Array, axis_name: Any) -> Array:
 from .dense import dense, init_state, next_state  # noqa: E402  (dense is built on the primitives above)
 
 __all__ += ["dense", "init_state", "next_state"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general"):  # flax is an optional extra: imported on first use
+        from . import linen
+
+        return getattr(linen, name)
+    raise AttributeError(f"module 'fp8core.jax' has no attribute {name!r}")

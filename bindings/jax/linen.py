@@ -88,8 +88,8 @@ def _dot_bwd(cfg, res, g):
     qg, qgt, sg, ag = _cast(g, 2, cfg, scale, scale_inv)
     dx = gemm(qg, qk, sg, sk, cfg.lhs_dtype)     # [M, N] · [K, N]ᵀ
     dk = gemm(qxt, qgt, sx, sg, cfg.rhs_dtype)   # [K, M] · [N, M]ᵀ
-    if not isinstance(cfg.recipe, DelayedScaling):
-        return dx, dk, history, scale, scale_inv
+    if not isinstance(cfg.recipe, DelayedScaling):  # no state: the placeholders get zero cotangents
+        return dx, dk, jnp.zeros_like(history), jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
     row0 = jnp.maximum(history[0], jnp.concatenate([ax, ak, ag]))
     if cfg.axis_name is not None and cfg.recipe.reduce_amax:
         row0 = reduce_amax(row0, cfg.axis_name)

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _checks, backends
 from ._fpenv import ieee
-from ._tensor import Tensor, _cupy_module, export, wrap
+from ._tensor import Tensor, export, logical_numpy_dtype, storage_dtype, wrap
 from .backends import cpu as _cpu
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
 
@@ -174,6 +174,61 @@ def _reduce(reduce: Any) -> Any:
     return reduce
 
 
+# ---- out=: the caller's memory for the results (NumPy's convention); checked in full before any write -----
+
+def _outs(out: Any, n: int) -> tuple[Any, ...]:
+    """``out`` as n entries (None: allocate that one); one array is accepted where there is one result."""
+    if out is None:
+        return (None,) * n
+    if not isinstance(out, tuple):
+        out = (out,)
+    if len(out) != n:
+        raise ValueError(f"out: expected {'an array or ' if n == 1 else ''}a tuple of {n} arrays (None for any "
+                         f"to allocate), got a tuple of {len(out)}")
+    return out
+
+
+def _out(obj: Any, arg: str, shape: tuple, dtype: str, x: Tensor, xarg: str = "x") -> Tensor:
+    """One output slot: contiguous, writable, on x's device, ``shape``, and ``dtype`` or its storage dtype
+    (uint8 for fp8, uint16 for bfloat16: the format is already named by the call)."""
+    t = _contiguous(wrap(obj, arg), arg)
+    _same_device(t, x, arg, xarg)
+    storage = storage_dtype(dtype).name
+    if t.dtype not in (dtype, storage):
+        also = f" (or {storage} storage)" if storage != dtype else ""
+        raise TypeError(f"{arg}: expected {dtype}{also}, got {t.dtype}")
+    if t.shape != tuple(shape):
+        raise ValueError(f"{arg}: expected shape {tuple(shape)}, got {t.shape}")
+    if t.readonly:
+        raise ValueError(f"{arg}: is read-only")
+    return t
+
+
+def _span(data: Any) -> tuple[int, int] | None:
+    if not data.size:
+        return None
+    ptr = data.ctypes.data if isinstance(data, np.ndarray) else data.data.ptr
+    return ptr, ptr + data.nbytes  # every argument is contiguous by now
+
+
+def _no_overlap(outs: Sequence[tuple[str, Tensor | None]], ins: Sequence[tuple[str, Any]]) -> None:
+    """No output may share memory with an input or another output: a kernel would read what it wrote."""
+    named = [(a, _span(t.data)) for a, t in outs if t is not None]
+    others = [(a, _span(d.data if isinstance(d, Tensor) else d)) for a, d in ins if d is not None]
+    for i, (arg, span) in enumerate(named):
+        for other, ospan in named[i + 1:] + others:
+            if span and ospan and span[0] < ospan[1] and ospan[0] < span[1]:
+                raise ValueError(f"{arg}: overlaps {other} in memory; pass a separate array")
+
+
+def _backend_data(t: Tensor | None, dtype: str, shape: tuple | None = None) -> Any:
+    """The slot as its backend takes arrays: logical dtype on the CPU, storage dtype on a GPU."""
+    if t is None:
+        return None
+    data = t.data.view(storage_dtype(dtype) if t.is_cuda else logical_numpy_dtype(dtype))
+    return data if shape is None else data.reshape(shape)
+
+
 # ---- the primitives ---------------------------------------------------------------------------------------
 
 def amax(x: Array) -> Array:
@@ -186,64 +241,111 @@ def amax(x: Array) -> Array:
 
 
 def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
-             amax_out: Array | None = None) -> Array:
+             amax_out: Array | None = None, out: Array | None = None) -> Array:
     """``q = SATFINITE_RTNE(fp32(x) * scale)`` in ``fmt``, same shape as x.
 
     x: float32/bfloat16/float16. scale: 1-element float32 on x's device (or a Python float).
     amax_out: optional 1-element float32, updated in place to ``max(amax_out, amax(x))``.
+    out: optional result array (x's shape, fmt's dtype or uint8 storage), written and returned.
     """
     t = _high_precision(x, "x")
     f = _format(fmt)
     s, a = _scalar(scale, t, "scale"), _amax_slot(amax_out, t)
-    return export(_backend(t).quantize(t, s, f, a), _FP8_NAME[f], t)
+    if out is None:
+        return export(_backend(t).quantize(t, s, f, a), _FP8_NAME[f], t)
+    (o,) = _outs(out, 1)
+    ot = None if o is None else _out(o, "out", t.shape, f.dtype_name, t)
+    _no_overlap([("out", ot)], [("x", t), ("scale", s), ("amax_out", a)])
+    q = _backend(t).quantize(t, s, f, a, out=_backend_data(ot, f.dtype_name))
+    return o if o is not None else export(q, f.dtype_name, t)
 
 
 def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int = 0, power_of_2: bool = False,
-                     epsilon: float = 0.0, reduce: Callable[[Array], None] | None = None
-                     ) -> tuple[Array, Array, Array]:
+                     epsilon: float = 0.0, reduce: Callable[[Array], None] | None = None,
+                     out: Array | tuple[Array | None, ...] | None = None) -> tuple[Array, Array, Array]:
     """Current scaling: amax of x, the scale rule (1.0 when there is no scale), then quantize.
 
     ``reduce``, when given, MAX-reduces the 1-element amax in place across a process group before the scale
     is taken. Returns ``(q, scale_inv, amax)``; scale_inv and amax are 1-element float32 on x's device.
+    out: optional ``q`` array, or a tuple ``(q, scale_inv, amax)`` with None for any to allocate.
     """
     t = _high_precision(x, "x")
     f = _format(fmt)
+    if out is None:
+        q, s_inv, a = _backend(t).quantize_dynamic(
+            t, f, _margin(margin), _checks.flag(power_of_2, "power_of_2"), _epsilon(epsilon), _reduce(reduce))
+        return export(q, _FP8_NAME[f], t), export(s_inv, "float32", t), export(a, "float32", t)
+    margin, epsilon = _margin(margin), _epsilon(epsilon)
+    o = _outs(out, 3) if isinstance(out, tuple) else (out, None, None)
+    slots = [None if v is None else _out(v, arg, shape, dtype, t) for v, arg, shape, dtype in
+             zip(o, ("out[0]", "out[1]", "out[2]"), (t.shape, (1,), (1,)), (f.dtype_name, "float32", "float32"))]
+    _no_overlap(list(zip(("out[0]", "out[1]", "out[2]"), slots)), [("x", t)])
     q, s_inv, a = _backend(t).quantize_dynamic(
-        t, f, _margin(margin), _checks.flag(power_of_2, "power_of_2"), _epsilon(epsilon), _reduce(reduce))
-    return export(q, _FP8_NAME[f], t), export(s_inv, "float32", t), export(a, "float32", t)
+        t, f, margin, _checks.flag(power_of_2, "power_of_2"), epsilon, _reduce(reduce),
+        out=tuple(_backend_data(v, d) for v, d in zip(slots, (f.dtype_name, "float32", "float32"))))
+    return tuple(given if given is not None else export(r, d, t)  # type: ignore[return-value]
+                 for given, r, d in zip(o, (q, s_inv, a), (f.dtype_name, "float32", "float32")))
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *,
-               fmt: Format | str | None = None) -> Array:
+               fmt: Format | str | None = None, out: Array | None = None) -> Array:
     """``y = ROUND_TO(out_dtype, fp32(q) * scale_inv)``; NaN comes out canonical.
 
     q: fp8 (or uint8 storage with ``fmt``). out_dtype: float32, bfloat16 or float16.
+    out: optional result array (q's shape, out_dtype; bfloat16 may be uint16 storage), written and returned.
     """
     t, f = _fp8(q, "q", fmt)
     name = _out_dtype(out_dtype)
     s = _scalar(scale_inv, t, "scale_inv", "q")
-    return export(_backend(t).dequantize(t, f, s, name), name, t)
+    if out is None:
+        return export(_backend(t).dequantize(t, f, s, name), name, t)
+    (o,) = _outs(out, 1)
+    ot = None if o is None else _out(o, "out", t.shape, name, t, "q")
+    _no_overlap([("out", ot)], [("q", t), ("scale_inv", s)])
+    y = _backend(t).dequantize(t, f, s, name, out=_backend_data(ot, name))
+    return o if o is not None else export(y, name, t)
 
 
-def transpose(q: Array, *, fmt: Format | str | None = None) -> Array:
-    """``q_t[N, M]`` of fp8 ``q[M, N]`` (more dims are viewed as [prod(leading), last]), bits unchanged."""
+def transpose(q: Array, *, fmt: Format | str | None = None, out: Array | None = None) -> Array:
+    """``q_t[N, M]`` of fp8 ``q[M, N]`` (more dims are viewed as [prod(leading), last]), bits unchanged.
+
+    out: optional [N, M] result array (q's fp8 dtype or uint8 storage), written and returned.
+    """
     t, f = _fp8(q, "q", fmt)
     t = _as_2d(t, "q")
-    return export(_backend(t).transpose(t), _FP8_NAME[f], t)
+    if out is None:
+        return export(_backend(t).transpose(t), _FP8_NAME[f], t)
+    (o,) = _outs(out, 1)
+    ot = None if o is None else _out(o, "out", t.shape[::-1], f.dtype_name, t, "q")
+    _no_overlap([("out", ot)], [("q", t)])
+    qt = _backend(t).transpose(t, out=_backend_data(ot, f.dtype_name))
+    return o if o is not None else export(qt, f.dtype_name, t)
 
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
-                   amax_out: Array | None = None) -> tuple[Array, Array]:
+                   amax_out: Array | None = None,
+                   out: tuple[Array | None, Array | None] | None = None) -> tuple[Array, Array]:
     """``(q, q_t)``: ``quantize(x, scale, fmt)`` and its transpose from one read of x.
 
     x: [M, N] (more dims are viewed as [prod(leading), last]); q has x's shape, q_t is [N, M].
+    out: optional ``(q, q_t)`` result arrays (None for either to allocate), written and returned.
     """
     t = _high_precision(x, "x")
     f = _format(fmt)
     s, a = _scalar(scale, t, "scale"), _amax_slot(amax_out, t)
-    q, qt = _backend(t).cast_transpose(_as_2d(t, "x"), s, f, a)
-    name = _FP8_NAME[f]
-    return export(q.reshape(t.data.shape), name, t), export(qt, name, t)
+    if out is None:
+        q, qt = _backend(t).cast_transpose(_as_2d(t, "x"), s, f, a)
+        name = _FP8_NAME[f]
+        return export(q.reshape(t.data.shape), name, t), export(qt, name, t)
+    t2 = _as_2d(t, "x")
+    o = _outs(out, 2)
+    oq = None if o[0] is None else _out(o[0], "out[0]", t.shape, f.dtype_name, t)
+    oqt = None if o[1] is None else _out(o[1], "out[1]", t2.shape[::-1], f.dtype_name, t)
+    _no_overlap([("out[0]", oq), ("out[1]", oqt)], [("x", t), ("scale", s), ("amax_out", a)])
+    q, qt = _backend(t).cast_transpose(
+        t2, s, f, a, out=(_backend_data(oq, f.dtype_name, t2.shape), _backend_data(oqt, f.dtype_name)))
+    return (o[0] if o[0] is not None else export(q.reshape(t.shape), f.dtype_name, t),
+            o[1] if o[1] is not None else export(qt, f.dtype_name, t))
 
 
 def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, power_of_2: bool = False,
@@ -300,10 +402,11 @@ def multi_amax(xs: Sequence[Array], out: Array | None = None) -> Array:
 
 
 def multi_quantize(xs: Sequence[Array], scales: Array, fmts: Format | str | Sequence[Format | str], *,
-                   amax_out: Array | None = None) -> list[Array]:
+                   amax_out: Array | None = None, out: Sequence[Array | None] | None = None) -> list[Array]:
     """Quantize every tensor of ``xs`` with ``scales[i]`` (float32 [len(xs)]) into ``fmts[i]``.
 
     ``amax_out`` (float32 [len(xs)]) accumulates each tensor's amax, like :func:`quantize` does.
+    out: optional sequence of len(xs) result arrays (None for any to allocate), written and returned.
     """
     ts = [_high_precision(x, f"xs[{i}]") for i, x in enumerate(_checks.array_sequence(xs))]
     n = len(ts)
@@ -323,6 +426,16 @@ def multi_quantize(xs: Sequence[Array], scales: Array, fmts: Format | str | Sequ
         if at.readonly:
             raise ValueError("amax_out: is read-only")
         am = at.data.reshape(-1)
+    if out is None:
+        qs = _backend(ts[0]).multi_quantize(
+            ts, [sc[i:i + 1] for i in range(n)], fl, [None if am is None else am[i:i + 1] for i in range(n)])
+        return [export(q, _FP8_NAME[f], t) for q, f, t in zip(qs, fl, ts)]
+    o = _outs(None if out is None else tuple(out), n)
+    slots = [None if v is None else _out(v, f"out[{i}]", t.shape, f.dtype_name, ts[0], "xs[0]")
+             for i, (v, t, f) in enumerate(zip(o, ts, fl))]
+    _no_overlap([(f"out[{i}]", v) for i, v in enumerate(slots)],
+                [(f"xs[{i}]", t) for i, t in enumerate(ts)] + [("scales", sc), ("amax_out", am)])
     qs = _backend(ts[0]).multi_quantize(
-        ts, [sc[i:i + 1] for i in range(n)], fl, [None if am is None else am[i:i + 1] for i in range(n)])
-    return [export(q, _FP8_NAME[f], t) for q, f, t in zip(qs, fl, ts)]
+        ts, [sc[i:i + 1] for i in range(n)], fl, [None if am is None else am[i:i + 1] for i in range(n)],
+        outs=[_backend_data(v, f.dtype_name) for v, f in zip(slots, fl)])
+    return [given if given is not None else export(q, f.dtype_name, t) for given, q, f, t in zip(o, qs, fl, ts)]

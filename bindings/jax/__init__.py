@@ -20,7 +20,7 @@ from fp8core._tensor import Tensor, wrap
 from fp8core.backends import for_device
 
 __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose", "gemm",
-           "update", "reduce_amax"]
+           "compute_scale", "update", "reduce_amax"]
 
 Array = jax.Array
 _F32_1 = jax.ShapeDtypeStruct((1,), jnp.float32)
@@ -33,46 +33,38 @@ def _raw(buf: Any) -> Tensor:
     return t
 
 
-def _store(out: Any, value: Any, gpu: bool) -> None:
-    if gpu:
-        dst = wrap(out).data
-        dst[...] = value.view(dst.dtype) if value.dtype != dst.dtype else value
-    else:
-        np.asarray(out)[...] = value
+def _out(buf: Any) -> Tensor:
+    """An XLA output buffer as the core's ``out=``: JAX arrays are immutable, but this buffer is handed to the
+    callback to be written."""
+    t = _raw(buf)
+    t.readonly = False
+    return t
 
 
-def _primitive(fn: Callable[..., Sequence[Any]], shapes: Any) -> Callable[..., Any]:
-    """``fn(*core_tensors) -> results`` as a jit-able JAX function writing XLA's output buffers."""
+def _primitive(fn: Callable[..., None], shapes: Any) -> Callable[..., Any]:
+    """``fn(outs, *ins)``, writing XLA's output buffers in place (core Tensors), as a jit-able JAX function."""
     single = not isinstance(shapes, (tuple, list))
 
     def callback(ctx: Any, out: Any, *bufs: Any) -> None:
         ins = [_raw(b) for b in bufs]
-        gpu = ins[0].is_cuda
-        outs = [out] if single else list(out)
-        if gpu:
+        outs = [_out(o) for o in ([out] if single else out)]
+        if ins[0].is_cuda:
             import cupy
 
             from fp8core.backends.cuda import launch_stream
 
             with launch_stream(ctx.stream), cupy.cuda.ExternalStream(ctx.stream, ins[0].device[1]):
-                results = fn(*ins)
-                for o, r in zip(outs, [results] if single else results):
-                    _store(o, r, True)
+                fn(outs, *ins)
         else:
-            results = fn(*ins)
-            for o, r in zip(outs, [results] if single else results):
-                _store(o, r, False)
+            fn(outs, *ins)
 
     return buffer_callback(callback, shapes, vmap_method="sequential")
 
 
-def _slot(t: Tensor) -> Any:
-    """A zeroed amax slot on t's device (inside the callback: CuPy's current stream is XLA's)."""
-    if t.is_cuda:
-        import cupy
-
-        return cupy.zeros(1, cupy.float32)
-    return np.zeros(1, np.float32)
+def _zero(t: Tensor) -> Tensor:
+    """An amax slot zeroed before the core accumulates into it (on a GPU, on XLA's stream: CuPy's current)."""
+    t.data.fill(0)
+    return t
 
 
 def _f32(v: Any) -> Array:
@@ -89,14 +81,13 @@ def _rows(x: Any) -> int:
 
 def amax(x: Array) -> Array:
     """max |x| as float32 [1] (NaN propagates)."""
-    return _primitive(lambda t: fp8core.amax(t), _F32_1)(x)
+    return _primitive(lambda outs, t: fp8core.multi_amax([t], out=_zero(outs[0])), _F32_1)(x)
 
 
 def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array]:
     """(q, amax of x): the contract's scaled cast; q has x's shape and fmt's dtype."""
-    def run(t, s):
-        slot = _slot(t)
-        return fp8core.quantize(t, s.data, fmt, amax_out=slot), slot
+    def run(outs, t, s):
+        fp8core.quantize(t, s.data, fmt, amax_out=_zero(outs[1]), out=outs[0])
 
     return _primitive(run, (_fp8_shape(x, fmt), _F32_1))(x, _f32(scale))
 
@@ -104,29 +95,30 @@ def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, 
 def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2: bool = False,
                      epsilon: float = 0.0) -> tuple[Array, Array, Array]:
     """Current scaling: (q, scale_inv [1], amax [1])."""
-    return _primitive(lambda t: fp8core.quantize_dynamic(t, fmt, margin=margin, power_of_2=power_of_2,
-                                                         epsilon=epsilon),
-                      (_fp8_shape(x, fmt), _F32_1, _F32_1))(x)
+    def run(outs, t):
+        fp8core.quantize_dynamic(t, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon, out=tuple(outs))
+
+    return _primitive(run, (_fp8_shape(x, fmt), _F32_1, _F32_1))(x)
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = jnp.float32) -> Array:
     fmt = fp8core.as_format(q.dtype)
-    return _primitive(lambda t, s: fp8core.dequantize(t, s.data, jnp.dtype(out_dtype).name, fmt=fmt),
+    name = jnp.dtype(out_dtype).name
+    return _primitive(lambda outs, t, s: fp8core.dequantize(t, s.data, name, fmt=fmt, out=outs[0]),
                       jax.ShapeDtypeStruct(q.shape, out_dtype))(q, _f32(scale_inv))
 
 
 def transpose(q: Array) -> Array:
     """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
     fmt = fp8core.as_format(q.dtype)
-    return _primitive(lambda t: fp8core.transpose(t, fmt=fmt), _fp8_shape(q, fmt, (q.shape[-1], _rows(q))))(q)
+    return _primitive(lambda outs, t: fp8core.transpose(t, fmt=fmt, out=outs[0]),
+                      _fp8_shape(q, fmt, (q.shape[-1], _rows(q))))(q)
 
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array, Array]:
     """(q, q_t [last, prod(leading)], amax of x) from one read of x."""
-    def run(t, s):
-        slot = _slot(t)
-        q, qt = fp8core.cast_transpose(t, s.data, fmt, amax_out=slot)
-        return q, qt, slot
+    def run(outs, t, s):
+        fp8core.cast_transpose(t, s.data, fmt, amax_out=_zero(outs[2]), out=(outs[0], outs[1]))
 
     return _primitive(run, (_fp8_shape(x, fmt), _fp8_shape(x, fmt, (x.shape[-1], _rows(x))), _F32_1))(
         x, _f32(scale))
@@ -138,13 +130,12 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | fl
     fa, fb = fp8core.as_format(a.dtype), fp8core.as_format(b.dtype)
     name = jnp.dtype(out_dtype).name
     shape = jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype)
-    if bias is None:
-        return _primitive(lambda ta, tb, sa, sb: fp8core.gemm(ta, tb, sa.data, sb.data, out_dtype=name, a_fmt=fa,
-                                                              b_fmt=fb), shape)(a, b, _f32(a_scale_inv),
-                                                                                _f32(b_scale_inv))
-    return _primitive(lambda ta, tb, sa, sb, tbias: fp8core.gemm(ta, tb, sa.data, sb.data, out_dtype=name, a_fmt=fa,
-                                                                 b_fmt=fb, bias=tbias),
-                      shape)(a, b, _f32(a_scale_inv), _f32(b_scale_inv), bias)
+
+    def run(outs, ta, tb, sa, sb, tbias=None):
+        fp8core.gemm(ta, tb, sa.data, sb.data, out_dtype=name, a_fmt=fa, b_fmt=fb, bias=tbias, out=outs[0])
+
+    args = (a, b, _f32(a_scale_inv), _f32(b_scale_inv)) + (() if bias is None else (bias,))
+    return _primitive(run, shape)(*args)
 
 
 def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.DelayedScaling,
@@ -153,16 +144,28 @@ def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.
     Row 0 holds this step's amaxes (reduce them first with :func:`reduce_amax` when sharded)."""
     fp8_max = jnp.asarray([fp8core.as_format(f).max for f in formats], jnp.float32)
 
-    def run(h, s, si, fm):
-        backend = for_device(h.device)
-        h2, s2, si2 = h.data.copy(), s.data.copy(), si.data.copy()
-        backend.update(h2, s2, si2, fm.data, int(recipe.margin), recipe.amax_compute_algo, recipe.power_of_2,
-                       float(recipe.epsilon), update_scale, None)
-        return h2, s2, si2
+    def run(outs, h, s, si, fm):
+        h2, s2, si2 = (o.data for o in outs)
+        h2[...], s2[...], si2[...] = h.data, s.data, si.data  # the update works in place: on XLA's outputs
+        for_device(h.device).update(h2, s2, si2, fm.data, int(recipe.margin), recipe.amax_compute_algo,
+                                    recipe.power_of_2, float(recipe.epsilon), update_scale, None)
 
     shapes = (jax.ShapeDtypeStruct(amax_history.shape, jnp.float32), jax.ShapeDtypeStruct(scale.shape, jnp.float32),
               jax.ShapeDtypeStruct(scale_inv.shape, jnp.float32))
     return _primitive(run, shapes)(amax_history, scale, scale_inv, fp8_max)
+
+
+def compute_scale(amax: Array, fmt: Any, *, margin: int = 0, power_of_2: bool = False,
+                  epsilon: float = 0.0) -> tuple[Array, Array]:
+    """(scale, scale_inv), float32 like amax, by the contract's scale rule (1.0 where there is no scale): with
+    :func:`cast_transpose`, current scaling from an amax reduced across devices first."""
+    def run(outs, a):
+        for o, r in zip(outs, fp8core.compute_scale(a, fmt, margin=margin, power_of_2=power_of_2,
+                                                    epsilon=epsilon)):
+            o.data[...] = r  # [N] floats: no out= on the core's scale rule
+
+    shape = jax.ShapeDtypeStruct(amax.shape, jnp.float32)
+    return _primitive(run, (shape, shape))(amax)
 
 
 def reduce_amax(amax: Array, axis_name: Any) -> Array:
@@ -174,3 +177,11 @@ from .dense import dense, init_state, next_state  # noqa: E402  (dense is built 
 
 __all__ += ["dense", "init_state", "next_state"]
 from . import blocks  # noqa: E402,F401  (block scaling, fp8core.jax.blocks: MXFP8 and 1x128/128x128 under jit)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general"):  # flax is an optional extra: imported on first use
+        from . import linen
+
+        return getattr(linen, name)
+    raise AttributeError(f"module 'fp8core.jax' has no attribute {name!r}")

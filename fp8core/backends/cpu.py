@@ -189,9 +189,10 @@ _TABLE_MIN = 1 << 16  # building the table is the direct path over 65,536 patter
 
 
 @ieee
-def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None) -> np.ndarray:
+def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, *,
+             out: np.ndarray | None = None) -> np.ndarray:
     scale = scale_value(scale)
-    q = empty(x.shape, fmt.numpy_dtype, x)
+    q = empty(x.shape, fmt.numpy_dtype, x) if out is None else out
     flat, qflat = _flat(x), q.reshape(-1)
     if flat.dtype.itemsize == 2 and flat.size >= _TABLE_MIN:
         table = _quantize_table(x.dtype, int(scale.view(np.uint32)), fmt)
@@ -215,18 +216,28 @@ def scale_value(scale: Any) -> np.float32:
 
 @ieee
 def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
-                     reduce: Callable | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     reduce: Callable | None, *, out: tuple = (None, None, None)
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    q_out, s_inv_out, a_out = out
     a = amax(x)
+    if a_out is not None:
+        a_out[...] = a
+        a = a_out
     if reduce is not None:
         reduce(a)
     scale, scale_inv, _ = scale_rule(a, np.array([fmt.max], np.float32), margin, power_of_2, epsilon)
-    return quantize(x, scale, fmt, None), scale_inv, a
+    if s_inv_out is not None:
+        s_inv_out[...] = scale_inv
+        scale_inv = s_inv_out
+    return quantize(x, scale, fmt, None, out=q_out), scale_inv, a
 
 
 @ieee
 def multi_quantize(xs: list[Tensor], scales: list[np.ndarray], fmts: list[Format],
-                   amax_outs: list[np.ndarray | None]) -> list[np.ndarray]:
-    return [quantize(x, s, f, a) for x, s, f, a in zip(xs, scales, fmts, amax_outs)]
+                   amax_outs: list[np.ndarray | None], *, outs: list[np.ndarray | None] | None = None
+                   ) -> list[np.ndarray]:
+    outs = outs if outs is not None else [None] * len(xs)
+    return [quantize(x, s, f, a, out=o) for x, s, f, a, o in zip(xs, scales, fmts, amax_outs, outs)]
 
 
 # ---- dequantize -------------------------------------------------------------------------------------------
@@ -249,19 +260,20 @@ def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarr
 
 
 @ieee
-def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str) -> np.ndarray:
+def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
+               out: np.ndarray | None = None) -> np.ndarray:
     table = _dequant_table(fmt, int(scale_value(scale_inv).view(np.uint32)), out_dtype)
     codes = _flat(q).view(np.uint8)
-    y = empty(q.size, table.dtype, q)
+    y = empty(q.size, table.dtype, q) if out is None else out.reshape(-1)
     _map(codes.size, lambda a, b: np.take(table, codes[a:b], out=y[a:b]))
     return y.reshape(q.shape)
 
 
 # ---- transpose --------------------------------------------------------------------------------------------
 
-def transpose(q: Tensor) -> np.ndarray:
+def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     rows, cols = q.shape
-    out = empty((cols, rows), q.data.dtype, q)
+    out = empty((cols, rows), q.data.dtype, q) if out is None else out
     src = q.data.view(np.uint8)
     dst = out.view(np.uint8)
     block = 256  # square tiles keep both the reads and the writes in cache
@@ -271,10 +283,10 @@ def transpose(q: Tensor) -> np.ndarray:
 
 
 @ieee
-def cast_transpose(x: Tensor, scale: Any, fmt: Format,
-                   amax_out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    q = quantize(x, scale, fmt, amax_out)
-    return q, transpose(Tensor(q, fmt.dtype_name, x.device, x.origin))
+def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, *,
+                   out: tuple = (None, None)) -> tuple[np.ndarray, np.ndarray]:
+    q = quantize(x, scale, fmt, amax_out, out=out[0])
+    return q, transpose(Tensor(q, fmt.dtype_name, x.device, x.origin), out=out[1])
 
 
 # ---- the scale rule and the batched delayed-scaling update -------------------------------------------------

@@ -276,26 +276,30 @@ def _quantize(x: Tensor, q: Any, scale: Any, fmt: Format, amax_out: Any | None, 
 
 def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *, amax_in: Any | None = None,
              scale_inv_out: Any | None = None, margin: int = 0, power_of_2: bool = False,
-             epsilon: float = 0.0) -> Any:
+             epsilon: float = 0.0, out: Any | None = None) -> Any:
     with _On(x.device[1]):
         stream = _stream(x)
-        q = _empty(x.shape, np.uint8, x)
+        q = _empty(x.shape, np.uint8, x) if out is None else out
         _quantize(x, q, scale, fmt, amax_out, amax_in, scale_inv_out, margin, power_of_2, epsilon, stream)
         return q
 
 
 def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
-                     reduce: Callable | None) -> tuple[Any, Any, Any]:
+                     reduce: Callable | None, *, out: tuple = (None, None, None)) -> tuple[Any, Any, Any]:
     device = x.device[1]
+    q_out, s_inv_out, a_out = out
     with _On(device):
         stream = _stream(x)
-        q = _empty(x.shape, np.uint8, x)
+        q = _empty(x.shape, np.uint8, x) if q_out is None else q_out
         if reduce is not None or x.size == 0:
             # Distributed: amax, the group's MAX-reduce, then one quantize that makes the scale in every block.
             a = amax(x)
+            if a_out is not None:
+                _runtime.memcpyAsync(a_out.data.ptr, a.data.ptr, 4, _runtime.memcpyDeviceToDevice, stream)
+                a = a_out
             if reduce is not None:
                 reduce(a)
-            s_inv = _empty((1,), np.float32, x)
+            s_inv = _empty((1,), np.float32, x) if s_inv_out is None else s_inv_out
             _quantize(x, q, None, fmt, None, a, s_inv, margin, power_of_2, epsilon, stream)
             return q, s_inv, a
         plan = _plan(device, "quantize.cu", f"fp8core::quantize_dynamic_kernel<{_T[x.dtype]}, {fmt.index}>")
@@ -307,10 +311,12 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
         # memset node with the kernel. amax and scale_inv are written whole by block 0.
         ws = _empty((4 + blocks,), np.uint32, x)
         _runtime.memsetAsync(ws.data.ptr + 8, 0, 8, stream)
+        a = ws[0:1].view(np.float32) if a_out is None else a_out
+        s_inv = ws[1:2].view(np.float32) if s_inv_out is None else s_inv_out
         plan.launch(blocks, _THREADS,
-                    (x.data.data.ptr, q.data.ptr, ws.data.ptr + 8, ws.data.ptr, ws.data.ptr + 4, x.size, fmt.max,
+                    (x.data.data.ptr, q.data.ptr, ws.data.ptr + 8, a.data.ptr, s_inv.data.ptr, x.size, fmt.max,
                      margin, int(power_of_2), epsilon), stream, cooperative=True)
-        return q, ws[1:2].view(np.float32), ws[0:1].view(np.float32)
+        return q, s_inv, a
 
 
 def _multi_blocks(sizes: list[int], max_blocks: int) -> list[int]:
@@ -354,11 +360,12 @@ def multi_amax(xs: list[Tensor], out: Any) -> None:
 
 
 def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Format],
-                   amax_outs: list[Any | None]) -> list[Any]:
+                   amax_outs: list[Any | None], *, outs: list[Any | None] | None = None) -> list[Any]:
     t0 = xs[0]
+    outs = outs if outs is not None else [None] * len(xs)
     with _On(t0.device[1]):
         stream = _stream(t0)
-        qs = [_empty(x.shape, np.uint8, t0) for x in xs]
+        qs = [_empty(x.shape, np.uint8, t0) if o is None else o for x, o in zip(xs, outs)]
         groups: dict[tuple[str, int], list[tuple[int, int, int, int, int]]] = {}
         for i, x in enumerate(xs):
             groups.setdefault((x.dtype, fmts[i].index), []).append(
@@ -374,11 +381,11 @@ def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Format],
 _OUT_STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
 
 
-def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str) -> Any:
+def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *, out: Any | None = None) -> Any:
     device = q.device[1]
     with _On(device):
         stream = _stream(q)
-        y = _empty(q.shape, _OUT_STORAGE[out_dtype], q)
+        y = _empty(q.shape, _OUT_STORAGE[out_dtype], q) if out is None else out
         if q.size:
             plan = _plan(device, "dequantize.cu", f"fp8core::dequantize_kernel<{fmt.index}, {_T[out_dtype]}>")
             plan.launch(plan.grid(q.size), _THREADS, (q.data.data.ptr, y.data.ptr, scale_inv.data.ptr, q.size),
@@ -399,25 +406,26 @@ def _tiles(rows: int, cols: int) -> tuple[int, int]:
     return grid
 
 
-def transpose(q: Tensor) -> Any:
+def transpose(q: Tensor, *, out: Any | None = None) -> Any:
     rows, cols = q.shape
     device = q.device[1]
     with _On(device):
         stream = _stream(q)
-        out = _empty((cols, rows), np.uint8, q)
+        out = _empty((cols, rows), np.uint8, q) if out is None else out
         if q.size:
             plan = _plan(device, "cast_transpose.cu", "fp8core::cast_transpose_kernel<fp8core::Passthrough, 0, false>")
             plan.launch(_tiles(rows, cols), _THREADS, (q.data.data.ptr, 0, out.data.ptr, 0, 0, rows, cols), stream)
         return out
 
 
-def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None) -> tuple[Any, Any]:
+def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *,
+                   out: tuple = (None, None)) -> tuple[Any, Any]:
     rows, cols = x.shape
     device = x.device[1]
     with _On(device):
         stream = _stream(x)
-        q = _empty((rows, cols), np.uint8, x)
-        qt = _empty((cols, rows), np.uint8, x)
+        q = _empty((rows, cols), np.uint8, x) if out[0] is None else out[0]
+        qt = _empty((cols, rows), np.uint8, x) if out[1] is None else out[1]
         if x.size:
             plan = _plan(device, "cast_transpose.cu",
                          f"fp8core::cast_transpose_kernel<{_T[x.dtype]}, {fmt.index}, true>")

@@ -1,0 +1,221 @@
+"""flax.linen integration: :class:`Fp8DotGeneral`, fp8core's FP8 matmul in flax's ``dot_general_cls`` slot.
+
+FP8 goes on with one argument, the way flax users (and MaxText-style configs) switch it on::
+
+    nn.Dense(features, dot_general_cls=fp8core.jax.Fp8DotGeneral)
+    nn.DenseGeneral(features, axis=..., dot_general_cls=partial(Fp8DotGeneral, recipe=..., axis_name="data"))
+
+and ``jnp.einsum(eqn, x, kernel, _dot_general=Fp8DotGeneral())`` inside a compact module (flax 0.12's
+``nn.Einsum`` takes no custom dot_general). The forward pass is two fp8 casts and one fp8 GEMM, the backward
+pass one cast and two GEMMs, all fp8core kernels through ``fp8core.jax`` (CPU and GPU, under ``jit``).
+
+Delayed scaling keeps its state in flax's ``_overwrite_with_gradient`` collection: ``amax_history`` [L, 3],
+``scale`` [3] and ``scale_inv`` [3], the columns being lhs (input), rhs (kernel) and grad_output, laid out like
+:class:`fp8core.ScalingState`. The backward pass returns the updated state as the "gradient" of these
+variables (this step's amaxes in row 0, MAX-reduced over ``axis_name``, then the batched update of the
+contract), so ``flax.training.train_state.TrainState.apply_gradients`` writes it back. Take gradients inside
+``shard_map`` (every device then holds the same reduced state); call each instance once per step (two calls
+would add their updated states).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+
+import fp8core
+from fp8core import DelayedScaling, Float8CurrentScaling
+
+from . import amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
+
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT"]
+
+_MULTIPLE = 16
+_HIGH = ("float32", "bfloat16", "float16")
+
+
+class _Config(NamedTuple):
+    recipe: Any
+    axis_name: Any
+    out_dtype: str
+    lhs_dtype: str
+    rhs_dtype: str
+
+
+def _formats(recipe: Any) -> tuple[fp8core.Format, fp8core.Format, fp8core.Format]:
+    fmt = recipe.fp8_format
+    return fmt.fwd, fmt.fwd, fmt.bwd
+
+
+def _cast(x: jax.Array, slot: int, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
+          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(q, q_t, scale_inv, amax) of one operand: its delayed scale, or its own amax (reduced over the devices
+    first when there are some)."""
+    r, fmt = cfg.recipe, _formats(cfg.recipe)[slot].value
+    if isinstance(r, DelayedScaling):
+        q, qt, a = cast_transpose(x, scale[slot:slot + 1], fmt)
+        return q, qt, scale_inv[slot:slot + 1], a
+    if cfg.axis_name is None:
+        q, s_inv, a = quantize_dynamic(x, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
+        return q, transpose(q), s_inv, a
+    a = reduce_amax(amax(x), cfg.axis_name)
+    s, s_inv = compute_scale(a, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
+    q, qt, _ = cast_transpose(x, s, fmt)
+    return q, qt, s_inv, a
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fp8_dot(x, k, history, scale, scale_inv, cfg):
+    """y[M, N] = x[M, K] · k[K, N] in fp8 (M a multiple of 16); the state's cotangent is its next value."""
+    return _dot_fwd(x, k, history, scale, scale_inv, cfg)[0]
+
+
+def _dot_fwd(x, k, history, scale, scale_inv, cfg):
+    qx, qxt, sx, ax = _cast(x, 0, cfg, scale, scale_inv)
+    qk, qkt, sk, ak = _cast(k, 1, cfg, scale, scale_inv)
+    y = gemm(qx, qkt, sx, sk, cfg.out_dtype)
+    return y, (qxt, qk, sx, sk, ax, ak, history, scale, scale_inv)
+
+
+def _dot_bwd(cfg, res, g):
+    qxt, qk, sx, sk, ax, ak, history, scale, scale_inv = res
+    qg, qgt, sg, ag = _cast(g, 2, cfg, scale, scale_inv)
+    dx = gemm(qg, qk, sg, sk, cfg.lhs_dtype)     # [M, N] · [K, N]ᵀ
+    dk = gemm(qxt, qgt, sx, sg, cfg.rhs_dtype)   # [K, M] · [N, M]ᵀ
+    if not isinstance(cfg.recipe, DelayedScaling):  # no state: the placeholders get zero cotangents
+        return dx, dk, jnp.zeros_like(history), jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
+    row0 = jnp.maximum(history[0], jnp.concatenate([ax, ak, ag]))
+    if cfg.axis_name is not None and cfg.recipe.reduce_amax:
+        row0 = reduce_amax(row0, cfg.axis_name)
+    new = update(history.at[0].set(row0), scale, scale_inv, cfg.recipe, _formats(cfg.recipe))
+    return (dx, dk, *new)
+
+
+_fp8_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def _check_recipe(recipe: Any) -> None:
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(f"recipe: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if recipe.fp8_format is fp8core.Format.E5M2:
+        raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    if isinstance(recipe, DelayedScaling):
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            raise ValueError("recipe: Fp8DotGeneral's functional update takes amax_compute_algo 'max' or "
+                             "'most_recent' and no scaling_factor_compute_algo")
+        if recipe.interval != 1:
+            raise ValueError(f"recipe: Fp8DotGeneral updates the scales every step (interval 1), "
+                             f"got interval {recipe.interval}")
+
+
+def _layout(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+    """Permutations that put lhs as [free..., contracting...] and rhs as [contracting..., free...], and K, N."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc = tuple(int(d) % lhs.ndim for d in lc), tuple(int(d) % rhs.ndim for d in rc)
+    if tuple(lb) or tuple(rb):
+        raise ValueError(f"dimension_numbers: Fp8DotGeneral has no batch dimensions, got lhs {tuple(lb)} "
+                         f"and rhs {tuple(rb)}; use a plain dot_general for batched contractions")
+    if len(lc) != len(rc) or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lc, rc)):
+        raise ValueError(f"dimension_numbers: contracting dims {lc} of lhs {lhs.shape} and {rc} of rhs "
+                         f"{rhs.shape} do not match")
+    lfree = tuple(d for d in range(lhs.ndim) if d not in lc)
+    rfree = tuple(d for d in range(rhs.ndim) if d not in rc)
+    k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
+    n = int(np.prod([rhs.shape[d] for d in rfree], dtype=np.int64))
+    return lfree + lc, rc + rfree, k, n
+
+
+def _dtype_name(dtype: Any, arg: str) -> str:
+    name = jnp.dtype(dtype).name
+    if name not in _HIGH:
+        raise TypeError(f"{arg}: expected float32, bfloat16 or float16, got {name}")
+    return name
+
+
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: dict[str, jax.Array] | None,
+                    recipe: Any, axis_name: Any = None, preferred_element_type: Any = None) -> jax.Array:
+    """``lax.dot_general`` without batch dimensions, in fp8 by fp8core's kernels; the functional core of
+    :class:`Fp8DotGeneral`. ``state`` (delayed scaling): ``{"amax_history", "scale", "scale_inv"}``; its
+    gradient is its next value. The contracted size K and the rhs free size N must be multiples of 16."""
+    _check_recipe(recipe)
+    lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
+    if k % _MULTIPLE or n % _MULTIPLE:
+        raise ValueError(f"dimension_numbers: the contracted size K = {k} and the rhs free size N = {n} must be "
+                         f"multiples of 16 (the fp8 GEMM's limit)")
+    lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
+    out = _dtype_name(preferred_element_type if preferred_element_type is not None
+                      else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
+    ncontract = len(dimension_numbers[0][0])
+    out_shape = tuple(lhs.shape[d] for d in lperm[:lhs.ndim - ncontract]) + \
+        tuple(rhs.shape[d] for d in rperm[ncontract:])
+    x = (lhs if lperm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lperm)).reshape(-1, k)
+    w = (rhs if rperm == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rperm)).reshape(k, n)
+    rows = x.shape[0]
+    if rows % _MULTIPLE:  # the wgrad GEMM contracts over the tokens: zero rows change no amax
+        x = jnp.pad(x, ((0, -rows % _MULTIPLE), (0, 0)))
+    if isinstance(recipe, DelayedScaling):
+        h, s, si = state["amax_history"], state["scale"], state["scale_inv"]
+    else:
+        h = s = si = jnp.zeros(1, jnp.float32)
+    y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname))
+    return y[:rows].reshape(out_shape)
+
+
+class Fp8DotGeneral(nn.Module):
+    """A ``dot_general`` for flax's ``dot_general_cls`` slot (``nn.Dense``, ``nn.DenseGeneral``) doing the
+    matmul in fp8 with fp8core's kernels; call signature of ``lax.dot_general`` (no batch dimensions).
+
+    recipe: ``fp8core.DelayedScaling`` (amax_history_len, amax_compute_algo "max"/"most_recent", margin,
+    power_of_2, epsilon; interval 1) or ``fp8core.Float8CurrentScaling``; fp8_format HYBRID (E4M3 forward, E5M2
+    gradients) or E4M3. axis_name: the mesh axis (or axes) of ``shard_map`` over which amaxes are
+    MAX-reduced, so every device quantizes with the same scales (needs ``recipe.reduce_amax`` for delayed
+    scaling). Shapes: K (contracted) and N (rhs free) multiples of 16; lhs/rhs float32, bfloat16 or float16.
+    """
+
+    recipe: Any = DelayedScaling(amax_history_len=1024)
+    axis_name: Any = None
+
+    def _scaling_variables(self) -> dict[str, jax.Array] | None:
+        _check_recipe(self.recipe)
+        if not isinstance(self.recipe, DelayedScaling):
+            return None
+        L = self.recipe.amax_history_len
+        return {
+            "amax_history": self.variable(OVERWRITE_WITH_GRADIENT, "amax_history",
+                                          lambda: jnp.zeros((L, 3), jnp.float32)).value,
+            "scale": self.variable(OVERWRITE_WITH_GRADIENT, "scale", lambda: jnp.ones(3, jnp.float32)).value,
+            "scale_inv": self.variable(OVERWRITE_WITH_GRADIENT, "scale_inv", lambda: jnp.ones(3, jnp.float32)).value,
+        }
+
+    @nn.compact
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
+                 preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
+        if out_sharding is not None:
+            raise ValueError("out_sharding: Fp8DotGeneral takes its sharding from shard_map, not out_sharding")
+        return fp8_dot_general(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe, self.axis_name,
+                               preferred_element_type)
+
+
+def _einsum_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
+                preferred_element_type: Any = None, *, state: Any, recipe: Any, axis_name: Any) -> jax.Array:
+    return fp8_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type)
+
+
+class Fp8Einsum(Fp8DotGeneral):
+    """``jnp.einsum(eqn, lhs, rhs)`` of two operands in fp8, as :class:`Fp8DotGeneral` (same recipe, state,
+    axis_name; no batch dimensions), for modules that write their einsums out: ``Fp8Einsum()(eqn, x, kernel)``.
+    jnp.einsum hashes its dot_general, which a flax module holding variables cannot be, so this module hands
+    it a plain function over the state instead."""
+
+    @nn.compact
+    def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,  # type: ignore[override]
+                 preferred_element_type: Any = None) -> jax.Array:
+        dot = partial(_einsum_dot, state=self._scaling_variables(), recipe=self.recipe, axis_name=self.axis_name)
+        return jnp.einsum(eqn, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type,
+                          _dot_general=dot)

@@ -75,10 +75,11 @@ def ieee(fn: F) -> F:
     if _loaded is None:
         return fn
     (get, put), default = _loaded
+    sub, one, up, nxt, mone, mnxt = _SUB, _ONE, _UP, _NEXT, -_ONE, -_NEXT  # closure cells: cheaper than globals
 
     @functools.wraps(fn)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        if _SUB * _ONE != 0.0 and _ONE + _UP == _NEXT and -_ONE - _UP == -_NEXT:
+        if sub * one != 0.0 and one + up == nxt and mone - up == mnxt:
             return fn(*args, **kwargs)
         saved = (ctypes.c_ubyte * _ENV_BYTES)()
         get(saved)

@@ -279,6 +279,9 @@ def test_inspect_reads_complex_and_nested_state_dicts(tmp_path, capsys):
     assert "skipped" in rows["c"]
     code, out, err = inspect(capsys, tmp_path / "ckpt.pt")
     assert "skipped: not real-valued" in out
+    torch.save({"w": -torch.ones(3)}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    code, out, err = inspect(capsys, tmp_path / "legacy.pth", "--json")  # the pre-1.6 format: no memory map
+    assert code == 0 and strict_json(out)["w"]["amax"] == 1.0
 
 
 def test_inspect_plot_reports_the_file_written(tmp_path, capsys):

@@ -390,8 +390,8 @@ def empty(shape: Any, dtype: Any, like: Tensor) -> np.ndarray:
         storage = np.dtype(_STORAGE.get(dt.name, dt))
         torch_dt = {1: torch.uint8, 2: torch.int16}[storage.itemsize] if storage != dt else getattr(torch, dt.name)
         spec = _TORCH_EMPTY[dt.num] = (torch_dt, storage.str, None if storage == dt else dt)
-    t = _torch.empty(shape, dtype=spec[0])
-    return t.numpy() if spec[2] is None else _torch_cpu_array(t, spec[1], spec[2])
+    arr = _torch.empty(shape, dtype=spec[0]).numpy()  # uint8/int16 storage: NumPy-native, no dtype view in torch
+    return arr if spec[2] is None else arr.view(spec[2])
 
 
 def _pointer(data: Any) -> int:

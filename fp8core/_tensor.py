@@ -40,7 +40,7 @@ Device = tuple  # ("cpu", 0) or ("cuda", ordinal)
 _CPU = ("cpu", 0)
 
 
-@dataclass(slots=True)
+@dataclass
 class Tensor:
     data: Any
     dtype: str

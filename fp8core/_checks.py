@@ -14,8 +14,8 @@ import numpy as np
 
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
 
-__all__ = ["MAX_MARGIN", "AMAX_ALGOS", "margin", "epsilon", "flag", "amax_algo", "scale_value", "fmt",
-           "out_dtype", "array_sequence"]
+__all__ = ["MAX_MARGIN", "AMAX_ALGOS", "margin", "epsilon", "flag", "amax_algo", "scale_value", "scale_values",
+           "fmt", "out_dtype", "array_sequence", "high_precision_name"]
 
 MAX_MARGIN = 512
 AMAX_ALGOS = ("max", "most_recent")

@@ -40,7 +40,7 @@ Device = tuple  # ("cpu", 0) or ("cuda", ordinal)
 _CPU = ("cpu", 0)
 
 
-@dataclass(slots=True)
+@dataclass
 class Tensor:
     data: Any
     dtype: str
@@ -128,9 +128,10 @@ def _torch_info(dt: Any, arg: str) -> tuple[str, str, Any]:
 
 
 class _TorchMemory:
-    """A torch CPU tensor's memory as NumPy sees it: reading the pointer, shape and strides directly is about
-    twice as fast as ``Tensor.numpy()`` (which also needs a dtype view for bf16 and fp8). The reference to
-    the tensor keeps the memory alive for as long as the NumPy view lives."""
+    """A torch CPU tensor's memory as NumPy sees it, read from its pointer, shape and strides. Not
+    ``Tensor.numpy()``: that marks the storage non-resizable for good, a side effect on the caller's tensors
+    (and on outputs, which should be ordinary torch tensors); it also needs a dtype view for bf16 and fp8.
+    The reference to the tensor keeps the memory alive for as long as the NumPy view lives."""
 
     __slots__ = ("__array_interface__", "tensor")
 
@@ -169,10 +170,7 @@ def _from_torch(t: Any, arg: str) -> Tensor:
     if not t.is_cpu:
         raise ValueError(f"{arg}: torch device '{t.device}' is neither CPU nor CUDA")
     try:
-        if logical is None:  # a dtype NumPy has: torch's own conversion is the quickest
-            arr = (t.detach() if t.requires_grad else t).numpy()
-        else:
-            arr = _torch_cpu_array(t, typestr, logical)
+        arr = _torch_cpu_array(t, typestr, logical)
     except RuntimeError as e:  # tensor subclasses without storage (DTensor, fake tensors)
         raise TypeError(f"{arg}: could not read the torch tensor's memory: {e}") from e
     return Tensor(arr, name, _CPU, "torch")
@@ -390,8 +388,7 @@ def empty(shape: Any, dtype: Any, like: Tensor) -> np.ndarray:
         storage = np.dtype(_STORAGE.get(dt.name, dt))
         torch_dt = {1: torch.uint8, 2: torch.int16}[storage.itemsize] if storage != dt else getattr(torch, dt.name)
         spec = _TORCH_EMPTY[dt.num] = (torch_dt, storage.str, None if storage == dt else dt)
-    t = _torch.empty(shape, dtype=spec[0])
-    return t.numpy() if spec[2] is None else _torch_cpu_array(t, spec[1], spec[2])
+    return _torch_cpu_array(_torch.empty(shape, dtype=spec[0]), spec[1], spec[2])
 
 
 def _pointer(data: Any) -> int:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import fp8core
+from fp8core import _checks
 from conftest import requires_gpu
 
 torch = pytest.importorskip("torch")
@@ -147,3 +148,34 @@ def test_native_and_little_endian_arrays_still_pass():
     q = fp8core.quantize(x.astype("=f2"), 1.0)
     assert q.dtype == np.dtype(ml_dtypes.float8_e4m3fn)
     assert fp8core.amax(np.array([1, -3], ">f4").astype("<f4"))[0] == 3.0
+
+
+# The scalar rules, as the torch custom ops and fp8core.jax call them (fp8core._checks).
+RULES = [
+    ("amax_algo mean", lambda: _checks.amax_algo("mean"), ValueError, "amax_compute_algo"),
+    ("amax_algo None", lambda: _checks.amax_algo(None), ValueError, "amax_compute_algo"),
+    ("flag int", lambda: _checks.flag(1, "update_scale"), TypeError, "update_scale"),
+    ("margin bool", lambda: _checks.margin(True), TypeError, "margin"),
+    ("margin 10000", lambda: _checks.margin(10000), ValueError, "margin"),
+    ("epsilon NaN", lambda: _checks.epsilon(math.nan), ValueError, "epsilon"),
+    ("scale 0", lambda: _checks.scale_value(0.0, "scale"), ValueError, "scale"),
+    ("scale string", lambda: _checks.scale_value("1", "scale"), TypeError, "scale"),
+    ("out_dtype float64", lambda: _checks.out_dtype(np.float64), ValueError, "out_dtype"),
+    ("fmt hybrid", lambda: _checks.fmt("hybrid"), ValueError, "fmt"),
+]
+
+
+@pytest.mark.parametrize("case,call,exc,arg", RULES, ids=[r[0] for r in RULES])
+def test_scalar_rules_refuse_by_name(case, call, exc, arg):
+    with pytest.raises(exc, match=f"^{arg}: "):
+        call()
+
+
+def test_scalar_rules_pass_valid_values_through():
+    assert _checks.amax_algo("most_recent") == "most_recent"
+    assert _checks.flag(np.bool_(True), "power_of_2") is True
+    assert _checks.margin(np.int64(-3)) == -3 and type(_checks.margin(np.int64(-3))) is int
+    assert _checks.epsilon(np.float32(0.5)) == 0.5 and _checks.epsilon(0) == 0.0
+    assert _checks.scale_value(np.float32(2), "scale") == 2.0
+    assert _checks.out_dtype(torch.bfloat16) == "bfloat16"
+    assert _checks.array_sequence((np.ones(2),))[0].shape == (2,)

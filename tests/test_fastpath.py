@@ -261,3 +261,13 @@ def test_a_forked_child_can_use_the_thread_pool():
         proc.join()
     assert not hung, "the forked child hung on its first pooled call"
     assert proc.exitcode == 0 and queue.get(timeout=5) == 1.0
+
+
+def test_inputs_stay_resizable():
+    """Reading a tensor must not change it: Tensor.numpy() would mark its storage non-resizable for good."""
+    xs = [torch.randn(8), torch.randn(8, dtype=torch.bfloat16), torch.ones(1)]
+    fp8core.quantize(xs[0], xs[2], amax_out=torch.zeros(1))
+    fp8core.amax(xs[1])
+    for x in xs:
+        assert x.untyped_storage().resizable()
+        x.resize_(16)

@@ -22,6 +22,7 @@ Array = Any
 MAX_MARGIN = _checks.MAX_MARGIN
 _HP = frozenset(HIGH_PRECISION_DTYPES)
 _F32_MAX = 3.4028234663852886e38
+_F32_MIN_NORMAL = 1.1754943508222875e-38
 
 
 # ---- argument checks shared by every primitive; the same errors on every backend ---------------------------
@@ -99,7 +100,8 @@ def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
     """A 1-element float32 array on x's device (a Python float becomes one)."""
     tp = type(obj)
     if tp is float or tp is int or (isinstance(obj, (float, int)) and not isinstance(obj, bool)):
-        if -_F32_MAX <= obj <= _F32_MAX and x.device[0] == "cpu":
+        # fp32 normals (and 0) convert the same in any floating-point mode; the rest go through the guard
+        if (_F32_MIN_NORMAL <= abs(obj) <= _F32_MAX or obj == 0) and x.device[0] == "cpu":
             return np.array([obj], np.float32)
         return _new_f32([obj], x)
     data = _f32_vector(obj, x, arg, xarg).data

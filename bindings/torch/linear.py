@@ -214,7 +214,7 @@ class Float8Linear(torch.nn.Linear):
                               error_msgs):
         keys = [prefix + k for k in _KEYS]
         if self._fp8_group is not None:
-            found = _checked_state(self, state_dict, prefix, strict)  # before anything is written
+            found = _checked_state(self, state_dict, prefix)  # before anything is written
             if found is not None:
                 hist, scale, scale_inv, steps = found
                 assign = local_metadata.get("assign_to_params_buffers", False)
@@ -225,7 +225,7 @@ class Float8Linear(torch.nn.Linear):
                         else:
                             getattr(self, name).copy_(src)
                 self._fp8_group.steps = steps
-            elif strict:
+            else:
                 missing_keys.extend(keys)
             state_dict = {k: v for k, v in state_dict.items() if k not in keys}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -241,14 +241,12 @@ def _check_features(in_features: int, out_features: int) -> None:
             raise ValueError(f"{name}: {v} is not a multiple of {_GEMM_MULTIPLE} (the FP8 GEMM's limit)")
 
 
-def _checked_state(module: Float8Linear, state_dict: Any, prefix: str, strict: bool) -> Optional[tuple]:
-    """The module's fp8 entries of ``state_dict``, validated; None when absent (and allowed to be)."""
+def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Optional[tuple]:
+    """The module's fp8 entries of ``state_dict``, validated; None when all are absent (torch then reports them
+    as missing keys when strict, and the module keeps its state when not: modules cannot see ``strict``)."""
     keys = [prefix + k for k in _KEYS]
     present = [k in state_dict for k in keys]
     if not any(present):
-        if strict:
-            raise KeyError(f"state_dict: missing {', '.join(keys)} (the delayed-scaling state of {prefix[:-1] or 'the module'}); "
-                           "load with strict=False to keep the module's own state")
         return None
     if not all(present):
         missing = [k for k, p in zip(keys, present) if not p]
@@ -265,7 +263,7 @@ def validate_fp8_checkpoint(module, state_dict, prefix, local_metadata, strict, 
     every Float8Linear below ``module`` checks its entries before any module writes anything."""
     for name, m in module.named_modules(prefix=prefix[:-1] if prefix else ""):
         if isinstance(m, Float8Linear) and m._fp8_group is not None:
-            _checked_state(m, state_dict, f"{name}." if name else "", strict)
+            _checked_state(m, state_dict, f"{name}." if name else "")
 
 
 def convert_to_float8(module: torch.nn.Module, recipe: Any = None,

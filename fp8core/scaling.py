@@ -311,7 +311,11 @@ class ScalingState:
         if hasattr(result, "wait") and callable(result.wait):
             result.wait()
             return
-        got = _contiguous(wrap(result, "reduce's result"), "reduce's result")
+        try:
+            got = _contiguous(wrap(result, "reduce's result"), "reduce's result")
+        except TypeError as e:
+            raise TypeError(f"reduce: returned {type(result).__name__}; expected None (reduced in place) or the "
+                            f"reduced row 0 as an array of {self.num_tensors} float32 values") from e
         if got.dtype != "float32" or got.size != self.num_tensors:
             raise ValueError(f"reduce: returned {got.size} {got.dtype} values; expected None (reduced in place) "
                              f"or the reduced row 0 as {self.num_tensors} float32 values")

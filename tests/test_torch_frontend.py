@@ -285,3 +285,47 @@ def test_two_ranks_reduce_amax_to_identical_scales(tmp_path):
     reduced = r0["state"][: L * 3].view(L, 3)[L - 1, 0].item()
     assert reduced == max(r0["local_amax"].item(), r1["local_amax"].item())
     assert r0["local_amax"].item() != r1["local_amax"].item()
+
+
+# ---- torch.ops.fp8core.update checks everything before it launches --------------------------------------------
+
+def _update_args(**over):
+    args = dict(history=torch.rand(4, 3) + 1, scale=torch.ones(3), scale_inv=torch.ones(3),
+                fp8_max=torch.full((3,), 448.0), non_finite=torch.zeros(3, dtype=torch.bool), margin=0, algo="max",
+                power_of_2=False, epsilon=0.0, update_scale=True)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,err,match", [
+    ({"margin": 10000}, ValueError, r"margin: expected \|margin\| <= 512"),
+    ({"algo": "mean"}, ValueError, "algo: expected one of"),
+    ({"epsilon": float("inf")}, ValueError, "epsilon"),
+    ({"epsilon": -1.0}, ValueError, "epsilon"),
+    ({"history": torch.ones(4, 3, dtype=torch.float64)}, TypeError, "history: expected float32, got float64"),
+    ({"history": torch.ones(12)}, ValueError, r"history: expected shape \[L, N\]"),
+    ({"history": torch.ones(3, 4).t()}, ValueError, "history: expected a contiguous"),
+    ({"scale": torch.ones(4)}, ValueError, r"scale: expected shape \(3,\)"),
+    ({"scale_inv": torch.ones(3, dtype=torch.bfloat16)}, TypeError, "scale_inv: expected float32"),
+    ({"fp8_max": torch.ones(2)}, ValueError, r"fp8_max: expected shape \(3,\)"),
+    ({"non_finite": torch.zeros(3)}, TypeError, "non_finite: expected bool, got float32"),
+    ({"non_finite": torch.zeros(4, dtype=torch.bool)}, ValueError, "non_finite: expected shape"),
+])
+def test_update_op_checks_before_it_writes(over, err, match):
+    args = _update_args(**over)
+    before = [a.clone() for a in args.values() if isinstance(a, torch.Tensor)]
+    with pytest.raises(err, match=match):
+        torch.ops.fp8core.update(*args.values())
+    after = [a for a in args.values() if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_update_op_matches_scaling_state():
+    args = _update_args(margin=1)
+    st = fp8core.ScalingState(3, fp8core.DelayedScaling(amax_history_len=4, margin=1),
+                              formats=[fp8core.Format.E4M3] * 3)
+    st.amax_history[...] = args["history"].numpy()
+    torch.ops.fp8core.update(*args.values())
+    st.update()
+    assert torch.equal(bits(args["history"]), bits(torch.from_numpy(st.amax_history.copy())))
+    assert torch.equal(bits(args["scale"]), bits(torch.from_numpy(st.scale.copy())))

@@ -1,6 +1,6 @@
-"""fp8core.torch on the CPU: custom ops (opcheck, compile), Float8Linear against nn.Linear, training, autocast
-(gradient accumulation, did-not-run, distributed amax over gloo), state_dict. test_gpu_torch.py runs the
-device-specific parts on CUDA."""
+"""fp8core.torch on the CPU: custom ops (opcheck, compile, argument checks), Float8Linear against nn.Linear,
+training, autocast (gradient accumulation, did-not-run), state_dict. test_torch_transforms.py: module transforms;
+test_torch_distributed.py: DDP and FSDP2; test_gpu_torch.py: the device-specific parts on CUDA."""
 
 import copy
 import os
@@ -249,42 +249,6 @@ def test_training_200_steps_tracks_the_fp32_loss():
     first, last = np.mean(losses[:10], axis=0), np.mean(losses[-20:], axis=0)
     assert last[0] < 0.2 * first[0]  # the task is learnt
     assert abs(last[1] - last[0]) <= 0.25 * last[0] + 1e-3, f"fp32 {last[0]:.4g}, fp8 {last[1]:.4g}"
-
-
-# ---- distributed amax (2 processes, gloo) -------------------------------------------------------------------
-
-def _rank_main(rank, world, port, out_dir):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = convert_to_float8(mlp(), RECIPE)
-    torch.manual_seed(100 + rank)
-    x = torch.randn(32, 64) * (1 + 3 * rank)  # different amaxes per rank
-    local = x.abs().max()
-    with autocast():
-        model(x).sum().backward()
-    torch.save({"state": fp8_state(model), "local_amax": local}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def test_two_ranks_reduce_amax_to_identical_scales(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mp.spawn(_rank_main, args=(2, port, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
-    assert torch.equal(bits(r0["state"]), bits(r1["state"]))
-    L = RECIPE.amax_history_len
-    reduced = r0["state"][: L * 3].view(L, 3)[L - 1, 0].item()
-    assert reduced == max(r0["local_amax"].item(), r1["local_amax"].item())
-    assert r0["local_amax"].item() != r1["local_amax"].item()
 
 
 # ---- torch.ops.fp8core.update checks everything before it launches --------------------------------------------

@@ -1,4 +1,5 @@
-"""Float8Linear, a drop-in nn.Linear whose three GEMMs run in fp8, and convert_to_float8.
+"""Float8Linear, a drop-in nn.Linear whose three GEMMs run in fp8 inside ``autocast`` (in high precision, exactly
+nn.Linear, outside it), and convert_to_float8. Where its delayed-scaling state lives and why: scaling.py.
 
 Forward: input and weight are cast (forward format) by ``cast_transpose``, which also writes the transposes
 the backward GEMMs need, so the backward makes no extra pass over them. Backward: grad_output is cast (backward

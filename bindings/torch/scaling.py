@@ -35,7 +35,6 @@ from fp8core import DelayedScaling, Format, ScalingState
 
 SLOTS = 3  # per Float8Linear: input (forward format), weight (forward), grad_output (backward format)
 STATE = ("_fp8_history", "_fp8_scale", "_fp8_scale_inv")
-_live: "weakref.WeakSet[SharedScaling]" = weakref.WeakSet()
 _local = threading.local()
 
 
@@ -61,7 +60,6 @@ class SharedScaling:
         self._members: dict[int, weakref.ref] = {}
         self._next = 0
         self._engine: Optional[ScalingState] = None
-        _live.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "steps": self.steps, "next": self._next}
@@ -69,7 +67,6 @@ class SharedScaling:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.recipe, self.steps, self._next = state["recipe"], state["steps"], state["next"]
         self._members, self._engine = {}, None
-        _live.add(self)
 
     def __repr__(self) -> str:
         return f"SharedScaling({len(self.modules())} modules, steps={self.steps}, recipe={self.recipe})"

@@ -116,3 +116,72 @@ def test_two_ranks_match_one_process_on_the_global_batch(wrapper, tmp_path):
             assert bits_equal(got["params"], ref["params"]), f"{name}: rank {r}'s weights after {STEPS} steps"
         if name == "delayed":
             assert ranks[0][name]["state"][1][0] != 1.0  # the scales moved
+
+
+# ---- FP8 weight all-gather under FSDP2 -----------------------------------------------------------------------
+
+def _fp8_all_gather_main(rank, port, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8core.torch import enable_fsdp_float8_all_gather
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    sent = []
+    gather = dist.all_gather_single
+
+    def counting(output, input, *args, **kwargs):  # the bytes this rank puts on the wire
+        sent.append(input.numel() * input.element_size())
+        return gather(output, input, *args, **kwargs)
+
+    dist.all_gather_single = counting
+    results = {}
+    for name, recipe in RECIPES.items():
+        for fp8_gather in (False, True):
+            model = make(recipe).bfloat16()
+            if fp8_gather:
+                enable_fsdp_float8_all_gather(model)
+            fully_shard(model[0])
+            fully_shard(model[2])
+            fully_shard(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            sent.clear()
+            outs, grads = [], []
+            for step in range(STEPS):
+                with autocast():
+                    y = model(batch(step, rank).bfloat16())
+                    y.float().square().sum().backward()
+                grads += [p.grad.to_local().clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad()
+                outs.append(y.detach())
+            shards = [getattr(p.to_local(), "_tensor", p.to_local()).detach().clone() for p in model.parameters()]
+            results[name, fp8_gather] = {"outs": outs, "grads": grads, "shards": shards, "state": fp8_state(model),
+                                         "bytes": sum(sent)}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_fp8_all_gather_equals_the_bf16_all_gather_on_half_the_weight_bytes(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.spawn(_fp8_all_gather_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    model = make(RECIPES["delayed"])
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear)) // WORLD
+    biases = sum(m.bias.numel() for m in model.modules() if isinstance(m, Float8Linear)) // WORLD
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in RECIPES:
+            bf16, fp8 = got[name, False], got[name, True]
+            for key in ("outs", "grads", "shards", "state"):
+                assert len(bf16[key]) == len(fp8[key]) > (0 if key == "state" else 2)
+                assert all(torch.equal(a, b) for a, b in zip(bf16[key], fp8[key])), f"{name}: rank {rank}'s {key}"
+            rounds, rest = divmod(bf16["bytes"], 2 * (weights + biases))  # all-gathers of both layers
+            assert rest == 0 and rounds >= STEPS
+            assert fp8["bytes"] == rounds * (weights + 2 * biases)  # the weights' bytes halve; biases stay bf16

@@ -5,7 +5,8 @@ The numerics are fp8core's (docs/numerics.md); CPU and CUDA tensors alike.
 """
 
 from . import ops
+from .fsdp import enable_fsdp_float8_all_gather
 from .linear import Float8Linear, convert_to_float8
 from .scaling import SharedScaling, autocast
 
-__all__ = ["ops", "Float8Linear", "convert_to_float8", "autocast", "SharedScaling"]
+__all__ = ["ops", "Float8Linear", "convert_to_float8", "autocast", "SharedScaling", "enable_fsdp_float8_all_gather"]

@@ -22,6 +22,7 @@ from fp8core import DelayedScaling, Float8CurrentScaling
 from fp8core.scaling import check_state_values
 
 from . import ops
+from .fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from .scaling import SLOTS, STATE, SharedScaling, check_recipe, current_context, initial_state
 
 __all__ = ["Float8Linear", "convert_to_float8"]
@@ -45,31 +46,54 @@ def _cast(x: torch.Tensor, fmt: str, state: Optional[tuple], slot: int, current:
     return q, qt, scale_inv[slot:slot + 1].clone()  # the scale_inv of this cast, whatever updates follow
 
 
+def _weight_cast(weight: torch.Tensor, fmt: str, state: Optional[tuple], current: tuple
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if isinstance(weight, Float8GatheredWeight):  # gathered in fp8 by FSDP2: cast, and its amax taken, there
+        return weight._data, ops.transpose(weight._data), weight._scale_inv.clone()
+    if isinstance(weight, Float8AllGatherWeight):  # not sharded: the weight itself
+        weight = weight._tensor
+    return _cast(weight, fmt, state, 1, current)
+
+
 class _Float8Matmul(torch.autograd.Function):
+    """x [..., in] -> [..., out]; the token count is zero-padded to a multiple of 16 inside (the wgrad GEMM's
+    limit), and the output is not a view (FSDP2 warns that in-place ops on a module's view output lose its
+    pre-backward hook)."""
+
     @staticmethod
-    def forward(ctx, x2, weight, bias, hist, scale, scale_inv, fwd, bwd, current):
+    def forward(ctx, x, weight, bias, hist, scale, scale_inv, fwd, bwd, current):
         state = None if hist is None else (hist, scale, scale_inv)
-        w_q, w_t, w_inv = _cast(weight, fwd, state, 1, current)
+        x2, rows = _padded(x.reshape(-1, x.shape[-1]))
+        w_q, w_t, w_inv = _weight_cast(weight, fwd, state, current)
         x_q, x_t, x_inv = _cast(x2, fwd, state, 0, current)
         fused = bias is not None and _BIAS_EPILOGUE.get(x2.dtype) == bias.dtype
         y = ops.gemm(x_q, w_q, x_inv, w_inv, x2.dtype, bias if fused else None)
         if bias is not None and not fused:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
-        ctx.state, ctx.bwd, ctx.current = state, bwd, current
+        ctx.state, ctx.bwd, ctx.current, ctx.x_shape = state, bwd, current, x.shape
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y
+        return y[:rows].reshape(*x.shape[:-1], y.shape[-1]).detach()
 
     @staticmethod
     def backward(ctx, grad):
         x_t, w_t, x_inv, w_inv = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g_q, g_t, g_inv = _cast(grad.contiguous(), ctx.bwd, ctx.state, 2, ctx.current)
-        dx = ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype) if ctx.needs_input_grad[0] else None
+        g2, rows = _padded(grad.reshape(-1, grad.shape[-1]))
+        g_q, g_t, g_inv = _cast(g2, ctx.bwd, ctx.state, 2, ctx.current)
+        dx = ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype)[:rows].reshape(ctx.x_shape) if ctx.needs_input_grad[0] \
+            else None
         dw = ops.gemm(g_t, x_t, g_inv, x_inv, w_dtype) if ctx.needs_input_grad[1] else None
-        db = grad.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
+        db = g2.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
         # db summed in float64: the same bits whatever order a compiler picks for the reduction
         return dx, dw, db, None, None, None, None, None, None
+
+
+def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[rows, k] zero-padded to a multiple of 16 rows (zeros add nothing to the sums nor to the amaxes)."""
+    rows = x2.shape[0]
+    pad = -rows % _GEMM_MULTIPLE
+    return (F.pad(x2, (0, 0, 0, pad)) if pad else x2).contiguous(), rows
 
 
 _KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
@@ -173,14 +197,8 @@ class Float8Linear(torch.nn.Linear):
         if x.is_cuda and not _have_cupy():
             raise RuntimeError("Float8Linear: CUDA tensors need CuPy for fp8core's kernels "
                                "(pip install cupy-cuda13x, or fp8core[cuda])")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        if rows == 0:
+        if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
-        pad = -rows % _GEMM_MULTIPLE
-        if pad:
-            x2 = F.pad(x2, (0, 0, 0, pad))
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
         if self._fp8_group is None:
@@ -191,10 +209,7 @@ class Float8Linear(torch.nn.Linear):
                 self._fp8_follow(self.weight.device)
             state, current = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv), None
             ctx.ran[self._fp8_group] = None
-        y = _Float8Matmul.apply(x2.contiguous(), self.weight, self.bias, *state, fwd, bwd, current)
-        if pad:
-            y = y[:rows]
-        return y.reshape(*lead, self.out_features)
+        return _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current)
 
     def _fp8_follow(self, device: torch.device) -> None:
         """The state to the weight's device (FSDP2's fully_shard moves parameters and buffers only)."""

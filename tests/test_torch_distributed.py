@@ -180,7 +180,7 @@ def test_fsdp2_fp8_all_gather_equals_the_bf16_all_gather_on_half_the_weight_byte
         for name in RECIPES:
             bf16, fp8 = got[name, False], got[name, True]
             for key in ("outs", "grads", "shards", "state"):
-                assert len(bf16[key]) == len(fp8[key]) > (0 if key == "state" else 2)
+                assert len(bf16[key]) == len(fp8[key]) and (bf16[key] or (key, name) == ("state", "current"))
                 assert all(torch.equal(a, b) for a, b in zip(bf16[key], fp8[key])), f"{name}: rank {rank}'s {key}"
             rounds, rest = divmod(bf16["bytes"], 2 * (weights + biases))  # all-gathers of both layers
             assert rest == 0 and rounds >= STEPS

@@ -368,3 +368,15 @@ def test_clear_errors():
         y = lin(torch.randn(2, 3, 32))  # any leading shape; rows padded for the GEMM
         assert y.shape == (2, 3, 32)
 
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 32), (16, 32), (5, 32)])
+def test_the_output_is_not_a_view(shape):
+    # FSDP2 hooks a module's output for its backward all-gather; an in-place op on a view output loses the hook
+    lin = Float8Linear(32, 48)
+    x = torch.randn(*shape, requires_grad=True)
+    with autocast():
+        y = lin(x)
+        assert not y._is_view() and y.shape == (*shape[:-1], 48)
+        y.sum().backward()
+    assert x.grad.shape == x.shape

@@ -14,7 +14,8 @@ A :class:`SharedScaling` (one per :func:`convert_to_float8` call) holds no tenso
 modules by slot (weakly), and at each update it reads their *current* tensors, gathers them into a workspace
 of its own on their device, makes one all-reduce (MAX) of row 0 and one batched update there for the whole
 model, and writes the results back. So a transform between two steps, whatever it did to the storage, is seen
-at the next step, and the batched update never reads freed or stale memory.
+at the next step, and the batched update never reads freed or stale memory. (Within one step, from a forward
+to its backward, the autograd graph holds the tensors that forward used, as it holds the weight.)
 
 Outside :func:`autocast` (and inside ``autocast(enabled=False)``) Float8Linear runs in high precision, as
 ``nn.Linear`` does: Transformer Engine's rule. fp8 runs only where its scales are kept up to date.

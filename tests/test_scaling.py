@@ -1,5 +1,8 @@
 """The scale rule and the batched delayed-scaling update."""
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -252,3 +255,35 @@ def test_the_buffer_is_read_afresh_at_every_call():
 def test_a_recipe_margin_out_of_range_is_refused_at_construction():
     with pytest.raises(ValueError, match="margin"):
         ScalingState(2, DelayedScaling(margin=10 ** 6))
+
+
+def test_scaling_state_pickles_and_deep_copies():
+    st = ScalingState(3, DelayedScaling(amax_history_len=8))
+    st.amax_history[0] = [1.0, 2.0, 4.0]
+    st.update()
+    for other in (pickle.loads(pickle.dumps(st)), copy.deepcopy(st)):
+        np.testing.assert_array_equal(other.buffer, st.buffer)
+        assert other.steps == 1
+        assert other.buffer is not st.buffer
+        other.amax_history[0] = [8.0, 8.0, 8.0]
+        other.update()
+        assert st.scale[2] == 448.0 / 4 and st.steps == 1  # the original is untouched
+    assert "ScalingState(num_tensors=3, history_len=8" in repr(st)
+
+
+def test_scaling_state_load_state_dict_validates_first():
+    st = ScalingState(3, DelayedScaling(amax_history_len=8))
+    st.amax_history[0] = [1.0, 2.0, 4.0]
+    st.update()
+    before = st.buffer.copy()
+    good = ScalingState(3, DelayedScaling(amax_history_len=8)).state_dict()
+    for key, value, err in [("scale", good["scale"].astype("float64"), TypeError),
+                            ("scale", -good["scale"], ValueError),
+                            ("amax_history", good["amax_history"][:4], ValueError),
+                            ("steps", 1.0, ValueError), ("steps", True, ValueError)]:
+        bad = dict(good, **{key: value})
+        with pytest.raises(err, match=key):
+            st.load_state_dict(bad)
+        assert (st.buffer == before).all() and st.steps == 1
+    with pytest.raises(KeyError, match="'scale_inv'"):
+        st.load_state_dict({k: v for k, v in good.items() if k != "scale_inv"})

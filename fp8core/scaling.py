@@ -34,7 +34,7 @@ def _parse_device(device: Any) -> tuple:
         try:
             import cupy
         except ImportError as e:
-            raise RuntimeError("device: 'cuda' needs CuPy (pip install cupy-cuda13x)") from e
+            raise RuntimeError("device: 'cuda' needs CuPy (pip install 'fp8core[cuda13]', or [cuda12])") from e
         return ("cuda", cupy.cuda.Device().id)
     if text.startswith("cuda:") and text[5:].isdigit():
         return ("cuda", int(text[5:]))

@@ -196,7 +196,7 @@ class Float8Linear(torch.nn.Linear):
                                "(module.to_empty(device=...), then initialise or load_state_dict)")
         if x.is_cuda and not _have_cupy():
             raise RuntimeError("Float8Linear: CUDA tensors need CuPy for fp8core's kernels "
-                               "(pip install cupy-cuda13x, or fp8core[cuda])")
+                               "(pip install 'fp8core[cuda13]', or [cuda12] to match the driver)")
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         fmt = self.recipe.fp8_format

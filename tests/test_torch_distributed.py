@@ -46,8 +46,21 @@ def _rank_main(rank, port, out_dir, wrapper):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    calls = []
+    all_reduce, update = dist.all_reduce, fp8core.ScalingState.update
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(("all_reduce", tensor.numel()))
+        return all_reduce(tensor, *args, **kwargs)
+
+    def counting_update(self, *args, **kwargs):
+        calls.append(("update", self.num_tensors))
+        return update(self, *args, **kwargs)
+
+    dist.all_reduce, fp8core.ScalingState.update = counting_all_reduce, counting_update
     results = {}
     for name, recipe in RECIPES.items():
+        calls.clear()
         model = make(recipe)
         assert not list(model.buffers())  # nothing for DDP to broadcast over the amaxes a rank accumulated
         if wrapper == "ddp":
@@ -67,7 +80,7 @@ def _rank_main(rank, port, out_dir, wrapper):
             opt.step()
             opt.zero_grad()
             outs.append(y.detach())
-        results[name] = {"outs": outs, "state": fp8_state(model),
+        results[name] = {"outs": outs, "state": fp8_state(model), "calls": [c for c in calls if c[1] == 6],
                          "params": [full(p.detach()).clone() for p in model.parameters()]}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -116,6 +129,10 @@ def test_two_ranks_match_one_process_on_the_global_batch(wrapper, tmp_path):
             assert bits_equal(got["params"], ref["params"]), f"{name}: rank {r}'s weights after {STEPS} steps"
         if name == "delayed":
             assert ranks[0][name]["state"][1][0] != 1.0  # the scales moved
+            # per step, for the whole model (2 layers, 6 tensors): one batched update, its one all-reduce of row 0
+            assert all(got[name]["calls"] == [("update", 6), ("all_reduce", 6)] * STEPS for got in ranks)
+        else:
+            assert all(got[name]["calls"] == [] for got in ranks)
 
 
 # ---- FP8 weight all-gather under FSDP2 -----------------------------------------------------------------------

@@ -135,13 +135,16 @@ def _steps(steps: Any, arg: str) -> int:
 
 @contextlib.contextmanager
 def _caller_stream(t: Tensor) -> Iterator[None]:
-    """Launch on the caller's current torch stream when the buffer is a CUDA torch tensor."""
+    """Every launch and every CuPy write on the caller's current torch stream when the buffer is a CUDA torch
+    tensor (a torch side stream does not wait for CuPy's default stream)."""
     if t.is_cuda and t.origin == "torch":
+        import cupy
         import torch
 
         from .backends.cuda import launch_stream
 
-        with launch_stream(torch.cuda.current_stream(t.device[1]).cuda_stream):
+        handle = torch.cuda.current_stream(t.device[1]).cuda_stream
+        with launch_stream(handle), cupy.cuda.ExternalStream(handle, t.device[1]):
             yield
     else:
         yield
@@ -182,10 +185,11 @@ class ScalingState:
         else:
             self._check_buffer(buffer)
             self.buffer = buffer
-        data = self._data()
-        data[...] = 0
-        data[L * n:] = 1.0
-        with self._on_device():
+        t = self._check_buffer(self.buffer)
+        with self._on_device(), _caller_stream(t):
+            data = t.data.reshape(-1)
+            data[...] = 0
+            data[L * n:] = 1.0
             self.fp8_max = xp.asarray(np.array([f.max for f in self.formats], np.float32))
             self.non_finite = xp.zeros(n, dtype=xp.bool_)
         self.steps = 0
@@ -320,7 +324,9 @@ class ScalingState:
             raise ValueError(f"reduce: returned {got.size} {got.dtype} values; expected None (reduced in place) "
                              f"or the reduced row 0 as {self.num_tensors} float32 values")
         _same_device(got, wrap(row0, "row0"), "reduce's result", "the state")
-        self._data()[: self.num_tensors] = got.data.reshape(-1)
+        t = self._check_buffer(self.buffer)
+        with _caller_stream(t):
+            t.data.reshape(-1)[: self.num_tensors] = got.data.reshape(-1)
 
     def _update_callable(self, H: Any, scale: Any, scale_inv: Any, update_scale: bool) -> None:
         """The array path for callable algorithms: same roll, same did-not-run rule. Every result is checked
@@ -381,12 +387,13 @@ class ScalingState:
                 raise KeyError(f"state: missing key {key!r} (expected amax_history, scale, scale_inv, steps)")
         steps = check_state_values(state["amax_history"], state["scale"], state["scale_inv"], state["steps"],
                                    self.num_tensors, self.history_len)
-        data = self._data()
+        t = self._check_buffer(self.buffer)
         xp = backends.for_device(self.device).xp
         n, L = self.num_tensors, self.history_len
-        with self._on_device():
+        with self._on_device(), _caller_stream(t):
+            data = t.data.reshape(-1)
             parts = [xp.asarray(_host(state[k], k)[0]).reshape(-1) for k in ("amax_history", "scale", "scale_inv")]
-        data[: L * n], data[L * n: L * n + n], data[L * n + n:] = parts
+            data[: L * n], data[L * n: L * n + n], data[L * n + n:] = parts
         self.steps = steps
 
 

@@ -348,3 +348,16 @@ def test_the_output_is_not_a_view(shape):
         assert not y._is_view() and y.shape == (*shape[:-1], 48)
         y.sum().backward()
     assert x.grad.shape == x.shape
+
+
+def test_fp8_all_gather_weights_train_as_they_are_when_not_sharded():
+    # FSDP2's part is in test_torch_distributed.py; unsharded, the wrapped weight is the weight
+    from fp8core.torch import enable_fsdp_float8_all_gather
+    from fp8core.torch.fsdp import Float8AllGatherWeight
+
+    model, twin = enable_fsdp_float8_all_gather(make()), make()
+    assert all(isinstance(m.weight, Float8AllGatherWeight) for m in fp8_modules(model))
+    assert_twins(model, twin)
+    copied = copy.deepcopy(model)
+    assert isinstance(copied[0].weight, Float8AllGatherWeight)
+    assert_twins(copied, twin)

@@ -626,7 +626,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     fp8 = convert_to_float8(copy.deepcopy(fp32), recipe)
     opts = [torch.optim.Adam(m.parameters(), lr=2e-3) for m in (fp32, fp8)]
     layer = fp8[0]
-    n, L = layer._shared.num_tensors, layer._shared.history_len
+    L = layer.recipe.amax_history_len
     print(f"fp8core {fp8core.__version__} demo on {device}: a 64-256-64-16 MLP learns a random teacher; "
           f"Float8Linear under DelayedScaling(HYBRID, amax_history_len={L}) next to an fp32 twin.")
     curve, track = [], []
@@ -643,9 +643,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
             opt.zero_grad()
             losses.append(loss.item())
         curve.append(losses)
-        st = layer._fp8_state
-        track.append((step, st[(L - 1) * n].item(), st[L * n].item(),
-                      st[(L - 1) * n + 2].item(), st[L * n + 2].item()))
+        h, s = layer.fp8_amax_history, layer.fp8_scale
+        track.append((step, h[L - 1, 0].item(), s[0].item(), h[L - 1, 2].item(), s[2].item()))
         _progress(step, args.steps, f"loss fp32 {losses[0]:.4f} fp8 {losses[1]:.4f}")
     every = max(1, args.steps // 10)
     print(f"\n{'step':>6} {'fp32 loss':>12} {'fp8 loss':>12} {'ratio':>7}")

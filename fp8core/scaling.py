@@ -1,18 +1,29 @@
-"""ScalingState: the delayed-scaling state of N tensors in one contiguous allocation, and its batched update."""
+"""ScalingState: the delayed-scaling state of N tensors in one contiguous allocation, and its batched update.
+
+Invariant: a ScalingState holds the buffer *object* (its own NumPy/CuPy array, or the caller's tensor) and never
+a view, NumPy array or pointer of the caller's memory across calls. ``amax_history``, ``scale`` and
+``scale_inv`` are fresh views, in the buffer's own array type, made at each access; ``update`` and ``quantize``
+re-read the buffer through DLPack at each call. So a caller may move the buffer's storage in place
+(``share_memory_()``, FSDP's ``tensor.data = ...``) between calls, and a ScalingState pickles and deep-copies.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import numbers
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from . import backends
+from ._tensor import Tensor, wrap
 from .formats import Format, as_format
-from ._tensor import wrap
-from .ops import _contiguous, _margin, quantize
+from .ops import _contiguous, _epsilon, _margin, _same_device, quantize
 from .recipe import DelayedScaling
 
-__all__ = ["ScalingState"]
+__all__ = ["ScalingState", "check_update_args", "check_state_values", "ALGOS"]
+
+ALGOS = ("max", "most_recent")
 
 
 def _parse_device(device: Any) -> tuple:
@@ -20,42 +31,145 @@ def _parse_device(device: Any) -> tuple:
     if text == "cpu":
         return ("cpu", 0)
     if text == "cuda":
-        import cupy
-
+        try:
+            import cupy
+        except ImportError as e:
+            raise RuntimeError("device: 'cuda' needs CuPy (pip install 'fp8core[cuda13]', or [cuda12])") from e
         return ("cuda", cupy.cuda.Device().id)
     if text.startswith("cuda:") and text[5:].isdigit():
         return ("cuda", int(text[5:]))
     raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
-def _external_buffer(buffer: Any, size: int, device: tuple) -> Any:
-    t = _contiguous(wrap(buffer, "buffer"), "buffer")
-    if t.dtype != "float32" or t.size != size:
-        raise ValueError(f"buffer: expected {size} float32 elements, got {t.size} {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"buffer: is on {t.device_str()}, expected {device[0]}:{device[1]}")
+def _device_str(device: tuple) -> str:
+    return "cpu" if device[0] == "cpu" else f"cuda:{device[1]}"
+
+
+# ---- checks shared by ScalingState, torch.ops.fp8core.update and the front-ends -----------------------------
+
+def _vector(obj: Any, arg: str, dtype: str, n: int, like: Tensor) -> Any:
+    t = _contiguous(wrap(obj, arg), arg)
+    if t.dtype != dtype:
+        raise TypeError(f"{arg}: expected {dtype}, got {t.dtype}")
+    if t.shape != (n,):
+        raise ValueError(f"{arg}: expected shape ({n},) to match history [L, {n}], got {t.shape}")
+    _same_device(t, like, arg, "history")
     if t.readonly:
-        raise ValueError("buffer: is read-only")
-    return t.data.reshape(-1)
+        raise ValueError(f"{arg}: is read-only")
+    return t.data
+
+
+def check_update_args(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, non_finite: Any, margin: Any,
+                      algo: Any, epsilon: Any) -> tuple[Tensor, Any, Any, Any, Any, int, str, float]:
+    """Validate the batched update's arguments before anything is launched or written.
+
+    history: float32 [L, N] contiguous, writable; scale, scale_inv, fp8_max: float32 [N]; non_finite: bool [N]
+    (or None); all on history's device. margin: int, |margin| <= 512; algo: 'max' or 'most_recent';
+    epsilon: finite >= 0. Returns (history Tensor, scale, scale_inv, fp8_max, non_finite data, margin, algo,
+    epsilon) as backend arrays.
+    """
+    h = _contiguous(wrap(history, "history"), "history")
+    if h.dtype != "float32":
+        raise TypeError(f"history: expected float32, got {h.dtype}")
+    if len(h.shape) != 2 or h.shape[0] < 1 or h.shape[1] < 1:
+        raise ValueError(f"history: expected shape [L, N] with L, N >= 1, got {h.shape}")
+    if h.readonly:
+        raise ValueError("history: is read-only")
+    n = h.shape[1]
+    s = _vector(scale, "scale", "float32", n, h)
+    si = _vector(scale_inv, "scale_inv", "float32", n, h)
+    fm = _vector(fp8_max, "fp8_max", "float32", n, h)
+    nf = None if non_finite is None else _vector(non_finite, "non_finite", "bool", n, h)
+    if not isinstance(algo, str) or algo not in ALGOS:
+        raise ValueError(f"algo: expected one of {ALGOS}, got {algo!r}")
+    return h, s, si, fm, nf, _margin(margin), algo, _epsilon(epsilon)
+
+
+def _host(obj: Any, arg: str) -> tuple[np.ndarray, str, tuple]:
+    """A host copy of a checkpoint array with its dtype name and shape (checkpoints are read once, on load)."""
+    t = wrap(obj, arg)
+    data = t.data if not t.is_cuda else t.data.get()
+    return np.asarray(data), t.dtype, t.shape
+
+
+def check_state_values(history: Any, scale: Any, scale_inv: Any, steps: Any, num_tensors: int, history_len: int,
+                       prefix: str = "") -> int:
+    """Validate a checkpoint's delayed-scaling state before anything is written; returns steps as an int.
+
+    history: float32 [history_len, num_tensors], no negative value (not even -0.0: a negative amax never
+    leaves row 0); NaN and inf are kept (the history records non-finite amaxes). scale, scale_inv: float32
+    [num_tensors], finite and > 0. steps: an int >= 0.
+    """
+    n, L = num_tensors, history_len
+    for arg, obj, shape in ((f"{prefix}amax_history", history, (L, n)), (f"{prefix}scale", scale, (n,)),
+                            (f"{prefix}scale_inv", scale_inv, (n,))):
+        data, dtype, got = _host(obj, arg)
+        if dtype != "float32":
+            raise TypeError(f"{arg}: expected float32, got {dtype}")
+        if tuple(got) != shape:
+            hint = f" (amax_history_len {got[0]} in the checkpoint, {L} here)" \
+                if arg.endswith("amax_history") and len(got) == 2 and got[1:] == shape[1:] else ""
+            raise ValueError(f"{arg}: expected shape {shape}, got {tuple(got)}{hint}")
+        if arg.endswith("amax_history"):
+            bad = np.signbit(data) & ~np.isnan(data)
+            if bad.any():
+                raise ValueError(f"{arg}: holds a negative amax ({data[bad][0]!r}); amaxes are >= +0")
+        else:
+            bad = ~(np.isfinite(data) & (data > 0))
+            if bad.any():
+                raise ValueError(f"{arg}: expected finite values > 0, got {data[bad][0]!r} at index "
+                                 f"{int(np.flatnonzero(bad)[0])}")
+    return _steps(steps, f"{prefix}steps")
+
+
+def _steps(steps: Any, arg: str) -> int:
+    if hasattr(steps, "shape") and tuple(steps.shape) in ((), (1,)) and not isinstance(steps, np.generic):
+        data, dtype, _ = _host(steps, arg)
+        if not dtype.startswith("int"):
+            raise TypeError(f"{arg}: expected an integer, got {dtype}")
+        steps = int(data.reshape(-1)[0])
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or int(steps) < 0:
+        raise ValueError(f"{arg}: expected an int >= 0, got {steps!r}")
+    return int(steps)
+
+
+@contextlib.contextmanager
+def _caller_stream(t: Tensor) -> Iterator[None]:
+    """Every launch and every CuPy write on the caller's current torch stream when the buffer is a CUDA torch
+    tensor (a torch side stream does not wait for CuPy's default stream)."""
+    if t.is_cuda and t.origin == "torch":
+        import cupy
+        import torch
+
+        from .backends.cuda import launch_stream
+
+        handle = torch.cuda.current_stream(t.device[1]).cuda_stream
+        with launch_stream(handle), cupy.cuda.ExternalStream(handle, t.device[1]):
+            yield
+    else:
+        yield
 
 
 class ScalingState:
     """amax_history [L, N], scale [N] and scale_inv [N], float32, in one buffer on ``device``.
 
     Row 0 of the history is this step's amax of every tensor, contiguous, so one all-reduce covers all N.
-    The arrays are NumPy on the CPU and CuPy on a GPU; scales start at 1.0.
+    The buffer is a NumPy array on the CPU and a CuPy array on a GPU, or the caller's own ``buffer``; the
+    views ``amax_history``, ``scale``, ``scale_inv`` are of the buffer's array type. Scales start at 1.0.
     ``formats``: one Format per tensor (default: the recipe's forward format for all).
-    ``buffer``: optionally, memory to hold the state in place (any array fp8core reads zero-copy, e.g. a
-    framework's tensor): float32, contiguous, ``L * N + 2 * N`` elements on ``device``; it is initialised here.
+    ``buffer``: optionally, memory to hold the state in place (any writable array fp8core reads zero-copy,
+    e.g. a torch tensor): float32, contiguous, ``L * N + 2 * N`` elements on ``device``; initialised here.
     """
 
     def __init__(self, num_tensors: int, recipe: DelayedScaling | None = None,
                  formats: Sequence[Format | str] | None = None, device: Any = "cpu", buffer: Any = None) -> None:
-        if not isinstance(num_tensors, int) or num_tensors < 1:
+        if isinstance(num_tensors, bool) or not isinstance(num_tensors, int) or num_tensors < 1:
             raise ValueError(f"num_tensors: expected an int >= 1, got {num_tensors!r}")
         self.recipe = recipe if recipe is not None else DelayedScaling()
         if not isinstance(self.recipe, DelayedScaling):
             raise TypeError(f"recipe: expected DelayedScaling, got {type(self.recipe).__name__}")
+        _margin(self.recipe.margin)  # refused now, not at the first update
+        _epsilon(self.recipe.epsilon)
         n, L = num_tensors, self.recipe.amax_history_len
         if formats is None:
             self.formats = [self.recipe.fp8_format.fwd] * n
@@ -64,86 +178,264 @@ class ScalingState:
             if len(self.formats) != n:
                 raise ValueError(f"formats: expected {n} formats, got {len(self.formats)}")
         self.device = _parse_device(device)
-        self._backend = backends.for_device(self.device)
-        xp = self._backend.xp
-        if self.device[0] == "cuda":
-            xp.cuda.Device(self.device[1]).use()
-        self.buffer = xp.zeros(L * n + 2 * n, dtype=xp.float32) if buffer is None else \
-            _external_buffer(buffer, L * n + 2 * n, self.device)
-        self.buffer[...] = 0
-        self.amax_history = self.buffer[: L * n].reshape(L, n)
-        self.scale = self.buffer[L * n: L * n + n]
-        self.scale_inv = self.buffer[L * n + n:]
-        self.scale[...] = 1.0
-        self.scale_inv[...] = 1.0
-        self.fp8_max = xp.asarray(np.array([f.max for f in self.formats], np.float32))
-        self.non_finite = xp.zeros(n, dtype=xp.bool_)
+        xp = backends.for_device(self.device).xp
+        if buffer is None:
+            with self._on_device():
+                self.buffer = xp.zeros(L * n + 2 * n, dtype=xp.float32)
+        else:
+            self._check_buffer(buffer)
+            self.buffer = buffer
+        t = self._check_buffer(self.buffer)
+        with self._on_device(), _caller_stream(t):
+            data = t.data.reshape(-1)
+            data[...] = 0
+            data[L * n:] = 1.0
+            self.fp8_max = xp.asarray(np.array([f.max for f in self.formats], np.float32))
+            self.non_finite = xp.zeros(n, dtype=xp.bool_)
         self.steps = 0
+
+    # ---- the buffer, read afresh at every call -------------------------------------------------------------
+
+    def _on_device(self) -> Any:
+        if self.device[0] == "cuda":
+            import cupy
+
+            return cupy.cuda.Device(self.device[1])
+        return contextlib.nullcontext()
+
+    def _check_buffer(self, buffer: Any) -> Tensor:
+        size = self.recipe.amax_history_len * len(self.formats) + 2 * len(self.formats)
+        t = _contiguous(wrap(buffer, "buffer"), "buffer")
+        if t.dtype != "float32" or t.size != size:
+            raise ValueError(f"buffer: expected {size} float32 elements, got {t.size} {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"buffer: is on {t.device_str()}, expected {_device_str(self.device)}")
+        if t.readonly:
+            raise ValueError("buffer: is read-only")
+        return t
+
+    def _data(self) -> Any:
+        """The buffer as a flat backend array, for this call only."""
+        return self._check_buffer(self.buffer).data.reshape(-1)
 
     @property
     def num_tensors(self) -> int:
-        return self.scale.shape[0]
+        return len(self.formats)
+
+    @property
+    def history_len(self) -> int:
+        return self.recipe.amax_history_len
+
+    @property
+    def amax_history(self) -> Any:
+        """[L, N] view of the buffer (the buffer's array type); row 0 is this step's amaxes."""
+        n, L = self.num_tensors, self.history_len
+        return self.buffer.reshape(-1)[: L * n].reshape(L, n)
+
+    @property
+    def scale(self) -> Any:
+        n, L = self.num_tensors, self.history_len
+        return self.buffer.reshape(-1)[L * n: L * n + n]
+
+    @property
+    def scale_inv(self) -> Any:
+        n, L = self.num_tensors, self.history_len
+        return self.buffer.reshape(-1)[L * n + n:]
+
+    def __repr__(self) -> str:
+        fmts = ", ".join(f.name for f in self.formats[:6]) + (", ..." if self.num_tensors > 6 else "")
+        return (f"ScalingState(num_tensors={self.num_tensors}, history_len={self.history_len}, formats=[{fmts}], "
+                f"device='{_device_str(self.device)}', steps={self.steps}, buffer={type(self.buffer).__module__}."
+                f"{type(self.buffer).__name__})")
+
+    # ---- pickling and copying: the state, never a module or a backend ---------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "formats": [f.name for f in self.formats],
+                "device": _device_str(self.device), "buffer": self.buffer, "steps": self.steps,
+                "non_finite": self.non_finite}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        self.recipe = state["recipe"]
+        self.formats = [as_format(f) for f in state["formats"]]
+        self.device = _parse_device(state["device"])
+        self.buffer, self.steps, self.non_finite = state["buffer"], state["steps"], state["non_finite"]
+        with self._on_device():
+            self.fp8_max = backends.for_device(self.device).xp.asarray(
+                np.array([f.max for f in self.formats], np.float32))
+
+    # ---- use -----------------------------------------------------------------------------------------------
+
+    def _index(self, index: Any) -> int:
+        n = self.num_tensors
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= int(index) < n:
+            raise IndexError(f"index: expected an int in [0, {n}) (one of this state's {n} tensors), got {index!r}")
+        return int(index)
 
     def quantize(self, x: Any, index: int) -> Any:
-        """Quantize x as tensor ``index``: its scale, its format, its amax into row 0."""
-        i = int(index)
-        return quantize(x, self.scale[i:i + 1], self.formats[i], amax_out=self.amax_history[0, i:i + 1])
+        """Quantize x (float32/bfloat16/float16, any shape) as tensor ``index``: its scale, its format, its amax
+        into row 0. Returns fp8 of x's shape, in x's array type."""
+        i = self._index(index)
+        data = self._data()
+        n, L = self.num_tensors, self.history_len
+        return quantize(x, data[L * n + i: L * n + i + 1], self.formats[i], amax_out=data[i:i + 1])
 
-    def update(self, reduce: Callable[[Any], None] | None = None) -> None:
-        """The batched update of the contract: optionally ``reduce(row0)`` (MAX, in place), then every tensor's
-        scale from its history and the history rolled; one kernel launch on a GPU, no host synchronisation.
+    def update(self, reduce: Callable[[Any], Any] | None = None) -> None:
+        """The batched update of the contract: optionally ``reduce(row0)`` (MAX across a group), then every
+        tensor's scale from its history and the history rolled; one kernel launch on a GPU, no host
+        synchronisation (except for callable recipe algorithms, which run on arrays and are checked).
+
+        ``reduce`` receives row 0 [N] in the buffer's own array type (a torch tensor when the state lives in
+        one, so ``functools.partial(torch.distributed.all_reduce, op=ReduceOp.MAX)`` works as it is) and
+        reduces it in place; a returned array of N float32 is taken instead (a returned async handle with
+        ``wait()`` is waited on).
         """
         r = self.recipe
         if reduce is not None:
-            reduce(self.amax_history[0])
+            row0 = self.amax_history[0]
+            self._take_reduced(row0, reduce(row0))
+        t = self._check_buffer(self.buffer)
+        data = t.data.reshape(-1)
+        n, L = self.num_tensors, self.history_len
+        H, scale, scale_inv = data[: L * n].reshape(L, n), data[L * n: L * n + n], data[L * n + n:]
         update_scale = self.steps % r.interval == 0
+        with _caller_stream(t):
+            if callable(r.amax_compute_algo) or r.scaling_factor_compute_algo is not None:
+                self._update_callable(H, scale, scale_inv, update_scale)
+            else:
+                h, s, si, fm, nf, margin, algo, eps = check_update_args(
+                    H, scale, scale_inv, self.fp8_max, self.non_finite, r.margin, r.amax_compute_algo, r.epsilon)
+                backends.for_device(self.device).update(h.data, s, si, fm, margin, algo, r.power_of_2, eps,
+                                                        update_scale, nf, **self._device_step(h.data))
         self.steps += 1
-        if callable(r.amax_compute_algo) or r.scaling_factor_compute_algo is not None:
-            self._update_callable(update_scale)
-            return
-        step: dict[str, Any] = {}
-        if self.device[0] == "cuda" and r.interval > 1:
-            # The interval's counter lives on the device, so a captured graph replays the schedule; it is made
-            # again from self.steps when the host count moved without it (load_state_dict).
-            if getattr(self, "_step_counter_at", None) != self.steps - 1:
-                self._step_counter = self._backend.step_counter((self.steps - 1) % r.interval, self.amax_history)
-            self._step_counter_at = self.steps
-            step = {"step": self._step_counter, "interval": r.interval}
-        self._backend.update(self.amax_history, self.scale, self.scale_inv, self.fp8_max, _margin(r.margin),
-                             r.amax_compute_algo, r.power_of_2, float(r.epsilon), update_scale, self.non_finite,
-                             **step)
 
-    def _update_callable(self, update_scale: bool) -> None:
-        """The slower array path for callable algorithms: same roll, same did-not-run rule."""
-        r, xp, H = self.recipe, self._backend.xp, self.amax_history
+    def _device_step(self, like: Any) -> dict[str, Any]:
+        """On a GPU with ``interval > 1`` the interval's counter lives on the device, so a captured graph replays
+        the schedule (the host's ``steps`` would be baked into the graph). The counter is made again from
+        ``steps`` whenever the host count moved without it (load_state_dict, a copy, a new buffer)."""
+        r = self.recipe
+        if self.device[0] != "cuda" or r.interval == 1:
+            return {}
+        if getattr(self, "_step_counter_at", None) != self.steps:
+            self._step_counter = backends.for_device(self.device).step_counter(self.steps % r.interval, like)
+        self._step_counter_at = self.steps + 1
+        return {"step": self._step_counter, "interval": r.interval}
+
+    def _take_reduced(self, row0: Any, result: Any) -> None:
+        if result is None or result is row0:
+            return
+        if hasattr(result, "wait") and callable(result.wait):
+            result.wait()
+            return
+        try:
+            got = _contiguous(wrap(result, "reduce's result"), "reduce's result")
+        except TypeError as e:
+            raise TypeError(f"reduce: returned {type(result).__name__}; expected None (reduced in place) or the "
+                            f"reduced row 0 as an array of {self.num_tensors} float32 values") from e
+        if got.dtype != "float32" or got.size != self.num_tensors:
+            raise ValueError(f"reduce: returned {got.size} {got.dtype} values; expected None (reduced in place) "
+                             f"or the reduced row 0 as {self.num_tensors} float32 values")
+        _same_device(got, wrap(row0, "row0"), "reduce's result", "the state")
+        t = self._check_buffer(self.buffer)
+        with _caller_stream(t):
+            t.data.reshape(-1)[: self.num_tensors] = got.data.reshape(-1)
+
+    def _update_callable(self, H: Any, scale: Any, scale_inv: Any, update_scale: bool) -> None:
+        """The array path for callable algorithms: same roll, same did-not-run rule. Every result is checked
+        before anything is written (this reads the results on the host)."""
+        r, backend, n = self.recipe, backends.for_device(self.device), self.num_tensors
+        xp = backend.xp
         cur = H[0].copy()
-        ran = cur != 0
-        self.non_finite[...] = ~xp.isfinite(cur)
+        ran = (cur.view(xp.uint32) & xp.uint32(0x7FFFFFFF)) != 0  # on the bits: a subnormal amax ran, under DAZ too
+        new = None
         if update_scale:
             if callable(r.amax_compute_algo):
-                a = xp.asarray(r.amax_compute_algo(H), dtype=xp.float32).reshape(-1)
+                a = _callable_result(r.amax_compute_algo(H), "amax_compute_algo", n, xp, self.device)
+                neg = xp.signbit(a) & ~xp.isnan(a) & (a != 0)
+                if bool(neg.any()):
+                    raise ValueError(f"amax_compute_algo: returned a negative amax for tensor "
+                                     f"{int(xp.flatnonzero(neg)[0])}; amaxes are >= 0")
             else:
                 a = H.max(axis=0) if r.amax_compute_algo == "max" else cur
             if r.scaling_factor_compute_algo is not None:
-                s = xp.asarray(r.scaling_factor_compute_algo(a, self.scale, self.fp8_max, r), dtype=xp.float32)
-                ok = ran & xp.isfinite(s) & (s != 0)
+                s = _callable_result(r.scaling_factor_compute_algo(a, scale.copy(), self.fp8_max.copy(), r),
+                                     "scaling_factor_compute_algo", n, xp, self.device)
+                ok = ran & xp.isfinite(a) & (a != 0)
+                bad = ok & ~(xp.isfinite(s) & (s > 0))
+                if bool(bad.any()):
+                    i = int(xp.flatnonzero(bad)[0])
+                    raise ValueError(f"scaling_factor_compute_algo: returned scale {float(s[i])!r} for tensor {i} "
+                                     f"(amax {float(a[i])!r}); expected a finite scale > 0")
                 s_inv = xp.float32(1) / xp.where(ok, s, xp.float32(1))
             else:
-                s, s_inv, ok = self._backend.scale_rule(a, self.fp8_max, _margin(r.margin), r.power_of_2,
-                                                        float(r.epsilon))
+                s, s_inv, ok = backend.scale_rule(a, self.fp8_max, _margin(r.margin), r.power_of_2,
+                                                  _epsilon(r.epsilon))
                 ok = ran & ok
-            self.scale[ok] = s[ok]
-            self.scale_inv[ok] = s_inv[ok]
+            new = (s, s_inv, ok)
+        self.non_finite[...] = ~xp.isfinite(cur)
+        if new is not None:
+            s, s_inv, ok = new
+            scale[ok] = s[ok]
+            scale_inv[ok] = s_inv[ok]
         from .backends.cpu import roll
 
         roll(H, ran, cur, H.shape[0])
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"buffer": self.buffer, "steps": self.steps}
+    # ---- checkpoints ---------------------------------------------------------------------------------------
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        src = state["buffer"]
-        if tuple(src.shape) != tuple(self.buffer.shape):
-            raise ValueError(f"state: buffer shape {tuple(src.shape)} does not match {tuple(self.buffer.shape)}")
-        self.buffer[...] = self._backend.xp.asarray(src)
-        self.steps = int(state["steps"])
+    def state_dict(self) -> dict[str, Any]:
+        """{"amax_history": [L, N], "scale": [N], "scale_inv": [N] (copies, float32), "steps": int}."""
+        return {"amax_history": _copy(self.amax_history),
+                "scale": _copy(self.scale), "scale_inv": _copy(self.scale_inv), "steps": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Validate everything (keys, dtypes, shapes, values: see :func:`check_state_values`), then write."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state: expected a mapping, got {type(state).__name__}")
+        if "buffer" in state and "amax_history" not in state:  # the earlier format: the flat buffer
+            state = _split_buffer(state, self.num_tensors, self.history_len)
+        for key in ("amax_history", "scale", "scale_inv", "steps"):
+            if key not in state:
+                raise KeyError(f"state: missing key {key!r} (expected amax_history, scale, scale_inv, steps)")
+        steps = check_state_values(state["amax_history"], state["scale"], state["scale_inv"], state["steps"],
+                                   self.num_tensors, self.history_len)
+        t = self._check_buffer(self.buffer)
+        xp = backends.for_device(self.device).xp
+        n, L = self.num_tensors, self.history_len
+        with self._on_device(), _caller_stream(t):
+            data = t.data.reshape(-1)
+            parts = [xp.asarray(_host(state[k], k)[0]).reshape(-1) for k in ("amax_history", "scale", "scale_inv")]
+            data[: L * n], data[L * n: L * n + n], data[L * n + n:] = parts
+        self.steps = steps
+
+
+def _split_buffer(state: Mapping[str, Any], n: int, L: int) -> dict[str, Any]:
+    flat, dtype, shape = _host(state["buffer"], "buffer")
+    if dtype != "float32":
+        raise TypeError(f"buffer: expected float32, got {dtype}")
+    if tuple(shape) != (L * n + 2 * n,):
+        raise ValueError(f"buffer: expected shape ({L * n + 2 * n},) for {n} tensors and amax_history_len {L}, "
+                         f"got {tuple(shape)}")
+    return {"amax_history": flat[: L * n].reshape(L, n), "scale": flat[L * n: L * n + n],
+            "scale_inv": flat[L * n + n:], "steps": state.get("steps")}
+
+
+def _copy(a: Any) -> Any:
+    return a.clone() if hasattr(a, "clone") else a.copy()
+
+
+def _callable_result(value: Any, arg: str, n: int, xp: Any, device: tuple) -> Any:
+    if value is None:
+        raise TypeError(f"{arg}: returned None; expected {n} float32 values")
+    try:
+        t = wrap(value, arg) if not isinstance(value, (list, tuple, float, int)) else None
+    except TypeError as e:
+        raise TypeError(f"{arg}: returned {type(value).__name__}; expected an array of {n} values") from e
+    if t is not None and t.device != device:
+        raise ValueError(f"{arg}: returned an array on {t.device_str()}; expected {_device_str(device)}")
+    data = xp.asarray(t.data if t is not None else value)
+    if not (xp.issubdtype(data.dtype, xp.floating) or xp.issubdtype(data.dtype, xp.integer)) or data.size != n:
+        raise ValueError(f"{arg}: returned {data.size} {data.dtype} values of shape {tuple(data.shape)}; "
+                         f"expected {n} (one per tensor)")
+    return data.astype(xp.float32).reshape(n)
+

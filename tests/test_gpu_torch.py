@@ -1,5 +1,6 @@
 """fp8core.torch and fp8core.jax on CUDA: Float8Linear against nn.Linear, compile against eager, a training step
-captured in a CUDA graph, JAX primitives inside jit on the GPU. Skipped, with the reason, where there is no GPU."""
+captured in a CUDA graph, module transforms across devices against untouched twins (issue 14), JAX primitives
+inside jit on the GPU. Skipped, with the reason, where there is no GPU."""
 
 import copy
 
@@ -53,7 +54,8 @@ def test_compiled_matches_eager_on_cuda():
             ye.sum().backward()
             yc.sum().backward()
         assert torch.equal(ye, yc)
-        assert torch.equal(eager[0]._fp8_state, twin[0]._fp8_state)
+        assert torch.equal(eager[0].fp8_amax_history, twin[0].fp8_amax_history)
+        assert torch.equal(eager[2].fp8_scale, twin[2].fp8_scale)
 
 
 def test_training_step_in_a_cuda_graph():
@@ -77,10 +79,10 @@ def test_training_step_in_a_cuda_graph():
     opt.zero_grad(set_to_none=False)
     with torch.cuda.graph(graph):
         step()
-    before = model[0]._fp8_state.clone()
+    before = model[0].fp8_amax_history.clone()
     graph.replay()
     torch.cuda.synchronize()
-    assert not torch.equal(before, model[0]._fp8_state)  # the replay quantized, reduced and updated
+    assert not torch.equal(before, model[0].fp8_amax_history)  # the replay quantized, reduced and updated
     assert torch.isfinite(model[0].weight.grad).all()
 
 
@@ -95,3 +97,82 @@ def test_jax_primitives_on_the_gpu_inside_jit():
     q, a = jax.jit(lambda v: fj.quantize(v, 2.0, "e4m3"))(xg)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), fp8core.quantize(x, 2.0, "e4m3").view(np.uint8))
     assert np.asarray(a)[0] == np.abs(x).max()
+
+
+# ---- module transforms across devices, against twins that were not put through them (issue 14) ---------------
+
+from test_torch_transforms import fp8_modules, make, same, snapshot, train  # noqa: E402
+
+
+def cuda_twin():
+    return make(device="cuda")
+
+
+@pytest.mark.parametrize("move", [lambda m: m.cuda(), lambda m: m.to("cuda"), lambda m: m.to(torch.device("cuda:0"))],
+                         ids=["cuda", "to_cuda", "to_device"])
+def test_cuda_after_conversion(move):
+    model, twin = move(make()), cuda_twin()
+    for m in fp8_modules(model):
+        assert m.fp8_amax_history.is_cuda and m.fp8_amax_history.dtype == torch.float32
+    assert same(train(model, 3, 1, device="cuda"), train(twin, 3, 1, device="cuda"))
+    assert same(snapshot(model), snapshot(twin))  # before: the update wrote the old CPU buffer
+
+
+def test_cpu_and_back_keeps_the_state():
+    model, twin = cuda_twin(), cuda_twin()
+    train(model, 2, 0, device="cuda"), train(twin, 2, 0, device="cuda")
+    model.cpu()
+    assert all(not m.fp8_scale.is_cuda for m in fp8_modules(model))
+    model.cuda()
+    assert same(snapshot(model), snapshot(twin))
+    assert same(train(model, 2, 1, device="cuda"), train(twin, 2, 1, device="cuda"))
+    assert same(snapshot(model), snapshot(twin))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_then_cast_equals_cast_then_convert(dtype):
+    model = make().cuda().to(dtype)
+    twin = make(device="cuda", dtype=dtype)
+    assert {m.fp8_scale.dtype for m in fp8_modules(model)} == {torch.float32}
+    assert same(train(model, 3, 1, dtype=dtype, device="cuda"), train(twin, 3, 1, dtype=dtype, device="cuda"))
+    assert same(snapshot(model), snapshot(twin))
+
+
+def test_meta_to_empty_on_cuda_then_load_state_dict():
+    twin = cuda_twin()
+    train(twin, 2, 0, device="cuda")
+    with torch.device("meta"):
+        model = make()
+    model.to_empty(device="cuda")
+    model.load_state_dict(twin.state_dict())
+    assert same(train(model, 2, 1, device="cuda"), train(twin, 2, 1, device="cuda"))
+    assert same(snapshot(model), snapshot(twin))
+
+
+def test_the_state_follows_parameters_moved_one_by_one():
+    # FSDP2's fully_shard moves parameters with tensor.data = tensor.to(device); the state follows at the forward
+    model, twin = make(), cuda_twin()
+    for p in model.parameters():
+        p.data = p.data.cuda()
+    assert same(train(model, 2, 1, device="cuda"), train(twin, 2, 1, device="cuda"))
+    assert same(snapshot(model), snapshot(twin))
+
+
+def test_a_cuda_model_and_a_cpu_model_in_one_process():
+    gpu, cpu = cuda_twin(), make(seed=3)
+    gpu_alone, cpu_alone = cuda_twin(), make(seed=3)
+    for i in range(2):
+        train(gpu, 1, 10 + i, device="cuda")
+        train(cpu, 1, 20 + i)
+        train(gpu_alone, 1, 10 + i, device="cuda")
+        train(cpu_alone, 1, 20 + i)
+    assert same(snapshot(gpu), snapshot(gpu_alone)) and same(snapshot(cpu), snapshot(cpu_alone))
+
+
+def test_cuda_without_cupy_is_a_clear_error(monkeypatch):
+    import fp8core.torch.linear as linear
+
+    monkeypatch.setattr(linear, "_have_cupy", lambda: False)
+    lin = Float8Linear(32, 32, device="cuda")
+    with autocast(), pytest.raises(RuntimeError, match="CuPy"):
+        lin(torch.randn(4, 32, device="cuda"))

@@ -1,5 +1,8 @@
 """The scale rule and the batched delayed-scaling update."""
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -130,6 +133,9 @@ def test_state_dict_round_trip():
     other.load_state_dict(st.state_dict())
     np.testing.assert_array_equal(other.buffer, st.buffer)
     assert other.steps == 1
+    earlier = history_state()
+    earlier.load_state_dict({"buffer": st.buffer.copy(), "steps": 1})  # the format before issue 12
+    np.testing.assert_array_equal(earlier.buffer, st.buffer)
 
 
 @pytest.mark.parametrize("kw,arg", [({"amax_history_len": 0}, "amax_history_len"),
@@ -152,3 +158,135 @@ def test_one_contiguous_allocation():
     assert st.amax_history.base is st.buffer or np.shares_memory(st.amax_history, st.buffer)
     assert np.shares_memory(st.scale, st.buffer) and np.shares_memory(st.scale_inv, st.buffer)
     assert st.amax_history[0].flags.c_contiguous
+
+
+# ---- bad input: refused before anything is written ----------------------------------------------------------
+
+@pytest.mark.parametrize("index", [3, -1, 1.7, "0", True, None])
+def test_quantize_index_is_checked_before_anything_is_written(index):
+    st = history_state(n=3)
+    before = st.buffer.copy()
+    with pytest.raises(IndexError, match=r"index: expected an int in \[0, 3\)"):
+        st.quantize(np.ones(8, F), index)
+    np.testing.assert_array_equal(st.buffer, before)
+
+
+def test_quantize_accepts_numpy_integers():
+    st = history_state(n=3)
+    st.quantize(np.full(8, 2.0, F), np.int64(2))
+    assert st.amax_history[0, 2] == 2.0
+
+
+def _state_with_history():
+    st = history_state(n=2, L=3)
+    st.amax_history[0] = [2.0, 4.0]
+    st.update()
+    st.amax_history[0] = [1.0, 8.0]
+    return st, st.buffer.copy()
+
+
+@pytest.mark.parametrize("amax_algo,scale_algo,err,match", [
+    (lambda h: None, None, TypeError, "amax_compute_algo: returned None"),
+    (lambda h: np.zeros(0, F), None, ValueError, r"amax_compute_algo: returned 0 .* expected 2"),
+    (lambda h: h, None, ValueError, r"amax_compute_algo: returned 6 .* shape \(3, 2\)"),
+    (lambda h: -h[0], None, ValueError, "amax_compute_algo: returned a negative amax"),
+    ("max", lambda a, s, m, r: None, TypeError, "scaling_factor_compute_algo: returned None"),
+    ("max", lambda a, s, m, r: -m / a, ValueError, "scaling_factor_compute_algo: returned scale -"),
+    ("max", lambda a, s, m, r: a * np.nan, ValueError, "returned scale nan"),
+    ("max", lambda a, s, m, r: m / a * 0, ValueError, "returned scale 0.0"),
+    ("max", lambda a, s, m, r: np.ones(3, F), ValueError, "returned 3 float32 values"),
+])
+def test_callable_results_are_checked_before_anything_is_written(amax_algo, scale_algo, err, match):
+    st, _ = _state_with_history()
+    st.recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=amax_algo,
+                               scaling_factor_compute_algo=scale_algo)
+    before = st.buffer.copy()
+    with pytest.raises(err, match=match):
+        st.update()
+    np.testing.assert_array_equal(st.buffer, before)
+    assert st.steps == 1
+
+
+def test_reduce_in_place_or_by_return_value():
+    expected, _ = _state_with_history()
+    expected.amax_history[0] = [3.0, 9.0]
+    expected.update()
+    in_place, _ = _state_with_history()
+    in_place.update(reduce=lambda row0: np.maximum(row0, [3.0, 9.0], out=row0))  # returns row0 itself: fine
+    returned, _ = _state_with_history()
+    returned.update(reduce=lambda row0: np.maximum(row0, np.array([3.0, 9.0], F)))  # a new array: taken
+    for st in (in_place, returned):
+        np.testing.assert_array_equal(st.buffer, expected.buffer)
+
+
+@pytest.mark.parametrize("result,match", [(np.ones(3, F), "returned 3 float32"), (np.ones(2), "float64"),
+                                          ([1.0, 2.0], "expected None")])
+def test_reduce_returning_a_wrong_value_is_an_error_and_writes_nothing(result, match):
+    st, before = _state_with_history()
+    with pytest.raises((ValueError, TypeError), match=match):
+        st.update(reduce=lambda row0: result)
+    np.testing.assert_array_equal(st.buffer, before)
+    assert st.steps == 1
+
+
+def test_reduce_receives_the_buffers_own_array_type():
+    torch = pytest.importorskip("torch")
+    buf = torch.zeros(3 * 2 + 2 * 2)
+    st = ScalingState(2, DelayedScaling(amax_history_len=3), buffer=buf)
+    st.amax_history[0] = torch.tensor([2.0, 0.5])
+    seen = []
+
+    def reduce(row0):
+        seen.append(type(row0))
+        row0.clamp_(min=1.0)  # what torch.distributed.all_reduce(row0, op=MAX) does: in place
+
+    st.update(reduce)
+    assert seen == [torch.Tensor] and isinstance(st.scale, torch.Tensor)
+    assert st.scale.tolist() == [224.0, 448.0]
+
+
+def test_the_buffer_is_read_afresh_at_every_call():
+    torch = pytest.importorskip("torch")
+    buf = torch.zeros(1 * 2 + 2 * 2)
+    st = ScalingState(2, DelayedScaling(amax_history_len=1), buffer=buf)
+    buf.share_memory_()  # the storage moves under the same tensor object: nothing stale is read
+    st.quantize(torch.full((4,), 4.0), 1)
+    st.update()
+    assert buf[1].item() == 0.0 and buf[3].item() == 112.0 and buf[2].item() == 1.0  # tensor 0 did not run
+
+
+def test_a_recipe_margin_out_of_range_is_refused_at_construction():
+    with pytest.raises(ValueError, match="margin"):
+        ScalingState(2, DelayedScaling(margin=10 ** 6))
+
+
+def test_scaling_state_pickles_and_deep_copies():
+    st = ScalingState(3, DelayedScaling(amax_history_len=8))
+    st.amax_history[0] = [1.0, 2.0, 4.0]
+    st.update()
+    for other in (pickle.loads(pickle.dumps(st)), copy.deepcopy(st)):
+        np.testing.assert_array_equal(other.buffer, st.buffer)
+        assert other.steps == 1
+        assert other.buffer is not st.buffer
+        other.amax_history[0] = [8.0, 8.0, 8.0]
+        other.update()
+        assert st.scale[2] == 448.0 / 4 and st.steps == 1  # the original is untouched
+    assert "ScalingState(num_tensors=3, history_len=8" in repr(st)
+
+
+def test_scaling_state_load_state_dict_validates_first():
+    st = ScalingState(3, DelayedScaling(amax_history_len=8))
+    st.amax_history[0] = [1.0, 2.0, 4.0]
+    st.update()
+    before = st.buffer.copy()
+    good = ScalingState(3, DelayedScaling(amax_history_len=8)).state_dict()
+    for key, value, err in [("scale", good["scale"].astype("float64"), TypeError),
+                            ("scale", -good["scale"], ValueError),
+                            ("amax_history", good["amax_history"][:4], ValueError),
+                            ("steps", 1.0, ValueError), ("steps", True, ValueError)]:
+        bad = dict(good, **{key: value})
+        with pytest.raises(err, match=key):
+            st.load_state_dict(bad)
+        assert (st.buffer == before).all() and st.steps == 1
+    with pytest.raises(KeyError, match="'scale_inv'"):
+        st.load_state_dict({k: v for k, v in good.items() if k != "scale_inv"})

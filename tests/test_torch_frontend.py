@@ -1,6 +1,6 @@
-"""fp8core.torch on the CPU: custom ops (opcheck, compile), Float8Linear against nn.Linear, training, autocast
-(gradient accumulation, did-not-run, distributed amax over gloo), state_dict. test_gpu_torch.py runs the
-device-specific parts on CUDA."""
+"""fp8core.torch on the CPU: custom ops (opcheck, compile, argument checks), Float8Linear against nn.Linear,
+training, autocast (gradient accumulation, did-not-run), state_dict. test_torch_transforms.py: module transforms;
+test_torch_distributed.py: DDP and FSDP2; test_gpu_torch.py: the device-specific parts on CUDA."""
 
 import copy
 import os
@@ -24,6 +24,12 @@ def sqnr(x, ref):
 def mlp(d_in=64, hidden=128, d_out=32, seed=0, act=torch.nn.GELU):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), act(), torch.nn.Linear(hidden, d_out))
+
+
+def fp8_state(model):
+    """Every Float8Linear's history, scale and scale_inv, flat, in module order."""
+    return torch.cat([t.reshape(-1) for m in model.modules() if isinstance(m, Float8Linear)
+                      for t in (m.fp8_amax_history, m.fp8_scale, m.fp8_scale_inv)])
 
 
 def bits(t):
@@ -127,7 +133,10 @@ def test_compiled_mlp_forward_and_backward_match_eager_bits():
         assert torch.equal(bits(ye), bits(yc))
         for pe, pc in zip(eager.parameters(), twin.parameters()):
             assert torch.equal(bits(pe.grad), bits(pc.grad))
-        assert torch.equal(bits(eager[0]._fp8_state), bits(twin[0]._fp8_state))
+        for a, b in zip(eager.modules(), twin.modules()):
+            if isinstance(a, Float8Linear):
+                assert torch.equal(bits(a.fp8_amax_history), bits(b.fp8_amax_history))
+                assert torch.equal(bits(a.fp8_scale), bits(b.fp8_scale))
 
 
 def test_convert_to_float8_skips_what_the_gemm_cannot_take_and_honours_the_filter():
@@ -142,13 +151,24 @@ def test_convert_to_float8_skips_what_the_gemm_cannot_take_and_honours_the_filte
         Float8Linear(32, 32, recipe=fp8core.DelayedScaling(fp8_format=fp8core.Format.E5M2))
 
 
-def test_autocast_disabled_runs_in_high_precision():
-    lin = Float8Linear(32, 32)
-    x = torch.randn(16, 32)
+@pytest.mark.parametrize("recipe", [RECIPE, fp8core.Float8CurrentScaling()], ids=["delayed", "current"])
+def test_outside_autocast_or_disabled_runs_exactly_nn_linear(recipe):
+    # Transformer Engine's rule: fp8 only inside autocast, where the scales are kept up to date. Inputs near
+    # 1e-3 would underflow with a scale that never left 1.0 (relative error 0.54 before this rule).
+    lin = Float8Linear(32, 32, recipe=recipe)
+    x = torch.randn(16, 32) * 1e-3
+    ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
     with autocast(enabled=False):
+        assert torch.equal(lin(x), ref)
+    assert torch.equal(lin(x), ref)
+    with autocast():
+        with autocast(enabled=False):
+            assert torch.equal(lin(x), ref)
         y = lin(x)
-    assert torch.equal(y, torch.nn.functional.linear(x, lin.weight, lin.bias))
-    assert lin._fp8_state.abs().sum() == 2 * 3  # untouched: scales 1, history 0
+    assert not torch.equal(y, ref)  # inside: fp8
+    if isinstance(recipe, fp8core.DelayedScaling):
+        assert lin.fp8_scale[0].item() == pytest.approx(448 / x.abs().max().item(), rel=1e-6)
+    assert torch.equal(lin(x), ref)  # and outside again: high precision
 
 
 # ---- delayed scaling under autocast -------------------------------------------------------------------------
@@ -159,13 +179,12 @@ def test_gradient_accumulation_takes_the_max_over_micro_batches():
     with autocast():
         for x in xs:
             model(x).sum().backward()
-        row0 = model[0]._fp8_state[:6].clone()
+        row0 = model[0].fp8_amax_history[0].clone()
     assert row0[0].item() == max(x.abs().max().item() for x in xs)  # input amax of layer 0
-    L, n = RECIPE.amax_history_len, 6
-    history = model[0]._fp8_state[: L * n].view(L, n)
+    history = model[0].fp8_amax_history
+    L = RECIPE.amax_history_len
     assert torch.equal(history[L - 1], row0) and history[0].abs().sum() == 0  # rolled once, row 0 cleared
-    scale = model[0]._fp8_state[L * n: L * n + n]
-    assert scale[0].item() == pytest.approx(448.0 / row0[0].item(), rel=1e-6)
+    assert model[0].fp8_scale[0].item() == pytest.approx(448.0 / row0[0].item(), rel=1e-6)
 
 
 def test_a_module_that_did_not_run_keeps_its_scale():
@@ -180,14 +199,12 @@ def test_a_module_that_did_not_run_keeps_its_scale():
     model = convert_to_float8(TwoHeads(), RECIPE)
     with autocast():
         model(torch.randn(16, 32), "b").sum().backward()
-    L, n = RECIPE.amax_history_len, 6
-    state = model.a._fp8_state
-    before = state.clone()
+    before_a, before_b = model.a.fp8_scale.clone(), model.b.fp8_scale.clone()
+    hist_b = model.b.fp8_amax_history.clone()
     with autocast():
         model(torch.randn(16, 32) * 3, "a").sum().backward()
-    scale = state[L * n: L * n + n]
-    assert torch.equal(scale[3:], before[L * n + 3: L * n + n])  # head b did not run: same scales
-    assert not torch.equal(scale[:3], before[L * n: L * n + 3])
+    assert torch.equal(model.b.fp8_scale, before_b) and torch.equal(model.b.fp8_amax_history, hist_b)
+    assert not torch.equal(model.a.fp8_scale, before_a)
 
 
 def test_state_dict_round_trip_gives_identical_bits(tmp_path):
@@ -201,12 +218,12 @@ def test_state_dict_round_trip_gives_identical_bits(tmp_path):
     torch.save(model.state_dict(), tmp_path / "ckpt.pt")
     fresh = convert_to_float8(mlp(seed=99), RECIPE)
     fresh.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
-    assert torch.equal(bits(fresh[0]._fp8_state), bits(model[0]._fp8_state))
+    assert torch.equal(bits(fp8_state(fresh)), bits(fp8_state(model)))
     x = torch.randn(32, 64)
     with autocast():
         a, b = model(x), fresh(x)
     assert torch.equal(bits(a), bits(b))
-    assert torch.equal(bits(fresh[0]._fp8_state), bits(model[0]._fp8_state))  # the same update
+    assert torch.equal(bits(fp8_state(fresh)), bits(fp8_state(model)))  # the same update
 
 
 def test_training_200_steps_tracks_the_fp32_loss():
@@ -234,37 +251,45 @@ def test_training_200_steps_tracks_the_fp32_loss():
     assert abs(last[1] - last[0]) <= 0.25 * last[0] + 1e-3, f"fp32 {last[0]:.4g}, fp8 {last[1]:.4g}"
 
 
-# ---- distributed amax (2 processes, gloo) -------------------------------------------------------------------
+# ---- torch.ops.fp8core.update checks everything before it launches --------------------------------------------
 
-def _rank_main(rank, world, port, out_dir):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = convert_to_float8(mlp(), RECIPE)
-    torch.manual_seed(100 + rank)
-    x = torch.randn(32, 64) * (1 + 3 * rank)  # different amaxes per rank
-    local = x.abs().max()
-    with autocast():
-        model(x).sum().backward()
-    torch.save({"state": model[0]._fp8_state, "local_amax": local}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+def _update_args(**over):
+    args = dict(history=torch.rand(4, 3) + 1, scale=torch.ones(3), scale_inv=torch.ones(3),
+                fp8_max=torch.full((3,), 448.0), non_finite=torch.zeros(3, dtype=torch.bool), margin=0, algo="max",
+                power_of_2=False, epsilon=0.0, update_scale=True)
+    args.update(over)
+    return args
 
 
-def test_two_ranks_reduce_amax_to_identical_scales(tmp_path):
-    import socket
+@pytest.mark.parametrize("over,err,match", [
+    ({"margin": 10000}, ValueError, r"margin: expected \|margin\| <= 512"),
+    ({"algo": "mean"}, ValueError, "algo: expected one of"),
+    ({"epsilon": float("inf")}, ValueError, "epsilon"),
+    ({"epsilon": -1.0}, ValueError, "epsilon"),
+    ({"history": torch.ones(4, 3, dtype=torch.float64)}, TypeError, "history: expected float32, got float64"),
+    ({"history": torch.ones(12)}, ValueError, r"history: expected shape \[L, N\]"),
+    ({"history": torch.ones(3, 4).t()}, ValueError, "history: expected a contiguous"),
+    ({"scale": torch.ones(4)}, ValueError, r"scale: expected shape \(3,\)"),
+    ({"scale_inv": torch.ones(3, dtype=torch.bfloat16)}, TypeError, "scale_inv: expected float32"),
+    ({"fp8_max": torch.ones(2)}, ValueError, r"fp8_max: expected shape \(3,\)"),
+    ({"non_finite": torch.zeros(3)}, TypeError, "non_finite: expected bool, got float32"),
+    ({"non_finite": torch.zeros(4, dtype=torch.bool)}, ValueError, "non_finite: expected shape"),
+])
+def test_update_op_checks_before_it_writes(over, err, match):
+    args = _update_args(**over)
+    before = [a.clone() for a in args.values() if isinstance(a, torch.Tensor)]
+    with pytest.raises(err, match=match):
+        torch.ops.fp8core.update(*args.values())
+    after = [a for a in args.values() if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
-    import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mp.spawn(_rank_main, args=(2, port, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
-    assert torch.equal(bits(r0["state"]), bits(r1["state"]))
-    L, n = RECIPE.amax_history_len, 6
-    reduced = r0["state"][: L * n].view(L, n)[L - 1, 0].item()
-    assert reduced == max(r0["local_amax"].item(), r1["local_amax"].item())
-    assert r0["local_amax"].item() != r1["local_amax"].item()
+def test_update_op_matches_scaling_state():
+    args = _update_args(margin=1)
+    st = fp8core.ScalingState(3, fp8core.DelayedScaling(amax_history_len=4, margin=1),
+                              formats=[fp8core.Format.E4M3] * 3)
+    st.amax_history[...] = args["history"].numpy()
+    torch.ops.fp8core.update(*args.values())
+    st.update()
+    assert torch.equal(bits(args["history"]), bits(torch.from_numpy(st.amax_history.copy())))
+    assert torch.equal(bits(args["scale"]), bits(torch.from_numpy(st.scale.copy())))

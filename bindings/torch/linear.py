@@ -1,4 +1,5 @@
-"""Float8Linear, a drop-in nn.Linear whose three GEMMs run in fp8, and convert_to_float8.
+"""Float8Linear, a drop-in nn.Linear whose three GEMMs run in fp8 inside ``autocast`` (in high precision, exactly
+nn.Linear, outside it), and convert_to_float8. Where its delayed-scaling state lives and why: scaling.py.
 
 Forward: input and weight are cast (forward format) by ``cast_transpose``, which also writes the transposes
 the backward GEMMs need, so the backward makes no extra pass over them. Backward: grad_output is cast (backward
@@ -9,6 +10,8 @@ wgrad GEMM (zeros add nothing to the sums nor to the amaxes).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import warnings
 from typing import Any, Callable, Optional
 
@@ -16,9 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from fp8core import DelayedScaling, Float8CurrentScaling
+from fp8core.scaling import check_state_values
 
 from . import ops
-from .scaling import SLOTS, SharedScaling, check_recipe, fp8_enabled
+from .fsdp import Float8AllGatherWeight, Float8GatheredWeight
+from .scaling import SLOTS, STATE, SharedScaling, check_recipe, current_context, initial_state
 
 __all__ = ["Float8Linear", "convert_to_float8"]
 
@@ -26,78 +31,115 @@ _GEMM_MULTIPLE = 16
 _BIAS_EPILOGUE = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}  # else added after the GEMM
 
 
-def _cast(x: torch.Tensor, fmt: str, state: Optional[torch.Tensor], slot: int, current: tuple
+def _cast(x: torch.Tensor, fmt: str, state: Optional[tuple], slot: int, current: tuple
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, q_t, scale_inv) of a 2-D tensor: delayed scaling reads and feeds slot ``slot`` of ``state``;
-    current scaling (``state`` None) scales by x's own amax."""
+    """(q, q_t, scale_inv) of a 2-D tensor: delayed scaling reads the module's ``state`` (history, scale,
+    scale_inv) at ``slot`` and feeds its amax into row 0; current scaling (``state`` None) scales by x's own
+    amax."""
     if state is None:
         margin, power_of_2, epsilon = current
         s, s_inv = ops.compute_scale(ops.amax(x), fmt, margin, power_of_2, epsilon)
         q, qt = ops.cast_transpose(x, s, fmt)
         return q, qt, s_inv
-    n, hist = current  # (tensors in the state, history rows): the slot's scale and scale_inv positions
-    scale_at, inv_at = hist * n + slot, hist * n + n + slot
-    q, qt = ops.cast_transpose(x, state[scale_at:scale_at + 1], fmt, state[slot:slot + 1])
-    return q, qt, state[inv_at:inv_at + 1].clone()  # the scale_inv of this cast, whatever updates follow
+    hist, scale, scale_inv = state
+    q, qt = ops.cast_transpose(x, scale[slot:slot + 1], fmt, hist[0, slot:slot + 1])
+    return q, qt, scale_inv[slot:slot + 1].clone()  # the scale_inv of this cast, whatever updates follow
+
+
+def _weight_cast(weight: torch.Tensor, fmt: str, state: Optional[tuple], current: tuple
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if isinstance(weight, Float8GatheredWeight):  # gathered in fp8 by FSDP2: cast, and its amax taken, there
+        return weight._data, ops.transpose(weight._data), weight._scale_inv.clone()
+    if isinstance(weight, Float8AllGatherWeight):  # not sharded: the weight itself
+        weight = weight._tensor
+    return _cast(weight, fmt, state, 1, current)
 
 
 class _Float8Matmul(torch.autograd.Function):
+    """x [..., in] -> [..., out]; the token count is zero-padded to a multiple of 16 inside (the wgrad GEMM's
+    limit), and the output is not a view (FSDP2 warns that in-place ops on a module's view output lose its
+    pre-backward hook)."""
+
     @staticmethod
-    def forward(ctx, x2, weight, bias, state, slot, fwd, bwd, layout):
-        w_q, w_t, w_inv = _cast(weight, fwd, state, slot + 1, layout)
-        x_q, x_t, x_inv = _cast(x2, fwd, state, slot, layout)
+    def forward(ctx, x, weight, bias, hist, scale, scale_inv, fwd, bwd, current):
+        state = None if hist is None else (hist, scale, scale_inv)
+        x2, rows = _padded(x.reshape(-1, x.shape[-1]))
+        w_q, w_t, w_inv = _weight_cast(weight, fwd, state, current)
+        x_q, x_t, x_inv = _cast(x2, fwd, state, 0, current)
         fused = bias is not None and _BIAS_EPILOGUE.get(x2.dtype) == bias.dtype
         y = ops.gemm(x_q, w_q, x_inv, w_inv, x2.dtype, bias if fused else None)
         if bias is not None and not fused:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
-        ctx.state, ctx.slot, ctx.bwd, ctx.layout = state, slot, bwd, layout
+        ctx.state, ctx.bwd, ctx.current, ctx.x_shape = state, bwd, current, x.shape
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y
+        return y[:rows].reshape(*x.shape[:-1], y.shape[-1]).detach()
 
     @staticmethod
     def backward(ctx, grad):
         x_t, w_t, x_inv, w_inv = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g_q, g_t, g_inv = _cast(grad.contiguous(), ctx.bwd, ctx.state, ctx.slot + 2, ctx.layout)
-        dx = ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype) if ctx.needs_input_grad[0] else None
+        g2, rows = _padded(grad.reshape(-1, grad.shape[-1]))
+        g_q, g_t, g_inv = _cast(g2, ctx.bwd, ctx.state, 2, ctx.current)
+        dx = ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype)[:rows].reshape(ctx.x_shape) if ctx.needs_input_grad[0] \
+            else None
         dw = ops.gemm(g_t, x_t, g_inv, x_inv, w_dtype) if ctx.needs_input_grad[1] else None
-        db = grad.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
+        db = g2.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
         # db summed in float64: the same bits whatever order a compiler picks for the reduction
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[rows, k] zero-padded to a multiple of 16 rows (zeros add nothing to the sums nor to the amaxes)."""
+    rows = x2.shape[0]
+    pad = -rows % _GEMM_MULTIPLE
+    return (F.pad(x2, (0, 0, 0, pad)) if pad else x2).contiguous(), rows
+
+
+_KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
+_HIGH = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _have_cupy() -> bool:
+    return importlib.util.find_spec("cupy") is not None
 
 
 class Float8Linear(torch.nn.Linear):
-    """``nn.Linear`` with fp8 GEMMs forward and backward. ``in_features`` and ``out_features`` must be
-    multiples of 16. x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
+    """``nn.Linear`` with fp8 GEMMs forward and backward inside :func:`autocast`; exactly ``nn.Linear``
+    (high precision) outside it. ``in_features`` and ``out_features`` must be multiples of 16.
+    x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
-    recipe: DelayedScaling (default) or Float8CurrentScaling. ``shared``: the delayed-scaling state this module
-    takes its 3 slots from (convert_to_float8 makes one for the whole model); a state of its own otherwise.
-    Histories and scales are in ``state_dict`` (``fp8_amax_history`` [L, 3], ``fp8_scale``, ``fp8_scale_inv``).
+    recipe: DelayedScaling (default) or Float8CurrentScaling. ``shared``: the delayed-scaling group this
+    module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
+    a group of its own otherwise. The module owns its state (see fp8core.torch.scaling): float32
+    ``fp8_amax_history`` [L, 3], ``fp8_scale`` [3], ``fp8_scale_inv`` [3] (input, weight, grad_output),
+    in ``state_dict`` with ``fp8_steps``; every module transform carries it, in float32.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None, recipe: DelayedScaling | Float8CurrentScaling | None = None,
                  shared: SharedScaling | None = None) -> None:
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if v % _GEMM_MULTIPLE:
-                raise ValueError(f"{name}: {v} is not a multiple of {_GEMM_MULTIPLE} (the FP8 GEMM's limit)")
+        _check_features(in_features, out_features)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._setup(recipe, shared)
 
     def _setup(self, recipe: Any, shared: SharedScaling | None) -> None:
+        if shared is not None and recipe is not None and check_recipe(recipe) != shared.recipe:
+            raise ValueError(f"recipe: {recipe} is not the shared state's recipe {shared.recipe}")
         self.recipe = check_recipe(recipe if shared is None else shared.recipe)
-        self._shared: SharedScaling | None = None
+        self._fp8_group: SharedScaling | None = None
         if isinstance(self.recipe, DelayedScaling):
-            shared = shared if shared is not None else SharedScaling(1, self.recipe, self.weight.device)
-            self._shared = shared
-            self._slot = shared.claim()
-            self.register_buffer("_fp8_state", shared.buffer, persistent=False)
+            self._fp8_group = shared if shared is not None else SharedScaling(self.recipe)
+            self._fp8_slot = self._fp8_group.join(self)
+            self._fp8_history, self._fp8_scale, self._fp8_scale_inv = initial_state(
+                self.recipe.amax_history_len, self.weight.device)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None, shared: SharedScaling | None = None
                     ) -> "Float8Linear":
         """The same parameters (shared, not copied) in a Float8Linear."""
+        _check_features(linear.in_features, linear.out_features)
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
@@ -105,64 +147,103 @@ class Float8Linear(torch.nn.Linear):
         new._setup(recipe, shared)
         return new
 
+    # ---- the state: read where it is now, carried by every transform -----------------------------------
+
+    @property
+    def fp8_amax_history(self) -> torch.Tensor:
+        return self._fp8_history
+
+    @property
+    def fp8_scale(self) -> torch.Tensor:
+        return self._fp8_scale
+
+    @property
+    def fp8_scale_inv(self) -> torch.Tensor:
+        return self._fp8_scale_inv
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self.__dict__.get("_fp8_group") is not None:  # a copy or an unpickled module joins its group's copy
+            self._fp8_slot = self._fp8_group.join(self, self._fp8_slot)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "Float8Linear":
+        super()._apply(fn, recurse)
+        if self._fp8_group is None:
+            return self
+        L = self.recipe.amax_history_len
+        for i, name in enumerate(STATE):
+            old = getattr(self, name)
+            new = fn(old)
+            if new is old:  # in place (share_memory_) or nothing to do
+                continue
+            if old.is_meta:  # no values to keep: materialising gives the initial state
+                new = new if new.is_meta else initial_state(L, new.device)[i]
+            else:  # the values, float32, wherever fn put the tensor (to_empty keeps them: never garbage)
+                new = old.to(device=new.device)
+            setattr(self, name, new)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not fp8_enabled():
+        ctx = current_context()
+        if ctx is None:
             return F.linear(x, self.weight, self.bias)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        pad = -rows % _GEMM_MULTIPLE
-        if pad:
-            x2 = F.pad(x2, (0, 0, 0, pad))
+        if x.dtype not in _HIGH:
+            raise TypeError(f"x: expected float32, bfloat16 or float16, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x: expected shape [..., {self.in_features}], got {tuple(x.shape)}")
+        if self.weight.is_meta or x.is_meta:
+            raise RuntimeError("Float8Linear: the module is on the meta device; materialise it first "
+                               "(module.to_empty(device=...), then initialise or load_state_dict)")
+        if x.is_cuda and not _have_cupy():
+            raise RuntimeError("Float8Linear: CUDA tensors need CuPy for fp8core's kernels "
+                               "(pip install 'fp8core[cuda13]', or [cuda12] to match the driver)")
+        if x.numel() == 0:
+            return F.linear(x, self.weight, self.bias)
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
-        if self._shared is None:
+        if self._fp8_group is None:
             r = self.recipe
-            state, slot, layout = None, 0, (r.margin, r.power_of_2, float(r.amax_epsilon))
+            state, current = (None, None, None), (r.margin, r.power_of_2, float(r.amax_epsilon))
         else:
-            state, slot, layout = self._fp8_state, self._slot, (self._shared.num_tensors, self._shared.history_len)
-        y = _Float8Matmul.apply(x2.contiguous(), self.weight, self.bias, state, slot, fwd, bwd, layout)
-        if pad:
-            y = y[:rows]
-        return y.reshape(*lead, self.out_features)
+            if self._fp8_history.device != self.weight.device:
+                self._fp8_follow(self.weight.device)
+            state, current = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv), None
+            ctx.ran[self._fp8_group] = None
+        return _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current)
 
-    # ---- the module's 3 columns of the shared state, in and out of state_dict ----------------------------
+    def _fp8_follow(self, device: torch.device) -> None:
+        """The state to the weight's device (FSDP2's fully_shard moves parameters and buffers only)."""
+        for name in STATE:
+            setattr(self, name, getattr(self, name).to(device))
 
-    def _columns(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        sh = self._shared
-        n, L, s = sh.num_tensors, sh.history_len, self._slot
-        hist = sh.buffer[: L * n].view(L, n)[:, s:s + SLOTS]
-        return hist, sh.buffer[L * n + s: L * n + s + SLOTS], sh.buffer[L * n + n + s: L * n + n + s + SLOTS]
+    # ---- state_dict --------------------------------------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._shared is not None:
-            hist, scale, scale_inv = self._columns()
-            destination[prefix + "fp8_amax_history"] = hist.clone()
-            destination[prefix + "fp8_scale"] = scale.clone()
-            destination[prefix + "fp8_scale_inv"] = scale_inv.clone()
-            destination[prefix + "fp8_steps"] = torch.tensor(self._shared.state.steps)
+        if self._fp8_group is not None:
+            for key, name in zip(_KEYS, STATE):
+                t = getattr(self, name)
+                destination[prefix + key] = t if keep_vars else t.detach()
+            destination[prefix + "fp8_steps"] = torch.tensor(self._fp8_group.steps)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        keys = [prefix + k for k in ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")]
-        present = [k in state_dict for k in keys]
-        if self._shared is not None and all(present):
-            with torch.no_grad():
-                for dst, key in zip(self._columns(), keys):
-                    src = state_dict[key]
-                    if src.shape != dst.shape:
-                        error_msgs.append(f"{key}: shape {tuple(src.shape)} does not match {tuple(dst.shape)} "
-                                          "(amax_history_len differs?)")
-                        continue
-                    dst.copy_(src)
-            self._shared.state.steps = int(state_dict[keys[3]])
-        elif self._shared is not None and strict:
-            missing_keys.extend(k for k, p in zip(keys, present) if not p)
-        state_dict = {k: v for k, v in state_dict.items() if k not in keys}
-        for k in keys:
-            if k in state_dict:
-                del state_dict[k]
+        keys = [prefix + k for k in _KEYS]
+        if self._fp8_group is not None:
+            found = _checked_state(self, state_dict, prefix)  # before anything is written
+            if found is not None:
+                hist, scale, scale_inv, steps = found
+                assign = local_metadata.get("assign_to_params_buffers", False)
+                with torch.no_grad():
+                    for name, src in zip(STATE, (hist, scale, scale_inv)):
+                        if assign:
+                            setattr(self, name, src.detach())
+                        else:
+                            getattr(self, name).copy_(src)
+                self._fp8_group.steps = steps
+            else:
+                missing_keys.extend(keys)
+            state_dict = {k: v for k, v in state_dict.items() if k not in keys}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -170,11 +251,43 @@ class Float8Linear(torch.nn.Linear):
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}, format={self.recipe.fp8_format.name}"
 
 
+def _check_features(in_features: int, out_features: int) -> None:
+    for name, v in (("in_features", in_features), ("out_features", out_features)):
+        if v % _GEMM_MULTIPLE:
+            raise ValueError(f"{name}: {v} is not a multiple of {_GEMM_MULTIPLE} (the FP8 GEMM's limit)")
+
+
+def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Optional[tuple]:
+    """The module's fp8 entries of ``state_dict``, validated; None when all are absent (torch then reports them
+    as missing keys when strict, and the module keeps its state when not: modules cannot see ``strict``)."""
+    keys = [prefix + k for k in _KEYS]
+    present = [k in state_dict for k in keys]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = [k for k, p in zip(keys, present) if not p]
+        raise KeyError(f"state_dict: missing {', '.join(missing)} (it has the other fp8 entries of "
+                       f"{prefix[:-1] or 'the module'})")
+    steps = check_state_values(*(state_dict[k] for k in keys), SLOTS, module.recipe.amax_history_len,
+                               prefix=prefix + "fp8_")
+    return state_dict[keys[0]], state_dict[keys[1]], state_dict[keys[2]], steps
+
+
+def validate_fp8_checkpoint(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                            error_msgs) -> None:
+    """load_state_dict pre-hook (registered on every Float8Linear and on the root convert_to_float8 returns):
+    every Float8Linear below ``module`` checks its entries before any module writes anything."""
+    for name, m in module.named_modules(prefix=prefix[:-1] if prefix else ""):
+        if isinstance(m, Float8Linear) and m._fp8_group is not None:
+            _checked_state(m, state_dict, f"{name}." if name else "")
+
+
 def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
                       module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None) -> torch.nn.Module:
     """Swap every ``nn.Linear`` of ``module`` (in place; returned) for a Float8Linear sharing its parameters.
 
-    Under delayed scaling all swapped layers share one state (one all-reduce and one update per step).
+    Under delayed scaling all swapped layers join one group (one all-reduce and one update per step), and
+    ``module.load_state_dict`` checks every layer's fp8 entries before it writes anything.
     ``module_filter_fn(linear, fqn) -> bool`` chooses layers; layers the FP8 GEMM cannot take (features not
     multiples of 16) are kept as they are, with a warning naming them.
     """
@@ -192,8 +305,7 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
                       stacklevel=2)
     if not chosen:
         return module
-    first = module.get_submodule(chosen[0])
-    shared = SharedScaling(len(chosen), recipe, first.weight.device) if isinstance(recipe, DelayedScaling) else None
+    shared = SharedScaling(recipe) if isinstance(recipe, DelayedScaling) else None
     for fqn in chosen:
         parent_name, _, name = fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
@@ -201,4 +313,6 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
         if fqn == "":
             return new
         setattr(parent, name, new)
+    if shared is not None:  # the whole checkpoint's fp8 state is checked before any module writes
+        module.register_load_state_dict_pre_hook(validate_fp8_checkpoint)
     return module

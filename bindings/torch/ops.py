@@ -12,7 +12,7 @@ import torch
 
 import fp8core
 from fp8core import backends
-from fp8core._tensor import wrap
+from fp8core.scaling import check_update_args
 
 Tensor = torch.Tensor
 _LIB = "fp8core"
@@ -175,11 +175,12 @@ _gemm_amax.register_fake(_gemm_fake)
 def update(history: Tensor, scale: Tensor, scale_inv: Tensor, fp8_max: Tensor, non_finite: Tensor, margin: int,
            algo: str, power_of_2: bool, epsilon: float, update_scale: bool) -> None:
     """The batched delayed-scaling update of N tensors, in place: history [L, N], scale/scale_inv/fp8_max
-    float32 [N], non_finite bool [N]. One launch on a GPU."""
-    h = wrap(history, "history")
+    float32 [N], non_finite bool [N], all on one device; margin |m| <= 512, algo 'max' or 'most_recent',
+    epsilon finite >= 0. Everything is checked (the core's checks) before the one launch on a GPU."""
+    h, s, si, fm, nf, margin, algo, epsilon = check_update_args(history, scale, scale_inv, fp8_max, non_finite,
+                                                                margin, algo, epsilon)
     backend = backends.for_device(h.device)
-    args = (h.data, wrap(scale).data, wrap(scale_inv).data, wrap(fp8_max).data, margin, algo, power_of_2,
-            epsilon, update_scale, wrap(non_finite).data)
+    args = (h.data, s, si, fm, margin, algo, bool(power_of_2), epsilon, bool(update_scale), nf)
     if h.is_cuda:
         with backend.launch_stream(torch.cuda.current_stream(history.device).cuda_stream):
             backend.update(*args)

@@ -1,0 +1,139 @@
+"""FP8 weight all-gather under FSDP2 (``fully_shard``): half the bytes of a bf16 all-gather on the wire.
+
+:func:`enable_fsdp_float8_all_gather` wraps each Float8Linear's weight in a :class:`Float8AllGatherWeight`
+(before ``fully_shard``). FSDP2 shards it like any parameter (the master weight keeps its precision); at each
+all-gather every rank casts its own shard once, with the weight's scale, and FSDP2 gathers the fp8 bytes:
+
+- delayed scaling: the weight's own scale (slot 1 of the module's state); the shard's amax goes into row 0,
+  and the update's MAX all-reduce makes it the whole weight's amax, as the high-precision all-gather gives;
+- current scaling: one MAX all-reduce of the shards' amaxes gives the whole weight's amax, then its scale.
+
+The gathered weight (:class:`Float8GatheredWeight`, fp8 data and its scale_inv) feeds the GEMM without a
+second cast, so outputs and gradients are those of the high-precision all-gather, bit for bit. Any other use
+of the gathered weight (a forward outside ``autocast``) sees it dequantized to the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import ops
+
+__all__ = ["enable_fsdp_float8_all_gather", "Float8AllGatherWeight", "Float8GatheredWeight"]
+
+_aten = torch.ops.aten
+# what FSDP2 does to a parameter to shard, pad and copy it: the result stays a Float8AllGatherWeight
+_PRESERVE = {_aten.empty_like, _aten.new_zeros, _aten.new_empty, _aten.slice, _aten.copy_, _aten.view,
+             _aten.as_strided, _aten._to_copy, _aten._pin_memory, _aten.split, _aten.clone, _aten.detach,
+             _aten.alias, _aten.chunk, _aten.narrow}
+
+_VIEWS = {_aten.detach, _aten.alias, _aten.as_strided, _aten.view}
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A high-precision weight that FSDP2 all-gathers in fp8 (see the module docstring). Everything else
+    (the optimizer, initialisation, checkpoints) sees the weight itself."""
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor) -> "Float8AllGatherWeight":
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"Float8AllGatherWeight({self._tensor!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> "Float8AllGatherWeight":
+        return Float8AllGatherWeight(inner["_tensor"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs or {}))
+        if func.overloadpacket in _PRESERVE:
+            return tree_map(lambda t: cls(t) if type(t) is torch.Tensor else t, out)
+        return out
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: torch.nn.Module,
+                            mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """This rank's shard cast to fp8 once (the bytes FSDP2 gathers), and its scale_inv."""
+        shard = self._tensor
+        fwd = module.recipe.fp8_format.fwd.value
+        if module._fp8_group is not None:
+            if module._fp8_history.device != shard.device:
+                module._fp8_follow(shard.device)
+            q = ops.quantize(shard, module._fp8_scale[1:2], fwd, module._fp8_history[0, 1:2])
+            return (q,), module._fp8_scale_inv[1:2].clone()
+        r = module.recipe
+        amax = ops.amax(shard)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+        scale, scale_inv = ops.compute_scale(amax, fwd, r.margin, r.power_of_2, float(r.amax_epsilon))
+        return (ops.quantize(shard, scale, fwd),), scale_inv
+
+    def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype,
+                             *, out: Any = None) -> Any:
+        (data,) = outputs
+        if out is not None:  # FSDP2 refilled the same storage: only the scale is new
+            out._scale_inv.copy_(metadata)
+            return None
+        return Float8GatheredWeight(data, metadata, param_dtype), (data,)
+
+
+class Float8GatheredWeight(torch.Tensor):
+    """The unsharded weight as FSDP2 gathered it: fp8 ``data`` [out, in] and its ``scale_inv`` [1], seen as a
+    ``dtype`` tensor (the parameter's). Float8Linear feeds the fp8 data to its GEMMs as it is."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> "Float8GatheredWeight":
+        return torch.Tensor._make_wrapper_subclass(cls, data.size(), strides=data.stride(), dtype=dtype,
+                                                   device=data.device, requires_grad=False)
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> None:
+        self._data, self._scale_inv = data, scale_inv
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"Float8GatheredWeight({self._data.dtype}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def dequantized(self) -> torch.Tensor:
+        return ops.dequantize(self._data, self._scale_inv, self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.overloadpacket in _VIEWS:  # FSDP2's as_strided/detach of the gathered weight: the same fp8 bytes
+            w, rest = args[0], args[1:]
+            return cls(func(w._data, *rest, **(kwargs or {})), w._scale_inv, w.dtype)
+
+        def plain(t: Any) -> Any:
+            return t.dequantized() if isinstance(t, cls) else t
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs or {}))
+
+
+def _unwrap(t: Any) -> Any:
+    return t._tensor if isinstance(t, Float8AllGatherWeight) else t
+
+
+def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:
+    """Make FSDP2 all-gather every Float8Linear weight of ``module`` in fp8 (call before ``fully_shard``).
+    In place; returns ``module``."""
+    from .linear import Float8Linear
+
+    for m in module.modules():
+        if isinstance(m, Float8Linear) and not isinstance(m.weight, Float8AllGatherWeight):
+            w = m.weight
+            m.weight = torch.nn.Parameter(Float8AllGatherWeight(w.data), requires_grad=w.requires_grad)
+    return module

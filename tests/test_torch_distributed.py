@@ -1,0 +1,204 @@
+"""fp8core.torch under DDP and FSDP2 (``fully_shard``), 2 processes with gloo on the CPU: delayed and current
+scaling. Every rank ends with the same fp8 state, and outputs, gradients and weights equal, bit for bit, a
+single-process run over the same global batch taken as the ranks' micro-batches (gradient accumulation).
+Current scaling scales each tensor by its own amax on its own rank, as Transformer Engine and torchao do;
+delayed scaling's amaxes are MAX-reduced across ranks, so its scales are those of the global batch."""
+
+import os
+import socket
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fp8core  # noqa: E402
+from fp8core.torch import Float8Linear, autocast, convert_to_float8  # noqa: E402
+
+WORLD, STEPS, ROWS = 2, 3, 8
+RECIPES = {"delayed": fp8core.DelayedScaling(amax_history_len=4), "current": fp8core.Float8CurrentScaling()}
+
+
+def make(recipe):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    return convert_to_float8(model, recipe)
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(WORLD * ROWS, 32, generator=g) * (1 + 3 * step)
+    x[ROWS:] *= 5  # the ranks see different amaxes
+    return x[rank * ROWS:(rank + 1) * ROWS]
+
+
+def fp8_state(model):
+    return [t.detach().clone() for m in model.modules() if isinstance(m, Float8Linear) and m._fp8_group
+            for t in (m.fp8_amax_history, m.fp8_scale, m.fp8_scale_inv)]
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _rank_main(rank, port, out_dir, wrapper):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    calls = []
+    all_reduce, update = dist.all_reduce, fp8core.ScalingState.update
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(("all_reduce", tensor.numel()))
+        return all_reduce(tensor, *args, **kwargs)
+
+    def counting_update(self, *args, **kwargs):
+        calls.append(("update", self.num_tensors))
+        return update(self, *args, **kwargs)
+
+    dist.all_reduce, fp8core.ScalingState.update = counting_all_reduce, counting_update
+    results = {}
+    for name, recipe in RECIPES.items():
+        calls.clear()
+        model = make(recipe)
+        assert not list(model.buffers())  # nothing for DDP to broadcast over the amaxes a rank accumulated
+        if wrapper == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model[0])
+            fully_shard(model[2])
+            wrapped = fully_shard(model)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        outs = []
+        for step in range(STEPS):
+            with autocast():
+                y = wrapped(batch(step, rank))
+                y.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(y.detach())
+        results[name] = {"outs": outs, "state": fp8_state(model), "calls": [c for c in calls if c[1] == 6],
+                         "params": [full(p.detach()).clone() for p in model.parameters()]}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def reference(recipe):
+    """One process: each step, the ranks' micro-batches one after the other under one autocast."""
+    model = make(recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outs = [[] for _ in range(WORLD)]
+    for step in range(STEPS):
+        with autocast():
+            for r in range(WORLD):
+                y = model(batch(step, r))
+                y.square().sum().backward()
+                outs[r].append(y.detach())
+        for p in model.parameters():
+            p.grad /= WORLD  # DDP and FSDP average over the ranks
+        opt.step()
+        opt.zero_grad()
+    return {"outs": outs, "state": fp8_state(model), "params": [p.detach() for p in model.parameters()]}
+
+
+def bits_equal(a, b):
+    return all(x.shape == y.shape and torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b)) \
+        and len(a) == len(b)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_two_ranks_match_one_process_on_the_global_batch(wrapper, tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.spawn(_rank_main, args=(port, str(tmp_path), wrapper), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for name, recipe in RECIPES.items():
+        ref = reference(recipe)
+        for r, got in enumerate(ranks):
+            got = got[name]
+            assert bits_equal(got["outs"], ref["outs"][r]), f"{name}: rank {r}'s outputs"
+            assert bits_equal(got["state"], ref["state"]), f"{name}: rank {r}'s fp8 state"
+            assert bits_equal(got["params"], ref["params"]), f"{name}: rank {r}'s weights after {STEPS} steps"
+        if name == "delayed":
+            assert ranks[0][name]["state"][1][0] != 1.0  # the scales moved
+            # per step, for the whole model (2 layers, 6 tensors): one batched update, its one all-reduce of row 0
+            assert all(got[name]["calls"] == [("update", 6), ("all_reduce", 6)] * STEPS for got in ranks)
+        else:
+            assert all(got[name]["calls"] == [] for got in ranks)
+
+
+# ---- FP8 weight all-gather under FSDP2 -----------------------------------------------------------------------
+
+def _fp8_all_gather_main(rank, port, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8core.torch import enable_fsdp_float8_all_gather
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    sent = []
+    gather = dist.all_gather_single
+
+    def counting(output, input, *args, **kwargs):  # the bytes this rank puts on the wire
+        sent.append(input.numel() * input.element_size())
+        return gather(output, input, *args, **kwargs)
+
+    dist.all_gather_single = counting
+    results = {}
+    for name, recipe in RECIPES.items():
+        for fp8_gather in (False, True):
+            model = make(recipe).bfloat16()
+            if fp8_gather:
+                enable_fsdp_float8_all_gather(model)
+            fully_shard(model[0])
+            fully_shard(model[2])
+            fully_shard(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            sent.clear()
+            outs, grads = [], []
+            for step in range(STEPS):
+                with autocast():
+                    y = model(batch(step, rank).bfloat16())
+                    y.float().square().sum().backward()
+                grads += [p.grad.to_local().clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad()
+                outs.append(y.detach())
+            shards = [getattr(p.to_local(), "_tensor", p.to_local()).detach().clone() for p in model.parameters()]
+            results[name, fp8_gather] = {"outs": outs, "grads": grads, "shards": shards, "state": fp8_state(model),
+                                         "bytes": sum(sent)}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_fp8_all_gather_equals_the_bf16_all_gather_on_half_the_weight_bytes(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.spawn(_fp8_all_gather_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    model = make(RECIPES["delayed"])
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear)) // WORLD
+    biases = sum(m.bias.numel() for m in model.modules() if isinstance(m, Float8Linear)) // WORLD
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in RECIPES:
+            bf16, fp8 = got[name, False], got[name, True]
+            for key in ("outs", "grads", "shards", "state"):
+                assert len(bf16[key]) == len(fp8[key]) and (bf16[key] or (key, name) == ("state", "current"))
+                assert all(torch.equal(a, b) for a, b in zip(bf16[key], fp8[key])), f"{name}: rank {rank}'s {key}"
+            rounds, rest = divmod(bf16["bytes"], 2 * (weights + biases))  # all-gathers of both layers
+            assert rest == 0 and rounds >= STEPS
+            assert fp8["bytes"] == rounds * (weights + 2 * biases)  # the weights' bytes halve; biases stay bf16

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import fp8core  # noqa: E402
 from fp8core.torch import Float8Linear, autocast, convert_to_float8  # noqa: E402
 
-from test_torch_block_linear import OUTLIERS, PER_TENSOR, outlier_layer, sqnr  # noqa: E402, F401
+from test_torch_block_linear import PER_TENSOR, outlier_layer, sqnr  # noqa: E402
 
 RECIPES = [fp8core.MXFP8BlockScaling(), fp8core.Float8BlockScaling()]
 IDS = ["mxfp8", "blocks"]

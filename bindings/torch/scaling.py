@@ -34,6 +34,8 @@ import torch
 import fp8core
 from fp8core import DelayedScaling, Format, ScalingState
 
+from .block_linear import check_block_recipe
+
 RECIPES = (DelayedScaling, fp8core.Float8CurrentScaling, fp8core.MXFP8BlockScaling, fp8core.Float8BlockScaling)
 _NAMES = "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling"
 SLOTS = 3  # per Float8Linear: input (forward format), weight (forward), grad_output (backward format)
@@ -209,7 +211,5 @@ def check_recipe(recipe: Any) -> Any:
         raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs, which have no FP8 kernel; "
                          "use Format.HYBRID (E4M3 forward, E5M2 backward) or Format.E4M3")
     if isinstance(recipe, fp8core.Float8BlockScaling):
-        from .block_linear import check_block_recipe
-
         check_block_recipe(recipe)
     return recipe

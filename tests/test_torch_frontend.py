@@ -15,6 +15,7 @@ import fp8core  # noqa: E402
 from fp8core.torch import Float8Linear, autocast, convert_to_float8, ops  # noqa: E402
 
 RECIPE = fp8core.DelayedScaling(amax_history_len=16)
+MXFP8, BLOCKS = fp8core.MXFP8BlockScaling(), fp8core.Float8BlockScaling()
 
 
 def sqnr(x, ref):
@@ -91,13 +92,16 @@ def test_ops_give_the_core_bits_eager_and_compiled():
 
 # ---- Float8Linear -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("recipe", [RECIPE, fp8core.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [RECIPE, fp8core.Float8CurrentScaling(), MXFP8, BLOCKS,
+                                    fp8core.MXFP8BlockScaling(fp8core.Format.HYBRID, "floor"),
+                                    fp8core.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1)],
+                         ids=["delayed", "current", "mxfp8", "blocks", "mxfp8_hybrid_floor", "blocks_x128x128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float8_linear_against_nn_linear(recipe, dtype):
     torch.manual_seed(1)
     ref = torch.nn.Linear(256, 128, dtype=dtype)
     lin = Float8Linear.from_linear(copy.deepcopy(ref), recipe)
-    x = torch.randn(4, 33, 256, dtype=dtype)  # 132 tokens: padded to 144 for the wgrad GEMM
+    x = torch.randn(4, 33, 256, dtype=dtype)  # 132 tokens: padded to 144, 160 or 256 for the wgrad GEMM
     for _ in range(2):  # the second step runs on scales learned from the first
         with autocast():
             xa = x.clone().requires_grad_()
@@ -119,12 +123,14 @@ def test_float8_linear_against_nn_linear(recipe, dtype):
     assert lin.weight.dtype == dtype  # master weights stay in their precision
 
 
-def test_compiled_mlp_forward_and_backward_match_eager_bits():
+@pytest.mark.parametrize("recipe", [RECIPE, MXFP8, BLOCKS], ids=["delayed", "mxfp8", "blocks"])
+def test_compiled_mlp_forward_and_backward_match_eager_bits(recipe):
     # ReLU and a sum loss: torch's own elementwise ops are then exact, so any difference would be fp8core's
-    eager = convert_to_float8(mlp(act=torch.nn.ReLU), RECIPE)
+    d = 128 if recipe is BLOCKS else 64
+    eager = convert_to_float8(mlp(d, 128, d // 2 if recipe is RECIPE else d, act=torch.nn.ReLU), recipe)
     twin = copy.deepcopy(eager)
     compiled = torch.compile(twin, fullgraph=True)
-    x = torch.randn(48, 64)
+    x = torch.randn(48, d)
     for _ in range(3):
         with autocast():
             ye, yc = eager(x), compiled(x)
@@ -134,7 +140,7 @@ def test_compiled_mlp_forward_and_backward_match_eager_bits():
         for pe, pc in zip(eager.parameters(), twin.parameters()):
             assert torch.equal(bits(pe.grad), bits(pc.grad))
         for a, b in zip(eager.modules(), twin.modules()):
-            if isinstance(a, Float8Linear):
+            if isinstance(a, Float8Linear) and a._fp8_group is not None:
                 assert torch.equal(bits(a.fp8_amax_history), bits(b.fp8_amax_history))
                 assert torch.equal(bits(a.fp8_scale), bits(b.fp8_scale))
 
@@ -151,12 +157,25 @@ def test_convert_to_float8_skips_what_the_gemm_cannot_take_and_honours_the_filte
         Float8Linear(32, 32, recipe=fp8core.DelayedScaling(fp8_format=fp8core.Format.E5M2))
 
 
-@pytest.mark.parametrize("recipe", [RECIPE, fp8core.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe,multiple,why", [(MXFP8, 32, "whole 1x32 blocks"), (BLOCKS, 128, "128-element")])
+def test_convert_to_float8_under_block_recipes_keeps_what_the_block_gemm_cannot_take(recipe, multiple, why):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 80), torch.nn.Linear(80, 256),
+                                torch.nn.Linear(256, 64))
+    kept = {32: r"1 \(128 -> 80\), 2 \(80 -> 256\)$", 128: r"1 \(128 -> 80\), 2 \(80 -> 256\), 3 \(256 -> 64\)$"}
+    with pytest.warns(UserWarning, match=f"not multiples of {multiple} under {type(recipe).__name__} .*{why}.*: "
+                                         + kept[multiple]):
+        convert_to_float8(model, recipe)
+    assert [isinstance(m, Float8Linear) for m in model] == [True, False, False, multiple == 32]
+    assert model[0].recipe is recipe and model[0].state_dict().keys() == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, fp8core.Float8CurrentScaling(), MXFP8, BLOCKS],
+                         ids=["delayed", "current", "mxfp8", "blocks"])
 def test_outside_autocast_or_disabled_runs_exactly_nn_linear(recipe):
     # Transformer Engine's rule: fp8 only inside autocast, where the scales are kept up to date. Inputs near
     # 1e-3 would underflow with a scale that never left 1.0 (relative error 0.54 before this rule).
-    lin = Float8Linear(32, 32, recipe=recipe)
-    x = torch.randn(16, 32) * 1e-3
+    lin = Float8Linear(128, 128, recipe=recipe)
+    x = torch.randn(16, 128) * 1e-3
     ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
     with autocast(enabled=False):
         assert torch.equal(lin(x), ref)

@@ -13,12 +13,15 @@ import fp8core  # noqa: E402
 from fp8core.torch import Float8Linear, SharedScaling, autocast, convert_to_float8  # noqa: E402
 
 RECIPE = fp8core.DelayedScaling(amax_history_len=8)
+# the stateless block recipes, each with the width its GEMM takes (whole 1x32 or 128-element blocks along K)
+BLOCK_RECIPES = {"mxfp8": (fp8core.MXFP8BlockScaling(), 32), "blocks": (fp8core.Float8BlockScaling(), 128)}
+RECIPES = {"delayed": (RECIPE, 32), **BLOCK_RECIPES}
 
 
-def make(seed=0, dtype=torch.float32, recipe=RECIPE, device=None):
+def make(seed=0, dtype=torch.float32, recipe=RECIPE, device=None, d=32):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64, device=device, dtype=dtype), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 32, device=device, dtype=dtype))
+    model = torch.nn.Sequential(torch.nn.Linear(d, 2 * d, device=device, dtype=dtype), torch.nn.ReLU(),
+                                torch.nn.Linear(2 * d, d, device=device, dtype=dtype))
     return convert_to_float8(model, recipe)
 
 
@@ -49,9 +52,10 @@ def train(model, steps, seed, dtype=torch.float32, device="cpu", scale=1.0):
     """``steps`` SGD steps under autocast on inputs drawn from ``seed``; returns the outputs' bits."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(seed)
+    d = fp8_modules(model)[0].in_features
     outs = []
     for i in range(steps):
-        x = (torch.randn(24, 32, generator=g) * scale * (1 + i)).to(device=device, dtype=dtype)
+        x = (torch.randn(24, d, generator=g) * scale * (1 + i)).to(device=device, dtype=dtype)
         with autocast():
             y = model(x)
             y.float().square().mean().backward()
@@ -86,14 +90,16 @@ def test_moves_after_training_keep_the_state(move):
                                         (lambda m: m.to(torch.bfloat16), torch.bfloat16),
                                         (lambda m: m.to(dtype=torch.float16), torch.float16)],
                          ids=["bfloat16", "half", "to_bf16", "to_f16"])
-def test_dtype_cast_after_conversion_equals_cast_then_convert(cast, dtype):
+@pytest.mark.parametrize("recipe,d", list(RECIPES.values()), ids=list(RECIPES))
+def test_dtype_cast_after_conversion_equals_cast_then_convert(cast, dtype, recipe, d):
     torch.manual_seed(0)
-    base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
-    twin = convert_to_float8(copy.deepcopy(base).to(dtype), RECIPE)
-    model = cast(convert_to_float8(base, RECIPE))
+    base = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.ReLU(), torch.nn.Linear(2 * d, d))
+    twin = convert_to_float8(copy.deepcopy(base).to(dtype), recipe)
+    model = cast(convert_to_float8(base, recipe))
     for m in fp8_modules(model):
         assert m.weight.dtype == dtype
-        assert {t.dtype for t in (m.fp8_amax_history, m.fp8_scale, m.fp8_scale_inv)} == {torch.float32}
+        if m._fp8_group is not None:
+            assert {t.dtype for t in (m.fp8_amax_history, m.fp8_scale, m.fp8_scale_inv)} == {torch.float32}
     assert_twins(model, twin, dtype=dtype)
 
 
@@ -191,6 +197,24 @@ def test_whole_model_save_and_load(via, tmp_path):
         torch.save(model, tmp_path / "model.pt")
         loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     assert loaded[0]._fp8_group is loaded[2]._fp8_group and loaded[0]._fp8_group.modules() == [loaded[0], loaded[2]]
+    assert_twins(loaded, model)
+
+
+@pytest.mark.parametrize("recipe,d", list(BLOCK_RECIPES.values()), ids=list(BLOCK_RECIPES))
+def test_block_recipes_are_stateless_through_copies_pickles_and_checkpoints(recipe, d, tmp_path):
+    model = make(recipe=recipe, d=d)
+    train(model, 2, 0)
+    assert all(m._fp8_group is None and m.recipe == recipe for m in fp8_modules(model))
+    assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # nothing but nn.Linear's
+    copied, pickled = copy.deepcopy(model), pickle.loads(pickle.dumps(model))
+    torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+    loaded = make(seed=9, recipe=recipe, d=d)
+    loaded.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    for twin in (copied, pickled, loaded):
+        assert [m.recipe for m in fp8_modules(twin)] == [recipe, recipe]
+    before = snapshot(model)
+    assert_twins(copied, pickled)
+    assert same(snapshot(model), before)  # training the copies left the original alone
     assert_twins(loaded, model)
 
 
@@ -322,8 +346,21 @@ def test_clear_errors():
         Float8Linear.from_linear(torch.nn.Linear(32, 10))
     with pytest.raises(ValueError, match="E5M2 x E5M2"):
         Float8Linear(32, 32, recipe=fp8core.Float8CurrentScaling(fp8_format=fp8core.Format.E5M2))
-    with pytest.raises(TypeError, match="recipe: expected DelayedScaling or Float8CurrentScaling"):
+    with pytest.raises(TypeError, match="recipe: expected DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling "
+                                        "or Float8BlockScaling, got str"):
         Float8Linear(32, 32, recipe="delayed")
+    with pytest.raises(ValueError, match=r"in_features: 48 is not a multiple of 32 under MXFP8BlockScaling "
+                                         r"\(the MXFP8 GEMM's K takes whole 1x32 blocks\)"):
+        Float8Linear(48, 32, recipe=fp8core.MXFP8BlockScaling())
+    with pytest.raises(ValueError, match="out_features: 64 is not a multiple of 128 under Float8BlockScaling"):
+        Float8Linear.from_linear(torch.nn.Linear(128, 64), fp8core.Float8BlockScaling())
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        Float8Linear(32, 32, recipe=fp8core.MXFP8BlockScaling(fp8_format=fp8core.Format.E5M2))
+    with pytest.raises(ValueError, match="x_block_scaling_dim and w_block_scaling_dim are both 2.*forward GEMM"):
+        Float8Linear(128, 128, recipe=fp8core.Float8BlockScaling(x_block_scaling_dim=2))
+    with pytest.raises(ValueError, match="grad_block_scaling_dim and x_block_scaling_dim are both 2.*wgrad GEMM"):
+        Float8Linear(128, 128, recipe=fp8core.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1,
+                                                                 grad_block_scaling_dim=2))
     with pytest.raises(ValueError, match="recipe:"):
         Float8Linear(32, 32, recipe=fp8core.DelayedScaling(margin=1), shared=SharedScaling(RECIPE))
     lin = Float8Linear(32, 32)
@@ -339,13 +376,14 @@ def test_clear_errors():
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 32), (16, 32), (5, 32)])
-def test_the_output_is_not_a_view(shape):
+@pytest.mark.parametrize("recipe", [RECIPE, fp8core.MXFP8BlockScaling()], ids=["delayed", "mxfp8"])
+def test_the_output_is_not_a_view(shape, recipe):
     # FSDP2 hooks a module's output for its backward all-gather; an in-place op on a view output loses the hook
-    lin = Float8Linear(32, 48)
+    lin = Float8Linear(32, 64, recipe=recipe)
     x = torch.randn(*shape, requires_grad=True)
     with autocast():
         y = lin(x)
-        assert not y._is_view() and y.shape == (*shape[:-1], 48)
+        assert not y._is_view() and y.shape == (*shape[:-1], 64)
         y.sum().backward()
     assert x.grad.shape == x.shape
 
@@ -361,3 +399,5 @@ def test_fp8_all_gather_weights_train_as_they_are_when_not_sharded():
     copied = copy.deepcopy(model)
     assert isinstance(copied[0].weight, Float8AllGatherWeight)
     assert_twins(copied, twin)
+    with pytest.raises(TypeError, match="0 uses MXFP8BlockScaling; fp8 all-gather takes"):
+        enable_fsdp_float8_all_gather(make(recipe=fp8core.MXFP8BlockScaling()))

@@ -97,7 +97,10 @@ def _(data, scale_inv, out_dtype):
 
 @torch.library.custom_op(f"{_LIB}::transpose_blocks", mutates_args=())
 def _transpose_blocks(data: Tensor, scale: Tensor, mx: bool) -> tuple[Tensor, Tensor]:
-    return tuple(core.transpose_blocks((MXTensor if mx else BlockScaledTensor)(data, scale)))
+    out = core.transpose_blocks((MXTensor if mx else BlockScaledTensor)(data, scale))
+    # the transpose of a single row or column is the input itself; an op's outputs may not alias its inputs
+    inputs = {data.untyped_storage().data_ptr(), scale.untyped_storage().data_ptr()}
+    return tuple(t.clone() if t.untyped_storage().data_ptr() in inputs else t for t in out)
 
 
 @_transpose_blocks.register_fake

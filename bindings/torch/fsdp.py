@@ -129,9 +129,14 @@ def _unwrap(t: Any) -> Any:
 
 def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:
     """Make FSDP2 all-gather every Float8Linear weight of ``module`` in fp8 (call before ``fully_shard``).
-    In place; returns ``module``."""
+    In place; returns ``module``. Per-tensor recipes only: a block-scaled weight is gathered in high precision."""
+    from .block_linear import BLOCK_RECIPES
     from .linear import Float8Linear
 
+    for name, m in module.named_modules():
+        if isinstance(m, Float8Linear) and isinstance(m.recipe, BLOCK_RECIPES):
+            raise TypeError(f"module: {name or 'the module'} uses {type(m.recipe).__name__}; fp8 all-gather takes "
+                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling")
     for m in module.modules():
         if isinstance(m, Float8Linear) and not isinstance(m.weight, Float8AllGatherWeight):
             w = m.weight

@@ -6,6 +6,9 @@ the backward GEMMs need, so the backward makes no extra pass over them. Backward
 format, E5M2 under HYBRID) the same way; dgrad = gemm(grad_q, weight_t), wgrad = gemm(grad_t, input_t).
 Master weights stay in their own precision. The token count is zero-padded to a multiple of 16 for the
 wgrad GEMM (zeros add nothing to the sums nor to the amaxes).
+
+The block-scaling recipes (MXFP8BlockScaling, Float8BlockScaling) are stateless, like current scaling, and
+follow the same autocast rule; their GEMMs, and the transposes they need, are in block_linear.py.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from fp8core import DelayedScaling, Float8CurrentScaling
+from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from fp8core.scaling import check_state_values
 
 from . import ops
+from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from .scaling import SLOTS, STATE, SharedScaling, check_recipe, current_context, initial_state
 
@@ -107,10 +111,12 @@ def _have_cupy() -> bool:
 
 class Float8Linear(torch.nn.Linear):
     """``nn.Linear`` with fp8 GEMMs forward and backward inside :func:`autocast`; exactly ``nn.Linear``
-    (high precision) outside it. ``in_features`` and ``out_features`` must be multiples of 16.
+    (high precision) outside it. ``in_features`` and ``out_features`` must be multiples of 16 (32 under
+    MXFP8BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
     x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
-    recipe: DelayedScaling (default) or Float8CurrentScaling. ``shared``: the delayed-scaling group this
+    recipe: DelayedScaling (default), Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling (the last
+    three stateless: nothing in ``state_dict``). ``shared``: the delayed-scaling group this
     module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
     a group of its own otherwise. The module owns its state (see fp8core.torch.scaling): float32
     ``fp8_amax_history`` [L, 3], ``fp8_scale`` [3], ``fp8_scale_inv`` [3] (input, weight, grad_output),
@@ -118,9 +124,10 @@ class Float8Linear(torch.nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None, recipe: DelayedScaling | Float8CurrentScaling | None = None,
+                 dtype: Any = None,
+                 recipe: DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling | None = None,
                  shared: SharedScaling | None = None) -> None:
-        _check_features(in_features, out_features)
+        _check_features(in_features, out_features, check_recipe(recipe) if shared is None else shared.recipe)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._setup(recipe, shared)
 
@@ -139,7 +146,8 @@ class Float8Linear(torch.nn.Linear):
     def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None, shared: SharedScaling | None = None
                     ) -> "Float8Linear":
         """The same parameters (shared, not copied) in a Float8Linear."""
-        _check_features(linear.in_features, linear.out_features)
+        _check_features(linear.in_features, linear.out_features,
+                        check_recipe(recipe) if shared is None else shared.recipe)
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
@@ -199,6 +207,8 @@ class Float8Linear(torch.nn.Linear):
                                "(pip install 'fp8core[cuda13]', or [cuda12] to match the driver)")
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
+        if isinstance(self.recipe, BLOCK_RECIPES):
+            return BlockMatmul.apply(x, self.weight, self.bias, block_spec(self.recipe))
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
         if self._fp8_group is None:
@@ -251,10 +261,18 @@ class Float8Linear(torch.nn.Linear):
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}, format={self.recipe.fp8_format.name}"
 
 
-def _check_features(in_features: int, out_features: int) -> None:
+def _feature_multiple(recipe: Any) -> tuple[int, str]:
+    """(what in_features and out_features must be multiples of under ``recipe``, and why)."""
+    if isinstance(recipe, BLOCK_RECIPES):
+        return block_multiple(recipe)
+    return _GEMM_MULTIPLE, "the FP8 GEMM's limit"
+
+
+def _check_features(in_features: int, out_features: int, recipe: Any) -> None:
+    multiple, why = _feature_multiple(recipe)
     for name, v in (("in_features", in_features), ("out_features", out_features)):
-        if v % _GEMM_MULTIPLE:
-            raise ValueError(f"{name}: {v} is not a multiple of {_GEMM_MULTIPLE} (the FP8 GEMM's limit)")
+        if v % multiple:
+            raise ValueError(f"{name}: {v} is not a multiple of {multiple} under {type(recipe).__name__} ({why})")
 
 
 def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Optional[tuple]:
@@ -289,20 +307,22 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
     Under delayed scaling all swapped layers join one group (one all-reduce and one update per step), and
     ``module.load_state_dict`` checks every layer's fp8 entries before it writes anything.
     ``module_filter_fn(linear, fqn) -> bool`` chooses layers; layers the FP8 GEMM cannot take (features not
-    multiples of 16) are kept as they are, with a warning naming them.
+    multiples of 16; of 32 under MXFP8BlockScaling, of 128 under Float8BlockScaling) are kept as they are, with
+    a warning naming them.
     """
     recipe = check_recipe(recipe)
+    multiple, why = _feature_multiple(recipe)
     chosen, skipped = [], []
     for fqn, child in module.named_modules():
         if type(child) is not torch.nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
             continue
-        if child.in_features % _GEMM_MULTIPLE or child.out_features % _GEMM_MULTIPLE:
+        if child.in_features % multiple or child.out_features % multiple:
             skipped.append(f"{fqn} ({child.in_features} -> {child.out_features})")
             continue
         chosen.append(fqn)
     if skipped:
-        warnings.warn("convert_to_float8: kept as nn.Linear, features not multiples of 16: " + ", ".join(skipped),
-                      stacklevel=2)
+        warnings.warn(f"convert_to_float8: kept as nn.Linear, features not multiples of {multiple} under "
+                      f"{type(recipe).__name__} ({why}): " + ", ".join(skipped), stacklevel=2)
     if not chosen:
         return module
     shared = SharedScaling(recipe) if isinstance(recipe, DelayedScaling) else None

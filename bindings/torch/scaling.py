@@ -34,6 +34,10 @@ import torch
 import fp8core
 from fp8core import DelayedScaling, Format, ScalingState
 
+from .block_linear import check_block_recipe
+
+RECIPES = (DelayedScaling, fp8core.Float8CurrentScaling, fp8core.MXFP8BlockScaling, fp8core.Float8BlockScaling)
+_NAMES = "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling"
 SLOTS = 3  # per Float8Linear: input (forward format), weight (forward), grad_output (backward format)
 STATE = ("_fp8_history", "_fp8_scale", "_fp8_scale_inv")
 _local = threading.local()
@@ -149,8 +153,8 @@ def _distributed(group: Any) -> bool:
 
 class _Context:
     def __init__(self, recipe: Any, enabled: bool) -> None:
-        if recipe is not None and not isinstance(recipe, (DelayedScaling, fp8core.Float8CurrentScaling)):
-            raise TypeError(f"recipe: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+        if recipe is not None and not isinstance(recipe, RECIPES):
+            raise TypeError(f"recipe: expected {_NAMES}, got {type(recipe).__name__}")
         self.recipe = recipe
         self.enabled = bool(enabled)
         self.ran: dict[SharedScaling, None] = {}  # in forward order: the same on every rank
@@ -201,9 +205,11 @@ def autocast(recipe: Optional[DelayedScaling] = None, enabled: bool = True,
 def check_recipe(recipe: Any) -> Any:
     if recipe is None:
         return DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, fp8core.Float8CurrentScaling)):
-        raise TypeError(f"recipe: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"recipe: expected {_NAMES}, got {type(recipe).__name__}")
     if recipe.fp8_format is Format.E5M2:
         raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs, which have no FP8 kernel; "
                          "use Format.HYBRID (E4M3 forward, E5M2 backward) or Format.E4M3")
+    if isinstance(recipe, fp8core.Float8BlockScaling):
+        check_block_recipe(recipe)
     return recipe

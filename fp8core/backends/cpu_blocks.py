@@ -218,8 +218,40 @@ def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out
 
 
 def transpose_scale(scale: Tensor) -> np.ndarray:
-    """A block-scale array [a, b] as a contiguous [b, a] (E8M0 bytes or fp32), values unchanged."""
-    return np.ascontiguousarray(scale.data.T)
+    """A block-scale array [a, b] as a new contiguous [b, a] (E8M0 bytes or fp32), values unchanged; always a
+    copy, never a view of the input (a or b of 1 makes .T contiguous already)."""
+    return np.array(scale.data.T, order="C", copy=True)
+
+
+# ---- the scale layouts cuBLASLt reads (the reference of cuda_blocks.gemm_scale) ---------------------------
+
+def mx_swizzled_size(rows: int, kgroups: int) -> int:
+    """Bytes of the swizzled E8M0 scales of a [rows, kgroups] array: whole 128 x 4 tiles."""
+    return -(-rows // 128) * 128 * -(-kgroups // 4) * 4
+
+
+def gemm_scale(scale: Tensor, kind: str) -> np.ndarray:
+    """One GEMM operand's block scales ``[rows or row-tiles, K-blocks]`` as cuBLASLt reads them.
+
+    "1x32": flat uint8, 128 x 4 tiles of 512 bytes row-major over the tiles, element (r, c) of a tile at byte
+    ``(r % 32) * 16 + (r // 32) * 4 + c`` (cuBLAS's "1D block scaling factors layout"), zero padding.
+    "1x128": float32 ``[KB, rows]`` (outer-dimension-major). "128x128": float32 ``[row-tiles, 4 * ceil(KB/4)]``,
+    each row padded with zeros to 16 bytes.
+    """
+    s = scale.data
+    rows, kgroups = s.shape
+    if kind == "1x32":
+        R, C = -(-rows // 128), -(-kgroups // 4)
+        padded = np.zeros((R * 128, C * 4), np.uint8)
+        padded[:rows, :kgroups] = s.view(np.uint8)
+        # [R, 4 (r // 32), 32 (r % 32), C, 4 (c)] -> [R, C, r % 32, r // 32, c]
+        return np.ascontiguousarray(padded.reshape(R, 4, 32, C, 4).transpose(0, 3, 2, 1, 4)).reshape(-1)
+    f = s.view(np.float32)
+    if kind == "1x128":
+        return np.ascontiguousarray(f.T)
+    out = np.zeros((rows, -(-kgroups // 4) * 4), np.float32)
+    out[:, :kgroups] = f
+    return out
 
 
 # ---- the block-scaled GEMM emulation ----------------------------------------------------------------------

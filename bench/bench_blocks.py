@@ -97,9 +97,7 @@ def gemm_cases(torch: Any, m: int, n: int, k: int) -> dict[str, tuple[int, Calla
         a, b = quantize_mxfp8(x), quantize_mxfp8(w)
 
         def swizzled(s: Any) -> Any:
-            t = wrap(s)
-            return torch.from_dlpack(cuda_blocks.gemm_scale(t.data, "1x32", t, cuda_blocks._stream(t))).view(
-                torch.float8_e8m0fnu)
+            return torch.from_dlpack(cuda_blocks.gemm_scale(wrap(s), "1x32")).view(torch.float8_e8m0fnu)
 
         sa, sb = swizzled(a.scale), swizzled(b.scale)
         cases["mxfp8 fp8core.gemm"] = (flops, lambda: fp8core.gemm(a, b, out_dtype="bfloat16"))

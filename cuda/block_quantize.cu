@@ -1,11 +1,12 @@
 // Block scaling (NUMERICS.md, "Block scaling"): MXFP8 rowwise and columnwise from one read of x, 1x128 and
 // 128x128 blocks with fp32 scales, and the dequantization of both. Same bits as the CPU reference.
 //
-// E8M0 "rceil" is computed on bit patterns; on a family-specific Blackwell target (sm_100f, sm_120f, ...)
-// cvt.rp.satfinite.ue8m0x2.f32 does it in one instruction and gives the same byte (the GPU tests compare).
+// E8M0 "rceil" is computed on bit patterns; on a family-specific Blackwell target (sm_100f, sm_120f, ...: the
+// loader compiles this file for one on sm_100+, _kernels.arch_options) cvt.rp.satfinite.ue8m0x2.f32 does it in
+// one instruction and gives the same byte (the GPU tests compare). FP8CORE_FORCE_SOFT_FP8 keeps the software one.
 #include "common.cuh"
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && \
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && !defined(FP8CORE_FORCE_SOFT_FP8) && \
     (defined(__CUDA_ARCH_FAMILY_SPECIFIC__) || defined(__CUDA_ARCH_SPECIFIC__) || defined(__CUDA_ARCH_FEAT_SM100_ALL))
 #define FP8CORE_HW_E8M0 1
 #else
@@ -257,7 +258,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_128x128_kernel(
 
 // ---- dequantize: y = ROUND_TO(out, fp32(q) *rn factor[block]) -------------------------------------------
 // Blocks are br x bc; the factor of (r, c) is at scale[(r / br) * sld + c / bc]: E8M0 bytes (E8M0 = true) or
-// fp32 scale inverses. Eight consecutive elements per step.
+// fp32 scale inverses. Eight consecutive elements of a row per step (one 8-byte load, codes decoded in pairs,
+// one 16-byte store); bc is 1 (columnwise MXFP8: a factor per column) or a multiple of 8 (one factor for all 8).
 template <bool E8M0>
 __device__ __forceinline__ float block_factor(const void* scale, i64 idx) {
   if (E8M0) return e8m0_value(reinterpret_cast<const u8*>(scale)[idx]);
@@ -273,14 +275,19 @@ __global__ void block_dequantize_kernel(const u8* __restrict__ q, const void* __
   const bool vec = cols % 8 == 0 && aligned(q, 8) && aligned(y, 16);
   if (vec) {
     for (i64 v = start; v < n / 8; v += stride) {
-      const i64 r = v * 8 / cols, c0 = v * 8 % cols;  // the 8 elements share a row
+      const i64 r = v * 8 / cols, c0 = v * 8 - r * cols;  // the 8 elements share a row
+      const i64 base = (r / br) * sld;
       const uint2 w = *reinterpret_cast<const uint2*>(q + v * 8);
+      const float one = bc == 1 ? 0.f : block_factor<E8M0>(scale, base + c0 / bc);
       Pack p;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const u32 byte = ((j < 4 ? w.x : w.y) >> (8 * (j & 3))) & 0xffu;
-        const float factor = block_factor<E8M0>(scale, (r / br) * sld + (c0 + j) / bc);
-        p.v[j] = from_f32_out(mul_rn(fp8_to_f32<FMT>(byte), factor), (OUT*)nullptr);
+      for (int j = 0; j < 4; ++j) {
+        float lo, hi;
+        fp8x2_to_f32<FMT>(((j < 2 ? w.x : w.y) >> (16 * (j & 1))) & 0xffffu, lo, hi);
+        const float f0 = bc == 1 ? block_factor<E8M0>(scale, base + c0 + 2 * j) : one;
+        const float f1 = bc == 1 ? block_factor<E8M0>(scale, base + c0 + 2 * j + 1) : one;
+        p.v[2 * j] = from_f32_out(mul_rn(lo, f0), (OUT*)nullptr);
+        p.v[2 * j + 1] = from_f32_out(mul_rn(hi, f1), (OUT*)nullptr);
       }
       *reinterpret_cast<Pack*>(y + v * 8) = p;
     }

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["cuda_dir", "cuda_sha256", "compile_cubin", "get_function", "KERNELS", "OPTIONS", "cache_dir",
-           "FORCE_SOFT_FP8", "module_options"]
+           "FORCE_SOFT_FP8", "module_options", "arch_options", "FAMILY_ARCHS"]
 
 # CuPy's RawModule appends -ftz=true and --device-as-default-execution-space to every compile; compile_cubin
 # passes them too so that it compiles what runs. The kernels are written to be immune to -ftz.
@@ -83,6 +83,20 @@ def cuda_sha256() -> str:
 def module_options(soft_fp8: bool) -> tuple[str, ...]:
     """The -D options of every compile: the cuda/ hash (CuPy's cache key) and the forced software path."""
     return (f"-DFP8CORE_CUDA_SHA=0x{cuda_sha256()[:16]}",) + (("-DFP8CORE_FORCE_SOFT_FP8=1",) if soft_fp8 else ())
+
+
+# Files with instructions that exist only on family-specific targets (block_quantize.cu: the hardware E8M0
+# conversion), and the devices that get one: sm_XXXf is a superset of the sm_XXX CuPy appends, and NVRTC given
+# both compiles for the family target. The forced software path never takes it.
+FAMILY_FILES = frozenset({"block_quantize.cu"})
+FAMILY_ARCHS = (100, 103, 110, 120, 121)
+
+
+def arch_options(filename: str, compute_capability: int, soft_fp8: bool) -> tuple[str, ...]:
+    """The extra -arch option a device of ``compute_capability`` compiles ``filename`` with (or none)."""
+    if filename in FAMILY_FILES and compute_capability in FAMILY_ARCHS and not soft_fp8:
+        return (f"-arch=sm_{compute_capability}f",)
+    return ()
 
 
 def _nvrtc() -> Any:
@@ -171,9 +185,11 @@ def _module(filename: str, device_id: int, soft: bool) -> Any:
         if module is None:
             import cupy
 
+            cc = int(cupy.cuda.Device(device_id).compute_capability)
             module = cupy.RawModule(
                 code=(cuda_dir() / filename).read_text(), backend="nvrtc",
-                options=(*_RAWMODULE_OPTIONS, f"-I{cuda_dir()}", *module_options(soft)),
+                options=(*_RAWMODULE_OPTIONS, f"-I{cuda_dir()}", *module_options(soft),
+                         *arch_options(filename, cc, soft)),
                 name_expressions=KERNELS[filename])
             with cupy.cuda.Device(device_id):
                 try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from . import _checks
 from ._tensor import Tensor, export, wrap
 from .formats import Format, as_format
 from .ops import _as_2d, _contiguous, _epsilon, _fp8, _high_precision, _out_dtype, _same_device
@@ -162,9 +163,8 @@ def quantize_blockwise(x: Array, fmt: Format | str = Format.E4M3, *, block: Any 
     t = _high_precision(x, "x")
     f = as_format(fmt)
     br = _block_rows(block)
-    if not isinstance(power_of_2, bool):
-        raise TypeError(f"power_of_2: expected a bool, got {type(power_of_2).__name__}")
-    q, s_inv = _backend(t).quantize_blockwise(_as_2d(t, "x"), f, br, power_of_2, _epsilon(epsilon))
+    pow2 = _checks.flag(power_of_2, "power_of_2")
+    q, s_inv = _backend(t).quantize_blockwise(_as_2d(t, "x"), f, br, pow2, _epsilon(epsilon))
     return BlockScaledTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s_inv, "float32", t))
 
 

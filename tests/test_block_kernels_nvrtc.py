@@ -12,7 +12,7 @@ PROBE = "fp8core::mx_quantize_kernel<float, 0, true>"
 HW = "cvt.rp.satfinite.ue8m0x2.f32"
 
 
-def _ptx(arch: str) -> str:
+def _ptx(arch: str, *extra: str) -> str:
     from cupy.cuda import nvrtc
 
     headers = [p for p in _kernels._sources() if p.suffix == ".cuh"]
@@ -20,7 +20,7 @@ def _ptx(arch: str) -> str:
                                [p.name.encode() for p in headers])
     try:
         nvrtc.addNameExpression(prog, PROBE)
-        nvrtc.compileProgram(prog, [*_kernels.OPTIONS, f"-arch=sm_{arch}"])
+        nvrtc.compileProgram(prog, [*_kernels.OPTIONS, *extra, f"-arch=sm_{arch}"])
         return nvrtc.getPTX(prog).decode()
     finally:
         nvrtc.destroyProgram(prog)
@@ -36,3 +36,40 @@ def test_family_targets_compile_every_instantiation(arch):
 @pytest.mark.parametrize("arch,hardware", [("90", False), ("100", False), ("100f", True), ("120f", True)])
 def test_rceil_uses_the_hardware_conversion_only_where_it_exists(arch, hardware):
     assert (HW in _ptx(arch)) is hardware
+
+
+@pytest.mark.parametrize("cc", _kernels.FAMILY_ARCHS)
+def test_the_loader_asks_for_the_family_target_on_blackwell(cc):
+    assert _kernels.arch_options(FILE, cc, soft_fp8=False) == (f"-arch=sm_{cc}f",)
+    assert _kernels.arch_options(FILE, cc, soft_fp8=True) == ()  # FP8CORE_FORCE_SOFT_FP8: software everywhere
+    assert _kernels.arch_options("quantize.cu", cc, soft_fp8=False) == ()
+
+
+@pytest.mark.parametrize("cc", [80, 89, 90])
+def test_no_family_target_before_blackwell(cc):
+    assert _kernels.arch_options(FILE, cc, soft_fp8=False) == ()
+
+
+@pytest.mark.parametrize("cc", [100, 120])
+def test_family_option_beside_cupys_generic_arch_compiles_for_the_family(cc):
+    """CuPy appends -arch=sm_XX to what the loader gives; NVRTC given both builds the family target, where rceil
+    is the hardware conversion, and the forced software define keeps it in software there."""
+    extra = _kernels.arch_options(FILE, cc, soft_fp8=False)
+    assert HW in _ptx(str(cc), *extra)
+    assert HW not in _ptx(str(cc))
+    assert HW not in _ptx(str(cc), *extra, "-DFP8CORE_FORCE_SOFT_FP8=1")
+
+
+def test_cupy_compiles_block_quantize_with_the_family_option(monkeypatch):
+    """The RawModule path on an sm_100 device (CuPy's options and its appended -arch) with the loader's option."""
+    from cupy.cuda import compiler
+
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    source = (_kernels.cuda_dir() / FILE).read_text()
+    options = (*_kernels._RAWMODULE_OPTIONS, f"-I{_kernels.cuda_dir()}", *_kernels.module_options(False), "-ftz=true")
+    family, _ = compiler.compile_using_nvrtc(source, options + _kernels.arch_options(FILE, 100, False), arch="100",
+                                             name_expressions=_kernels.KERNELS[FILE])
+    generic, mapping = compiler.compile_using_nvrtc(source, options, arch="100",
+                                                    name_expressions=_kernels.KERNELS[FILE])
+    assert family[:4] == b"\x7fELF" and set(mapping) == set(_kernels.KERNELS[FILE])
+    assert family != generic

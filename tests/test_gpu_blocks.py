@@ -143,18 +143,28 @@ def swizzled_offset(r: int, c: int, kgroups: int) -> int:
 
 @pytest.mark.parametrize("rows,kgroups", [(1, 1), (128, 4), (130, 6), (256, 32)])
 def test_mx_scale_swizzle_matches_cublas_layout(rng, rows, kgroups):
-    from fp8core.backends import cuda_blocks
+    from fp8core.backends import cpu_blocks, cuda_blocks
     from fp8core._tensor import wrap
 
     s = rng.integers(0, 255, (rows, kgroups), dtype=np.uint8)
     t = wrap(torch.from_numpy(s).cuda())
-    out = cuda_blocks.gemm_scale(t.data, "1x32", t, cuda_blocks._stream(t))
-    got = out.get()
+    got = cuda_blocks.gemm_scale(t, "1x32").get()
     want = np.zeros(cuda_blocks.mx_swizzled_size(rows, kgroups), np.uint8)
     for r in range(rows):
         for c in range(kgroups):
             want[swizzled_offset(r, c, kgroups)] = s[r, c]
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, cpu_blocks.gemm_scale(wrap(s), "1x32"))
+
+
+@pytest.mark.parametrize("kind,shape", [("1x128", (130, 9)), ("128x128", (3, 9)), ("128x128", (2, 4))])
+def test_fp32_gemm_scale_layouts_match_the_cpu(rng, kind, shape):
+    from fp8core.backends import cpu_blocks, cuda_blocks
+    from fp8core._tensor import wrap
+
+    s = rng.standard_normal(shape).astype(np.float32)
+    got = cuda_blocks.gemm_scale(wrap(torch.from_numpy(s).cuda()), kind).get()
+    np.testing.assert_array_equal(got.view(np.uint32), cpu_blocks.gemm_scale(wrap(s), kind).view(np.uint32))
 
 
 # ---- the block-scaled GEMM --------------------------------------------------------------------------------
@@ -209,9 +219,7 @@ def test_block_gemm_against_torch_scaled_mm_with_the_same_scales(rng, scheme):
         from fp8core._tensor import wrap
 
         def swz(s):
-            t = wrap(s)
-            return torch.from_dlpack(cuda_blocks.gemm_scale(t.data, "1x32", t, cuda_blocks._stream(t))).view(
-                torch.float8_e8m0fnu)
+            return torch.from_dlpack(cuda_blocks.gemm_scale(wrap(s), "1x32")).view(torch.float8_e8m0fnu)
 
         ref = torch._scaled_mm(ga.data, gb.data.t(), scale_a=swz(ga.scale), scale_b=swz(gb.scale),
                                out_dtype=torch.bfloat16)

@@ -22,7 +22,13 @@ from fp8core.backends import cuda as backend  # noqa: E402
 
 ARCHS = ["80", "89", "90", "100", "120"]
 TARGETS = [(a, False) for a in ARCHS] + [("90", True)]  # the software conversion forced on sm_90 too
+# The family-specific targets the loader compiles some files for on sm_100/120 (_kernels.arch_options), and one
+# with the software path forced, which must then stay in software there too.
+FAMILY_TARGETS = [("100f", False), ("120f", False), ("100f", True)]
 MAX_REGS = {256: 64, 512: 128}  # threads per block -> registers that keep >= 1024 threads resident per SM
+# Kernels that hold more per thread by design: quantize_128x128 keeps its 64 values of the tile in registers
+# (x read once, the tile's amax known before the first store); 2 CTAs (512 threads) per SM still run.
+MAX_REGS_OF = {"quantize_128x128_kernel": 128}
 
 
 def _find(tool: str) -> str | None:
@@ -102,8 +108,10 @@ def fp8_format(expr: str) -> str | None:
         return ("E4M3", "E5M2")[int(args[1])]
     if k == "cast_transpose_kernel" and args[2] == "true":
         return ("E4M3", "E5M2")[int(args[1])]
-    if k == "dequantize_kernel":
+    if k in ("dequantize_kernel", "block_dequantize_kernel"):
         return ("E4M3", "E5M2")[int(args[0])]
+    if k in ("mx_quantize_kernel", "quantize_1x128_kernel", "quantize_128x128_kernel"):
+        return ("E4M3", "E5M2")[int(args[1])]
     return None
 
 
@@ -116,7 +124,23 @@ VECTOR = {
     "multi_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
     "dequantize_kernel": [r"LDG\.E\.64", r"STG\.E\.128"],
     "cast_transpose_kernel": [r"LDG\.E\.128", r"STG\.E\.128"],
+    "mx_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
+    "quantize_128x128_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
+    "block_dequantize_kernel": [r"LDG\.E\.64", r"STG\.E\.128"],
 }
+
+
+def vector_patterns(expr: str) -> list[str]:
+    """VECTOR's patterns; a 1x128 block is one warp, 4 elements a lane: 16 bytes of fp32 or 8 of bf16/fp16 in."""
+    if kind(expr) == "quantize_1x128_kernel":
+        return [r"LDG\.E\.128" if template_args(expr)[0] == "float" else r"LDG\.E\.64"]
+    return VECTOR.get(kind(expr), [])
+
+
+def rceil_in_hardware(expr: str, arch: str, soft: bool) -> bool:
+    """Where E8M0 "rceil" must be cvt.rp.satfinite.ue8m0x2.f32 (F2FP...E8...RP): family targets, not forced soft."""
+    return kind(expr) == "mx_quantize_kernel" and template_args(expr)[2] == "true" and arch.endswith("f") \
+        and not soft
 
 
 def function(filename, expr, arch, soft, tmp_path_factory):
@@ -129,7 +153,21 @@ def function(filename, expr, arch, soft, tmp_path_factory):
 @pytest.mark.parametrize("arch,soft", TARGETS, ids=[f"sm{a}{'-soft' if s else ''}" for a, s in TARGETS])
 @pytest.mark.parametrize("filename,expr", ALL)
 def test_sass_of_every_kernel(filename, expr, arch, soft, tmp_path_factory):
+    check_sass(filename, expr, arch, soft, tmp_path_factory)
+
+
+FAMILY = [p for f in sorted(_kernels.FAMILY_FILES) for p in kernels(f)]
+
+
+@pytest.mark.parametrize("arch,soft", FAMILY_TARGETS, ids=[f"sm{a}{'-soft' if s else ''}" for a, s in FAMILY_TARGETS])
+@pytest.mark.parametrize("filename,expr", FAMILY)
+def test_sass_on_family_targets(filename, expr, arch, soft, tmp_path_factory):
+    check_sass(filename, expr, arch, soft, tmp_path_factory)
+
+
+def check_sass(filename, expr, arch, soft, tmp_path_factory):
     dis, name = function(filename, expr, arch, soft, tmp_path_factory)
+    cc = int(arch.rstrip("f"))
     sass, res = dis.sass[name], dis.resources[name]
 
     # No local memory: no spills, no stack, no struct argument copied out of the parameter bank.
@@ -143,17 +181,24 @@ def test_sass_of_every_kernel(filename, expr, arch, soft, tmp_path_factory):
     # fp8 conversions: the hardware's on sm_89+, none (the software path) on sm_80 or when forced.
     fmt = fp8_format(expr)
     hw_fp8 = re.findall(r"\bF2FP\.[.\w]*(?:E4M3|E5M2)[.\w]*", sass)
-    if int(arch) < 89 or soft:
+    if cc < 89 or soft:
         assert not hw_fp8, f"{expr}: hardware fp8 conversions on sm_{arch} (soft={soft}): {sorted(set(hw_fp8))}"
     elif fmt is not None:
-        if kind(expr) == "dequantize_kernel":
+        if kind(expr) in ("dequantize_kernel", "block_dequantize_kernel"):
             want = rf"\bF2FP\.F16\.{fmt}\.UNPACK_B\b"  # cvt.rn.f16x2.{fmt}x2: two codes per instruction
         else:
             want = rf"\bF2FP\.SATFINITE\.{fmt}\.F32\.PACK_AB"
         assert re.search(want, sass), f"{expr}: no {want} on sm_{arch}"
 
+    # E8M0 "rceil": one hardware conversion exactly where the loader's target has it, bit patterns elsewhere.
+    e8m0 = re.findall(r"\bF2FP\.[.\w]*\bE8\b[.\w]*", sass)
+    if rceil_in_hardware(expr, arch, soft):
+        assert any(".RP" in i for i in e8m0), f"{expr}: no cvt.rp.satfinite.ue8m0x2.f32 on sm_{arch}"
+    else:
+        assert not e8m0, f"{expr}: hardware E8M0 conversion on sm_{arch} (soft={soft}): {sorted(set(e8m0))}"
+
     # The vectorised fast path is there.
-    for pattern in VECTOR.get(kind(expr), []):
+    for pattern in vector_patterns(expr):
         assert re.search(rf"\b{pattern}\b", sass), f"{expr}: no {pattern} on sm_{arch}"
 
     # cast_transpose's vector path transposes through shared memory in 32-bit words (byte permutes, a quad
@@ -164,7 +209,8 @@ def test_sass_of_every_kernel(filename, expr, arch, soft, tmp_path_factory):
 
     # Registers leave room for what the launches assume (the grids are sized by the occupancy API).
     threads = 512 if kind(expr) == "update_kernel" else 256
-    assert res["REG"] <= MAX_REGS[threads], f"{expr}: {res['REG']} registers on sm_{arch}"
+    limit = MAX_REGS_OF.get(kind(expr), MAX_REGS[threads])
+    assert res["REG"] <= limit, f"{expr}: {res['REG']} registers on sm_{arch}"
 
 
 @pytest.mark.parametrize("filename,expr", ALL)

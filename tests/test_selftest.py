@@ -14,6 +14,7 @@ from fp8core.backends import cpu
 
 
 _KNOBS = (cpu._TABLE_MIN, cpu._CHUNK)
+_FUNCTIONS = {m.__name__: dict(vars(m)) for m in (cpu, __import__("fp8core.backends.cpu_blocks", fromlist=["x"]))}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,11 @@ def test_cpu_self_consistency_passes_and_every_check_ran(cpu_report):
 
 def test_the_run_leaves_the_backend_as_it_found_it(cpu_report):
     assert (cpu._TABLE_MIN, cpu._CHUNK) == _KNOBS
-    assert cpu.quantize.__module__ == cpu.__name__ and not hasattr(cpu.quantize, "__wrapped__")
+    from fp8core.backends import cpu_blocks
+
+    for mod in (cpu, cpu_blocks):  # the coverage's wrappers are gone: every function is the module's own again
+        for name in selftest._public(mod):
+            assert getattr(mod, name) is _FUNCTIONS[mod.__name__][name], f"{mod.__name__}.{name}"
 
 
 def test_a_wrong_table_entry_fails_the_run(monkeypatch):
@@ -146,3 +151,43 @@ def test_a_new_backend_pair_is_covered_too(tmp_path, monkeypatch):
     finally:
         for name in ("cpu_fake", "cuda_fake"):
             sys.modules.pop(f"fp8core.backends.{name}", None)
+
+
+def test_block_primitives_are_backend_functions():
+    names = selftest.backend_functions()
+    for name in ("quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
+                 "dequantize_blockwise", "transpose_scale", "gemm_scale"):
+        assert f"blocks.{name}" in names
+
+
+def test_a_wrong_e8m0_rounding_fails_the_mxfp8_check(monkeypatch):
+    """rceil computed as floor, on both paths of the CPU backend: only the oracle written from the contract can
+    tell, and the MXFP8 check must name it."""
+    from fp8core.backends import cpu_blocks
+
+    monkeypatch.setattr(cpu_blocks, "e8m0_rceil", cpu_blocks.e8m0_floor)
+    report = selftest.run("cpu", quick=True)
+    mx = next(c for c in report.checks if c.name.startswith("block scaling: MXFP8 rowwise"))
+    assert mx.failed > 0 and any("rceil" in f and "vs oracle" in f for f in mx.failures)
+    assert all(c.failed == 0 for c in report.checks if "MXFP8" not in c.name and "block gemm" not in c.name)
+
+
+def test_a_wrong_swizzle_fails_the_gemm_scale_check(monkeypatch):
+    from fp8core.backends import cpu_blocks
+
+    real = cpu_blocks.gemm_scale
+    monkeypatch.setattr(cpu_blocks, "gemm_scale", lambda s, kind: real(s, "1x128" if kind == "128x128" else kind))
+    report = selftest.run("cpu", quick=True)
+    check = next(c for c in report.checks if "scale layouts" in c.name)
+    assert check.failed > 0 and "128x128" in check.failures[0]
+
+
+def test_the_block_gemm_refusal_is_what_fp8core_documents():
+    class Ada(selftest.CudaTarget):
+        def __init__(self, cc):
+            self.cc, self.name = cc, f"sm_{cc}"
+
+    assert selftest._block_gemm_refusal(Ada(89), "mx") == "compute capability 10.0"
+    assert selftest._block_gemm_refusal(Ada(89), "1x128,1x128") == "compute capability 9.0"
+    assert selftest._block_gemm_refusal(Ada(100), "mx") == ""
+    assert selftest._block_gemm_refusal(selftest.CpuTarget(), "mx") == ""

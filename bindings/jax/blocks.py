@@ -6,13 +6,15 @@ Results are the core's typed pairs of jax.Arrays: ``MXTensor(data, scale)`` with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import fp8core
 from fp8core import blocks as core
+from fp8core._tensor import Tensor
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor
 
 from . import _fp8_shape, _rows
@@ -38,6 +40,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _returning(fn: Callable[..., Any]) -> Callable[..., None]:
+    """``fn(*ins) -> result or results`` as the ``fn(outs, *ins)`` that _primitive takes: the block primitives
+    have no ``out=``, so their results are copied byte for byte into XLA's buffers (on a GPU on XLA's stream,
+    CuPy's current one inside the callback)."""
+    def run(outs: list[Tensor], *ins: Tensor) -> None:
+        results = fn(*ins)
+        for out, result in zip(outs, results if isinstance(results, tuple) else (results,)):
+            src = result.data if isinstance(result, Tensor) else result
+            out.data.reshape(-1).view(np.uint8)[...] = src.reshape(-1).view(np.uint8)
+    return run
+
+
 def _e8m0(shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float8_e8m0fnu)
 
@@ -51,8 +65,8 @@ def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", co
     """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     fp8core.recipe._scale_mode(scale_mode)
     shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, columnwise)))
-    return MXTensor(*_primitive(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode,
-                                                                     columnwise=columnwise)), shapes)(x))
+    run = _returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
+    return MXTensor(*_primitive(run, shapes)(x))
 
 
 def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
@@ -65,15 +79,15 @@ def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil
         row, col = core.quantize_mxfp8_both(t, fmt, scale_mode=scale_mode)
         return (*row, *col)
 
-    q, s, qc, sc = _primitive(run, shapes)(x)
+    q, s, qc, sc = _primitive(_returning(run), shapes)(x)
     return MXTensor(q, s), MXTensor(qc, sc)
 
 
 def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
     data, scale = t
     fmt = fp8core.as_format(data.dtype)
-    return _primitive(lambda q, s: core.dequantize_mxfp8(MXTensor(q, s), jnp.dtype(out_dtype).name, fmt=fmt),
-                      jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale)
+    run = _returning(lambda q, s: core.dequantize_mxfp8(MXTensor(q, s), jnp.dtype(out_dtype).name, fmt=fmt))
+    return _primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale)
 
 
 def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", power_of_2: bool = True,
@@ -82,16 +96,17 @@ def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", pow
     br = core._block_rows(block)
     s_shape = (_cdiv(_rows(x), br), _cdiv(x.shape[-1], FP32_BLOCK))
     shapes = (_fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
-    return BlockScaledTensor(*_primitive(lambda t: tuple(core.quantize_blockwise(
-        t, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon)), shapes)(x))
+    run = _returning(lambda t: tuple(core.quantize_blockwise(t, fmt, block=block, power_of_2=power_of_2,
+                                                              epsilon=epsilon)))
+    return BlockScaledTensor(*_primitive(run, shapes)(x))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
     data, scale_inv = t
     fmt = fp8core.as_format(data.dtype)
-    return _primitive(lambda q, s: core.dequantize_blockwise(BlockScaledTensor(q, s), jnp.dtype(out_dtype).name,
-                                                             fmt=fmt),
-                      jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale_inv)
+    run = _returning(lambda q, s: core.dequantize_blockwise(BlockScaledTensor(q, s), jnp.dtype(out_dtype).name,
+                                                            fmt=fmt))
+    return _primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale_inv)
 
 
 def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,
@@ -100,6 +115,6 @@ def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,
     kind = type(a)
     fa, fb = fp8core.as_format(a[0].dtype), fp8core.as_format(b[0].dtype)
     name = jnp.dtype(out_dtype).name
-    return _primitive(lambda ad, asc, bd, bsc: fp8core.gemm(kind(ad, asc), type(b)(bd, bsc), out_dtype=name,
-                                                            a_fmt=fa, b_fmt=fb),
-                      jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(a[0], a[1], b[0], b[1])
+    run = _returning(lambda ad, asc, bd, bsc: fp8core.gemm(kind(ad, asc), type(b)(bd, bsc), out_dtype=name,
+                                                           a_fmt=fa, b_fmt=fb))
+    return _primitive(run, jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(a[0], a[1], b[0], b[1])

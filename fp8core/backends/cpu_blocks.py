@@ -3,7 +3,8 @@
 Arrays are 2-D NumPy views ``[rows, cols]`` in their logical dtype; block amaxes are fp32 bit patterns
 (unsigned order is float order, NaN canonical above inf), so every step is an exact integer or single IEEE
 fp32 operation. Blocks at the edges are partial: the tensor is padded with zeros to whole blocks, which
-changes no amax and no quantized value.
+changes no amax and no quantized value. Every public function runs in the IEEE default floating-point
+environment (fp8core._fpenv.ieee), so a caller that flushes subnormals gets the contract's bits too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .._fpenv import ieee
 from .._tensor import Tensor, logical_numpy_dtype
 from ..formats import Format
 from .cpu import _CANONICAL_NAN, _canonical_nan_fp8, _map, _quantize_table, _to_f32, scale_rule
@@ -55,6 +57,7 @@ def abs_bits(f: np.ndarray) -> np.ndarray:
     return b
 
 
+@ieee
 def block_amax_bits(x: np.ndarray, br: int, bc: int) -> np.ndarray:
     """The amax of every br x bc block of ``x[rows, cols]`` as fp32 bits, ``[ceil(rows/br), ceil(cols/bc)]``.
 
@@ -78,6 +81,7 @@ def _highest_bit(m: np.ndarray) -> np.ndarray:
     return (np.frexp(m.astype(np.float64))[1] - 1).astype(np.int64)
 
 
+@ieee
 def e8m0_rceil(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
     """E8M0 scale bytes by "rceil": v = amax *rn fp32(1/fp8_max), its exponent rounded toward +inf."""
     with np.errstate(all="ignore"):
@@ -92,6 +96,7 @@ def e8m0_rceil(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
     return e.astype(np.uint8)
 
 
+@ieee
 def e8m0_floor(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
     """E8M0 scale bytes by the OCP rule: clamp(floor(log2(amax)) - emax + 127, 0, 254)."""
     exp = np.right_shift(amax_bits, 23).astype(np.int64)
@@ -104,6 +109,7 @@ def e8m0_floor(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
     return e.astype(np.uint8)
 
 
+@ieee
 def pow2_f32(k: np.ndarray) -> np.ndarray:
     """2^k as fp32 for integer k in [-149, 127], made from its bits (exact, subnormals included)."""
     k = np.asarray(k, np.int64)
@@ -112,6 +118,7 @@ def pow2_f32(k: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32)
 
 
+@ieee
 def e8m0_factor(e: np.ndarray, sign: int) -> np.ndarray:
     """2^(sign * (e - 127)) as fp32 per scale byte; the NaN byte gives NaN."""
     e = np.asarray(e, np.uint8)
@@ -182,6 +189,7 @@ def _mx_shape(columnwise: bool) -> tuple[int, int]:
     return (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
 
 
+@ieee
 def quantize_mxfp8(x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q [rows, cols] fmt, scale E8M0 [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     br, bc = _mx_shape(columnwise)
@@ -190,11 +198,13 @@ def quantize_mxfp8(x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) ->
     return _scaled_cast(x.data, e8m0_factor(e, -1), br, bc, fmt), e.view(E8M0)
 
 
+@ieee
 def quantize_mxfp8_both(x: Tensor, fmt: Format, scale_mode: str) -> tuple[np.ndarray, ...]:
     """(q_rowwise, scale_rowwise, q_columnwise, scale_columnwise)."""
     return (*quantize_mxfp8(x, fmt, scale_mode, False), *quantize_mxfp8(x, fmt, scale_mode, True))
 
 
+@ieee
 def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, out_dtype: str) -> np.ndarray:
     br, bc = _mx_shape(columnwise)
     return _scaled_widen(q.data.view(fmt.numpy_dtype), e8m0_factor(scale.data.view(np.uint8), 1), br, bc,
@@ -203,6 +213,7 @@ def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, ou
 
 # ---- fp32 block scales (1x128, 128x128) -------------------------------------------------------------------
 
+@ieee
 def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool,
                        epsilon: float) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q, scale_inv fp32 [ceil(rows/br), ceil(cols/128)]), each block by the scale rule."""
@@ -213,13 +224,41 @@ def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool,
     return q, s_inv.reshape(amax.shape)
 
 
+@ieee
 def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out_dtype: str) -> np.ndarray:
     return _scaled_widen(q.data.view(fmt.numpy_dtype), scale_inv.data, br, FP32_BLOCK, out_dtype)
 
 
 def transpose_scale(scale: Tensor) -> np.ndarray:
-    """A block-scale array [a, b] as a contiguous [b, a] (E8M0 bytes or fp32), values unchanged."""
-    return np.ascontiguousarray(scale.data.T)
+    """A block-scale array [a, b] as a new contiguous [b, a] (E8M0 bytes or fp32), values unchanged; always a
+    copy, never a view of the input (a or b of 1 makes .T contiguous already)."""
+    return np.array(scale.data.T, order="C", copy=True)
+
+
+# ---- the scale layouts cuBLASLt reads (the reference of cuda_blocks.gemm_scale) ---------------------------
+
+def gemm_scale(scale: Tensor, kind: str) -> np.ndarray:
+    """One GEMM operand's block scales ``[rows or row-tiles, K-blocks]`` as cuBLASLt reads them.
+
+    "1x32": flat uint8, 128 x 4 tiles of 512 bytes row-major over the tiles, element (r, c) of a tile at byte
+    ``(r % 32) * 16 + (r // 32) * 4 + c`` (cuBLAS's "1D block scaling factors layout"), zero padding.
+    "1x128": float32 ``[KB, rows]`` (outer-dimension-major). "128x128": float32 ``[row-tiles, 4 * ceil(KB/4)]``,
+    each row padded with zeros to 16 bytes.
+    """
+    s = scale.data
+    rows, kgroups = s.shape
+    if kind == "1x32":
+        R, C = -(-rows // 128), -(-kgroups // 4)
+        padded = np.zeros((R * 128, C * 4), np.uint8)
+        padded[:rows, :kgroups] = s.view(np.uint8)
+        # [R, 4 (r // 32), 32 (r % 32), C, 4 (c)] -> [R, C, r % 32, r // 32, c]
+        return np.ascontiguousarray(padded.reshape(R, 4, 32, C, 4).transpose(0, 3, 2, 1, 4)).reshape(-1)
+    f = s.view(np.float32)
+    if kind == "1x128":
+        return np.ascontiguousarray(f.T)
+    out = np.zeros((rows, -(-kgroups // 4) * 4), np.float32)
+    out[:, :kgroups] = f
+    return out
 
 
 # ---- the block-scaled GEMM emulation ----------------------------------------------------------------------
@@ -237,6 +276,7 @@ def _factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
     return np.repeat(f, BLOCK_ROWS[kind], axis=0)[:rows]
 
 
+@ieee
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale: np.ndarray, b_scale: np.ndarray) -> np.ndarray:
     """D[m, n] = sum_kb fa[m, kb] * fb[n, kb] * (sum_{k in kb} a[m, k] * b[n, k]), all in float64.
 

@@ -250,7 +250,8 @@ def _set_block_scale_modes(lt: Any, desc: int, spec: Any) -> None:
     put(A.B_SCALE_MODE, _scale_mode(lt, spec.a_block))
 
 
-def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: Any, stream: Any) -> tuple[Any, Any]:
+def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: Any, stream: int) -> tuple[Any, Any]:
+    """The operands' block scales rearranged for cuBLASLt on ``stream`` (a raw handle), inside cuda.gemm's guard."""
     from . import cuda_blocks
 
     cc = compute_capability(device_id)
@@ -264,5 +265,5 @@ def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: A
         version = int(_lt().get_version())
         if version < _MIN_BLOCK_VERSION:
             raise ValueError(f"a: a 1x128/128x128 block GEMM needs cuBLAS 12.9 or newer, found {version}")
-    return (cuda_blocks.gemm_scale(a_scale, spec.a_block, a, stream),
-            cuda_blocks.gemm_scale(b_scale, spec.b_block, a, stream))
+    return (cuda_blocks.layout_for_cublaslt(a_scale, spec.a_block, a, stream),
+            cuda_blocks.layout_for_cublaslt(b_scale, spec.b_block, a, stream))

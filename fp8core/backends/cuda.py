@@ -159,6 +159,12 @@ ARGS = {
     "update_kernel": "@PPPPPqiiifiPi",
     "compute_scale_kernel": "@PPfPPPPqqiif",
     "fill_kernel": "@PIq",
+    # block scaling (cuda_blocks.py, cuda/block_quantize.cu)
+    "mx_quantize_kernel": "@PPPPPqqfi",
+    "quantize_1x128_kernel": "@PPPqqfif",
+    "quantize_128x128_kernel": "@PPPqqfif",
+    "block_dequantize_kernel": "@PPPqqiiq",
+    "mx_scale_swizzle_kernel": "@PPqq",
 }
 
 

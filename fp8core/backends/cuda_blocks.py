@@ -1,7 +1,9 @@
-"""Block scaling on CUDA: one thin launch per primitive over cuda/block_quantize.cu, on the caller's stream,
-no host synchronisation. Arrays are CuPy arrays in storage dtype (uint8 for fp8 and E8M0, uint16 for bf16).
+"""Block scaling on CUDA: one thin launch per primitive over cuda/block_quantize.cu, through cuda.py's launch
+layer (the device guard, the caller's stream read once per call, plans with packed arguments, the caller's
+allocator), no host synchronisation. Arrays are CuPy arrays in storage dtype (uint8 for fp8 and E8M0, uint16
+for bf16). Importable without a GPU or CuPy: nothing here touches CUDA before a call.
 
-Also the scale layouts cuBLASLt reads (:func:`gemm_scales`): MXFP8's 128x4 swizzled tiles, 1x128 scales
+Also the scale layouts cuBLASLt reads (:func:`gemm_scale`): MXFP8's 128x4 swizzled tiles, 1x128 scales
 outer-dimension-major, 128x128 scales with rows padded to 16 bytes.
 """
 
@@ -14,37 +16,44 @@ import numpy as np
 from .._tensor import Tensor
 from ..formats import Format
 from .cpu_blocks import FP32_BLOCK, MX_BLOCK, inv_fp8_max
-from .cuda import _OUT_STORAGE, _OUT_T, _T, _THREADS, _empty, _grid, _launch, _stream, cupy
+from .cuda import _OUT_STORAGE, _T, _THREADS, _On, _empty, _plan, _ptr, _stream, cupy
 
 _FILE = "block_quantize.cu"
 _EMAX = {Format.E4M3: 8, Format.E5M2: 15}
-
-
-def _tiles(rows: int, cols: int, tr: int, tc: int) -> tuple[int, int]:
-    n = -(-rows // tr) * -(-cols // tc)
-    return (min(n, 65535), -(-n // 65535))
+_MAX_GRID_X = 65535 * 32768  # 2^31 - 1 rounded down to whole rows of y: far beyond any tensor that fits
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _tiles(rows: int, cols: int, tr: int, tc: int) -> tuple[int, int]:
+    """One CTA per tr x tc tile, numbered over (x, y) so that neither dimension passes its limit."""
+    n = _cdiv(rows, tr) * _cdiv(cols, tc)
+    grid = (min(n, 65535), _cdiv(n, 65535))
+    if grid[1] > 65535:
+        raise ValueError(f"x: {rows} x {cols} is too large for one block-quantize launch")
+    return grid
+
+
 # ---- MXFP8 ------------------------------------------------------------------------------------------------
 
 def _mx_launch(x: Tensor, fmt: Format, mode: str, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
     rows, cols = x.shape
-    stream = _stream(x)
-    q = _empty((rows, cols), np.uint8, x, stream) if rowwise else None
-    s = _empty((rows, _cdiv(cols, MX_BLOCK)), np.uint8, x, stream) if rowwise else None
-    qc = _empty((rows, cols), np.uint8, x, stream) if columnwise else None
-    sc = _empty((_cdiv(rows, MX_BLOCK), cols), np.uint8, x, stream) if columnwise else None
-    if x.size:
-        ptr = lambda a: np.uint64(0) if a is None else a  # noqa: E731
-        _launch(x, _FILE, f"fp8core::mx_quantize_kernel<{_T[x.dtype]}, {fmt.index}, "
-                f"{'true' if mode == 'rceil' else 'false'}>", _tiles(rows, cols, 32, 64), _THREADS,
-                (x.data, ptr(q), ptr(s), ptr(qc), ptr(sc), np.int64(rows), np.int64(cols), inv_fp8_max(fmt),
-                 np.int32(_EMAX[fmt])), stream)
-    return q, s, qc, sc
+    device = x.device[1]
+    with _On(device):
+        stream = _stream(x)
+        q = _empty((rows, cols), np.uint8, x) if rowwise else None
+        s = _empty((rows, _cdiv(cols, MX_BLOCK)), np.uint8, x) if rowwise else None
+        qc = _empty((rows, cols), np.uint8, x) if columnwise else None
+        sc = _empty((_cdiv(rows, MX_BLOCK), cols), np.uint8, x) if columnwise else None
+        if x.size:
+            plan = _plan(device, _FILE, f"fp8core::mx_quantize_kernel<{_T[x.dtype]}, {fmt.index}, "
+                                        f"{'true' if mode == 'rceil' else 'false'}>")
+            plan.launch(_tiles(rows, cols, 32, 64), _THREADS,
+                        (x.data.data.ptr, _ptr(q), _ptr(s), _ptr(qc), _ptr(sc), rows, cols, float(inv_fp8_max(fmt)),
+                         _EMAX[fmt]), stream)
+        return q, s, qc, sc
 
 
 def quantize_mxfp8(x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) -> tuple[Any, Any]:
@@ -59,14 +68,16 @@ def quantize_mxfp8_both(x: Tensor, fmt: Format, scale_mode: str) -> tuple[Any, .
 def _dequantize(q: Tensor, scale: Tensor, fmt: Format, out_dtype: str, br: int, bc: int, sld: int,
                 e8m0: bool) -> Any:
     rows, cols = q.shape
-    stream = _stream(q)
-    y = _empty((rows, cols), _OUT_STORAGE[out_dtype], q, stream)
-    if q.size:
-        _launch(q, _FILE, f"fp8core::block_dequantize_kernel<{fmt.index}, {_OUT_T[out_dtype]}, "
-                f"{'true' if e8m0 else 'false'}>", _grid(q.device[1], q.size // 8 + 1), _THREADS,
-                (q.data, scale.data, y, np.int64(rows), np.int64(cols), np.int32(br), np.int32(bc), np.int64(sld)),
-                stream)
-    return y
+    device = q.device[1]
+    with _On(device):
+        stream = _stream(q)
+        y = _empty((rows, cols), _OUT_STORAGE[out_dtype], q)
+        if q.size:
+            plan = _plan(device, _FILE, f"fp8core::block_dequantize_kernel<{fmt.index}, {_T[out_dtype]}, "
+                                        f"{'true' if e8m0 else 'false'}>")
+            plan.launch(plan.grid(q.size), _THREADS,
+                        (q.data.data.ptr, scale.data.data.ptr, y.data.ptr, rows, cols, br, bc, sld), stream)
+        return y
 
 
 def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, out_dtype: str) -> Any:
@@ -80,20 +91,21 @@ def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, ou
 
 def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool, epsilon: float) -> tuple[Any, Any]:
     rows, cols = x.shape
-    stream = _stream(x)
-    q = _empty((rows, cols), np.uint8, x, stream)
-    s_inv = _empty((_cdiv(rows, br), _cdiv(cols, FP32_BLOCK)), np.float32, x, stream)
-    if x.size:
-        args = (x.data, q, s_inv, np.int64(rows), np.int64(cols), np.float32(fmt.max), np.int32(power_of_2),
-                np.float32(epsilon))
-        if br == 1:
-            warps = rows * _cdiv(cols, FP32_BLOCK)
-            _launch(x, _FILE, f"fp8core::quantize_1x128_kernel<{_T[x.dtype]}, {fmt.index}>",
-                    _grid(x.device[1], warps * 32), _THREADS, args, stream)
-        else:
-            _launch(x, _FILE, f"fp8core::quantize_128x128_kernel<{_T[x.dtype]}, {fmt.index}>",
-                    _tiles(rows, cols, FP32_BLOCK, FP32_BLOCK), _THREADS, args, stream)
-    return q, s_inv
+    device = x.device[1]
+    with _On(device):
+        stream = _stream(x)
+        q = _empty((rows, cols), np.uint8, x)
+        s_inv = _empty((_cdiv(rows, br), _cdiv(cols, FP32_BLOCK)), np.float32, x)
+        if x.size:
+            args = (x.data.data.ptr, q.data.ptr, s_inv.data.ptr, rows, cols, float(fmt.max), int(power_of_2),
+                    float(epsilon))
+            if br == 1:  # one warp per 1x128 block, grid-stride over the blocks
+                plan = _plan(device, _FILE, f"fp8core::quantize_1x128_kernel<{_T[x.dtype]}, {fmt.index}>")
+                plan.launch(plan.grid(rows * _cdiv(cols, FP32_BLOCK) * 32, 1), _THREADS, args, stream)
+            else:
+                plan = _plan(device, _FILE, f"fp8core::quantize_128x128_kernel<{_T[x.dtype]}, {fmt.index}>")
+                plan.launch(_tiles(rows, cols, FP32_BLOCK, FP32_BLOCK), _THREADS, args, stream)
+        return q, s_inv
 
 
 def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out_dtype: str) -> Any:
@@ -102,36 +114,53 @@ def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out
 
 def transpose_scale(scale: Tensor) -> Any:
     """A block-scale array [a, b] as a contiguous [b, a] on the caller's stream, values unchanged."""
-    stream = _stream(scale)
+    device = scale.device[1]
     rows, cols = scale.shape
-    out = _empty((cols, rows), scale.data.dtype, scale, stream)
-    with cupy.cuda.Device(scale.device[1]), stream:
-        out[...] = scale.data.T
-    return out
+    with _On(device):
+        stream = _stream(scale)
+        out = _empty((cols, rows), scale.data.dtype, scale)
+        if out.size:
+            with cupy.cuda.ExternalStream(stream, device):
+                out[...] = scale.data.T
+        return out
 
 
 # ---- the scale layouts cuBLASLt reads ---------------------------------------------------------------------
 
 def mx_swizzled_size(rows: int, kgroups: int) -> int:
+    """Bytes of the swizzled E8M0 scales of a [rows, kgroups] array: whole 128 x 4 tiles."""
     return _cdiv(rows, 128) * 128 * _cdiv(kgroups, 4) * 4
 
 
-def gemm_scale(scale: Any, kind: str, like: Tensor, stream: Any) -> Any:
-    """One operand's block scales [rows or row-tiles, K-blocks] in the layout cuBLASLt reads, on ``stream``.
+def gemm_scale(scale: Tensor, kind: str) -> Any:
+    """One GEMM operand's block scales ``[rows or row-tiles, K-blocks]`` in the layout cuBLASLt reads (see
+    :func:`layout_for_cublaslt`), on the scale's device and the caller's stream: uint8 for "1x32", else float32."""
+    with _On(scale.device[1]):
+        return layout_for_cublaslt(scale.data, kind, scale, _stream(scale))
 
-    "1x32": 128 x 4 swizzled tiles (cuBLAS's "1D block scaling factors layout"), zero padding.
-    "1x128": outer-dimension-major, ``[KB][rows]`` contiguous.
-    "128x128": row-major ``[row-tiles][KB]`` with each row padded to a multiple of 4 floats (16 bytes).
+
+def layout_for_cublaslt(scale: Any, kind: str, like: Tensor, stream: int) -> Any:
+    """:func:`gemm_scale` inside the caller's device guard, on the raw stream handle ``stream``.
+
+    "1x32": 128 x 4 swizzled tiles (cuBLAS's "1D block scaling factors layout"), zero padding; flat uint8.
+    "1x128": outer-dimension-major, ``[KB, rows]`` contiguous.
+    "128x128": row-major ``[row-tiles, KB]`` with each row padded with zeros to a multiple of 4 floats (16 bytes).
     """
     rows, kgroups = scale.shape
+    device = like.device[1]
     if kind == "1x32":
-        out = _empty((mx_swizzled_size(rows, kgroups),), np.uint8, like, stream)
-        _launch(like, _FILE, "fp8core::mx_scale_swizzle_kernel", _grid(like.device[1], out.size), _THREADS,
-                (scale.view(np.uint8), out, np.int64(rows), np.int64(kgroups)), stream)
+        out = _empty((mx_swizzled_size(rows, kgroups),), np.uint8, like)
+        if out.size:
+            plan = _plan(device, _FILE, "fp8core::mx_scale_swizzle_kernel")
+            plan.launch(plan.grid(out.size, 1), _THREADS, (scale.data.ptr, out.data.ptr, rows, kgroups), stream)
         return out
-    with cupy.cuda.Device(like.device[1]), stream:
-        if kind == "1x128":
-            return cupy.ascontiguousarray(scale.T)
-        padded = cupy.zeros((rows, _cdiv(kgroups, 4) * 4), np.float32)
-        padded[:, :kgroups] = scale
-        return padded
+    shape = (kgroups, rows) if kind == "1x128" else (rows, _cdiv(kgroups, 4) * 4)
+    out = _empty(shape, np.float32, like)
+    if out.size:
+        with cupy.cuda.ExternalStream(stream, device):
+            if kind == "1x128":
+                out[...] = scale.T
+            else:
+                out.fill(0)
+                out[:, :kgroups] = scale
+    return out

@@ -436,8 +436,7 @@ def _to_torch(data: Any, dtype: str, like: Tensor) -> Any:
     if spec is None:
         torch = _torch_module()
         storage = np.dtype({"bfloat16": np.int16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8,
-                            "float8_e8m0fnu": np.uint8}.get(
-            dtype, dtype))
+                            "float8_e8m0fnu": np.uint8}.get(dtype, dtype))
         spec = _TORCH_OUT[dtype] = (getattr(torch, dtype), storage)
     target, storage = spec
     if FAST_PATHS:

@@ -17,23 +17,12 @@ from fp8core import blocks as core
 from fp8core._tensor import Tensor
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor
 
-from . import _fp8_shape, _rows
-from . import _primitive as _in_place
+from . import _fp8_shape, _primitive, _rows
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
            "dequantize_blockwise", "block_gemm"]
 
 Array = jax.Array
-
-
-def _primitive(fn: Any, shapes: Any) -> Any:
-    """The block primitives have no ``out=`` yet: their results are made, then copied into XLA's buffers."""
-    def run(outs: list, *ins: Any) -> None:
-        results = fn(*ins)
-        for o, r in zip(outs, results if isinstance(results, tuple) else (results,)):
-            o.data[...] = r if r.dtype == o.data.dtype else r.view(o.data.dtype)
-
-    return _in_place(run, shapes)
 
 
 def _cdiv(a: int, b: int) -> int:

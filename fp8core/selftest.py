@@ -528,7 +528,7 @@ def _update(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> No
                 ref = fp8core.ScalingState(n, recipe, formats)
                 dut = fp8core.ScalingState(n, recipe, formats, device=t.state_device())
                 ref.amax_history[...] = H
-                dut.amax_history[...] = dut._backend.xp.asarray(H)
+                dut.amax_history[...] = fp8core.backends.for_device(dut.device).xp.asarray(H)
                 H_or, s_or, si_or = H.copy(), _f32(np.ones(n)), _f32(np.ones(n))
                 maxes = _f32([f.max for f in formats])
                 for step in range(3):
@@ -546,14 +546,14 @@ def _update(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> No
                     fresh = rng.uniform(0, 10, n).astype(np.float32)
                     fresh[::5] = 0
                     ref.amax_history[0] = fresh
-                    dut.amax_history[0] = dut._backend.xp.asarray(fresh)
+                    dut.amax_history[0] = fp8core.backends.for_device(dut.device).xp.asarray(fresh)
                     H_or[0] = fresh
     recipe = fp8core.DelayedScaling(amax_history_len=8, amax_compute_algo=lambda h: h.max(axis=0) / 2)
     ref = fp8core.ScalingState(n, recipe)
     dut = fp8core.ScalingState(n, recipe, device=t.state_device())
     H = _history(rng, 8, n)
     ref.amax_history[...] = H
-    dut.amax_history[...] = dut._backend.xp.asarray(H)
+    dut.amax_history[...] = fp8core.backends.for_device(dut.device).xp.asarray(H)
     for step in range(2):
         with t.ref():
             ref.update()

@@ -144,3 +144,21 @@ def test_a_torch_scale_read_by_value_gives_the_same_bits_as_through_memory():
         got = fp8core.quantize(x[:1000], s, "e4m3").view(torch.uint8).numpy()
         want = quantize_bits(wrap(x[:1000]).data.astype(np.float32), float(np.float32(v)), "e4m3")
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("margin,power_of_2,epsilon", [(0, False, 0.0), (3, False, 0.0), (0, True, 0.0),
+                                                      (2, True, 1e-30), (-5, False, 2.0 ** -140)])
+def test_the_vectorised_scale_rule_matches_the_oracle(margin, power_of_2, epsilon):
+    from fp8core._oracle import scale_rule
+
+    rng = np.random.default_rng(13)
+    bits = np.concatenate([rng.integers(0, 1 << 32, size=3000, dtype=np.uint64).astype(np.uint32),
+                           np.array([0, 0x80000000, 1, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF, 0x00800000,
+                                     0x3F800000, 0x43E00000, 0x0000FFFF], np.uint32)])
+    amax = bits.view(np.float32)
+    s, s_inv = cpu.compute_scale(amax, 448.0, margin, power_of_2, epsilon, None)
+    for i, a in enumerate(amax):
+        ws, wi, _ = scale_rule(float(a), 448.0, margin, power_of_2, epsilon)
+        got = (s[i:i + 1].view(np.uint32)[0], s_inv[i:i + 1].view(np.uint32)[0])
+        assert got == (np.array(ws, np.float32).view(np.uint32), np.array(wi, np.float32).view(np.uint32)), \
+            (hex(bits[i]), got)

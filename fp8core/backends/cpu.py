@@ -438,21 +438,28 @@ def pow2_floor(s: np.ndarray) -> np.ndarray:
     return out.view(np.float32)
 
 
+_ONE = np.array(1, np.float32)  # 0-d constants: the cheapest ufunc operands
+_FLT_MAX = np.array(FLT_MAX, np.float32)
+
+
 def _scale_rule(amax: np.ndarray, fp8_max: Any, margin: int, power_of_2: bool,
                 epsilon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(scale, scale_inv, ok) elementwise; where ``ok`` is False there is no new scale (scale = 1 there)."""
+    """(scale, scale_inv, ok) elementwise; where ``ok`` is False there is no new scale (scale = 1 there).
+    fp8_max: a float32 scalar or array broadcasting against amax."""
     amax = np.asarray(amax, np.float32).reshape(-1)
+    eps = np.array(epsilon, np.float32)
     with np.errstate(all="ignore"):
-        a = np.where(amax < np.float32(epsilon), np.float32(epsilon), amax).astype(np.float32, copy=False)
-        ok = np.isfinite(a) & (a != 0)
-        safe = np.where(ok, a, np.float32(1))
-        s = (np.asarray(fp8_max, np.float32) / safe).astype(np.float32, copy=False)
-        s = np.ldexp(s, np.int32(-margin)).astype(np.float32, copy=False)
-        s = np.where(np.isinf(s), FLT_MAX, s).astype(np.float32, copy=False)
+        a = np.where(amax < eps, eps, amax)
+        ok = np.isfinite(a)
+        ok &= a != 0
+        s = np.divide(fp8_max, np.where(ok, a, _ONE), dtype=np.float32)
+        if margin:  # ldexp by 0 is the identity
+            s = np.ldexp(s, np.int32(-margin))
+        s = np.where(np.isinf(s), _FLT_MAX, s)
         if power_of_2:
             s = pow2_floor(s)
-        s = np.where(ok, s, np.float32(1)).astype(np.float32, copy=False)
-        s_inv = (np.float32(1) / s).astype(np.float32, copy=False)
+        s = np.where(ok, s, _ONE)
+        s_inv = np.divide(_ONE, s)
     return s, s_inv, ok
 
 
@@ -467,7 +474,7 @@ def compute_scale(amax: np.ndarray, fp8_max: float, margin: int, power_of_2: boo
         prev = np.broadcast_to(np.asarray(previous, np.float32).reshape(-1), s.shape)
         with np.errstate(divide="ignore"):
             s, s_inv = np.where(ok, s, prev), np.where(ok, s_inv, np.float32(1) / prev)
-    return s.astype(np.float32).reshape(amax.shape), s_inv.astype(np.float32).reshape(amax.shape)
+    return s.astype(np.float32, copy=False).reshape(amax.shape), s_inv.astype(np.float32, copy=False).reshape(amax.shape)
 
 
 @ieee

@@ -233,7 +233,7 @@ def _cast_f32(f: np.ndarray, fmt: Format, out: np.ndarray) -> None:
     np.bitwise_or(low, bits, out=low)
     np.right_shift(low, _FIFTEEN, out=low)  # (top 16 bits << 1) | (low 16 bits != 0)
     table = _CAST.get(fmt)
-    (table if table is not None else _cast_table(fmt)).take(low, out=out)
+    (table if table is not None else _cast_table(fmt)).take(low, out=out, mode="clip")
 
 
 def _quantize_chunk(x: np.ndarray, scale: np.ndarray, fmt: Format, out: np.ndarray, want_amax: bool = True
@@ -309,11 +309,11 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
     if table is not None:
         codes = flat.view(np.uint16)
         if n <= _CHUNK:
-            table.take(codes, out=qflat)
+            table.take(codes, out=qflat, mode="clip")
             bits = _amax_bits(flat) if want else 0
         else:
             def chunk(a: int, b: int) -> int:
-                table.take(codes[a:b], out=qflat[a:b])
+                table.take(codes[a:b], out=qflat[a:b], mode="clip")
                 return _amax_bits(flat[a:b]) if want else 0
 
             bits = max(_map(n, chunk), default=0)
@@ -398,9 +398,9 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
     y = empty(data.shape, table.dtype, q) if out is None else out
     yflat = y.reshape(-1)
     if codes.size <= _CHUNK:
-        table.take(codes, out=yflat)
+        table.take(codes, out=yflat, mode="clip")
     else:
-        _map(codes.size, lambda a, b: table.take(codes[a:b], out=yflat[a:b]))
+        _map(codes.size, lambda a, b: table.take(codes[a:b], out=yflat[a:b], mode="clip"))
     return y
 
 

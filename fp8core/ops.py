@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _checks, _tensor, backends
+from . import _checks, backends
 from ._fpenv import ieee
 from ._tensor import Tensor, export, logical_numpy_dtype, storage_dtype, wrap
 from .backends import cpu as _cpu
@@ -104,15 +104,6 @@ def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
         if (_F32_MIN_NORMAL <= abs(obj) <= _F32_MAX or obj == 0) and x.device[0] == "cpu":
             return np.array([obj], np.float32)
         return _new_f32([obj], x)
-    torch = _tensor._torch
-    if torch is not None and tp is torch.Tensor and x.device[0] == "cpu" and obj.dtype is torch.float32 \
-            and obj.is_cpu and not obj.is_neg() and obj.numel() == 1:
-        # A CPU torch scale read by value: cheaper than a view of its memory. fp32 normals and 0 come back
-        # exact in any floating-point mode; the rest (subnormals, inf, NaN) go through the guard.
-        v = obj.item()
-        if _F32_MIN_NORMAL <= abs(v) <= _F32_MAX or v == 0:
-            return np.array([v], np.float32)
-        return _host_f32([v])
     data = _f32_vector(obj, x, arg, xarg).data
     if data.size != 1:
         raise ValueError(f"{arg}: expected 1 element, got shape {tuple(data.shape)}")

@@ -31,6 +31,12 @@ def timeit(fn, repeat: int) -> tuple[float, float, float]:
     return statistics.median(times), q[0], q[3]
 
 
+def _torch_dynamic(torch, tx):
+    a = tx.abs().max().float()
+    scale = torch.where(a > 0, 448.0 / a, torch.ones_like(a))
+    return (tx.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn), 1 / scale, a
+
+
 def cases(x: np.ndarray, torch):
     n = x.size
     hp = x.dtype.itemsize
@@ -44,6 +50,8 @@ def cases(x: np.ndarray, torch):
         "amax": (n * hp, lambda: fp8core.amax(x)),
         "dequantize": (n * (1 + hp), lambda: fp8core.dequantize(q, s, "bfloat16" if hp == 2 else "float32")),
         "cast_transpose": (n * (hp + 2), lambda: fp8core.cast_transpose(x2, s, "e4m3")),
+        # current scaling: a new scale every call, so no per-scale table is reused
+        "quantize_dynamic": (n * (hp + 1), lambda: fp8core.quantize_dynamic(x, "e4m3")),
     }
     peers = {"ml_dtypes": {
         "quantize": lambda: np.clip(x.astype(np.float32) * s[0], -448, 448).astype(ml_dtypes.float8_e4m3fn),
@@ -59,6 +67,7 @@ def cases(x: np.ndarray, torch):
             "quantize": lambda: (tx.float() * ts).clamp(-448, 448).to(torch.float8_e4m3fn),
             "amax": lambda: tx.abs().max(),
             "dequantize": lambda: (tq.float() * ts).to(tdt),
+            "quantize_dynamic": lambda: _torch_dynamic(torch, tx),
             "cast_transpose": lambda: ((tx.float() * ts).clamp(-448, 448).to(torch.float8_e4m3fn).view(rows, -1),
                                        (tx.float() * ts).clamp(-448, 448).to(torch.float8_e4m3fn).view(rows, -1)
                                        .t().contiguous()),
@@ -97,25 +106,28 @@ def crossover(repeat: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 256],
+    ap.add_argument("--sizes-mib", type=int, nargs="*", default=[1, 16, 64, 256])
+    ap.add_argument("--sizes-kib", type=int, nargs="*", default=[64, 256],
                     help="small sizes, run before the MiB sizes (where thread-pool dispatch and call overhead show)")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--quick", action="store_true", help="64 KiB, 1 and 64 MiB, bf16, few repeats")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--crossover", action="store_true", help="only the thread pool's crossover, by size")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch's intra-op threads (default: all cores; 1 compares single-threaded code, and on a "
+                         "loaded machine keeps torch's thread team from stalling on a busy core)")
     args = ap.parse_args()
     if args.quick:
         args.sizes_kib, args.sizes_mib, args.dtypes = [64], [1, 64], ["bfloat16"]
     try:
         import torch
 
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
     except ImportError:
         torch = None
     meta = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "date": str(date.today()),
             "fp8core": fp8core.__version__, "numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__,
-            "torch": torch.__version__ if torch else None}
+            "torch": torch.__version__ if torch else None, "torch_threads": torch.get_num_threads() if torch else None}
     print("# fp8core CPU benchmark", json.dumps(meta))
     if args.crossover:
         rows = [dict(r, **meta) for r in crossover(5 if args.quick else 21)]

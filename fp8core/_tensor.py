@@ -435,6 +435,7 @@ def _to_torch(data: Any, dtype: str, like: Tensor) -> Any:
     spec = _TORCH_OUT.get(dtype)
     if spec is None:
         torch = _torch_module()
+        # torch.from_numpy takes none of the ml_dtypes types: a same-size integer view (e8m0: block scales)
         storage = np.dtype({"bfloat16": np.int16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8,
                             "float8_e8m0fnu": np.uint8}.get(dtype, dtype))
         spec = _TORCH_OUT[dtype] = (getattr(torch, dtype), storage)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -79,26 +80,50 @@ def _flat(t: Tensor) -> np.ndarray:
 
 # ---- amax -------------------------------------------------------------------------------------------------
 
-_AMAX_VIEWS = {2: (np.int16, np.uint16, 0x8000), 4: (np.int32, np.uint32, 0x80000000)}
+_F32 = np.dtype(np.float32)
+_F16_NUM = np.dtype(np.float16).num
+_SMALL = 4096  # elements: below this one masked reduction beats two plain ones
+_LOW15_16 = np.array(0x7FFF, np.uint16)
+_LOW31 = np.array(0x7FFFFFFF, np.uint32)
+_max = np.maximum.reduce
 
 
-def _amax_bits(x: np.ndarray) -> np.uint32:
-    """fp32 bit pattern of max|x| for a flat chunk, NaN canonicalised.
+def _f16_abs_to_f32() -> np.ndarray:
+    """fp32 bit pattern of each |fp16| pattern 0..0x7FFF (NaN canonical): fp16 widens exactly."""
+    global _F16_BITS
+    if _F16_BITS is None:
+        bits = np.arange(0x8000, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+        bits[0x7C01:] = F32_NAN_BITS
+        _F16_BITS = bits
+    return _F16_BITS
 
-    |x| patterns compare as unsigned integers (NaN above inf). The largest positive pattern is the signed max;
-    the largest negative magnitude is the unsigned max less the sign bit: two read-only reductions.
+
+_F16_BITS: np.ndarray | None = None
+
+
+def _amax_bits(x: np.ndarray) -> int:
+    """fp32 bit pattern of max|x| for a flat array, NaN canonicalised.
+
+    |x| patterns compare as unsigned integers (NaN above inf). Small arrays: one reduction of the patterns
+    with the sign masked off. Larger ones: the largest positive pattern is the signed max, the largest negative
+    magnitude is the unsigned max less the sign bit: two read-only reductions, no temporary.
     """
-    if x.size == 0:
-        return np.uint32(0)
-    signed, unsigned, sign = _AMAX_VIEWS[x.dtype.itemsize]
-    m = max(int(x.view(signed).max()), int(x.view(unsigned).max()) - sign, 0)
-    if x.dtype == np.float32:
-        return F32_NAN_BITS if m > 0x7F800000 else np.uint32(m)
-    if x.dtype == np.float16:
-        if m > 0x7C00:
-            return F32_NAN_BITS
-        return np.array([m], np.uint16).view(np.float16).astype(np.float32).view(np.uint32)[0]
-    return F32_NAN_BITS if m > 0x7F80 else np.uint32(m << 16)  # bfloat16
+    n = x.size
+    if n == 0:
+        return 0
+    if x.itemsize == 2:
+        if n < _SMALL:
+            m = int(_max(np.bitwise_and(x.view(np.uint16), _LOW15_16)))
+        else:
+            m = max(int(x.view(np.int16).max()), int(x.view(np.uint16).max()) - 0x8000, 0)
+        if x.dtype.num == _F16_NUM:
+            return int((_F16_BITS if _F16_BITS is not None else _f16_abs_to_f32())[m])
+        return 0x7FFFFFFF if m > 0x7F80 else m << 16  # bfloat16
+    if n < _SMALL:
+        m = int(_max(np.bitwise_and(x.view(np.uint32), _LOW31)))
+    else:
+        m = max(int(x.view(np.int32).max()), int(x.view(np.uint32).max()) - 0x80000000, 0)
+    return 0x7FFFFFFF if m > 0x7F800000 else m
 
 
 def _bits_to_f32(bits: Any) -> np.float32:
@@ -117,7 +142,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_slot_lock)
 
 
-def _accumulate(amax_out: np.ndarray, bits: np.uint32) -> None:
+def _accumulate(amax_out: np.ndarray, bits: Any) -> None:
     """amax_out = max(amax_out, value), compared as SIGNED int32 bit patterns, like the GPU's atomicMax.
 
     A slot holding -0.0 or any negative value (sign bit set) ranks below every amax and takes it; NaN
@@ -129,25 +154,32 @@ def _accumulate(amax_out: np.ndarray, bits: np.uint32) -> None:
         view[0] = max(int(view[0]), int(bits))
 
 
+def _amax(x: Tensor) -> np.ndarray:
+    flat = _flat(x)
+    if flat.size < _POOL_MIN:  # reductions need no chunks: they make no temporaries
+        bits = _amax_bits(flat)
+    else:
+        bits = max(_map(flat.size, lambda a, b: _amax_bits(flat[a:b])), default=0)
+    return np.array([bits], np.uint32).view(np.float32)
+
+
 @ieee
 def amax(x: Tensor) -> np.ndarray:
-    flat = _flat(x)
-    bits = max(_map(flat.size, lambda a, b: _amax_bits(flat[a:b])), default=np.uint32(0))
-    return np.array([bits], np.uint32).view(np.float32)
+    return _amax(x)
 
 
 @ieee
 def multi_amax(xs: list[Tensor], out: np.ndarray) -> None:
     for i, x in enumerate(xs):
-        _accumulate(out[i:i + 1], amax(x).view(np.uint32)[0])
+        _accumulate(out[i:i + 1], _amax(x).view(np.uint32)[0])
 
 
 # ---- quantize ---------------------------------------------------------------------------------------------
 
 def _to_f32(x: np.ndarray) -> np.ndarray:
-    if x.dtype == np.float32:
+    if x.itemsize == 4:  # float32
         return x.copy()
-    if x.dtype == np.float16:
+    if x.dtype.num == _F16_NUM:
         return x.astype(np.float32)
     return np.left_shift(x.view(np.uint16), 16, dtype=np.uint32).view(np.float32)  # bf16: exact widening
 
@@ -159,59 +191,157 @@ def _canonical_nan_fp8(bits: np.ndarray, fmt: Format) -> None:
         bits[np.bitwise_and(bits, 0x7F) > 0x7C] = 0x7F
 
 
-def _quantize_chunk(x: np.ndarray, scale: np.float32, fmt: Format, out: np.ndarray) -> np.uint32:
-    """out = SATFINITE_RTNE(fp32(x) * scale); returns the chunk's amax bits (of x, before scaling)."""
-    bits = _amax_bits(x)
-    f = _to_f32(x)
-    with np.errstate(all="ignore"):
-        np.multiply(f, scale, out=f)
+# SATFINITE_RTNE of an fp32 value into fp8 depends only on its top 16 bits (sign, exponent, 7 mantissa bits:
+# the rounding bit is among them for both formats, subnormal results included) and on whether any of the low
+# 16 bits is set (they only make the result "above a tie"; above fmax they only mean "above fmax"; under an
+# all-ones exponent, NaN rather than inf). So the cast is one lookup in a 2^17-entry table indexed by
+# (top 16 bits, low 16 bits != 0), built once per format by clip + ml_dtypes (the definition) over those 2^17
+# representatives. ml_dtypes' own cast runs ~30 ns an element here; the lookup ~2.
+_CAST: dict[Format, np.ndarray] = {}
+
+
+def _cast_table(fmt: Format) -> np.ndarray:
+    table = _CAST.get(fmt)
+    if table is None:
+        table = _CAST[fmt] = _build_cast_table(fmt)
+    return table
+
+
+@ieee
+def _build_cast_table(fmt: Format) -> np.ndarray:
+    idx = np.arange(1 << 17, dtype=np.uint32)
+    f = np.bitwise_or(np.left_shift(np.right_shift(idx, 1), 16), np.bitwise_and(idx, 1)).view(np.float32)
     fmax = np.float32(fmt.max)
-    np.clip(f, -fmax, fmax, out=f)  # saturates finite values and +-inf; NaN passes through
-    out[...] = f  # ml_dtypes: round-to-nearest-even
-    scale_is_ordinary = bool(np.isfinite(scale)) and scale != 0
-    if bits == F32_NAN_BITS or (not scale_is_ordinary and np.isnan(f).any()):
-        _canonical_nan_fp8(out.view(np.uint8), fmt)
-    return bits
+    clipped = np.clip(f, -fmax, fmax)  # saturates finite values and +-inf; NaN passes through
+    with np.errstate(invalid="ignore"):  # NaN casts to NaN
+        table = clipped.astype(fmt.numpy_dtype).view(np.uint8)  # ml_dtypes: round-to-nearest-even
+    table[np.isnan(clipped)] = 0x7F  # canonical NaN, both formats
+    return table
 
 
-@lru_cache(maxsize=16)
+# 0-d operands: NumPy converts a Python int or a NumPy scalar on every call, a 0-d array it takes as it is.
+_LOW15 = np.array(0x7FFF, np.uint32)
+_FIFTEEN = np.array(15, np.uint32)
+_SIXTEEN = np.array(16, np.uint32)
+
+
+def _cast_f32(f: np.ndarray, fmt: Format, out: np.ndarray) -> None:
+    """out (uint8 fp8 codes) = SATFINITE_RTNE(f) for a flat fp32 array."""
+    bits = f.view(np.uint32)
+    low = np.bitwise_and(bits, _LOW15)
+    np.add(low, _LOW15, out=low)  # bit 15 set iff any of bits 14..0 was
+    np.bitwise_or(low, bits, out=low)
+    np.right_shift(low, _FIFTEEN, out=low)  # (top 16 bits << 1) | (low 16 bits != 0)
+    table = _CAST.get(fmt)
+    (table if table is not None else _cast_table(fmt)).take(low, out=out, mode="clip")
+
+
+def _quantize_chunk(x: np.ndarray, scale: np.ndarray, fmt: Format, out: np.ndarray, want_amax: bool = True
+                    ) -> int:
+    """out (uint8 codes) = SATFINITE_RTNE(fp32(x) * scale), scale a 0-d float32 array; returns the chunk's
+    amax bits (of x, before scaling) when asked. The caller holds np.errstate(all="ignore") (the product may
+    overflow or be inf * 0)."""
+    if x.itemsize == 4:  # float32
+        f = np.multiply(x, scale)
+    else:
+        if x.dtype.num == _F16_NUM:
+            f = x.astype(np.float32)
+        else:  # bf16: exact widening
+            f = np.left_shift(x.view(np.uint16), _SIXTEEN, dtype=np.uint32).view(np.float32)
+        np.multiply(f, scale, out=f)
+    _cast_f32(f, fmt, out)
+    return _amax_bits(x) if want_amax else 0
+
+
+def _quantize_chunk_pooled(x: np.ndarray, scale: np.float32, fmt: Format, out: np.ndarray, want_amax: bool
+                           ) -> int:
+    with np.errstate(all="ignore"):  # per chunk: the pool's threads do not see the caller's errstate
+        return _quantize_chunk(x, scale, fmt, out, want_amax)
+
+
+@lru_cache(maxsize=32)
 @ieee
 def _quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
     """quantize() of all 65,536 patterns of a 16-bit input type: each result depends only on its pattern,
     so a large bf16/fp16 tensor is one table lookup per element, made by the same code as the direct path."""
     patterns = np.arange(65536, dtype=np.uint16).view(logical_numpy_dtype(dtype))
-    table = np.empty(65536, dtype=fmt.numpy_dtype)
-    _quantize_chunk(patterns, _bits_to_f32(scale_bits), fmt, table)
-    return table.view(np.uint8)
+    table = np.empty(65536, dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        _quantize_chunk(patterns, np.array(scale_bits, np.uint32).view(np.float32), fmt, table, False)
+    return table
 
 
 _TABLE_MIN = 1 << 16  # building the table is the direct path over 65,536 patterns: from here it never loses
+# From _TABLE_MIN >> 4 elements a table is built for a scale seen before (delayed scaling keeps a scale for
+# many calls; a scale used once, as current scaling's are, never pays for a table it will not reuse).
+_seen: OrderedDict = OrderedDict()
+_SEEN_MAX = 16
+
+
+def _table_for(dtype: str, scale: np.float32, fmt: Format, n: int) -> np.ndarray | None:
+    if n >= _TABLE_MIN:
+        return _quantize_table(dtype, int(scale.view(np.uint32)), fmt)
+    if n < _TABLE_MIN >> 4:
+        return None
+    key = (dtype, int(scale.view(np.uint32)), fmt)
+    try:
+        _seen.move_to_end(key)
+    except KeyError:
+        _seen[key] = None
+        while len(_seen) > _SEEN_MAX:
+            try:
+                _seen.popitem(last=False)
+            except KeyError:  # another thread emptied it
+                break
+        return None
+    return _quantize_table(*key)
+
+
+def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, out: np.ndarray | None
+              ) -> np.ndarray:
+    s = _scale_0d(scale)
+    data = x.data
+    q = empty(data.shape, fmt.numpy_dtype, x) if out is None else out
+    flat, qflat = data.reshape(-1), q.reshape(-1).view(np.uint8)
+    n = flat.size
+    want = amax_out is not None
+    table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
+    if table is not None:
+        codes = flat.view(np.uint16)
+        if n <= _CHUNK:
+            table.take(codes, out=qflat, mode="clip")
+            bits = _amax_bits(flat) if want else 0
+        else:
+            def chunk(a: int, b: int) -> int:
+                table.take(codes[a:b], out=qflat[a:b], mode="clip")
+                return _amax_bits(flat[a:b]) if want else 0
+
+            bits = max(_map(n, chunk), default=0)
+    elif n <= _CHUNK:
+        with np.errstate(all="ignore"):
+            bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
+    else:
+        bits = max(_map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], want)), default=0)
+    if want:
+        _accumulate(amax_out, bits)
+    return q
 
 
 @ieee
 def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, *,
              out: np.ndarray | None = None) -> np.ndarray:
-    scale = scale_value(scale)
-    q = empty(x.shape, fmt.numpy_dtype, x) if out is None else out
-    flat, qflat = _flat(x), q.reshape(-1)
-    if flat.dtype.itemsize == 2 and flat.size >= _TABLE_MIN:
-        table = _quantize_table(x.dtype, int(scale.view(np.uint32)), fmt)
-        codes, out = flat.view(np.uint16), qflat.view(np.uint8)
-
-        def chunk(a: int, b: int) -> np.uint32:
-            np.take(table, codes[a:b], out=out[a:b])
-            return _amax_bits(flat[a:b]) if amax_out is not None else np.uint32(0)
-
-        bits = _map(flat.size, chunk)
-    else:
-        bits = _map(flat.size, lambda a, b: _quantize_chunk(flat[a:b], scale, fmt, qflat[a:b]))
-    if amax_out is not None:
-        _accumulate(amax_out, max(bits, default=np.uint32(0)))
-    return q
+    return _quantize(x, scale, fmt, amax_out, out)
 
 
 def scale_value(scale: Any) -> np.float32:
     return np.float32(np.asarray(scale).reshape(-1)[0])
+
+
+def _scale_0d(scale: Any) -> np.ndarray:
+    """The scale as a 0-d float32 array (the cheapest ufunc operand)."""
+    if type(scale) is np.ndarray and scale.dtype is _F32 and scale.size == 1:
+        return scale.reshape(())
+    return np.array(scale_value(scale))
 
 
 @ieee
@@ -219,17 +349,17 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
                      reduce: Callable | None, *, out: tuple = (None, None, None)
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q_out, s_inv_out, a_out = out
-    a = amax(x)
+    a = _amax(x)
     if a_out is not None:
         a_out[...] = a
         a = a_out
     if reduce is not None:
         reduce(a)
-    scale, scale_inv, _ = scale_rule(a, np.array([fmt.max], np.float32), margin, power_of_2, epsilon)
+    scale, scale_inv, _ = _scale_rule(a, np.float32(fmt.max), margin, power_of_2, epsilon)
     if s_inv_out is not None:
         s_inv_out[...] = scale_inv
         scale_inv = s_inv_out
-    return quantize(x, scale, fmt, None, out=q_out), scale_inv, a
+    return _quantize(x, scale, fmt, None, q_out), scale_inv, a
 
 
 @ieee
@@ -237,7 +367,7 @@ def multi_quantize(xs: list[Tensor], scales: list[np.ndarray], fmts: list[Format
                    amax_outs: list[np.ndarray | None], *, outs: list[np.ndarray | None] | None = None
                    ) -> list[np.ndarray]:
     outs = outs if outs is not None else [None] * len(xs)
-    return [quantize(x, s, f, a, out=o) for x, s, f, a, o in zip(xs, scales, fmts, amax_outs, outs)]
+    return [_quantize(x, s, f, a, o) for x, s, f, a, o in zip(xs, scales, fmts, amax_outs, outs)]
 
 
 # ---- dequantize -------------------------------------------------------------------------------------------
@@ -263,10 +393,15 @@ def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarr
 def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
                out: np.ndarray | None = None) -> np.ndarray:
     table = _dequant_table(fmt, int(scale_value(scale_inv).view(np.uint32)), out_dtype)
-    codes = _flat(q).view(np.uint8)
-    y = empty(q.size, table.dtype, q) if out is None else out.reshape(-1)
-    _map(codes.size, lambda a, b: np.take(table, codes[a:b], out=y[a:b]))
-    return y.reshape(q.shape)
+    data = q.data
+    codes = data.reshape(-1).view(np.uint8)
+    y = empty(data.shape, table.dtype, q) if out is None else out
+    yflat = y.reshape(-1)
+    if codes.size <= _CHUNK:
+        table.take(codes, out=yflat, mode="clip")
+    else:
+        _map(codes.size, lambda a, b: table.take(codes[a:b], out=yflat[a:b], mode="clip"))
+    return y
 
 
 # ---- transpose --------------------------------------------------------------------------------------------
@@ -285,7 +420,7 @@ def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
 @ieee
 def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, *,
                    out: tuple = (None, None)) -> tuple[np.ndarray, np.ndarray]:
-    q = quantize(x, scale, fmt, amax_out, out=out[0])
+    q = _quantize(x, scale, fmt, amax_out, out[0])
     return q, transpose(Tensor(q, fmt.dtype_name, x.device, x.origin), out=out[1])
 
 
@@ -303,34 +438,43 @@ def pow2_floor(s: np.ndarray) -> np.ndarray:
     return out.view(np.float32)
 
 
-@ieee
-def scale_rule(amax: np.ndarray, fp8_max: np.ndarray, margin: int, power_of_2: bool,
-               epsilon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(scale, scale_inv, ok) elementwise; where ``ok`` is False there is no new scale (scale = 1 there)."""
+_ONE = np.array(1, np.float32)  # 0-d constants: the cheapest ufunc operands
+_FLT_MAX = np.array(FLT_MAX, np.float32)
+
+
+def _scale_rule(amax: np.ndarray, fp8_max: Any, margin: int, power_of_2: bool,
+                epsilon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scale, scale_inv, ok) elementwise; where ``ok`` is False there is no new scale (scale = 1 there).
+    fp8_max: a float32 scalar or array broadcasting against amax."""
     amax = np.asarray(amax, np.float32).reshape(-1)
+    eps = np.array(epsilon, np.float32)
     with np.errstate(all="ignore"):
-        a = np.where(amax < np.float32(epsilon), np.float32(epsilon), amax).astype(np.float32)
-        ok = np.isfinite(a) & (a != 0)
-        safe = np.where(ok, a, np.float32(1))
-        s = (np.asarray(fp8_max, np.float32) / safe).astype(np.float32)
-        s = np.ldexp(s, np.int32(-margin)).astype(np.float32)
-        s = np.where(np.isinf(s), FLT_MAX, s).astype(np.float32)
+        a = np.where(amax < eps, eps, amax)
+        ok = np.isfinite(a)
+        ok &= a != 0
+        s = np.divide(fp8_max, np.where(ok, a, _ONE), dtype=np.float32)
+        if margin:  # ldexp by 0 is the identity
+            s = np.ldexp(s, np.int32(-margin))
+        s = np.where(np.isinf(s), _FLT_MAX, s)
         if power_of_2:
             s = pow2_floor(s)
-        s = np.where(ok, s, np.float32(1)).astype(np.float32)
-        s_inv = (np.float32(1) / s).astype(np.float32)
+        s = np.where(ok, s, _ONE)
+        s_inv = np.divide(_ONE, s)
     return s, s_inv, ok
+
+
+scale_rule = ieee(_scale_rule)
 
 
 @ieee
 def compute_scale(amax: np.ndarray, fp8_max: float, margin: int, power_of_2: bool, epsilon: float,
                   previous: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    s, s_inv, ok = scale_rule(amax, np.full(amax.size, fp8_max, np.float32), margin, power_of_2, epsilon)
+    s, s_inv, ok = _scale_rule(amax, np.float32(fp8_max), margin, power_of_2, epsilon)
     if previous is not None:
         prev = np.broadcast_to(np.asarray(previous, np.float32).reshape(-1), s.shape)
         with np.errstate(divide="ignore"):
             s, s_inv = np.where(ok, s, prev), np.where(ok, s_inv, np.float32(1) / prev)
-    return s.astype(np.float32).reshape(amax.shape), s_inv.astype(np.float32).reshape(amax.shape)
+    return s.astype(np.float32, copy=False).reshape(amax.shape), s_inv.astype(np.float32, copy=False).reshape(amax.shape)
 
 
 @ieee
@@ -347,7 +491,7 @@ def update(history: np.ndarray, scale: np.ndarray, scale_inv: np.ndarray, fp8_ma
     with np.errstate(invalid="ignore"):
         a = history.max(axis=0) if algo == "max" else cur
     if update_scale:
-        s, s_inv, ok = scale_rule(a, fp8_max, margin, power_of_2, epsilon)
+        s, s_inv, ok = _scale_rule(a, fp8_max, margin, power_of_2, epsilon)
         take = ran & ok
         scale[take] = s[take]
         scale_inv[take] = s_inv[take]
@@ -389,7 +533,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
             d += bias.data.astype(np.float64)
         d32 = d.astype(np.float32)
         if spec.out_fmt is not None:
-            result = quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt, out_amax)
+            result = _quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt, out_amax, None)
         else:
             result = d32.astype(logical_numpy_dtype(spec.out_dtype))
     if out is None:

@@ -1,0 +1,164 @@
+"""The CPU backend's fast paths against the oracle and against each other: the fp32 -> fp8 cast by lookup, the
+direct path on tensors of any size, the per-scale 16-bit tables (built for a scale seen before), and amax's
+small- and large-array reductions. Every one must give the contract's bits."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8core
+from fp8core import Format
+from fp8core._tensor import wrap
+from fp8core.backends import cpu
+from oracle import quantize_bits
+
+FORMATS = [("e4m3", Format.E4M3), ("e5m2", Format.E5M2)]
+DTYPES = [ml_dtypes.bfloat16, np.float16]
+SCALES = [1.0, 0.3, 2.0 ** -7, 448 / 1000.0, 2.0 ** 60, 2.0 ** -60, 2.0 ** 140 / 2.0 ** 20]
+
+
+def _cast(f: np.ndarray, fmt: Format) -> np.ndarray:
+    out = np.empty(f.size, np.uint8)
+    cpu._cast_f32(f.copy(), fmt, out)
+    return out
+
+
+@pytest.mark.parametrize("name,fmt", FORMATS)
+def test_the_cast_by_lookup_is_satfinite_rtne_for_every_top_half_and_low_half_kind(name, fmt):
+    """Every fp32 top half (sign, exponent, 7 mantissa bits) with low halves 0, 1, 0x7FFF, 0x8000, 0x8001 and
+    0xFFFF: ties, just above ties, the saturation boundary, inf vs NaN, subnormals."""
+    top = np.arange(1 << 16, dtype=np.uint32) << 16
+    bits = np.concatenate([top | low for low in (0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF)])
+    f = bits.view(np.float32)
+    np.testing.assert_array_equal(_cast(f, fmt), quantize_bits(f, 1.0, name))
+
+
+@pytest.mark.parametrize("name,fmt", FORMATS)
+def test_the_cast_by_lookup_on_random_fp32_patterns(name, fmt):
+    bits = np.random.default_rng(7).integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
+    f = bits.view(np.float32)
+    np.testing.assert_array_equal(_cast(f, fmt), quantize_bits(f, 1.0, name))
+
+
+@pytest.fixture
+def fresh_tables():
+    cpu._quantize_table.cache_clear()
+    cpu._seen.clear()
+    yield
+    cpu._quantize_table.cache_clear()
+    cpu._seen.clear()
+
+
+@pytest.mark.parametrize("name,fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_small_tensors_take_the_direct_path_exactly(name, fmt, dtype, fresh_tables):
+    """Every 16-bit pattern, 16 at a time (the per-call path of small tensors), with amax_out: the same bits as
+    the oracle and as the table path over all patterns at once."""
+    x = np.arange(65536, dtype=np.uint16).view(dtype)
+    for built, scale in enumerate((0.3, 2.0 ** 60), 1):
+        s = np.array([scale], np.float32)
+        want = quantize_bits(x.astype(np.float32), scale, name)
+        table = cpu._quantize_table("bfloat16" if dtype == ml_dtypes.bfloat16 else "float16",
+                                    int(s.view(np.uint32)[0]), fmt)
+        np.testing.assert_array_equal(table, want)
+        got = np.concatenate([fp8core.quantize(x[i:i + 16], s, fmt).view(np.uint8) for i in range(0, 65536, 16)])
+        np.testing.assert_array_equal(got, want)
+        assert cpu._quantize_table.cache_info().currsize == built  # the small calls built no table
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("scale", SCALES)
+def test_a_scale_seen_before_takes_a_table_from_mid_sizes(dtype, scale, fresh_tables):
+    """Between _TABLE_MIN >> 4 and _TABLE_MIN elements: the first call with a scale runs directly, the second
+    builds (and later ones reuse) the table; all give the oracle's bits and the same amax."""
+    n = cpu._TABLE_MIN >> 3
+    rng = np.random.default_rng(3)
+    x = np.concatenate([np.arange(65536, dtype=np.uint16)[rng.permutation(65536)[:n - 8]],
+                        np.array([0x7FC0, 0xFF80, 0x7F80, 0x8000, 0, 1, 0x8001, 0x7C00], np.uint16)]).view(dtype)
+    want = quantize_bits(x.astype(np.float32), scale, "e4m3")
+    results, slots = [], []
+    for _ in range(3):
+        slot = np.zeros(1, np.float32)
+        results.append(fp8core.quantize(x, scale, "e4m3", amax_out=slot).view(np.uint8))
+        slots.append(slot.view(np.uint32)[0])
+        if _ == 0:
+            assert cpu._quantize_table.cache_info().currsize == 0
+    assert cpu._quantize_table.cache_info().currsize == 1
+    for r in results:
+        np.testing.assert_array_equal(r, want)
+    assert slots == [0x7FFFFFFF] * 3
+
+
+def test_many_scales_in_turn_never_build_tables_for_mid_sizes(fresh_tables):
+    """A scale per call (current scaling) or more scales in turn than the memory holds: the direct path."""
+    x = np.ones(cpu._TABLE_MIN >> 3, ml_dtypes.bfloat16)
+    for _ in range(2):
+        for k in range(cpu._SEEN_MAX + 1):
+            fp8core.quantize(x, 1.0 + k / 64, "e4m3")
+    assert cpu._quantize_table.cache_info().currsize == 0
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32], ids=["bf16", "fp16", "fp32"])
+def test_amax_small_and_large_reductions_agree(dtype, monkeypatch):
+    """One masked reduction (small arrays) and two plain ones (large): the same bits, NaN canonical, -0, inf,
+    subnormals, every 16-bit pattern one at a time in pairs with its negation."""
+    rng = np.random.default_rng(5)
+    if dtype == np.float32:
+        cases = [rng.integers(0, 1 << 32, size=64, dtype=np.uint64).astype(np.uint32).view(np.float32)
+                 for _ in range(200)]
+        cases += [np.array(v, np.float32) for v in ([-0.0, 0.0], [-np.inf, 1], [1e-45, -1e-44], [np.nan, 1],
+                                                   [-np.nan, -np.inf], [-3.0, 2.0])]
+    else:
+        p = np.arange(65536, dtype=np.uint16).view(dtype)
+        cases = [p[i:i + 256] for i in range(0, 65536, 256)] + [p[::-1], -p[:0x7C00], p[0x8000:0x8400]]
+    for x in cases:
+        x = np.ascontiguousarray(x)
+        small = cpu._amax_bits(x)
+        monkeypatch.setattr(cpu, "_SMALL", 0)
+        large = cpu._amax_bits(x)
+        monkeypatch.undo()
+        with np.errstate(invalid="ignore"):
+            m = np.max(np.abs(x.astype(np.float32)))
+        want = 0x7FFFFFFF if np.isnan(m) else int(np.array(m, np.float32).view(np.uint32))
+        assert small == large == want, (x[:4], small, large, want)
+
+
+@pytest.mark.parametrize("name,fmt", FORMATS)
+def test_fp32_tensors_of_every_size_regime(name, fmt):
+    """fp32 quantize below and above the chunk size and with a chunk count that is not a multiple of the pool."""
+    rng = np.random.default_rng(11)
+    for n in (1, 15, 16, 4095, 4096, cpu._CHUNK, cpu._CHUNK + 3, 3 * cpu._CHUNK + 1):
+        bits = rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+        x = bits.view(np.float32)
+        slot = np.zeros(1, np.float32)
+        q = fp8core.quantize(x, 2.0 ** 100, fmt, amax_out=slot)
+        np.testing.assert_array_equal(q.view(np.uint8), quantize_bits(x, 2.0 ** 100, name))
+        assert slot.view(np.uint32)[0] == cpu._amax_bits(x)
+
+
+def test_torch_scales_of_every_kind_give_the_oracles_bits():
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(np.arange(65536, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+    for v in (0.3, 2.0 ** -130, 2.0 ** 100, 0.0, float("inf"), float("nan")):
+        s = torch.tensor([v], dtype=torch.float32)
+        got = fp8core.quantize(x[:1000], s, "e4m3").view(torch.uint8).numpy()
+        want = quantize_bits(wrap(x[:1000]).data.astype(np.float32), float(np.float32(v)), "e4m3")
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("margin,power_of_2,epsilon", [(0, False, 0.0), (3, False, 0.0), (0, True, 0.0),
+                                                      (2, True, 1e-30), (-5, False, 2.0 ** -140)])
+def test_the_vectorised_scale_rule_matches_the_oracle(margin, power_of_2, epsilon):
+    from fp8core._oracle import scale_rule
+
+    rng = np.random.default_rng(13)
+    bits = np.concatenate([rng.integers(0, 1 << 32, size=3000, dtype=np.uint64).astype(np.uint32),
+                           np.array([0, 0x80000000, 1, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF, 0x00800000,
+                                     0x3F800000, 0x43E00000, 0x0000FFFF], np.uint32)])
+    amax = bits.view(np.float32)
+    s, s_inv = cpu.compute_scale(amax, 448.0, margin, power_of_2, epsilon, None)
+    for i, a in enumerate(amax):
+        ws, wi, _ = scale_rule(float(a), 448.0, margin, power_of_2, epsilon)
+        got = (s[i:i + 1].view(np.uint32)[0], s_inv[i:i + 1].view(np.uint32)[0])
+        assert got == (np.array(ws, np.float32).view(np.uint32), np.array(wi, np.float32).view(np.uint32)), \
+            (hex(bits[i]), got)

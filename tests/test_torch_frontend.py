@@ -3,8 +3,6 @@ training, autocast (gradient accumulation, did-not-run), state_dict. test_torch_
 test_torch_distributed.py: DDP and FSDP2; test_gpu_torch.py: the device-specific parts on CUDA."""
 
 import copy
-import os
-import warnings
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 import fp8core  # noqa: E402
 from fp8core.torch import Float8Linear, autocast, convert_to_float8, ops  # noqa: E402
+from twins import train_beside  # noqa: E402
 
 RECIPE = fp8core.DelayedScaling(amax_history_len=16)
 MXFP8, BLOCKS = fp8core.MXFP8BlockScaling(), fp8core.Float8BlockScaling()
@@ -250,21 +249,7 @@ def test_training_200_steps_tracks_the_fp32_loss():
     teacher = mlp(32, 64, 16, seed=5)
     ref = mlp(32, 64, 16, seed=3)
     fp8 = convert_to_float8(copy.deepcopy(ref), fp8core.DelayedScaling(amax_history_len=16))
-    opts = [torch.optim.Adam(m.parameters(), lr=3e-3) for m in (ref, fp8)]
-    losses = []
-    for step in range(200):
-        x = torch.randn(64, 32)
-        with torch.no_grad():
-            target = teacher(x)
-        pair = []
-        for model, opt in zip((ref, fp8), opts):
-            with autocast():
-                loss = torch.nn.functional.mse_loss(model(x), target)
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(loss.item())
-        losses.append(pair)
+    losses = train_beside(ref, fp8, teacher, lambda: torch.randn(64, 32), steps=200, lr=3e-3)
     first, last = np.mean(losses[:10], axis=0), np.mean(losses[-20:], axis=0)
     assert last[0] < 0.2 * first[0]  # the task is learnt
     assert abs(last[1] - last[0]) <= 0.25 * last[0] + 1e-3, f"fp32 {last[0]:.4g}, fp8 {last[1]:.4g}"

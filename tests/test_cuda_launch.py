@@ -72,3 +72,41 @@ def test_plan_cache_is_bounded():
         assert len(lt.destroyed) == 6 * 5 and 0 not in plans and 4 not in plans
     finally:
         plans.clear()
+
+
+class _RecordingPlan:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch(self, grid, block, args, stream, cooperative=False):
+        self.calls.append((grid, block, args, stream))
+
+
+class _Dev:
+    """A stand-in for a 1-element device array: only its pointer is read."""
+
+    def __init__(self, ptr):
+        self.data = type("Ptr", (), {"ptr": ptr})()
+
+
+def test_gemm_with_no_rows_still_merges_amax_zero(monkeypatch):
+    """M = 0 launches no GEMM, but out_amax still merges amax 0 (a slot holding -0.0 becomes 0, as on the CPU)."""
+    calls, plans = [], []
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(cuda, "_plan", lambda device, f, expr, threads=256: plans.append((device, f, expr))
+                        or _RecordingPlan(calls))
+    spec = type("Spec", (), {"m": 0, "n": 16, "out_dtype": "float8_e4m3fn"})()
+    a = type("T", (), {"device": ("cuda", 3)})()
+    d = cublaslt.gemm(spec, a, None, None, None, None, None, _Dev(0x1000), None, 77,
+                      lambda shape, dtype, like, stream: ("D", shape))
+    assert d == ("D", (0, 16))
+    assert plans == [(3, "quantize.cu", "fp8core::amax_kernel<float>")]
+    assert calls == [(1, cuda._THREADS, (0, 0x1000, 0), 77)], "x = null, n = 0: the kernel merges amax 0"
+
+
+def test_merge_amax_packs_value_and_slot(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cuda, "_plan", lambda device, f, expr, threads=256: _RecordingPlan(calls))
+    cuda.merge_amax(_Dev(0x2000), _Dev(0x3000), 0, 5)
+    args = calls[0][2]
+    assert args == (0x3000, 0x2000, 1) and struct.calcsize(cuda.ARGS["amax_kernel"]) == 24

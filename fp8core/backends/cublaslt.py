@@ -202,6 +202,8 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     lt = _lt()
     d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
     if spec.m == 0:
+        if out_amax is not None:  # amax of an empty D is 0, merged as the CPU merges it (-0.0 becomes 0)
+            cuda.merge_amax(out_amax, None, device_id, stream)
         return d
     if spec.a_block is not None:
         a_scale_inv, b_scale_inv = _block_scales(spec, device_id, a, a_scale_inv, b_scale_inv, stream)

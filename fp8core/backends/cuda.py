@@ -521,7 +521,8 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
                              _empty)
 
 
-def merge_amax(slot: Any, value: Any, device: int, stream: int) -> None:
-    """slot = max(slot, |value|) for 1-element float32 device arrays, as every amax slot merges (signed order)."""
+def merge_amax(slot: Any, value: Any | None, device: int, stream: int) -> None:
+    """slot = max(slot, |value|) for 1-element float32 device arrays, as every amax slot merges (signed order);
+    value None merges the amax 0 of an empty tensor."""
     plan = _plan(device, "quantize.cu", "fp8core::amax_kernel<float>")
-    plan.launch(1, _THREADS, (value.data.ptr, slot.data.ptr, 1), stream)
+    plan.launch(1, _THREADS, (_ptr(value), slot.data.ptr, 0 if value is None else 1), stream)

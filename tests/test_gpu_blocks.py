@@ -207,6 +207,20 @@ def test_block_gemm_against_the_emulation(rng, scheme, k):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+def test_block_gemm_with_rows_not_a_multiple_of_4(rng, scheme):
+    """M = 130, N = 144, two K blocks: the scale layouts' leading dimensions (1x128: [KB, M], M not a multiple of
+    4 floats; 128x128: partial row tiles) are where a layout cuBLASLt reads differently would show."""
+    if not _supported(scheme):
+        pytest.skip(f"{scheme}: needs a newer GPU")
+    a, b = block_operands(rng, 130, 144, 256, scheme)
+    d = fp8core.gemm(_cuda_pair(a), _cuda_pair(b), out_dtype="float32")
+    ref = dequantized_operand(a) @ dequantized_operand(b).T
+    atol, rtol = block_gemm_tolerance(a, b, "float32")
+    got = d.cpu().numpy().astype(np.float64)
+    assert (np.abs(got - ref) <= atol + rtol * np.abs(ref)).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_block_gemm_against_torch_scaled_mm_with_the_same_scales(rng, scheme):
     if not _supported(scheme):
         pytest.skip(f"{scheme} GEMM needs compute capability {'10.0' if scheme == 'mx' else '9.0'}")

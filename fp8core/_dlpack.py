@@ -194,17 +194,34 @@ for _immortal in (_delete_managed, _destroy_capsule, _live, _live_lock):
 del _immortal
 
 
+def _stream_wait(consumer: int, producer: int, device_id: int) -> None:
+    """consumer waits (on the device) for the work queued on producer so far."""
+    from cupy.cuda import Device
+    from cupy_backends.cuda.api import runtime
+
+    with Device(device_id):
+        event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+        try:
+            runtime.eventRecord(event, producer)
+            runtime.streamWaitEvent(consumer, event, 0)
+        finally:
+            runtime.eventDestroy(event)  # released once the wait is done; the wait itself stays queued
+
+
 class Exporter:
     """An object with ``__dlpack__``/``__dlpack_device__`` exporting memory that ``owner`` keeps alive.
 
-    ``dtype`` is a logical name (fp8 and bf16 included); ``strides`` are in elements.
+    ``dtype`` is a logical name (fp8 and bf16 included); ``strides`` are in elements. ``stream``: the raw CUDA
+    stream the memory was written on, when known; a consumer that names another stream is made to wait for it
+    (an event, no host synchronisation), as the DLPack protocol asks of producers.
     """
 
     def __init__(self, ptr: int, shape: tuple[int, ...], dtype: str, device_type: int, device_id: int,
-                 owner: Any, strides: tuple[int, ...] | None = None) -> None:
+                 owner: Any, strides: tuple[int, ...] | None = None, stream: int | None = None) -> None:
         self.ptr, self.shape, self.dtype = ptr, tuple(shape), dtype
         self.device_type, self.device_id, self.owner = device_type, device_id, owner
         self.strides = tuple(strides) if strides is not None else _contiguous_strides(self.shape)
+        self.stream = stream
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (self.device_type, self.device_id)
@@ -213,6 +230,10 @@ class Exporter:
                    dl_device: Any = None, copy: bool | None = None) -> Any:
         if copy:
             raise BufferError("fp8core exports without copying; copy=True is not supported")
+        if self.stream is not None and stream is not None and stream != -1 and self.device_type == CUDA:
+            consumer = 0 if stream == 1 else int(stream)  # DLPack's 1 is the legacy default stream (handle 0)
+            if consumer != self.stream:
+                _stream_wait(consumer, self.stream, self.device_id)
         code, bits = _CODES_BY_NAME[self.dtype]
         ndim = len(self.shape)
         shape = (ctypes.c_int64 * max(ndim, 1))(*self.shape)

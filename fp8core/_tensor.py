@@ -397,11 +397,11 @@ def _pointer(data: Any) -> int:
     return data.data.ptr if data.size else 0
 
 
-def _exporter(data: Any, dtype: str, like: Tensor) -> Exporter:
+def _exporter(data: Any, dtype: str, like: Tensor, stream: int | None = None) -> Exporter:
     on_cuda = not isinstance(data, np.ndarray)
     return Exporter(_pointer(data), tuple(data.shape), dtype, CUDA if on_cuda else CPU,
                     like.device[1] if on_cuda else 0, owner=data,
-                    strides=tuple(s // data.itemsize for s in data.strides))
+                    strides=tuple(s // data.itemsize for s in data.strides), stream=stream)
 
 
 def _torch_owner(data: Any) -> Any:
@@ -465,7 +465,10 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
 
     if FAST_PATHS and type(data) is np.ndarray and data.size <= _JAX_COPY_MAX:
         return jax.numpy.asarray(data)  # JAX's CPU client copies on DLPack import too; small copies are cheaper
-    return jax.dlpack.from_dlpack(_exporter(data, dtype, like))
+    # On a GPU the kernels ran on CuPy's current stream (cuda._stream for non-torch arrays); XLA reads on its own
+    # (non-blocking) stream, which the exporter makes wait for them.
+    stream = None if type(data) is np.ndarray else _cupy_module().cuda.get_current_stream().ptr
+    return jax.dlpack.from_dlpack(_exporter(data, dtype, like, stream))
 
 
 _JAX_COPY_MAX = 1 << 16

@@ -372,23 +372,38 @@ def wrap(obj: Any, arg: str = "x") -> Tensor:
 
 # ---- outputs ----------------------------------------------------------------------------------------------
 
-# NumPy dtype (num) -> (torch dtype of the same size, array-interface typestr, NumPy view or None)
-_TORCH_EMPTY: dict[int, tuple[Any, str, Any]] = {}
+# NumPy dtype -> (torch dtype of the same name, array-interface typestr of its storage, NumPy view or None)
+_TORCH_EMPTY: dict[Any, tuple[Any, str, Any]] = {}
 
 
 def empty(shape: Any, dtype: Any, like: Tensor) -> np.ndarray:
     """CPU output memory for ``like``'s caller: torch's allocator for torch callers (so the result is an
-    ordinary resizable torch tensor, returned by :func:`export` without a copy), NumPy's otherwise."""
+    ordinary resizable torch tensor of the logical dtype, returned by :func:`export` as it is), NumPy's
+    otherwise."""
     if like.origin != "torch":
         return np.empty(shape, dtype)
-    dt = np.dtype(dtype)
-    spec = _TORCH_EMPTY.get(dt.num)
+    spec = _TORCH_EMPTY.get(dtype)
     if spec is None:
         torch = _torch_module()
+        dt = np.dtype(dtype)
         storage = np.dtype(_STORAGE.get(dt.name, dt))
-        torch_dt = {1: torch.uint8, 2: torch.int16}[storage.itemsize] if storage != dt else getattr(torch, dt.name)
-        spec = _TORCH_EMPTY[dt.num] = (torch_dt, storage.str, None if storage == dt else dt)
-    return _torch_cpu_array(_torch.empty(shape, dtype=spec[0]), spec[1], spec[2])
+        spec = _TORCH_EMPTY[dtype] = (getattr(torch, dt.name), storage.str, None if storage == dt else dt)
+    t = _torch.empty(shape, dtype=spec[0])
+    if not t.numel():
+        return np.empty(shape, spec[2] if spec[2] is not None else spec[1])
+    # A fresh tensor is contiguous: its interface needs no strides (cf. _TorchMemory).
+    arr = np.asarray(_Fresh(t, tuple(t.shape), spec[1]))
+    return arr if spec[2] is None else arr.view(spec[2])
+
+
+class _Fresh:
+    """A contiguous torch tensor's memory for NumPy; keeps the tensor alive as the view's base."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: Any, shape: tuple, typestr: str) -> None:
+        self.tensor = t
+        self.__array_interface__ = {"version": 3, "shape": shape, "typestr": typestr, "data": (t.data_ptr(), False)}
 
 
 def _pointer(data: Any) -> int:
@@ -412,7 +427,7 @@ def _torch_owner(data: Any) -> Any:
         owner = data.base
         while type(owner) is np.ndarray:
             owner = owner.base
-        if type(owner) is _TorchMemory:
+        if type(owner) is _Fresh or type(owner) is _TorchMemory:
             owner = owner.tensor
         # A C-contiguous view as large as a contiguous owner starts where the owner starts.
         if isinstance(owner, torch.Tensor) and data.flags.c_contiguous and data.nbytes == owner.nbytes \

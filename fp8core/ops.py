@@ -4,12 +4,13 @@ caller's own array type. The numerics are in docs/numerics.md; the backends impl
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _checks, backends
+from . import _checks, _tensor, backends
 from ._fpenv import ieee
 from ._tensor import Tensor, export, logical_numpy_dtype, storage_dtype, wrap
 from .backends import cpu as _cpu
@@ -96,14 +97,21 @@ def _new_f32(values: Any, like: Tensor) -> Any:
     return _backend(like).device_f32(host, like)  # on the caller's stream, capture-safe
 
 
-def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
-    """A 1-element float32 array on x's device (a Python float becomes one)."""
+def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x", copy: bool = False) -> Any:
+    """A 1-element float32 array on x's device (a Python float becomes one). ``copy``: a torch CPU scalar may
+    come back as a copy of its value (not where an ``out=`` must be checked against the scale's memory)."""
     tp = type(obj)
     if tp is float or tp is int or (isinstance(obj, (float, int)) and not isinstance(obj, bool)):
         # fp32 normals (and 0) convert the same in any floating-point mode; the rest go through the guard
         if (_F32_MIN_NORMAL <= abs(obj) <= _F32_MAX or obj == 0) and x.device[0] == "cpu":
             return np.array([obj], np.float32)
         return _new_f32([obj], x)
+    torch = _tensor._torch
+    if copy and torch is not None and tp is torch.Tensor and _tensor.FAST_PATHS and x.device[0] == "cpu" \
+            and obj.is_cpu and obj.dtype is torch.float32 and obj.numel() == 1 and not obj.is_neg():
+        ptr = obj.data_ptr()
+        if ptr:  # its 4 bytes, read as bits (a float read would flush a subnormal under DAZ): a third of a view
+            return np.array([ctypes.c_uint32.from_address(ptr).value], np.uint32).view(np.float32)
     data = _f32_vector(obj, x, arg, xarg).data
     if data.size != 1:
         raise ValueError(f"{arg}: expected 1 element, got shape {tuple(data.shape)}")
@@ -252,7 +260,7 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     """
     t = _high_precision(x, "x")
     f = _format(fmt)
-    s, a = _scalar(scale, t, "scale"), _amax_slot(amax_out, t)
+    s, a = _scalar(scale, t, "scale", copy=out is None), _amax_slot(amax_out, t)
     if out is None:
         return export(_backend(t).quantize(t, s, f, a), _FP8_NAME[f], t)
     (o,) = _outs(out, 1)
@@ -298,7 +306,7 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     """
     t, f = _fp8(q, "q", fmt)
     name = _out_dtype(out_dtype)
-    s = _scalar(scale_inv, t, "scale_inv", "q")
+    s = _scalar(scale_inv, t, "scale_inv", "q", copy=out is None)
     if out is None:
         return export(_backend(t).dequantize(t, f, s, name), name, t)
     (o,) = _outs(out, 1)
@@ -334,7 +342,7 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     """
     t = _high_precision(x, "x")
     f = _format(fmt)
-    s, a = _scalar(scale, t, "scale"), _amax_slot(amax_out, t)
+    s, a = _scalar(scale, t, "scale", copy=out is None), _amax_slot(amax_out, t)
     if out is None:
         q, qt = _backend(t).cast_transpose(_as_2d(t, "x"), s, f, a)
         name = _FP8_NAME[f]

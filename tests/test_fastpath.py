@@ -91,6 +91,30 @@ def test_fast_paths_and_dlpack_give_identical_bits(op, kind, dtype, monkeypatch)
     assert results["fast"][1] == {"numpy": {"numpy"}, "torch": {"torch"}, "jax": {"jax"}}[kind]
 
 
+# A torch CPU scale is read by its 4 bytes on the fast path: every kind of fp32 value, any offset into its
+# storage, and a caller with flush-to-zero/denormals-are-zero set (a float read would see a subnormal as 0).
+SCALES = [0.25, -0.0, 1e-40, -3e-39, float("nan"), float("inf"), 3.0e38, 2.0 ** -126]
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["ieee", "ftz"])
+@pytest.mark.parametrize("scale", SCALES, ids=[repr(s) for s in SCALES])
+def test_a_torch_scale_reads_the_same_on_both_paths(scale, flush, monkeypatch):
+    x = torch.from_numpy(_values()).to(torch.bfloat16)
+    s = torch.tensor([7.0, scale])[1:]  # an offset view of a 1-element scale
+    results = {}
+    try:
+        torch.set_flush_denormal(flush)
+        for mode in ("fast", "dlpack"):
+            monkeypatch.setattr(_tensor, "FAST_PATHS", mode == "fast")
+            results[mode] = [_bits(fp8core.quantize(x, s, "e4m3")), _bits(fp8core.dequantize(
+                fp8core.quantize(x, 1.0, "e5m2"), s, "float32")), _bits(fp8core.cast_transpose(x.reshape(6, 8), s)[1])]
+    finally:
+        torch.set_flush_denormal(False)
+    assert results["fast"] == results["dlpack"]
+    ref = fp8core.quantize(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16), s.numpy().copy(), "e4m3")
+    assert results["fast"][0][2] == ref.tobytes()
+
+
 def _neg_view():
     return torch._neg_view(torch.ones(4))
 

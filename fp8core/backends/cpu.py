@@ -239,8 +239,8 @@ def _cast_f32(f: np.ndarray, fmt: Format, out: np.ndarray) -> None:
 def _quantize_chunk(x: np.ndarray, scale: np.ndarray, fmt: Format, out: np.ndarray, want_amax: bool = True
                     ) -> int:
     """out (uint8 codes) = SATFINITE_RTNE(fp32(x) * scale), scale a 0-d float32 array; returns the chunk's
-    amax bits (of x, before scaling) when asked. The caller holds np.errstate(all="ignore") (the product may
-    overflow or be inf * 0)."""
+    amax bits (of x, before scaling) when asked. NumPy's warnings must be off (the product may overflow or be
+    inf * 0): @ieee callers have them off; the pool's threads use _quantize_chunk_pooled."""
     if x.itemsize == 4:  # float32
         f = np.multiply(x, scale)
     else:
@@ -266,8 +266,7 @@ def _quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
     so a large bf16/fp16 tensor is one table lookup per element, made by the same code as the direct path."""
     patterns = np.arange(65536, dtype=np.uint16).view(logical_numpy_dtype(dtype))
     table = np.empty(65536, dtype=np.uint8)
-    with np.errstate(all="ignore"):
-        _quantize_chunk(patterns, np.array(scale_bits, np.uint32).view(np.float32), fmt, table, False)
+    _quantize_chunk(patterns, np.array(scale_bits, np.uint32).view(np.float32), fmt, table, False)
     return table
 
 
@@ -318,8 +317,7 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
 
             bits = max(_map(n, chunk), default=0)
     elif n <= _CHUNK:
-        with np.errstate(all="ignore"):
-            bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
+        bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
     else:
         bits = max(_map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], want)), default=0)
     if want:

@@ -11,6 +11,7 @@ same views and the same errors (tests/test_fastpath.py runs both).
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -146,8 +147,20 @@ class _TorchMemory:
 def _torch_cpu_array(t: Any, typestr: str, logical: Any) -> np.ndarray:
     if t.numel() == 0:
         return np.empty(tuple(t.shape), logical if logical is not None else np.dtype(typestr))
+    if t.is_contiguous():
+        return _contiguous_view(t, logical if logical is not None else np.dtype(typestr), t.shape)
     arr = np.asarray(_TorchMemory(t, typestr))
     return arr if logical is None else arr.view(logical)
+
+
+def _contiguous_view(t: Any, dtype: np.dtype, shape: Any) -> np.ndarray:
+    """A contiguous, non-empty torch CPU tensor's memory as NumPy ``dtype`` (same element size), zero-copy.
+    A ctypes buffer over its bytes is the array's base and holds the tensor: half what the array interface
+    costs (_TorchMemory, which strided tensors need)."""
+    buf = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
+    buf.tensor = t
+    arr = np.frombuffer(buf, dtype)
+    return arr if len(shape) == 1 else arr.reshape(shape)
 
 
 def _check_torch(t: Any, arg: str) -> None:
@@ -391,19 +404,7 @@ def empty(shape: Any, dtype: Any, like: Tensor) -> np.ndarray:
     t = _torch.empty(shape, dtype=spec[0])
     if not t.numel():
         return np.empty(shape, spec[2] if spec[2] is not None else spec[1])
-    # A fresh tensor is contiguous: its interface needs no strides (cf. _TorchMemory).
-    arr = np.asarray(_Fresh(t, tuple(t.shape), spec[1]))
-    return arr if spec[2] is None else arr.view(spec[2])
-
-
-class _Fresh:
-    """A contiguous torch tensor's memory for NumPy; keeps the tensor alive as the view's base."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, t: Any, shape: tuple, typestr: str) -> None:
-        self.tensor = t
-        self.__array_interface__ = {"version": 3, "shape": shape, "typestr": typestr, "data": (t.data_ptr(), False)}
+    return _contiguous_view(t, spec[2] if spec[2] is not None else np.dtype(spec[1]), t.shape)
 
 
 def _pointer(data: Any) -> int:
@@ -427,8 +428,8 @@ def _torch_owner(data: Any) -> Any:
         owner = data.base
         while type(owner) is np.ndarray:
             owner = owner.base
-        if type(owner) is _Fresh or type(owner) is _TorchMemory:
-            owner = owner.tensor
+        if type(owner) is _TorchMemory or isinstance(owner, ctypes.Array):
+            owner = getattr(owner, "tensor", None)
         # A C-contiguous view as large as a contiguous owner starts where the owner starts.
         if isinstance(owner, torch.Tensor) and data.flags.c_contiguous and data.nbytes == owner.nbytes \
                 and owner.is_contiguous():

@@ -252,3 +252,27 @@ def test_reference_under_another_rounding_mode(mode):
     finally:
         libm.fesetround(0)
     assert got == expected
+
+
+@pytest.mark.parametrize("spelling", ["context variable", "np.errstate"])
+def test_ieee_silences_numpy_inside_and_restores_the_callers_error_state(spelling, monkeypatch):
+    """Overflow and inf * 0 are values the contract defines: the reference warns of neither, whichever way the
+    guard sets NumPy's error state, and the caller's own setting (here: raise) holds again afterwards."""
+    from fp8core import _fpenv
+
+    if spelling == "np.errstate":
+        monkeypatch.setattr(_fpenv, "_ERRSTATE", None)
+
+    @_fpenv.ieee
+    def overflow():
+        return np.float32(3e38) * np.float32(10), np.float32(np.inf) * np.float32(0)
+
+    with np.errstate(all="raise"):
+        big, nan = overflow()
+        assert big == np.inf and np.isnan(nan)
+        with pytest.raises(FloatingPointError):
+            np.float32(3e38) * np.float32(10)
+        with flush_denormal():  # the switching branch restores it too
+            assert overflow()[0] == np.inf
+            with pytest.raises(FloatingPointError):
+                np.float32(3e38) * np.float32(10)

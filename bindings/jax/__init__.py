@@ -71,6 +71,34 @@ def _f32(v: Any) -> Array:
     return jnp.asarray(v, jnp.float32).reshape(1)
 
 
+def _scale_arg(v: Any) -> Any:
+    """A scale as an argument of the jitted primitives, converted to float32 [1] inside them. A Python int
+    beyond int32 would be refused by jit as an argument: it is converted here, as every scale was before."""
+    if isinstance(v, (jax.Array, np.ndarray, float)) or (type(v) is int and -2**31 <= v < 2**31):
+        return v
+    return _f32(v)
+
+
+def _jitted(*static: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The primitive traced once per shapes and ``static`` arguments (keyword-only in the decorated function):
+    an eager call then reuses its trace, compiled program and callback (jit's C++ dispatch, ~10 us) instead of
+    building all three again (~20 ms); inside an outer jit it inlines. Static values that cannot be hashed
+    (arrays) take the untraced path, which treats them as before."""
+    def wrap_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
+        jitted = jax.jit(fn, static_argnames=static)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                hash(tuple(kwargs.values()))
+            except TypeError:
+                return fn(*args, **kwargs)
+            return jitted(*args, **kwargs)
+
+        return call
+
+    return wrap_fn
+
+
 def _fp8_shape(x: Any, fmt: Any, shape: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape) if shape is None else shape, fp8core.as_format(fmt).jax_dtype)
 
@@ -81,11 +109,21 @@ def _rows(x: Any) -> int:
 
 def amax(x: Array) -> Array:
     """max |x| as float32 [1] (NaN propagates)."""
+    return _amax(x)
+
+
+@_jitted()
+def _amax(x: Array) -> Array:
     return _primitive(lambda outs, t: fp8core.multi_amax([t], out=_zero(outs[0])), _F32_1)(x)
 
 
 def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array]:
     """(q, amax of x): the contract's scaled cast; q has x's shape and fmt's dtype."""
+    return _quantize(x, _scale_arg(scale), fmt=fmt)
+
+
+@_jitted("fmt")
+def _quantize(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array]:
     def run(outs, t, s):
         fp8core.quantize(t, s.data, fmt, amax_out=_zero(outs[1]), out=outs[0])
 
@@ -95,6 +133,11 @@ def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, 
 def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2: bool = False,
                      epsilon: float = 0.0) -> tuple[Array, Array, Array]:
     """Current scaling: (q, scale_inv [1], amax [1])."""
+    return _quantize_dynamic(x, fmt=fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon)
+
+
+@_jitted("fmt", "margin", "power_of_2", "epsilon")
+def _quantize_dynamic(x: Array, *, fmt: Any, margin: Any, power_of_2: Any, epsilon: Any) -> tuple[Array, ...]:
     def run(outs, t):
         fp8core.quantize_dynamic(t, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon, out=tuple(outs))
 
@@ -102,6 +145,11 @@ def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = jnp.float32) -> Array:
+    return _dequantize(q, _scale_arg(scale_inv), out_dtype=out_dtype)
+
+
+@_jitted("out_dtype")
+def _dequantize(q: Array, scale_inv: Any, *, out_dtype: Any) -> Array:
     fmt = fp8core.as_format(q.dtype)
     name = jnp.dtype(out_dtype).name
     return _primitive(lambda outs, t, s: fp8core.dequantize(t, s.data, name, fmt=fmt, out=outs[0]),
@@ -110,6 +158,11 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = jnp.float32)
 
 def transpose(q: Array) -> Array:
     """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
+    return _transpose(q)
+
+
+@_jitted()
+def _transpose(q: Array) -> Array:
     fmt = fp8core.as_format(q.dtype)
     return _primitive(lambda outs, t: fp8core.transpose(t, fmt=fmt, out=outs[0]),
                       _fp8_shape(q, fmt, (q.shape[-1], _rows(q))))(q)
@@ -117,6 +170,11 @@ def transpose(q: Array) -> Array:
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array, Array]:
     """(q, q_t [last, prod(leading)], amax of x) from one read of x."""
+    return _cast_transpose(x, _scale_arg(scale), fmt=fmt)
+
+
+@_jitted("fmt")
+def _cast_transpose(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array, Array]:
     def run(outs, t, s):
         fp8core.cast_transpose(t, s.data, fmt, amax_out=_zero(outs[2]), out=(outs[0], outs[1]))
 
@@ -127,6 +185,12 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[A
 def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | float,
          out_dtype: Any = jnp.bfloat16, bias: Array | None = None) -> Array:
     """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias), per fp8core.gemm's limits."""
+    return _gemm(a, b, _scale_arg(a_scale_inv), _scale_arg(b_scale_inv), bias, out_dtype=out_dtype)
+
+
+@_jitted("out_dtype")
+def _gemm(a: Array, b: Array, a_scale_inv: Any, b_scale_inv: Any, bias: Array | None, *,
+          out_dtype: Any) -> Array:
     fa, fb = fp8core.as_format(a.dtype), fp8core.as_format(b.dtype)
     name = jnp.dtype(out_dtype).name
     shape = jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype)

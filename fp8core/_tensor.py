@@ -499,8 +499,9 @@ _jax_identity: Any = None
 
 
 def _jax_put() -> Any:
-    """jax.jit of the identity: a NumPy array in, a jax.Array holding a copy on the default device out (jit
-    never aliases a NumPy argument, so the result stays immutable whatever happens to ``data``)."""
+    """jax.jit of the identity: a NumPy array in, a jax.Array holding a copy on the default device out. Large
+    arguments are copied asynchronously, jit holding the array until then: like DLPack's import, this is for
+    fresh results that nobody writes afterwards."""
     global _jax_identity
     if _jax_identity is None:
         import jax

@@ -94,6 +94,7 @@ def _jitted(*static: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 return fn(*args, **kwargs)
             return jitted(*args, **kwargs)
 
+        call.untraced = fn  # type: ignore[attr-defined]  (tests/test_jax_fastpaths.py compares the two)
         return call
 
     return wrap_fn

@@ -3,7 +3,9 @@
 - jax CPU arrays read by ``_from_jax`` without asking DLPack for the device (against the general path);
 - NumPy results handed back to JAX through a jitted identity (against the DLPack import), on both sides of
   the size where export switches, with every fp8/16-bit code and float32 NaN payloads; never aliased;
-- eager ``fp8core.jax`` primitives through their cached jit (against the untraced primitive they wrap).
+- eager ``fp8core.jax`` primitives through their cached jit (against the untraced primitive they wrap);
+- fp8core.jax's callbacks handing XLA's buffers straight to the backend (against the public primitives with
+  ``out=``, ``fp8core.jax.TRUSTED_OUTS = False``).
 """
 
 import gc
@@ -161,20 +163,41 @@ PRIMS = {
 }
 
 
-def _paths():
+# (jitted or untraced, TRUSTED_OUTS): the last is the path before the shortcuts
+MODES = [("jitted", True), ("untraced", True), ("jitted", False)]
+
+
+def _prims(mode, monkeypatch):
+    path, trusted = mode
+    monkeypatch.setattr(fj, "TRUSTED_OUTS", trusted)
     jitted = {name: getattr(fj, "_" + name) for name in PRIMS}
-    return {"jitted": jitted, "untraced": {name: f.untraced for name, f in jitted.items()}}
+    return jitted if path == "jitted" else {name: f.untraced for name, f in jitted.items()}
 
 
 @pytest.mark.parametrize("scale", SCALES, ids=[repr(s)[:20] for s in SCALES])
 @pytest.mark.parametrize("op", list(PRIMS))
-def test_eager_primitives_same_bits_as_untraced(op, scale):
+def test_eager_primitives_same_bits_on_every_path(op, scale, monkeypatch):
     x = _x()
-    got = {}
-    for mode, prims in _paths().items():
-        s = fj._scale_arg(scale) if mode == "jitted" else scale
-        got[mode] = [_bits(o) for o in jax.tree.leaves(PRIMS[op](x, s, prims))]
-    assert got["jitted"] == got["untraced"]
+    got = []
+    for mode in MODES:
+        s = fj._scale_arg(scale) if mode[0] == "jitted" else scale
+        got.append([_bits(o) for o in jax.tree.leaves(PRIMS[op](x, s, _prims(mode, monkeypatch)))])
+    assert got[0] == got[1] == got[2]
+
+
+@pytest.mark.parametrize("op", ["quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose"])
+def test_trusted_outputs_under_jit_and_vmap_same_bits_as_the_public_primitives(op, monkeypatch):
+    x = _x().reshape(4, -1, 16)
+    fn = {"quantize": lambda v: fj.quantize(v, 0.5, "e5m2"),
+          "quantize_dynamic": lambda v: fj.quantize_dynamic(v, margin=2, epsilon=1e-3),
+          "dequantize": lambda v: fj.dequantize(fj.quantize(v, 1.0)[0], 2.0, jnp.float16),
+          "transpose": lambda v: fj.transpose(fj.quantize(v, 1.0)[0]),
+          "cast_transpose": lambda v: fj.cast_transpose(v, 0.125)}[op]
+    got = []
+    for trusted in (True, False):
+        monkeypatch.setattr(fj, "TRUSTED_OUTS", trusted)
+        got.append([_bits(o) for o in jax.tree.leaves((jax.jit(fn)(x), jax.jit(jax.vmap(fn))(x)))])
+    assert got[0] == got[1]
 
 
 BAD = [
@@ -182,6 +205,9 @@ BAD = [
     ("scale of 2 elements", lambda: fj.quantize(jnp.ones(16), jnp.ones(2))),
     ("int32 x", lambda: fj.amax(jnp.ones(16, jnp.int32))),
     ("fp8 x", lambda: fj.cast_transpose(jnp.ones((4, 4), jnp.float8_e4m3fn), 1.0)),
+    ("int32 x quantize", lambda: fj.quantize(jnp.ones(16, jnp.int32), 1.0)),
+    ("bf16 q", lambda: fj.transpose(jnp.ones((4, 4), jnp.bfloat16))),
+    ("f32 q dequantize", lambda: fj.dequantize(jnp.ones(16), 1.0)),
     ("bad out_dtype", lambda: fj.dequantize(jnp.ones(16, jnp.float8_e4m3fn), 1.0, jnp.int8)),
     ("bad margin", lambda: fj.quantize_dynamic(jnp.ones(16), margin=1000)),
     ("bad power_of_2", lambda: fj.quantize_dynamic(jnp.ones(16), power_of_2="yes")),
@@ -200,11 +226,12 @@ def test_eager_primitives_same_errors_as_untraced(case, call, monkeypatch):
         return type(e), str(e).strip().splitlines()[-1]
 
     errors = []
-    for mode in ("jitted", "untraced"):
-        if mode == "untraced":
-            for name in PRIMS:
-                monkeypatch.setattr(fj, "_" + name, getattr(fj, "_" + name).untraced)
-        with pytest.raises(Exception) as info:
-            jax.block_until_ready(call())
+    for mode in MODES:
+        prims = _prims(mode, monkeypatch)
+        with monkeypatch.context() as m:
+            for name, f in prims.items():
+                m.setattr(fj, "_" + name, f)
+            with pytest.raises(Exception) as info:
+                jax.block_until_ready(call())
         errors.append(first_line(info.value))
-    assert errors[0] == errors[1]
+    assert errors[0] == errors[1] == errors[2]

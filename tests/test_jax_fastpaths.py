@@ -235,3 +235,33 @@ def test_eager_primitives_same_errors_as_untraced(case, call, monkeypatch):
                 jax.block_until_ready(call())
         errors.append(first_line(info.value))
     assert errors[0] == errors[1] == errors[2]
+
+
+def _jitted_and_untraced(module, name):
+    f = getattr(module, "_" + name)
+    return {"jitted": f, "untraced": f.untraced}
+
+
+OTHERS = {
+    "compute_scale": lambda x, p: p(fj.amax(x), fmt="e5m2", margin=1, power_of_2=False, epsilon=0.0),
+    "update": lambda x, p: p(jnp.abs(x[:4, :3]), jnp.ones(3, jnp.float32), jnp.ones(3, jnp.float32),
+                             recipe=fp8core.DelayedScaling(amax_history_len=4, margin=1),
+                             formats=(fp8core.Format.E4M3, fp8core.Format.E4M3, fp8core.Format.E5M2),
+                             update_scale=True),
+    "blocks.quantize_mxfp8": lambda x, p: p(x.reshape(32, 32), fmt="e4m3", scale_mode="rceil", columnwise=True),
+    "blocks.quantize_mxfp8_both": lambda x, p: p(x.reshape(32, 32), fmt="e5m2", scale_mode="rceil"),
+    "blocks.dequantize_mxfp8": lambda x, p: p(fj.blocks.quantize_mxfp8(x.reshape(32, 32)), out_dtype=jnp.bfloat16),
+    "blocks.quantize_blockwise": lambda x, p: p(x.reshape(8, 128), fmt="e4m3", block="128x128", power_of_2=False,
+                                                epsilon=0.0),
+    "blocks.dequantize_blockwise": lambda x, p: p(fj.blocks.quantize_blockwise(x.reshape(8, 128)),
+                                                  out_dtype=jnp.float32),
+}
+
+
+@pytest.mark.parametrize("op", list(OTHERS))
+def test_other_eager_primitives_same_bits_as_untraced(op):
+    x = jnp.where(jnp.isfinite(_x()), _x(), 1.0)  # finite: NaN/inf would only give NaN scales here
+    module, name = (fj.blocks, op.split(".")[1]) if op.startswith("blocks.") else (fj, op)
+    got = {mode: [_bits(o) for o in jax.tree.leaves(OTHERS[op](x, f))]
+           for mode, f in _jitted_and_untraced(module, name).items()}
+    assert got["jitted"] == got["untraced"]

@@ -228,6 +228,12 @@ def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.
            formats: Sequence[Any], update_scale: bool = True) -> tuple[Array, Array, Array]:
     """The batched delayed-scaling update, functional: new (amax_history [L, N], scale [N], scale_inv [N]).
     Row 0 holds this step's amaxes (reduce them first with :func:`reduce_amax` when sharded)."""
+    return _update(amax_history, scale, scale_inv, recipe=recipe, formats=tuple(formats), update_scale=update_scale)
+
+
+@_jitted("recipe", "formats", "update_scale")
+def _update(amax_history: Array, scale: Array, scale_inv: Array, *, recipe: Any, formats: Any,
+            update_scale: Any) -> tuple[Array, Array, Array]:
     fp8_max = jnp.asarray([fp8core.as_format(f).max for f in formats], jnp.float32)
 
     def run(outs, h, s, si, fm):
@@ -245,6 +251,11 @@ def compute_scale(amax: Array, fmt: Any, *, margin: int = 0, power_of_2: bool = 
                   epsilon: float = 0.0) -> tuple[Array, Array]:
     """(scale, scale_inv), float32 like amax, by the contract's scale rule (1.0 where there is no scale): with
     :func:`cast_transpose`, current scaling from an amax reduced across devices first."""
+    return _compute_scale(amax, fmt=fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon)
+
+
+@_jitted("fmt", "margin", "power_of_2", "epsilon")
+def _compute_scale(amax: Array, *, fmt: Any, margin: Any, power_of_2: Any, epsilon: Any) -> tuple[Array, Array]:
     def run(outs, a):
         for o, r in zip(outs, fp8core.compute_scale(a, fmt, margin=margin, power_of_2=power_of_2,
                                                     epsilon=epsilon)):

@@ -493,8 +493,9 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
 
 # Up to this many bytes a NumPy result goes to JAX as an argument of a jitted identity, copied by jit's C++
 # argument path (~20 us; jax.numpy.asarray and jax.device_put run ~50-100 us of Python); above it, the copy
-# costs more than DLPack's zero-copy import (bench/bench_overhead.py --jax-export measures the crossover).
-_JAX_COPY_MAX = 1 << 18
+# costs more than DLPack's import (~150 us whatever the size). On 2 cores the two meet near 1 MiB
+# (bench/bench_overhead.py --jax-export measures it: 512 KiB ~70 vs ~170 us, 1 MiB ~160-200 vs ~200 us).
+_JAX_COPY_MAX = 1 << 19
 _jax_identity: Any = None
 
 

@@ -6,7 +6,9 @@ so the rest is fp8core's Python around it). Medians with p20/p80, in microsecond
 
 CPU: NumPy, torch and JAX inputs. GPU (``--gpu``, run by a GPU session): torch CUDA, CuPy and JAX inputs, timed
 while a long sleep kernel holds the stream, so a launch never waits for the GPU and the figure is host time only.
-Usage: python bench/bench_overhead.py [--gpu] [--n 16] [--repeat 2000] [--quick] [--json out.json]
+CPU runs end with fp8core.jax's primitives (eager and under jit) beside jax.numpy's jitted chains and the floor of
+a host callback (``--jax-export``: also NumPy -> jax.Array by size).
+Usage: python bench/bench_overhead.py [--gpu] [--n 16] [--repeat 2000] [--quick] [--jax-export] [--json out.json]
 """
 
 from __future__ import annotations
@@ -158,6 +160,104 @@ def _busy_sampler(torch: Any, repeat: int) -> Callable[[Case], tuple[float, floa
     return sample
 
 
+# ---- fp8core.jax: the jit-able primitives beside jax.numpy's own chains -------------------------------------
+
+def _jax_section(n: int, repeat: int, meta: dict[str, Any], export_sizes: bool) -> list[dict[str, Any]]:
+    """fp8core.jax's primitives eager (outside jit) and inside a jitted function called once per iteration,
+    with jax.numpy's equivalent chain (jitted) and the floor of any host callback under jit (a no-op
+    buffer_callback and a no-op pure_callback) measured in the same run. Every call waits for its result
+    (jax.block_until_ready): XLA:CPU dispatches asynchronously, and the callback is part of the call. Median,
+    p20-p80 and min of ``repeat`` calls, in microseconds. ``export_sizes``: also the cost of handing a NumPy
+    result to JAX by size, jitted identity against DLPack (the crossover behind _tensor._JAX_COPY_MAX)."""
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.buffer_callback import buffer_callback
+
+    import fp8core.jax as fj
+
+    def sample(fn: Case, calls: int = repeat) -> tuple[float, float, float, float]:
+        fn()
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        q = statistics.quantiles(times, n=5, method="inclusive")
+        return statistics.median(times) * 1e6, q[0] * 1e6, q[3] * 1e6, min(times) * 1e6
+
+    rng = np.random.default_rng(0)
+    rows_n = 4 if n % 4 == 0 else 1
+    x = jnp.asarray(rng.standard_normal(n, dtype=np.float32), jnp.bfloat16).reshape(rows_n, -1)
+    s = jnp.asarray([0.5], jnp.float32)
+    q = fj.quantize(x, s)[0]
+
+    def chain(v: Any, scale: Any) -> Any:
+        return (v.astype(jnp.float32) * scale).clip(-448, 448).astype(jnp.float8_e4m3fn)
+
+    def dynamic(v: Any) -> Any:
+        a = jnp.max(jnp.abs(v.astype(jnp.float32)))
+        scale = jnp.where(a > 0, 448.0 / a, 1.0)
+        return chain(v, scale), (1 / scale).reshape(1), a.reshape(1)
+
+    ops: dict[str, tuple[Callable[..., Any], Callable[..., Any], tuple[Any, ...]]] = {
+        "amax": (fj.amax, lambda v: jnp.max(jnp.abs(v.astype(jnp.float32))).reshape(1), (x,)),
+        "quantize": (fj.quantize, lambda v, sc: (chain(v, sc), jnp.max(jnp.abs(v.astype(jnp.float32)))), (x, s)),
+        "quantize_dynamic": (fj.quantize_dynamic, dynamic, (x,)),
+        "dequantize": (lambda v, sc: fj.dequantize(v, sc, jnp.bfloat16),
+                       lambda v, sc: (v.astype(jnp.float32) * sc).astype(jnp.bfloat16), (q, s)),
+        "cast_transpose": (fj.cast_transpose,
+                           lambda v, sc: (lambda c: (c, c.T, jnp.max(jnp.abs(v.astype(jnp.float32)))))(chain(v, sc)),
+                           (x, s)),
+    }
+    wait = jax.block_until_ready
+    rows: list[dict[str, Any]] = []
+    print(f"# fp8core.jax, {n} elements, each call waits for its result (us)")
+    print(f"{'op':<18} {'eager':>8} {'jit':>8} {'p20-p80 (jit)':>15} {'min jit':>8} {'jnp jit':>8} {'x jnp':>6}")
+    for op, (ours, theirs, args) in ops.items():
+        ours_jit, theirs_jit = jax.jit(ours), jax.jit(theirs)
+        eager = sample(lambda: wait(ours(*args)))
+        jitted = sample(lambda: wait(ours_jit(*args)))
+        jnp_jit = sample(lambda: wait(theirs_jit(*args)))
+        rows.append({"op": op, "input": "jax", "api": "fp8core.jax", "eager_us": eager[0], "eager_us_min": eager[3],
+                     "us": jitted[0], "us_p20": jitted[1], "us_p80": jitted[2], "us_min": jitted[3],
+                     "jnp_jit_us": jnp_jit[0], "jnp_jit_us_min": jnp_jit[3], **meta})
+        print(f"{op:<18} {eager[0]:>8.1f} {jitted[0]:>8.1f} {jitted[1]:>7.1f}-{jitted[2]:<7.1f} {jitted[3]:>8.1f} "
+              f"{jnp_jit[0]:>8.1f} {jitted[0] / jnp_jit[0]:>6.1f}", flush=True)
+
+    f32_1 = jax.ShapeDtypeStruct((1,), jnp.float32)
+    floors = {
+        "noop buffer_callback under jit": jax.jit(buffer_callback(lambda ctx, out, *bufs: None, f32_1)),
+        "noop pure_callback under jit": jax.jit(lambda v: jax.pure_callback(lambda a: np.zeros(1, np.float32),
+                                                                            f32_1, v)),
+        "jit of the identity": jax.jit(lambda v: v),
+    }
+    for name, fn in floors.items():
+        med, p20, p80, low = sample(lambda: wait(fn(x)))
+        rows.append({"op": name, "input": "jax", "api": "floor", "us": med, "us_p20": p20, "us_p80": p80,
+                     "us_min": low, **meta})
+        print(f"# floor: {name:<32} {med:>8.1f} (p20-p80 {p20:.1f}-{p80:.1f}, min {low:.1f})", flush=True)
+
+    if export_sizes:
+        import jax.dlpack
+
+        like = _tensor.wrap(x)
+        put = _tensor._jax_put()
+        print("# NumPy result -> jax.Array by size (us, min of the calls; the NumPy allocation excluded)")
+        for nbytes in (1 << 12, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 22):
+            calls = max(20, min(repeat, (1 << 24) // nbytes))
+            make = lambda: np.ones(nbytes // 4, np.float32)  # noqa: E731  (a fresh result, as export gets)
+            base = sample(make, calls)[3]
+            ident = sample(lambda: wait(put(make())), calls)[3] - base
+            dl = sample(lambda: wait(jax.dlpack.from_dlpack(_tensor._exporter(make(), "float32", like))), calls)[3]
+            rows.append({"op": "export", "bytes": nbytes, "identity_us_min": ident, "dlpack_us_min": dl - base,
+                         **meta})
+            print(f"# export {nbytes:>8} B: jitted identity {ident:>8.1f}  DLPack {dl - base:>8.1f}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpu", action="store_true", help="torch CUDA and CuPy inputs (needs a GPU)")
@@ -165,6 +265,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="300 calls per figure")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--jax-export", action="store_true", help="with the JAX section: export cost by size")
     args = ap.parse_args()
     repeat = 300 if args.quick else args.repeat
     torch = _torch()
@@ -206,6 +307,11 @@ def main() -> None:
             b, e = row.get("backend_us", float("nan")), row.get("torch_eager_us", float("nan"))
             print(f"{op:<18} {kind:<11} {med:>8.1f} {p20:>6.1f}-{p80:<6.1f} {b:>8.1f} {e:>12.1f} "
                   f"{med / e:>8.2f}", flush=True)
+    if not args.gpu:
+        try:
+            rows += _jax_section(args.n, repeat, meta, args.jax_export)
+        except ImportError as e:
+            print(f"# fp8core.jax: skipped ({e})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

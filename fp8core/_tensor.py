@@ -223,7 +223,28 @@ def _from_cupy(arr: Any, arg: str) -> Tensor:
     return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), ("cuda", arr.data.device_id), "cupy")
 
 
+# jax sharding -> whether it places a whole array on one CPU device (then the array is one host buffer)
+_JAX_ON_CPU: dict[Any, bool] = {}
+
+
+def _jax_on_cpu(sharding: Any) -> bool:
+    on_cpu = _JAX_ON_CPU.get(sharding)
+    if on_cpu is None:
+        import jax
+
+        on_cpu = type(sharding) is jax.sharding.SingleDeviceSharding and \
+            next(iter(sharding.device_set)).platform == "cpu"
+        if type(sharding) is jax.sharding.SingleDeviceSharding:  # one per device: the cache stays small
+            _JAX_ON_CPU[sharding] = on_cpu
+    return on_cpu
+
+
 def _from_jax(x: Any, arg: str) -> Tensor:
+    # One CPU device: the host buffer without asking DLPack where it lives (x.__dlpack_device__ costs more than
+    # the read). x.__array__() is np.asarray(x) without NumPy's protocol lookup: a zero-copy read-only view that
+    # waits for x to be computed. Deleted and sharded arrays take the general path, for its errors.
+    if _jax_on_cpu(x.sharding) and not x.is_deleted():
+        return _from_numpy(x.__array__(), arg, "jax")
     device_type, _ = x.__dlpack_device__()
     if device_type == CPU:
         return _from_numpy(np.asarray(x), arg, "jax")  # zero-copy and read-only on the CPU
@@ -476,15 +497,31 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
         return data
     if origin == "torch":
         return _to_torch(data, dtype, like)
+    if FAST_PATHS and type(data) is np.ndarray and data.nbytes <= _JAX_COPY_MAX:
+        return _jax_put()(data)
     import jax.dlpack
-    import jax.numpy
 
-    if FAST_PATHS and type(data) is np.ndarray and data.size <= _JAX_COPY_MAX:
-        return jax.numpy.asarray(data)  # JAX's CPU client copies on DLPack import too; small copies are cheaper
     # On a GPU the kernels ran on CuPy's current stream (cuda._stream for non-torch arrays); XLA reads on its own
     # (non-blocking) stream, which the exporter makes wait for them.
     stream = None if type(data) is np.ndarray else _cupy_module().cuda.get_current_stream().ptr
     return jax.dlpack.from_dlpack(_exporter(data, dtype, like, stream))
 
 
-_JAX_COPY_MAX = 1 << 16
+# Up to this many bytes a NumPy result goes to JAX as an argument of a jitted identity, copied by jit's C++
+# argument path (~20 us; jax.numpy.asarray and jax.device_put run ~50-100 us of Python); above it, the copy
+# costs more than DLPack's import (~150 us whatever the size). On 2 cores the two meet near 1 MiB
+# (bench/bench_overhead.py --jax-export measures it: 512 KiB ~70 vs ~170 us, 1 MiB ~160-200 vs ~200 us).
+_JAX_COPY_MAX = 1 << 19
+_jax_identity: Any = None
+
+
+def _jax_put() -> Any:
+    """jax.jit of the identity: a NumPy array in, a jax.Array holding a copy on the default device out. Large
+    arguments are copied asynchronously, jit holding the array until then: like DLPack's import, this is for
+    fresh results that nobody writes afterwards."""
+    global _jax_identity
+    if _jax_identity is None:
+        import jax
+
+        _jax_identity = jax.jit(lambda a: a)
+    return _jax_identity

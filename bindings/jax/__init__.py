@@ -19,11 +19,16 @@ import fp8core
 from fp8core._tensor import Tensor, wrap
 from fp8core.backends import for_device
 
+from . import _direct
+
 __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose", "gemm",
            "compute_scale", "update", "reduce_amax"]
 
 Array = jax.Array
 _F32_1 = jax.ShapeDtypeStruct((1,), jnp.float32)
+# Callbacks hand XLA's output buffers straight to the backend, without the public primitives' out= checks
+# (bindings/jax/_direct.py says why they cannot fail there). False: through the public primitives.
+TRUSTED_OUTS = True
 
 
 def _raw(buf: Any) -> Tensor:
@@ -71,6 +76,35 @@ def _f32(v: Any) -> Array:
     return jnp.asarray(v, jnp.float32).reshape(1)
 
 
+def _scale_arg(v: Any) -> Any:
+    """A scale as an argument of the jitted primitives, converted to float32 [1] inside them. A Python int
+    beyond int32 would be refused by jit as an argument: it is converted here, as every scale was before."""
+    if isinstance(v, (jax.Array, np.ndarray, float)) or (type(v) is int and -2**31 <= v < 2**31):
+        return v
+    return _f32(v)
+
+
+def _jitted(*static: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The primitive traced once per shapes and ``static`` arguments (keyword-only in the decorated function):
+    an eager call then reuses its trace, compiled program and callback (jit's C++ dispatch, ~10 us) instead of
+    building all three again (~20 ms); inside an outer jit it inlines. Static values that cannot be hashed
+    (arrays) take the untraced path, which treats them as before."""
+    def wrap_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
+        jitted = jax.jit(fn, static_argnames=static)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                hash(tuple(kwargs.values()))
+            except TypeError:
+                return fn(*args, **kwargs)
+            return jitted(*args, **kwargs)
+
+        call.untraced = fn  # type: ignore[attr-defined]  (tests/test_jax_fastpaths.py compares the two)
+        return call
+
+    return wrap_fn
+
+
 def _fp8_shape(x: Any, fmt: Any, shape: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape) if shape is None else shape, fp8core.as_format(fmt).jax_dtype)
 
@@ -81,12 +115,24 @@ def _rows(x: Any) -> int:
 
 def amax(x: Array) -> Array:
     """max |x| as float32 [1] (NaN propagates)."""
+    return _amax(x)
+
+
+@_jitted()
+def _amax(x: Array) -> Array:
     return _primitive(lambda outs, t: fp8core.multi_amax([t], out=_zero(outs[0])), _F32_1)(x)
 
 
 def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array]:
     """(q, amax of x): the contract's scaled cast; q has x's shape and fmt's dtype."""
+    return _quantize(x, _scale_arg(scale), fmt=fmt)
+
+
+@_jitted("fmt")
+def _quantize(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array]:
     def run(outs, t, s):
+        if TRUSTED_OUTS:
+            return _direct.quantize((outs[0], _zero(outs[1])), t, s, fmt)
         fp8core.quantize(t, s.data, fmt, amax_out=_zero(outs[1]), out=outs[0])
 
     return _primitive(run, (_fp8_shape(x, fmt), _F32_1))(x, _f32(scale))
@@ -95,29 +141,63 @@ def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, 
 def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2: bool = False,
                      epsilon: float = 0.0) -> tuple[Array, Array, Array]:
     """Current scaling: (q, scale_inv [1], amax [1])."""
+    return _quantize_dynamic(x, fmt=fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon)
+
+
+@_jitted("fmt", "margin", "power_of_2", "epsilon")
+def _quantize_dynamic(x: Array, *, fmt: Any, margin: Any, power_of_2: Any, epsilon: Any) -> tuple[Array, ...]:
     def run(outs, t):
+        if TRUSTED_OUTS:
+            return _direct.quantize_dynamic(outs, t, fmt, margin, power_of_2, epsilon)
         fp8core.quantize_dynamic(t, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon, out=tuple(outs))
 
     return _primitive(run, (_fp8_shape(x, fmt), _F32_1, _F32_1))(x)
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = jnp.float32) -> Array:
+    return _dequantize(q, _scale_arg(scale_inv), out_dtype=out_dtype)
+
+
+@_jitted("out_dtype")
+def _dequantize(q: Array, scale_inv: Any, *, out_dtype: Any) -> Array:
     fmt = fp8core.as_format(q.dtype)
     name = jnp.dtype(out_dtype).name
-    return _primitive(lambda outs, t, s: fp8core.dequantize(t, s.data, name, fmt=fmt, out=outs[0]),
-                      jax.ShapeDtypeStruct(q.shape, out_dtype))(q, _f32(scale_inv))
+
+    def run(outs, t, s):
+        if TRUSTED_OUTS:
+            return _direct.dequantize(outs, t, s, name, fmt)
+        fp8core.dequantize(t, s.data, name, fmt=fmt, out=outs[0])
+
+    return _primitive(run, jax.ShapeDtypeStruct(q.shape, out_dtype))(q, _f32(scale_inv))
 
 
 def transpose(q: Array) -> Array:
     """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
+    return _transpose(q)
+
+
+@_jitted()
+def _transpose(q: Array) -> Array:
     fmt = fp8core.as_format(q.dtype)
-    return _primitive(lambda outs, t: fp8core.transpose(t, fmt=fmt, out=outs[0]),
-                      _fp8_shape(q, fmt, (q.shape[-1], _rows(q))))(q)
+
+    def run(outs, t):
+        if TRUSTED_OUTS:
+            return _direct.transpose(outs, t, fmt)
+        fp8core.transpose(t, fmt=fmt, out=outs[0])
+
+    return _primitive(run, _fp8_shape(q, fmt, (q.shape[-1], _rows(q))))(q)
 
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array, Array]:
     """(q, q_t [last, prod(leading)], amax of x) from one read of x."""
+    return _cast_transpose(x, _scale_arg(scale), fmt=fmt)
+
+
+@_jitted("fmt")
+def _cast_transpose(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array, Array]:
     def run(outs, t, s):
+        if TRUSTED_OUTS:
+            return _direct.cast_transpose((outs[0], outs[1], _zero(outs[2])), t, s, fmt)
         fp8core.cast_transpose(t, s.data, fmt, amax_out=_zero(outs[2]), out=(outs[0], outs[1]))
 
     return _primitive(run, (_fp8_shape(x, fmt), _fp8_shape(x, fmt, (x.shape[-1], _rows(x))), _F32_1))(
@@ -127,6 +207,12 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[A
 def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | float,
          out_dtype: Any = jnp.bfloat16, bias: Array | None = None) -> Array:
     """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias), per fp8core.gemm's limits."""
+    return _gemm(a, b, _scale_arg(a_scale_inv), _scale_arg(b_scale_inv), bias, out_dtype=out_dtype)
+
+
+@_jitted("out_dtype")
+def _gemm(a: Array, b: Array, a_scale_inv: Any, b_scale_inv: Any, bias: Array | None, *,
+          out_dtype: Any) -> Array:
     fa, fb = fp8core.as_format(a.dtype), fp8core.as_format(b.dtype)
     name = jnp.dtype(out_dtype).name
     shape = jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype)
@@ -142,6 +228,12 @@ def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.
            formats: Sequence[Any], update_scale: bool = True) -> tuple[Array, Array, Array]:
     """The batched delayed-scaling update, functional: new (amax_history [L, N], scale [N], scale_inv [N]).
     Row 0 holds this step's amaxes (reduce them first with :func:`reduce_amax` when sharded)."""
+    return _update(amax_history, scale, scale_inv, recipe=recipe, formats=tuple(formats), update_scale=update_scale)
+
+
+@_jitted("recipe", "formats", "update_scale")
+def _update(amax_history: Array, scale: Array, scale_inv: Array, *, recipe: Any, formats: Any,
+            update_scale: Any) -> tuple[Array, Array, Array]:
     fp8_max = jnp.asarray([fp8core.as_format(f).max for f in formats], jnp.float32)
 
     def run(outs, h, s, si, fm):
@@ -159,6 +251,11 @@ def compute_scale(amax: Array, fmt: Any, *, margin: int = 0, power_of_2: bool = 
                   epsilon: float = 0.0) -> tuple[Array, Array]:
     """(scale, scale_inv), float32 like amax, by the contract's scale rule (1.0 where there is no scale): with
     :func:`cast_transpose`, current scaling from an amax reduced across devices first."""
+    return _compute_scale(amax, fmt=fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon)
+
+
+@_jitted("fmt", "margin", "power_of_2", "epsilon")
+def _compute_scale(amax: Array, *, fmt: Any, margin: Any, power_of_2: Any, epsilon: Any) -> tuple[Array, Array]:
     def run(outs, a):
         for o, r in zip(outs, fp8core.compute_scale(a, fmt, margin=margin, power_of_2=power_of_2,
                                                     epsilon=epsilon)):

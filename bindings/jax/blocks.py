@@ -17,7 +17,7 @@ from fp8core import blocks as core
 from fp8core._tensor import Tensor
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor
 
-from . import _fp8_shape, _primitive, _rows
+from . import _fp8_shape, _jitted, _primitive, _rows
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
            "dequantize_blockwise", "block_gemm"]
@@ -52,6 +52,11 @@ def _mx_scale_shape(x: Any, columnwise: bool) -> tuple[int, int]:
 
 def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
     """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
+    return _quantize_mxfp8(x, fmt=fmt, scale_mode=scale_mode, columnwise=columnwise)
+
+
+@_jitted("fmt", "scale_mode", "columnwise")
+def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> MXTensor:
     fp8core.recipe._scale_mode(scale_mode)
     shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, columnwise)))
     run = _returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
@@ -60,6 +65,11 @@ def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", co
 
 def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
     """(rowwise, columnwise) from one read of x."""
+    return _quantize_mxfp8_both(x, fmt=fmt, scale_mode=scale_mode)
+
+
+@_jitted("fmt", "scale_mode")
+def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTensor, MXTensor]:
     fp8core.recipe._scale_mode(scale_mode)
     shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, False)), _fp8_shape(x, fmt),
               _e8m0(_mx_scale_shape(x, True)))
@@ -73,6 +83,11 @@ def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil
 
 
 def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
+    return _dequantize_mxfp8(t, out_dtype=out_dtype)
+
+
+@_jitted("out_dtype")
+def _dequantize_mxfp8(t: MXTensor, *, out_dtype: Any) -> Array:
     data, scale = t
     fmt = fp8core.as_format(data.dtype)
     run = _returning(lambda q, s: core.dequantize_mxfp8(MXTensor(q, s), jnp.dtype(out_dtype).name, fmt=fmt))
@@ -82,6 +97,11 @@ def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
 def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", power_of_2: bool = True,
                        epsilon: float = 0.0) -> BlockScaledTensor:
     """BlockScaledTensor(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)])."""
+    return _quantize_blockwise(x, fmt=fmt, block=block, power_of_2=power_of_2, epsilon=epsilon)
+
+
+@_jitted("fmt", "block", "power_of_2", "epsilon")
+def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, epsilon: Any) -> BlockScaledTensor:
     br = core._block_rows(block)
     s_shape = (_cdiv(_rows(x), br), _cdiv(x.shape[-1], FP32_BLOCK))
     shapes = (_fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
@@ -91,6 +111,11 @@ def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", pow
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
+    return _dequantize_blockwise(t, out_dtype=out_dtype)
+
+
+@_jitted("out_dtype")
+def _dequantize_blockwise(t: BlockScaledTensor, *, out_dtype: Any) -> Array:
     data, scale_inv = t
     fmt = fp8core.as_format(data.dtype)
     run = _returning(lambda q, s: core.dequantize_blockwise(BlockScaledTensor(q, s), jnp.dtype(out_dtype).name,
@@ -101,6 +126,11 @@ def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> 
 def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,
                out_dtype: Any = jnp.bfloat16) -> Array:
     """[M, N] = sum over K-blocks of the block-scaled products, as :func:`fp8core.gemm` with block operands."""
+    return _block_gemm(a, b, out_dtype=out_dtype)
+
+
+@_jitted("out_dtype")
+def _block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor, *, out_dtype: Any) -> Array:
     kind = type(a)
     fa, fb = fp8core.as_format(a[0].dtype), fp8core.as_format(b[0].dtype)
     name = jnp.dtype(out_dtype).name

@@ -192,6 +192,16 @@ def test_torch_outputs_are_allocated_by_torch_without_dlpack(monkeypatch):
     assert a.dtype == torch.float32 and a.shape == (1,)
 
 
+@pytest.mark.parametrize("shape", [(1000,), (10, 100)])
+def test_a_torch_view_holds_its_tensor(shape):
+    """The NumPy view of a torch CPU tensor keeps the tensor (and so its memory) alive by itself."""
+    w = wrap(torch.full(shape, 3.0, dtype=torch.bfloat16))  # the tensor's only reference is the view's
+    gc.collect()
+    junk = [torch.full(shape, -1.0, dtype=torch.bfloat16) for _ in range(8)]  # would reuse freed memory
+    assert w.data.shape == shape and (w.data.astype(np.float32) == 3.0).all()
+    del junk
+
+
 def test_fast_path_outputs_outlive_everything_else():
     q = fp8core.quantize(torch.full((1000,), 3.0, dtype=torch.bfloat16), 1.0)
     y = fp8core.dequantize(q, 1.0, torch.float32)

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _checks, _tensor, backends
 from ._fpenv import ieee
-from ._tensor import Tensor, export, logical_numpy_dtype, storage_dtype, wrap
+from ._tensor import Tensor, export, export_all, logical_numpy_dtype, storage_dtype, wrap
 from .backends import cpu as _cpu
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
 
@@ -284,7 +284,7 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     if out is None:
         q, s_inv, a = _backend(t).quantize_dynamic(
             t, f, _margin(margin), _checks.flag(power_of_2, "power_of_2"), _epsilon(epsilon), _reduce(reduce))
-        return export(q, _FP8_NAME[f], t), export(s_inv, "float32", t), export(a, "float32", t)
+        return export_all(((q, _FP8_NAME[f]), (s_inv, "float32"), (a, "float32")), t)
     margin, epsilon = _margin(margin), _epsilon(epsilon)
     o = _outs(out, 3) if isinstance(out, tuple) else (out, None, None)
     slots = [None if v is None else _out(v, arg, shape, dtype, t) for v, arg, shape, dtype in
@@ -346,7 +346,7 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     if out is None:
         q, qt = _backend(t).cast_transpose(_as_2d(t, "x"), s, f, a)
         name = _FP8_NAME[f]
-        return export(q.reshape(t.data.shape), name, t), export(qt, name, t)
+        return export_all(((q.reshape(t.data.shape), name), (qt, name)), t)
     t2 = _as_2d(t, "x")
     o = _outs(out, 2)
     oq = None if o[0] is None else _out(o[0], "out[0]", t.shape, f.dtype_name, t)

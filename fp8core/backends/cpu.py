@@ -21,11 +21,18 @@ from ..formats import Format
 xp = np
 name = "cpu"
 
-_CHUNK = 1 << 16  # elements per task: the fp32 temporaries stay in L2
+_CHUNK = 1 << 16  # elements per task at most: the fp32 temporaries stay in L2
+_MIN_SHARE = 1 << 14  # elements per task at least once the pool is in: each task costs ~10 us of Python
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
-# Below this many elements a call runs on the calling thread alone: handing chunks to the pool costs more than
-# the second core saves (measured on 2 cores, bench/results/cpu-2core-crossover.txt).
-_POOL_MIN = 1 << 20
+# From this many elements a call hands chunks to the pool (_map); below, the calling thread runs it alone.
+# Per kind of work, as its cost per element differs: "cast" is fp32 quantize (~2.3-2.5 ns/element: 5 passes
+# and a lookup), "lookup" one table lookup per element (bf16/fp16 quantize by the per-scale table, dequantize;
+# ~1.6 ns/element with the 16-bit indices widened). Measured on 2 cores (bench_cpu.py --crossover,
+# bench/results/cpu-2core-2026-11-22-throughput.txt): waking a pool thread takes 30-60 us (Firecracker VM;
+# 12-27 us back to back), so two threads pay once a call's serial work is well above ~150 us: 64K fp32
+# elements, 128K lookups. amax never uses the pool: its two reductions over the whole array run at memory
+# speed on one core (2M bf16: ~500 us serial, the same or slower in four pieces on two threads).
+_POOL_MIN = {"cast": 1 << 16, "lookup": 1 << 17}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -52,25 +59,33 @@ def _get_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _run_share(fn: Callable[[int, int], Any], share: list[tuple[int, int]]) -> list[Any]:
-    return [fn(a, b) for a, b in share]
+def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any]) -> None:
+    # tasks: one list iterator shared by all threads (its next() is atomic under the GIL)
+    for i, a, b in tasks:
+        results[i] = fn(a, b)
 
 
-def _map(n: int, fn: Callable[[int, int], Any]) -> list[Any]:
-    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``; from ``_POOL_MIN`` elements up, one
-    contiguous share per core, the first on the calling thread."""
-    if n <= _CHUNK:
-        return [fn(0, n)] if n else []
-    chunks = [(s, min(s + _CHUNK, n)) for s in range(0, n, _CHUNK)]
-    if n < _POOL_MIN or _THREADS == 1:
-        return [fn(a, b) for a, b in chunks]
+def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
+    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``, results in chunk order.
+
+    From ``_POOL_MIN[kind]`` elements up the calling thread and the pool's threads take chunks from one queue
+    as each gets to it: the caller starts at once and never waits for a thread to wake, only for chunks
+    already begun. A pool task that has not started when the queue runs dry is cancelled, not waited for.
+    """
+    if n < _POOL_MIN[kind] or _THREADS == 1:
+        return [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
+    size = min(_CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
+    starts = range(0, n, size)
+    results: list[Any] = [None] * len(starts)
+    tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
     pool = _pool or _get_pool()
-    per = -(-len(chunks) // _THREADS)
-    shares = [chunks[i:i + per] for i in range(0, len(chunks), per)]
-    futures = [pool.submit(_run_share, fn, share) for share in shares[1:]]
-    results = _run_share(fn, shares[0])
-    for f in futures:
-        results.extend(f.result())
+    futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(_THREADS - 1, len(starts) - 1))]
+    try:
+        _drain(fn, tasks, results)
+    finally:
+        for f in futures:
+            if not f.cancel():
+                f.result()  # a chunk still running writes into the caller's arrays: wait for it
     return results
 
 
@@ -155,11 +170,9 @@ def _accumulate(amax_out: np.ndarray, bits: Any) -> None:
 
 
 def _amax(x: Tensor) -> np.ndarray:
-    flat = _flat(x)
-    if flat.size < _POOL_MIN:  # reductions need no chunks: they make no temporaries
-        bits = _amax_bits(flat)
-    else:
-        bits = max(_map(flat.size, lambda a, b: _amax_bits(flat[a:b])), default=0)
+    # On the calling thread, whole: reductions make no temporaries, so chunks only add calls, and a second
+    # thread does not pay (the two reductions run at memory speed; see _POOL_MIN)
+    bits = _amax_bits(_flat(x))
     return np.array([bits], np.uint32).view(np.float32)
 
 
@@ -308,20 +321,21 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
     table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
     if table is not None:
         codes = flat.view(np.uint16)
-        if n <= _CHUNK:
+        if n <= _CHUNK and n < _POOL_MIN["lookup"]:
             table.take(codes, out=qflat, mode="clip")
             bits = _amax_bits(flat) if want else 0
         else:
             def chunk(a: int, b: int) -> int:
                 table.take(codes[a:b], out=qflat[a:b], mode="clip")
-                return _amax_bits(flat[a:b]) if want else 0
+                return _amax_bits(flat[a:b]) if want else 0  # while the chunk is in cache
 
             bits = max(_map(n, chunk), default=0)
-    elif n <= _CHUNK:
+    elif n <= _CHUNK and n < _POOL_MIN["cast"]:
         with np.errstate(all="ignore"):
             bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
     else:
-        bits = max(_map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], want)), default=0)
+        bits = max(_map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], want), "cast"),
+                   default=0)
     if want:
         _accumulate(amax_out, bits)
     return q

@@ -18,11 +18,7 @@ from oracle import quantize_bits
 @pytest.fixture
 def pool_always(monkeypatch):
     monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, 0))
-
-
-@pytest.fixture
-def pool_never(monkeypatch):
-    monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, 1 << 62))
+    monkeypatch.setattr(cpu, "_ADAPT", False)
 
 
 @pytest.mark.parametrize("n", [0, 1, 8191, 16384, 65537, 3 * 65536 + 5, 1 << 20])
@@ -80,6 +76,43 @@ def test_a_pooled_chunk_that_maps_again_does_not_deadlock(pool_always):
     assert out == [8 * cpu._MIN_SHARE]
 
 
+@pytest.fixture
+def adaptive(monkeypatch):
+    """The pool from 0 elements up, deciding by what it measures, starting with nothing measured."""
+    monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, 0))
+    monkeypatch.setattr(cpu, "_ADAPT", True)
+    monkeypatch.setattr(cpu, "_serial_ns", {})
+    monkeypatch.setattr(cpu, "_hold", {})
+
+
+def _chunks(n: int) -> int:
+    """How many chunks _map cut ``range(n)`` into: one when it ran serially (n <= _CHUNK), more when pooled."""
+    return len(cpu._map(n, lambda a, b: None, "cast"))
+
+
+def test_the_first_call_of_a_kind_runs_serially_and_measures(adaptive):
+    n = 4 * cpu._MIN_SHARE
+    assert _chunks(n) == 1 and cpu._serial_ns["cast"] > 0
+    assert "lookup" not in cpu._serial_ns
+
+
+def test_a_pooled_call_slower_than_serial_sends_the_next_calls_to_the_calling_thread(adaptive):
+    n = 4 * cpu._MIN_SHARE
+    cpu._serial_ns["cast"] = 1e-15  # serial "measured" faster than any pooled call can be
+    assert _chunks(n) == 4
+    assert cpu._hold["cast"] == cpu._HOLD
+    assert [_chunks(n) for _ in range(cpu._HOLD)] == [1] * cpu._HOLD  # measuring serial again meanwhile
+    assert cpu._serial_ns["cast"] > 1e-15
+    assert _chunks(n) == 4  # then the pool is tried again
+
+
+def test_a_pooled_call_that_pays_keeps_the_pool(adaptive):
+    n = 4 * cpu._MIN_SHARE
+    cpu._serial_ns["cast"] = 1.0  # one second per element serially: any pooled call pays
+    assert [_chunks(n) for _ in range(3)] == [4, 4, 4]
+    assert not cpu._hold.get("cast")
+
+
 def _patterns(n: int, dtype, seed: int) -> np.ndarray:
     """Random bit patterns of ``dtype`` (NaN, inf, subnormals included) with the specials at both ends."""
     rng = np.random.default_rng(seed)
@@ -102,6 +135,7 @@ def test_quantize_with_amax_has_the_oracles_bits_with_the_pool_on_and_off(monkey
     x = _patterns(n, dtype, n)
     want = quantize_bits(x.astype(np.float32), 0.3, fmt)
     want_amax = cpu._amax_bits(x)
+    monkeypatch.setattr(cpu, "_ADAPT", False)
     for pool_min in (0, 1 << 62):
         monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
         for _ in range(2):  # a 16-bit input's second call with this scale goes by the per-scale table
@@ -117,6 +151,7 @@ def test_quantize_dynamic_and_cast_transpose_agree_with_the_pool_on_and_off(monk
     x[17] = 1e30
     x2 = x[: n - n % 128].reshape(128, -1)
     results = []
+    monkeypatch.setattr(cpu, "_ADAPT", False)
     for pool_min in (0, 1 << 62):
         monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
         q, s_inv, a = fp8core.quantize_dynamic(x, "e4m3")
@@ -133,6 +168,7 @@ def test_dequantize_with_the_pool_on_and_off(monkeypatch, out_dtype):
     codes = np.random.default_rng(3).integers(0, 256, size=(1 << 17) + 11, dtype=np.uint16).astype(np.uint8)
     q = codes.view(ml_dtypes.float8_e4m3fn)
     outs = []
+    monkeypatch.setattr(cpu, "_ADAPT", False)
     for pool_min in (0, 1 << 62):
         monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
         outs.append(np.asarray(fp8core.dequantize(q, 0.25, out_dtype)).copy())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from functools import lru_cache
@@ -65,6 +66,28 @@ def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any]) -> Non
         results[i] = fn(a, b)
 
 
+# Whether the pool pays depends on the other cores being free. Per kind of work: the cost per element of the
+# last serial run (the first call from _POOL_MIN up runs serially to measure it), and how many more calls run
+# serially because a pooled call was not _PAYS times faster than that (other work held the cores: waking a
+# thread, or the GIL, then costs more than the thread saves; measured on 2 busy cores: up to 2x slower).
+_ADAPT = True
+_PAYS = 1.1
+_HOLD = 16
+_serial_ns: dict[str, float] = {}
+_hold: dict[str, int] = {}
+
+
+def _serial(kind: str) -> bool:
+    if not _ADAPT:
+        return False
+    if kind not in _serial_ns:
+        return True
+    h = _hold.get(kind, 0)
+    if h:
+        _hold[kind] = h - 1  # races between threads only shift when the pool is tried again
+    return h > 0
+
+
 def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
     """``fn(start, stop)`` over cache-sized chunks of ``range(n)``, results in chunk order.
 
@@ -74,9 +97,14 @@ def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[An
     """
     if n < _POOL_MIN[kind] or _THREADS == 1:
         return [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
+    t0 = time.perf_counter()
+    if _serial(kind):
+        results = [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
+        _serial_ns[kind] = (time.perf_counter() - t0) / n
+        return results
     size = min(_CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
     starts = range(0, n, size)
-    results: list[Any] = [None] * len(starts)
+    results = [None] * len(starts)
     tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
     pool = _pool or _get_pool()
     futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(_THREADS - 1, len(starts) - 1))]
@@ -86,6 +114,9 @@ def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[An
         for f in futures:
             if not f.cancel():
                 f.result()  # a chunk still running writes into the caller's arrays: wait for it
+    serial_ns = _serial_ns.get(kind)
+    if serial_ns is not None and (time.perf_counter() - t0) * _PAYS > serial_ns * n:
+        _hold[kind] = _HOLD
     return results
 
 

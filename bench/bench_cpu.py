@@ -94,7 +94,8 @@ def crossover(repeat: int) -> list[dict]:
 
     quantize float32 is the direct cast (``_POOL_MIN["cast"]``); quantize bfloat16 (a scale seen before: the
     per-scale table) and dequantize are lookups (``_POOL_MIN["lookup"]``); amax runs on the calling thread, and
-    its row shows what two threads would do (the array in four pieces, two per thread).
+    its row shows what two threads would do (the array in four pieces, two per thread). The pool's adaptive
+    hold (``cpu._ADAPT``) is off here: each call goes where it is told.
     """
     from fp8core.backends import cpu
     from fp8core._tensor import wrap

@@ -23,16 +23,18 @@ xp = np
 name = "cpu"
 
 _CHUNK = 1 << 16  # elements per task at most: the fp32 temporaries stay in L2
-_MIN_SHARE = 1 << 14  # elements per task at least once the pool is in: each task costs ~10 us of Python
+_MIN_SHARE = 1 << 14  # elements per task at least once the pool is in: a cast task makes ~10 NumPy calls
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
-# From this many elements a call hands chunks to the pool (_map); below, the calling thread runs it alone.
-# Per kind of work, as its cost per element differs: "cast" is fp32 quantize (~2.3-2.5 ns/element: 5 passes
-# and a lookup), "lookup" one table lookup per element (bf16/fp16 quantize by the per-scale table, dequantize;
-# ~1.6 ns/element with the 16-bit indices widened). Measured on 2 cores (bench_cpu.py --crossover,
-# bench/results/cpu-2core-2026-11-22-throughput.txt): waking a pool thread takes 30-60 us (Firecracker VM;
-# 12-27 us back to back), so two threads pay once a call's serial work is well above ~150 us: 64K fp32
-# elements, 128K lookups. amax never uses the pool: its two reductions over the whole array run at memory
-# speed on one core (2M bf16: ~500 us serial, the same or slower in four pieces on two threads).
+# From this many elements a call may hand chunks to the pool (_map); below, the calling thread runs it alone.
+# Per kind of work, as its cost per element differs: "cast" is fp32 quantize (~2.3-2.5 ns/element on one core
+# here: a multiply, 4 integer passes, a lookup with its indices widened), "lookup" one table lookup per element
+# (bf16/fp16 quantize by the per-scale table, dequantize: ~1.6 ns/element). On this 2-core VM a pool thread
+# wakes 30-60 us after the hand-off (12-27 us back to back), so a second core can only pay once the serial
+# work is well above ~150 us: 64K casts, 128K lookups. That is an estimate: the crossover on the shared machine
+# (bench/results/cpu-2core-2026-11-22-throughput.txt) ran with both cores busy with other work, and there the
+# pool never paid (pool/serial 1.0-1.8 at 16K-4M elements), hence _ADAPT below. The old two-share pool on a
+# quiet machine: quantize 0.90 at 1M, 0.53 at 2M. amax never uses the pool: its two reductions over the whole
+# array run at memory speed on one core (2M bf16 ~470 us serially, 1.1-4.4x slower in four pieces on 2 threads).
 _POOL_MIN = {"cast": 1 << 16, "lookup": 1 << 17}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -98,6 +100,7 @@ def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[An
     if n < _POOL_MIN[kind] or _THREADS == 1:
         return [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
     t0 = time.perf_counter()
+    results: list[Any]
     if _serial(kind):
         results = [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
         _serial_ns[kind] = (time.perf_counter() - t0) / n

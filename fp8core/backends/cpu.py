@@ -353,23 +353,22 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
     n = flat.size
     want = amax_out is not None
     table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
+    # Above one chunk, amax is one pass over the whole array after all chunks: a reduction between two chunks'
+    # lookups slows the next lookup by ~60 us a chunk here (1M fp32 quantize: 4.8 ms; with amax per chunk
+    # 6.4 ms; with amax of the whole array after 5.3 ms; bf16 by table: 3.3, 4.6, 3.4 ms).
     if table is not None:
         codes = flat.view(np.uint16)
         if n <= _CHUNK and n < _POOL_MIN["lookup"]:
             table.take(codes, out=qflat, mode="clip")
-            bits = _amax_bits(flat) if want else 0
         else:
-            def chunk(a: int, b: int) -> int:
-                table.take(codes[a:b], out=qflat[a:b], mode="clip")
-                return _amax_bits(flat[a:b]) if want else 0  # while the chunk is in cache
-
-            bits = max(_map(n, chunk), default=0)
+            _map(n, lambda a, b: table.take(codes[a:b], out=qflat[a:b], mode="clip"))
+        bits = _amax_bits(flat) if want else 0
     elif n <= _CHUNK and n < _POOL_MIN["cast"]:
         with np.errstate(all="ignore"):
             bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
     else:
-        bits = max(_map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], want), "cast"),
-                   default=0)
+        _map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], False), "cast")
+        bits = _amax_bits(flat) if want else 0
     if want:
         _accumulate(amax_out, bits)
     return q

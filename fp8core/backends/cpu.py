@@ -29,13 +29,14 @@ _THREADS = max(1, min(os.cpu_count() or 1, 8))
 # Per kind of work, as its cost per element differs: "cast" is fp32 quantize (~2.3-2.5 ns/element on one core
 # here: a multiply, 4 integer passes, a lookup with its indices widened), "lookup" one table lookup per element
 # (bf16/fp16 quantize by the per-scale table, dequantize: ~1.6 ns/element). On this 2-core VM a pool thread
-# wakes 30-60 us after the hand-off (12-27 us back to back), so a second core can only pay once the serial
-# work is well above ~150 us: 64K casts, 128K lookups. That is an estimate: the crossover on the shared machine
-# (bench/results/cpu-2core-2026-11-22-throughput.txt) ran with both cores busy with other work, and there the
-# pool never paid (pool/serial 1.0-1.8 at 16K-4M elements), hence _ADAPT below. The old two-share pool on a
-# quiet machine: quantize 0.90 at 1M, 0.53 at 2M. amax never uses the pool: its two reductions over the whole
-# array run at memory speed on one core (2M bf16 ~470 us serially, 1.1-4.4x slower in four pieces on 2 threads).
-_POOL_MIN = {"cast": 1 << 16, "lookup": 1 << 17}
+# wakes 30-60 us after the hand-off (12-27 us back to back). Measured (bench_cpu.py --crossover, min of 21
+# interleaved, bench/results/cpu-2core-2026-11-22-throughput.txt) while the second core was free: lookups
+# pool/serial 1.44 at 64K, 0.79 at 128K, 0.60-0.70 at 256K-1M; casts 1.65 at 64K, 1.11 at 128K, 0.74 at 256K,
+# 0.63 at 1M (a cast chunk makes ~10 NumPy calls, each handing the GIL between the threads). While other work
+# held both cores the pool never paid (1.0-1.8 at every size), hence _ADAPT below. amax never uses the pool:
+# its two reductions over the whole array run at memory speed on one core (2M bf16 ~470 us serially, 1.1-4.6x
+# slower in four pieces on two threads).
+_POOL_MIN = {"cast": 1 << 18, "lookup": 1 << 17}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 

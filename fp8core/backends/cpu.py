@@ -33,9 +33,10 @@ _THREADS = max(1, min(os.cpu_count() or 1, 8))
 # interleaved, bench/results/cpu-2core-2026-11-22-throughput.txt) while the second core was free: lookups
 # pool/serial 1.44 at 64K, 0.79 at 128K, 0.60-0.70 at 256K-1M; casts 1.65 at 64K, 1.11 at 128K, 0.74 at 256K,
 # 0.63 at 1M (a cast chunk makes ~10 NumPy calls, each handing the GIL between the threads). While other work
-# held both cores the pool never paid (1.0-1.8 at every size), hence _ADAPT below. amax never uses the pool:
-# its two reductions over the whole array run at memory speed on one core (2M bf16 ~470 us serially, 1.1-4.6x
-# slower in four pieces on two threads).
+# held both cores the pool never paid (1.0-1.8 at every size), hence _ADAPT below; in a second run, with the
+# other core partly free, lookups paid from 256K (0.84) and casts from 512K (0.80). amax never uses the pool:
+# its two reductions over the whole array run at memory speed on one core (1M bf16 ~220 us; in four pieces on
+# two threads 1.1-6.5x slower up to 1M elements, 0.7-1.2 at 2M-4M depending on the other core's load).
 _POOL_MIN = {"cast": 1 << 18, "lookup": 1 << 17}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()

@@ -75,32 +75,74 @@ def cases(x: np.ndarray, torch):
     return out, peers
 
 
+def _min_interleaved(fns: list, repeat: int) -> list[float]:
+    """Fastest of ``repeat`` calls of each, the calls interleaved: on a shared machine the load then falls on
+    all of them alike."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
 def crossover(repeat: int) -> list[dict]:
-    """The CPU backend with its thread pool forced off and on, by size: where the pool starts to pay."""
+    """The CPU backend with its thread pool forced off and on, by size and kind of work: where the pool pays.
+
+    quantize float32 is the direct cast (``_POOL_MIN["cast"]``); quantize bfloat16 (a scale seen before: the
+    per-scale table) and dequantize are lookups (``_POOL_MIN["lookup"]``); amax runs on the calling thread, and
+    its row shows what two threads would do (the array in four pieces, two per thread). The pool's adaptive
+    hold (``cpu._ADAPT``) is off here: each call goes where it is told.
+    """
     from fp8core.backends import cpu
     from fp8core._tensor import wrap
 
-    print(f"# thread-pool crossover (backend only, bf16, us per call; current _POOL_MIN = {cpu._POOL_MIN})")
-    print(f"{'op':<12} {'elements':>9} {'serial us':>10} {'pool us':>9} {'pool/serial':>12}")
-    rows, saved = [], cpu._POOL_MIN
+    print(f"# thread-pool crossover (backend only, us per call, min of {repeat} interleaved; "
+          f"_POOL_MIN = {cpu._POOL_MIN}, _CHUNK = {cpu._CHUNK}, _MIN_SHARE = {cpu._MIN_SHARE})")
+    print(f"{'op':<12} {'dtype':<9} {'kind':<7} {'elements':>9} {'serial us':>10} {'pool us':>9} {'pool/serial':>12}")
+    rows, saved = [], (dict(cpu._POOL_MIN), cpu._CHUNK)
+    cpu._ADAPT = False  # the pool exactly when told
     rng = np.random.default_rng(0)
     s = np.array([0.5], np.float32)
+    e4m3 = fp8core.Format.E4M3
     try:
-        for k in range(16, 23):
-            x = wrap(rng.standard_normal(1 << k, dtype=np.float32).astype(ml_dtypes.bfloat16))
-            q = wrap(cpu.quantize(x, s, fp8core.Format.E4M3, None))
-            ops = {"amax": lambda: cpu.amax(x), "quantize": lambda: cpu.quantize(x, s, fp8core.Format.E4M3, None),
-                   "dequantize": lambda: cpu.dequantize(q, fp8core.Format.E4M3, s, "bfloat16")}
-            for op, fn in ops.items():
-                cpu._POOL_MIN = 1 << 62
-                serial = timeit(fn, repeat)[0]
-                cpu._POOL_MIN = 0
-                pool = timeit(fn, repeat)[0]
-                rows.append({"op": op, "elements": 1 << k, "serial_us": serial * 1e6, "pool_us": pool * 1e6})
-                print(f"{op:<12} {1 << k:>9} {serial * 1e6:>10.0f} {pool * 1e6:>9.0f} {pool / serial:>12.2f}",
-                      flush=True)
+        for k in range(14, 23):
+            n = 1 << k
+            base = rng.standard_normal(n, dtype=np.float32)
+            xb, xf = wrap(base.astype(ml_dtypes.bfloat16)), wrap(base)
+            q = wrap(cpu.quantize(xb, s, e4m3, None))
+
+            def amax2(x=xb.data):
+                cpu._CHUNK = 1 << 62  # pieces of n / (2 * threads)
+                try:
+                    return max(cpu._map(n, lambda a, b: cpu._amax_bits(x[a:b]), "amax"))
+                finally:
+                    cpu._CHUNK = saved[1]
+
+            ops = [("quantize", "float32", "cast", lambda: cpu.quantize(xf, s, e4m3, None)),
+                   ("quantize", "bfloat16", "lookup", lambda: cpu.quantize(xb, s, e4m3, None)),
+                   ("dequantize", "bfloat16", "lookup", lambda: cpu.dequantize(q, e4m3, s, "bfloat16")),
+                   ("amax", "bfloat16", "amax", amax2)]
+            for op, dtype, kind, fn in ops:
+                def serial(fn=fn):
+                    cpu._POOL_MIN = dict.fromkeys(saved[0], 1 << 62) | {"amax": 1 << 62}
+                    fn()
+
+                def pooled(fn=fn):
+                    cpu._POOL_MIN = dict.fromkeys(saved[0], 0) | {"amax": 0}
+                    fn()
+
+                t_serial, t_pool = _min_interleaved([serial, pooled], repeat)
+                rows.append({"op": op, "dtype": dtype, "kind": kind, "elements": n, "serial_us": t_serial * 1e6,
+                             "pool_us": t_pool * 1e6})
+                print(f"{op:<12} {dtype:<9} {kind:<7} {n:>9} {t_serial * 1e6:>10.0f} {t_pool * 1e6:>9.0f} "
+                      f"{t_pool / t_serial:>12.2f}", flush=True)
     finally:
-        cpu._POOL_MIN = saved
+        cpu._POOL_MIN, cpu._CHUNK = saved
+        cpu._ADAPT = True
     return rows
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from functools import lru_cache
@@ -21,11 +22,22 @@ from ..formats import Format
 xp = np
 name = "cpu"
 
-_CHUNK = 1 << 16  # elements per task: the fp32 temporaries stay in L2
+_CHUNK = 1 << 16  # elements per task at most: the fp32 temporaries stay in L2
+_MIN_SHARE = 1 << 14  # elements per task at least once the pool is in: a cast task makes ~10 NumPy calls
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
-# Below this many elements a call runs on the calling thread alone: handing chunks to the pool costs more than
-# the second core saves (measured on 2 cores, bench/results/cpu-2core-crossover.txt).
-_POOL_MIN = 1 << 20
+# From this many elements a call may hand chunks to the pool (_map); below, the calling thread runs it alone.
+# Per kind of work, as its cost per element differs: "cast" is fp32 quantize (~2.3-2.5 ns/element on one core
+# here: a multiply, 4 integer passes, a lookup with its indices widened), "lookup" one table lookup per element
+# (bf16/fp16 quantize by the per-scale table, dequantize: ~1.6 ns/element). On this 2-core VM a pool thread
+# wakes 30-60 us after the hand-off (12-27 us back to back). Measured (bench_cpu.py --crossover, min of 21
+# interleaved, bench/results/cpu-2core-2026-11-22-throughput.txt) while the second core was free: lookups
+# pool/serial 1.44 at 64K, 0.79 at 128K, 0.60-0.70 at 256K-1M; casts 1.65 at 64K, 1.11 at 128K, 0.74 at 256K,
+# 0.63 at 1M (a cast chunk makes ~10 NumPy calls, each handing the GIL between the threads). While other work
+# held both cores the pool never paid (1.0-1.8 at every size), hence _ADAPT below; in a second run, with the
+# other core partly free, lookups paid from 256K (0.84) and casts from 512K (0.80). amax never uses the pool:
+# its two reductions over the whole array run at memory speed on one core (1M bf16 ~220 us; in four pieces on
+# two threads 1.1-6.5x slower up to 1M elements, 0.7-1.2 at 2M-4M depending on the other core's load).
+_POOL_MIN = {"cast": 1 << 18, "lookup": 1 << 17}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -52,25 +64,64 @@ def _get_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _run_share(fn: Callable[[int, int], Any], share: list[tuple[int, int]]) -> list[Any]:
-    return [fn(a, b) for a, b in share]
+def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any]) -> None:
+    # tasks: one list iterator shared by all threads (its next() is atomic under the GIL)
+    for i, a, b in tasks:
+        results[i] = fn(a, b)
 
 
-def _map(n: int, fn: Callable[[int, int], Any]) -> list[Any]:
-    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``; from ``_POOL_MIN`` elements up, one
-    contiguous share per core, the first on the calling thread."""
-    if n <= _CHUNK:
-        return [fn(0, n)] if n else []
-    chunks = [(s, min(s + _CHUNK, n)) for s in range(0, n, _CHUNK)]
-    if n < _POOL_MIN or _THREADS == 1:
-        return [fn(a, b) for a, b in chunks]
+# Whether the pool pays depends on the other cores being free. Per kind of work: the cost per element of the
+# last serial run (the first call from _POOL_MIN up runs serially to measure it), and how many more calls run
+# serially because a pooled call was not _PAYS times faster than that (other work held the cores: waking a
+# thread, or the GIL, then costs more than the thread saves; measured on 2 busy cores: up to 2x slower).
+_ADAPT = True
+_PAYS = 1.1
+_HOLD = 16
+_serial_ns: dict[str, float] = {}
+_hold: dict[str, int] = {}
+
+
+def _serial(kind: str) -> bool:
+    if not _ADAPT:
+        return False
+    if kind not in _serial_ns:
+        return True
+    h = _hold.get(kind, 0)
+    if h:
+        _hold[kind] = h - 1  # races between threads only shift when the pool is tried again
+    return h > 0
+
+
+def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
+    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``, results in chunk order.
+
+    From ``_POOL_MIN[kind]`` elements up the calling thread and the pool's threads take chunks from one queue
+    as each gets to it: the caller starts at once and never waits for a thread to wake, only for chunks
+    already begun. A pool task that has not started when the queue runs dry is cancelled, not waited for.
+    """
+    if n < _POOL_MIN[kind] or _THREADS == 1:
+        return [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
+    t0 = time.perf_counter()
+    results: list[Any]
+    if _serial(kind):
+        results = [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
+        _serial_ns[kind] = (time.perf_counter() - t0) / n
+        return results
+    size = min(_CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
+    starts = range(0, n, size)
+    results = [None] * len(starts)
+    tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
     pool = _pool or _get_pool()
-    per = -(-len(chunks) // _THREADS)
-    shares = [chunks[i:i + per] for i in range(0, len(chunks), per)]
-    futures = [pool.submit(_run_share, fn, share) for share in shares[1:]]
-    results = _run_share(fn, shares[0])
-    for f in futures:
-        results.extend(f.result())
+    futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(_THREADS - 1, len(starts) - 1))]
+    try:
+        _drain(fn, tasks, results)
+    finally:
+        for f in futures:
+            if not f.cancel():
+                f.result()  # a chunk still running writes into the caller's arrays: wait for it
+    serial_ns = _serial_ns.get(kind)
+    if serial_ns is not None and (time.perf_counter() - t0) * _PAYS > serial_ns * n:
+        _hold[kind] = _HOLD
     return results
 
 
@@ -155,11 +206,9 @@ def _accumulate(amax_out: np.ndarray, bits: Any) -> None:
 
 
 def _amax(x: Tensor) -> np.ndarray:
-    flat = _flat(x)
-    if flat.size < _POOL_MIN:  # reductions need no chunks: they make no temporaries
-        bits = _amax_bits(flat)
-    else:
-        bits = max(_map(flat.size, lambda a, b: _amax_bits(flat[a:b])), default=0)
+    # On the calling thread, whole: reductions make no temporaries, so chunks only add calls, and a second
+    # thread does not pay (the two reductions run at memory speed; see _POOL_MIN)
+    bits = _amax_bits(_flat(x))
     return np.array([bits], np.uint32).view(np.float32)
 
 
@@ -305,21 +354,21 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
     n = flat.size
     want = amax_out is not None
     table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
+    # Above one chunk, amax is one pass over the whole array after all chunks: a reduction between two chunks'
+    # lookups slows the next lookup by ~60 us a chunk here (1M fp32 quantize: 4.8 ms; with amax per chunk
+    # 6.4 ms; with amax of the whole array after 5.3 ms; bf16 by table: 3.3, 4.6, 3.4 ms).
     if table is not None:
         codes = flat.view(np.uint16)
-        if n <= _CHUNK:
+        if n <= _CHUNK and n < _POOL_MIN["lookup"]:
             table.take(codes, out=qflat, mode="clip")
-            bits = _amax_bits(flat) if want else 0
         else:
-            def chunk(a: int, b: int) -> int:
-                table.take(codes[a:b], out=qflat[a:b], mode="clip")
-                return _amax_bits(flat[a:b]) if want else 0
-
-            bits = max(_map(n, chunk), default=0)
-    elif n <= _CHUNK:
+            _map(n, lambda a, b: table.take(codes[a:b], out=qflat[a:b], mode="clip"))
+        bits = _amax_bits(flat) if want else 0
+    elif n <= _CHUNK and n < _POOL_MIN["cast"]:
         bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
     else:
-        bits = max(_map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], want)), default=0)
+        _map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], False), "cast")
+        bits = _amax_bits(flat) if want else 0
     if want:
         _accumulate(amax_out, bits)
     return q

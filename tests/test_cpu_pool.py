@@ -1,0 +1,206 @@
+"""The CPU backend's thread pool (``cpu._map``): every element once, results in chunk order, errors raised only
+after every chunk begun has finished, no deadlock when a pooled chunk maps again, and the same bits with the
+pool forced on as with it off, for every primitive that uses it."""
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8core
+from fp8core import Format
+from fp8core._tensor import wrap
+from fp8core.backends import cpu
+from oracle import quantize_bits
+
+
+@pytest.fixture
+def pool_always(monkeypatch):
+    monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, 0))
+    monkeypatch.setattr(cpu, "_ADAPT", False)
+
+
+@pytest.mark.parametrize("n", [0, 1, 8191, 16384, 65537, 3 * 65536 + 5, 1 << 20])
+@pytest.mark.parametrize("kind", ["cast", "lookup"])
+def test_map_covers_every_element_once_in_chunk_order(pool_always, n, kind):
+    threads = set()
+
+    def fn(a, b):
+        threads.add(threading.get_ident())
+        return (a, b)
+
+    spans = cpu._map(n, fn, kind)
+    assert [a for a, _ in spans] == sorted(a for a, _ in spans)
+    assert np.array_equal(np.concatenate([np.arange(a, b) for a, b in spans] or [np.arange(0)]), np.arange(n))
+    assert all(b > a for a, b in spans)
+    assert threads <= {threading.get_ident()} | {t.ident for t in threading.enumerate()}
+
+
+def test_a_failing_chunk_raises_once_every_begun_chunk_has_finished(pool_always, monkeypatch):
+    monkeypatch.setattr(cpu, "_CHUNK", cpu._MIN_SHARE)  # 16 chunks
+    lock = threading.Lock()
+    state = {"running": 0, "done": 0}
+
+    def fn(a, b):
+        with lock:
+            state["running"] += 1
+        try:
+            if a == 3 * cpu._MIN_SHARE:
+                raise RuntimeError("chunk 3")
+            np.sort(np.random.default_rng(a).random(b - a))  # some work that releases the GIL
+        finally:
+            with lock:
+                state["running"] -= 1
+                state["done"] += 1
+
+    with pytest.raises(RuntimeError, match="chunk 3"):
+        cpu._map(16 * cpu._MIN_SHARE, fn)
+    assert state["running"] == 0  # nothing still writing into the caller's arrays
+    assert state["done"] >= 4
+
+
+def test_a_pooled_chunk_that_maps_again_does_not_deadlock(pool_always):
+    """A chunk running on a pool thread may itself call _map (the pool's queue holds only that thread's
+    tasks): the inner caller drains the queue itself and cancels the tasks no thread has started."""
+    out = []
+
+    def outer():
+        inner = lambda a, b: cpu._map(b - a, lambda c, d: d - c)
+        out.append(sum(sum(r) for r in cpu._map(8 * cpu._MIN_SHARE, inner)))
+
+    t = threading.Thread(target=outer, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "nested _map deadlocked"
+    assert out == [8 * cpu._MIN_SHARE]
+
+
+@pytest.fixture
+def adaptive(monkeypatch):
+    """The pool from 0 elements up, deciding by what it measures, starting with nothing measured."""
+    monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, 0))
+    monkeypatch.setattr(cpu, "_ADAPT", True)
+    monkeypatch.setattr(cpu, "_serial_ns", {})
+    monkeypatch.setattr(cpu, "_hold", {})
+
+
+def _chunks(n: int) -> int:
+    """How many chunks _map cut ``range(n)`` into: one when it ran serially (n <= _CHUNK), more when pooled."""
+    return len(cpu._map(n, lambda a, b: None, "cast"))
+
+
+def test_the_first_call_of_a_kind_runs_serially_and_measures(adaptive):
+    n = 4 * cpu._MIN_SHARE
+    assert _chunks(n) == 1 and cpu._serial_ns["cast"] > 0
+    assert "lookup" not in cpu._serial_ns
+
+
+def test_a_pooled_call_slower_than_serial_sends_the_next_calls_to_the_calling_thread(adaptive):
+    n = 4 * cpu._MIN_SHARE
+    cpu._serial_ns["cast"] = 1e-15  # serial "measured" faster than any pooled call can be
+    assert _chunks(n) == 4
+    assert cpu._hold["cast"] == cpu._HOLD
+    assert [_chunks(n) for _ in range(cpu._HOLD)] == [1] * cpu._HOLD  # measuring serial again meanwhile
+    assert cpu._serial_ns["cast"] > 1e-15
+    assert _chunks(n) == 4  # then the pool is tried again
+
+
+def test_a_pooled_call_that_pays_keeps_the_pool(adaptive):
+    n = 4 * cpu._MIN_SHARE
+    cpu._serial_ns["cast"] = 1.0  # one second per element serially: any pooled call pays
+    assert [_chunks(n) for _ in range(3)] == [4, 4, 4]
+    assert not cpu._hold.get("cast")
+
+
+def _patterns(n: int, dtype, seed: int) -> np.ndarray:
+    """Random bit patterns of ``dtype`` (NaN, inf, subnormals included) with the specials at both ends."""
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).itemsize == 4:
+        bits = rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+        bits[:6] = [0x7FC00000, 0xFF800000, 0x7F800000, 0x80000000, 0x00000001, 0x43E00000]
+        bits[-3:] = [0x7F7FFFFF, 0xFF7FFFFF, 0x80000001]
+        return bits.view(np.float32)
+    bits = rng.integers(0, 1 << 16, size=n, dtype=np.uint32).astype(np.uint16)
+    return bits.view(dtype)
+
+
+SIZES = [3 * 16384 + 7, (1 << 17) + 3]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_with_amax_has_the_oracles_bits_with_the_pool_on_and_off(monkeypatch, n, dtype, fmt):
+    x = _patterns(n, dtype, n)
+    want = quantize_bits(x.astype(np.float32), 0.3, fmt)
+    want_amax = cpu._amax_bits(x)
+    monkeypatch.setattr(cpu, "_ADAPT", False)
+    for pool_min in (0, 1 << 62):
+        monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
+        for _ in range(2):  # a 16-bit input's second call with this scale goes by the per-scale table
+            slot = np.zeros(1, np.float32)
+            q = fp8core.quantize(x, np.array([0.3], np.float32), fmt, amax_out=slot)
+            np.testing.assert_array_equal(q.view(np.uint8), want)
+            assert slot.view(np.uint32)[0] == want_amax
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_quantize_dynamic_and_cast_transpose_agree_with_the_pool_on_and_off(monkeypatch, n):
+    x = np.random.default_rng(5).standard_normal(n, dtype=np.float32)
+    x[17] = 1e30
+    x2 = x[: n - n % 128].reshape(128, -1)
+    results = []
+    monkeypatch.setattr(cpu, "_ADAPT", False)
+    for pool_min in (0, 1 << 62):
+        monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
+        q, s_inv, a = fp8core.quantize_dynamic(x, "e4m3")
+        cq, cqt = fp8core.cast_transpose(x2, 0.5, "e5m2")
+        results.append([np.asarray(v).view(np.uint8).copy() for v in (q, s_inv, a, cq, cqt)])
+    for on, off in zip(*results):
+        np.testing.assert_array_equal(on, off)
+    np.testing.assert_array_equal(results[0][0], quantize_bits(x, float(np.float32(448) / np.float32(1e30)),
+                                                                  "e4m3"))
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32", "float16"])
+def test_dequantize_with_the_pool_on_and_off(monkeypatch, out_dtype):
+    codes = np.random.default_rng(3).integers(0, 256, size=(1 << 17) + 11, dtype=np.uint16).astype(np.uint8)
+    q = codes.view(ml_dtypes.float8_e4m3fn)
+    outs = []
+    monkeypatch.setattr(cpu, "_ADAPT", False)
+    for pool_min in (0, 1 << 62):
+        monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
+        outs.append(np.asarray(fp8core.dequantize(q, 0.25, out_dtype)).copy())
+    np.testing.assert_array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
+    table = cpu._dequant_table(Format.E4M3, int(np.float32(0.25).view(np.uint32)), out_dtype)
+    np.testing.assert_array_equal(outs[0].view(np.uint8), table[codes].view(np.uint8))
+
+
+def test_pooled_chunks_keep_the_callers_raising_errstate_quiet(pool_always):
+    """The product may overflow or be inf * 0 on any thread; fp8core's chunks must not raise FloatingPointError
+    there, whatever the caller's np.errstate (pool threads do not inherit it)."""
+    x = np.full((1 << 17) + 1, 3e38, np.float32)
+    x[::3] = np.inf
+    with np.errstate(all="raise"):
+        q = fp8core.quantize(x, np.array([0.0], np.float32), "e4m3")
+        q2 = fp8core.quantize(x, np.array([1e10], np.float32), "e4m3")
+    np.testing.assert_array_equal(q.view(np.uint8), quantize_bits(x, 0.0, "e4m3"))
+    np.testing.assert_array_equal(q2.view(np.uint8), quantize_bits(x, 1e10, "e4m3"))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("where", [0, 1 << 20, (1 << 21) - 1])
+def test_amax_of_a_large_array_sees_a_nan_or_inf_anywhere(dtype, where):
+    x = np.random.default_rng(1).standard_normal(1 << 21, dtype=np.float32).astype(dtype)
+    x[where] = -np.inf
+    assert np.asarray(fp8core.amax(x)).view(np.uint32)[0] == 0x7F800000
+    x[where] = np.nan
+    assert np.asarray(fp8core.amax(x)).view(np.uint32)[0] == 0x7FFFFFFF
+
+
+def test_the_backend_amax_takes_a_strided_tensor_whole():
+    x = np.random.default_rng(2).standard_normal((1024, 3000), dtype=np.float32)[:, ::3]
+    x[500, 7] = -1e9
+    got = cpu.amax(wrap(x))
+    assert got.view(np.uint32)[0] == np.array(1e9, np.float32).view(np.uint32)

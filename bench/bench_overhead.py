@@ -25,7 +25,6 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_cpu import timeit  # noqa: E402  (median, p20, p80) of a callable, one warm-up call
 
 import fp8core  # noqa: E402
 from fp8core import _tensor  # noqa: E402
@@ -118,6 +117,17 @@ def _inputs_cpu(kind: str, n: int, torch: Any) -> tuple[Any, Any, Any, Any, Any]
     return x, s, slot, q, x.reshape(rows, -1)
 
 
+def _torch_twins(torch: Any, x: Any, s: Any, q: Any, x2: Any) -> tuple[Any, Any, Any, Any]:
+    """torch tensors over NumPy inputs' memory: torch eager's chain on the same data, beside NumPy's rows."""
+    def t(a: Any) -> Any:
+        a = np.asarray(a)
+        return torch.from_numpy(a.view(f"u{a.itemsize}") if a.dtype.kind == "V" or a.itemsize < 4 and
+                                a.dtype.name.startswith(("bfloat", "float8")) else a)
+
+    tx = t(x).view(torch.bfloat16)
+    return tx, t(s), t(q).view(torch.float8_e4m3fn), tx.view(x2.shape)
+
+
 def _inputs_gpu(kind: str, n: int, torch: Any) -> tuple[Any, Any, Any, Any, Any]:
     if kind == "cupy":  # CuPy has no bfloat16: float32 data
         import cupy
@@ -136,6 +146,31 @@ def _inputs_gpu(kind: str, n: int, torch: Any) -> tuple[Any, Any, Any, Any, Any]
     q = fp8core.quantize(x, s, "e4m3")
     rows = 4 if n % 4 == 0 else 1
     return x, s, slot, q, x.reshape(rows, -1)
+
+
+def _interleaved(fns: dict[str, Case], repeat: int, block: int = 40) -> tuple[dict[str, tuple[float, ...]], float]:
+    """Host time per call of each callable, timed in alternating blocks of ``block`` calls (``repeat`` calls
+    each in all), so that a machine whose speed drifts (a shared VM: torch eager's 16-element quantize ran
+    18-34 us within a minute here) slows every candidate alike. Returns {name: (median, p20, p80)} of the blocks'
+    per-call means, and the median over blocks of ours / eager (nan without both)."""
+    import statistics
+    import time
+
+    for fn in fns.values():
+        fn()
+    per: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(max(5, repeat // block)):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(block):
+                fn()
+            per[k].append((time.perf_counter() - t) / block)
+    stats = {}
+    for k, v in per.items():
+        q = statistics.quantiles(v, n=5, method="inclusive")
+        stats[k] = (statistics.median(v), q[0], q[3])
+    ratio = statistics.median(a / b for a, b in zip(per["ours"], per["eager"])) if "eager" in per else float("nan")
+    return stats, ratio
 
 
 def _busy_sampler(torch: Any, repeat: int) -> Callable[[Case], tuple[float, float, float]]:
@@ -280,9 +315,11 @@ def main() -> None:
         sample = _busy_sampler(torch, repeat)
     else:
         kinds, make = ["numpy", "torch", "jax"], _inputs_cpu
-        def sample(fn: Case) -> tuple[float, float, float]:
-            return timeit(fn, repeat)
+        sample = None
     print("# fp8core host time per call (us)", json.dumps(meta))
+    if sample is None:
+        print("# interleaved: fp8core, the backend alone and torch eager's chain (on the same data, for NumPy inputs "
+              "too) timed in alternating blocks; x eager = median over blocks of fp8core / torch eager")
     print(f"{'op':<18} {'input':<11} {'fp8core':>8} {'p20-p80':>13} {'backend':>8} {'torch eager':>12} "
           f"{'x eager':>8}")
     rows = []
@@ -294,19 +331,31 @@ def main() -> None:
             continue
         ours = _fp8_cases(x, s, slot, q, x2)
         floor = _backend_cases(x, s, slot, q, x2)
-        eager = _torch_eager(torch, x, s, q, x2) if kind.startswith("torch") else {}
+        eager = {}
+        if kind.startswith("torch"):
+            eager = _torch_eager(torch, x, s, q, x2)
+        elif kind == "numpy" and torch is not None:
+            tx, ts, tq, tx2 = _torch_twins(torch, x, s, q, x2)
+            eager = _torch_eager(torch, tx, ts, tq, tx2)
         for op, fn in ours.items():
-            med, p20, p80 = (v * 1e6 for v in sample(fn))
+            fns = {"ours": fn, **({"backend": floor[op]} if op in floor else {}),
+                   **({"eager": eager[op]} if op in eager else {})}
+            if sample is None:
+                stats, ratio = _interleaved(fns, repeat)
+            else:
+                stats = {k: sample(f) for k, f in fns.items()}
+                ratio = stats["ours"][0] / stats["eager"][0] if "eager" in stats else float("nan")
+            med, p20, p80 = (v * 1e6 for v in stats["ours"])
             row = {"op": op, "input": kind, "us": med, "us_p20": p20, "us_p80": p80, **meta}
-            if op in floor:
-                row["backend_us"] = sample(floor[op])[0] * 1e6
-            if op in eager:
-                e_med, e_p20, e_p80 = (v * 1e6 for v in sample(eager[op]))
-                row.update(torch_eager_us=e_med, torch_eager_us_p20=e_p20, torch_eager_us_p80=e_p80)
+            if "backend" in stats:
+                row["backend_us"] = stats["backend"][0] * 1e6
+            if "eager" in stats:
+                e_med, e_p20, e_p80 = (v * 1e6 for v in stats["eager"])
+                row.update(torch_eager_us=e_med, torch_eager_us_p20=e_p20, torch_eager_us_p80=e_p80, x_eager=ratio)
             rows.append(row)
             b, e = row.get("backend_us", float("nan")), row.get("torch_eager_us", float("nan"))
             print(f"{op:<18} {kind:<11} {med:>8.1f} {p20:>6.1f}-{p80:<6.1f} {b:>8.1f} {e:>12.1f} "
-                  f"{med / e:>8.2f}", flush=True)
+                  f"{ratio:>8.2f}", flush=True)
     if not args.gpu:
         try:
             rows += _jax_section(args.n, repeat, meta, args.jax_export)

@@ -31,6 +31,29 @@ def timeit(fn, repeat: int) -> tuple[float, float, float]:
     return statistics.median(times), q[0], q[3]
 
 
+def interleaved(fns: dict, repeat: int, block: int = 1) -> tuple[dict, float]:
+    """Each callable timed in alternating blocks of ``block`` calls (``repeat`` blocks each, after one warm-up
+    call), so that a machine whose speed drifts (a shared VM: here torch eager's 16-element quantize ran 18-34 us
+    within a minute) slows every candidate alike. Returns {name: (median, p20, p80)} of the blocks' per-call
+    seconds, and the median over blocks of fns["ours"] / fns["eager"] (nan without both)."""
+    for fn in fns.values():
+        fn()
+    per = {k: [] for k in fns}
+    for _ in range(max(5, repeat)):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(block):
+                fn()
+            per[k].append((time.perf_counter() - t) / block)
+    stats = {}
+    for k, v in per.items():
+        q = statistics.quantiles(v, n=5, method="inclusive")
+        stats[k] = (statistics.median(v), q[0], q[3])
+    ratio = statistics.median(a / b for a, b in zip(per["ours"], per["eager"])) if "eager" in per and "ours" in per \
+        else float("nan")
+    return stats, ratio
+
+
 def _torch_dynamic(torch, tx):
     a = tx.abs().max().float()
     scale = torch.where(a > 0, 448.0 / a, torch.ones_like(a))
@@ -191,19 +214,25 @@ def main() -> None:
             repeat = 3 if mib >= 256 else 7 if args.quick or mib >= 16 else 31
             ours, peers = cases(x, torch)
             for op, (nbytes, fn) in ours.items():
-                med, p20, p80 = timeit(fn, repeat)
+                peer_op = op.replace("+amax", "")
+                # fp8core and its peers interleaved call by call: the ratios survive the machine's drift
+                fns = {"ours": fn, **{("eager" if p == "torch eager" else p): f[peer_op]
+                                      for p, f in peers.items() if peer_op in f}}
+                stats, ratio = interleaved(fns, repeat)
+                med, p20, p80 = stats["ours"]
                 row = {"op": op, "dtype": dtype, "mib": mib, "gbps": nbytes / med / 1e9,
                        "gbps_p20": nbytes / p80 / 1e9, "gbps_p80": nbytes / p20 / 1e9, **meta}
-                peer_op = op.replace("+amax", "")
-                for peer, fns in peers.items():
-                    if peer_op in fns:
-                        pmed = timeit(fns[peer_op], repeat)[0]
-                        row[f"{peer}_gbps"] = nbytes / pmed / 1e9
+                for peer in peers:
+                    key = "eager" if peer == "torch eager" else peer
+                    if key in stats:
+                        row[f"{peer}_gbps"] = nbytes / stats[key][0] / 1e9
+                if "eager" in stats:
+                    row["x_torch"] = 1 / ratio  # fp8core's speed over torch's: the inverse of the time ratio
                 rows.append(row)
                 t, m = row.get("torch eager_gbps"), row.get("ml_dtypes_gbps")
                 print(f"{op:<15} {dtype:<9} {kib:>6} {row['gbps']:>13.2f} "
                       f"{row['gbps_p20']:>6.2f}-{row['gbps_p80']:<6.2f} "
-                      f"{t if t else float('nan'):>11.2f} {row['gbps'] / t if t else float('nan'):>8.2f} "
+                      f"{t if t else float('nan'):>11.2f} {row.get('x_torch', float('nan')):>8.2f} "
                       f"{m if m else float('nan'):>15.2f} {row['gbps'] / m if m else float('nan'):>11.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

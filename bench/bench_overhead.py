@@ -26,6 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_cpu import interleaved  # noqa: E402  (alternating blocks: a drifting machine slows all alike)
+
 import fp8core  # noqa: E402
 from fp8core import _tensor  # noqa: E402
 from fp8core.backends import for_device  # noqa: E402
@@ -146,31 +148,6 @@ def _inputs_gpu(kind: str, n: int, torch: Any) -> tuple[Any, Any, Any, Any, Any]
     q = fp8core.quantize(x, s, "e4m3")
     rows = 4 if n % 4 == 0 else 1
     return x, s, slot, q, x.reshape(rows, -1)
-
-
-def _interleaved(fns: dict[str, Case], repeat: int, block: int = 40) -> tuple[dict[str, tuple[float, ...]], float]:
-    """Host time per call of each callable, timed in alternating blocks of ``block`` calls (``repeat`` calls
-    each in all), so that a machine whose speed drifts (a shared VM: torch eager's 16-element quantize ran
-    18-34 us within a minute here) slows every candidate alike. Returns {name: (median, p20, p80)} of the blocks'
-    per-call means, and the median over blocks of ours / eager (nan without both)."""
-    import statistics
-    import time
-
-    for fn in fns.values():
-        fn()
-    per: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(max(5, repeat // block)):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(block):
-                fn()
-            per[k].append((time.perf_counter() - t) / block)
-    stats = {}
-    for k, v in per.items():
-        q = statistics.quantiles(v, n=5, method="inclusive")
-        stats[k] = (statistics.median(v), q[0], q[3])
-    ratio = statistics.median(a / b for a, b in zip(per["ours"], per["eager"])) if "eager" in per else float("nan")
-    return stats, ratio
 
 
 def _busy_sampler(torch: Any, repeat: int) -> Callable[[Case], tuple[float, float, float]]:
@@ -341,7 +318,7 @@ def main() -> None:
             fns = {"ours": fn, **({"backend": floor[op]} if op in floor else {}),
                    **({"eager": eager[op]} if op in eager else {})}
             if sample is None:
-                stats, ratio = _interleaved(fns, repeat)
+                stats, ratio = interleaved(fns, max(5, repeat // 40), block=40)
             else:
                 stats = {k: sample(f) for k, f in fns.items()}
                 ratio = stats["ours"][0] / stats["eager"][0] if "eager" in stats else float("nan")

@@ -41,7 +41,7 @@ Device = tuple  # ("cpu", 0) or ("cuda", ordinal)
 _CPU = ("cpu", 0)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: built on every call, several times
 class Tensor:
     data: Any
     dtype: str
@@ -145,19 +145,20 @@ class _TorchMemory:
 
 
 def _torch_cpu_array(t: Any, typestr: str, logical: Any) -> np.ndarray:
-    if t.numel() == 0:
+    nbytes = t.nbytes
+    if nbytes == 0:
         return np.empty(tuple(t.shape), logical if logical is not None else np.dtype(typestr))
     if t.is_contiguous():
-        return _contiguous_view(t, logical if logical is not None else np.dtype(typestr), t.shape)
+        return _contiguous_view(t, logical if logical is not None else np.dtype(typestr), t.shape, nbytes)
     arr = np.asarray(_TorchMemory(t, typestr))
     return arr if logical is None else arr.view(logical)
 
 
-def _contiguous_view(t: Any, dtype: np.dtype, shape: Any) -> np.ndarray:
+def _contiguous_view(t: Any, dtype: np.dtype, shape: Any, nbytes: int) -> np.ndarray:
     """A contiguous, non-empty torch CPU tensor's memory as NumPy ``dtype`` (same element size), zero-copy.
     A ctypes buffer over its bytes is the array's base and holds the tensor: half what the array interface
     costs (_TorchMemory, which strided tensors need)."""
-    buf = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
+    buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
     buf.tensor = t
     arr = np.frombuffer(buf, dtype)
     return arr if len(shape) == 1 else arr.reshape(shape)
@@ -423,9 +424,10 @@ def empty(shape: Any, dtype: Any, like: Tensor) -> np.ndarray:
         storage = np.dtype(_STORAGE.get(dt.name, dt))
         spec = _TORCH_EMPTY[dtype] = (getattr(torch, dt.name), storage.str, None if storage == dt else dt)
     t = _torch.empty(shape, dtype=spec[0])
-    if not t.numel():
+    nbytes = t.nbytes
+    if not nbytes:
         return np.empty(shape, spec[2] if spec[2] is not None else spec[1])
-    return _contiguous_view(t, spec[2] if spec[2] is not None else np.dtype(spec[1]), t.shape)
+    return _contiguous_view(t, spec[2] if spec[2] is not None else np.dtype(spec[1]), t.shape, nbytes)
 
 
 def _pointer(data: Any) -> int:

@@ -293,7 +293,8 @@ def _quantize_chunk(x: np.ndarray, scale: np.ndarray, fmt: Format, out: np.ndarr
     if x.itemsize == 4:  # float32
         f = np.multiply(x, scale)
     else:
-        if x.dtype.num == _F16_NUM:
+        if x.dtype.num == _F16_NUM or x.size <= _SMALL:
+            # exact widening; for bf16, ml_dtypes' cast is the cheaper call on few elements, slower on many
             f = x.astype(np.float32)
         else:  # bf16: exact widening
             f = np.left_shift(x.view(np.uint16), _SIXTEEN, dtype=np.uint32).view(np.float32)

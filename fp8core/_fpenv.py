@@ -83,12 +83,23 @@ def set_default() -> None:
         _loaded[0][1](_loaded[1])
 
 
+def _switched(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """fn(*args, **kwargs) in the default environment, the caller's restored afterwards (``_loaded`` is set)."""
+    (get, put), default = _loaded  # type: ignore[misc]
+    saved = (ctypes.c_ubyte * _ENV_BYTES)()
+    get(saved)
+    put(default)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        put(saved)
+
+
 def ieee(fn: F) -> F:
     """``fn`` run in the IEEE default floating-point environment, NumPy's warnings off; the caller's environment
     and error state are restored afterwards."""
     if _loaded is None or _ERRSTATE is None:
         return _unguarded(fn)
-    (get, put), default = _loaded
     sub, one, up, nxt, mone, mnxt = _SUB, _ONE, _UP, _NEXT, -_ONE, -_NEXT  # closure cells: cheaper than globals
     errstate, ignore = _ERRSTATE, _IGNORE
 
@@ -98,13 +109,7 @@ def ieee(fn: F) -> F:
         try:
             if sub * one != 0.0 and one + up == nxt and mone - up == mnxt:
                 return fn(*args, **kwargs)
-            saved = (ctypes.c_ubyte * _ENV_BYTES)()
-            get(saved)
-            put(default)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                put(saved)
+            return _switched(fn, args, kwargs)
         finally:
             errstate.reset(token)
 
@@ -118,13 +123,6 @@ def _unguarded(fn: F) -> F:
         with np.errstate(all="ignore"):
             if _loaded is None or is_default():
                 return fn(*args, **kwargs)
-            (get, put), default = _loaded
-            saved = (ctypes.c_ubyte * _ENV_BYTES)()
-            get(saved)
-            put(default)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                put(saved)
+            return _switched(fn, args, kwargs)
 
     return guarded  # type: ignore[return-value]

@@ -173,6 +173,13 @@ def _check_torch(t: Any, arg: str) -> None:
     if t.is_complex():
         raise TypeError(f"{arg}: complex data ({str(t.dtype)[len('torch.'):]}) is not supported; pass a real "
                         "tensor")
+    _check_layout(t, arg)
+
+
+def _check_layout(t: Any, arg: str) -> None:
+    if t.layout is not _torch_module().strided:
+        raise TypeError(f"{arg}: a {str(t.layout)[len('torch.'):]} torch tensor is not supported; pass a dense "
+                        "(strided) tensor, e.g. .to_dense()")
 
 
 def _from_torch(t: Any, arg: str) -> Tensor:
@@ -185,7 +192,8 @@ def _from_torch(t: Any, arg: str) -> Tensor:
         raise ValueError(f"{arg}: torch device '{t.device}' is neither CPU nor CUDA")
     try:
         arr = _torch_cpu_array(t, typestr, logical)
-    except RuntimeError as e:  # tensor subclasses without storage (DTensor, fake tensors)
+    except RuntimeError as e:  # tensor subclasses without storage (DTensor, fake tensors), sparse layouts
+        _check_layout(t, arg)
         raise TypeError(f"{arg}: could not read the torch tensor's memory: {e}") from e
     return Tensor(arr, name, _CPU, "torch")
 

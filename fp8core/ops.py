@@ -109,7 +109,10 @@ def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x", copy: bool = False) 
     torch = _tensor._torch
     if copy and torch is not None and tp is torch.Tensor and _tensor.FAST_PATHS and x.device[0] == "cpu" \
             and obj.is_cpu and obj.dtype is torch.float32 and obj.numel() == 1 and not obj.is_neg():
-        ptr = obj.data_ptr()
+        try:
+            ptr = obj.data_ptr()
+        except RuntimeError:  # no storage (sparse): the general path says so
+            ptr = 0
         if ptr:  # its 4 bytes, read as bits (a float read would flush a subnormal under DAZ): a third of a view
             return np.array([ctypes.c_uint32.from_address(ptr).value], np.uint32).view(np.float32)
     data = _f32_vector(obj, x, arg, xarg).data

@@ -133,6 +133,9 @@ BAD = [
     ("jax tracer", lambda: jax.jit(lambda v: fp8core.amax(v))(jnp.ones(4)), TypeError, r"x: .*tracer.*fp8core\.jax"),
     ("torch fp8 scale", lambda: fp8core.quantize(torch.ones(4), torch.ones(1, dtype=torch.float8_e4m3fn)),
      TypeError, r"scale: expected float32"),
+    ("torch sparse x", lambda: fp8core.amax(torch.ones(4).to_sparse()), TypeError, r"x: a sparse_coo torch tensor"),
+    ("torch sparse scale", lambda: fp8core.quantize(torch.ones(4), torch.tensor([2.0]).to_sparse()), TypeError,
+     r"scale: a sparse_coo torch tensor .*to_dense"),
 ]
 
 

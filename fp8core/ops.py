@@ -24,6 +24,7 @@ MAX_MARGIN = _checks.MAX_MARGIN
 _HP = frozenset(HIGH_PRECISION_DTYPES)
 _F32_MAX = 3.4028234663852886e38
 _F32_MIN_NORMAL = 1.1754943508222875e-38
+_F32 = np.dtype(np.float32)  # NumPy's one native float32 dtype object (a byte-swapped one is another object)
 
 
 # ---- argument checks shared by every primitive; the same errors on every backend ---------------------------
@@ -106,6 +107,8 @@ def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x", copy: bool = False) 
         if (_F32_MIN_NORMAL <= abs(obj) <= _F32_MAX or obj == 0) and x.device[0] == "cpu":
             return np.array([obj], np.float32)
         return _new_f32([obj], x)
+    if tp is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu":
+        return obj if obj.ndim == 1 else obj.reshape(-1)  # a native fp32 element: nothing the checks would refuse
     torch = _tensor._torch
     if copy and torch is not None and tp is torch.Tensor and _tensor.FAST_PATHS and x.device[0] == "cpu" \
             and obj.is_cpu and obj.dtype is torch.float32 and obj.numel() == 1 and not obj.is_neg():
@@ -133,6 +136,9 @@ def _f32_vector(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Tensor:
 def _amax_slot(obj: Any, x: Tensor) -> Any:
     if obj is None:
         return None
+    if type(obj) is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu" \
+            and obj.flags.writeable:
+        return obj if obj.ndim == 1 else obj.reshape(-1)  # nothing the checks below would refuse
     t = _f32_vector(obj, x, "amax_out")
     if t.data.size != 1:
         raise ValueError(f"amax_out: expected 1 element, got shape {t.shape}")

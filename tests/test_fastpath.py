@@ -115,6 +115,30 @@ def test_a_torch_scale_reads_the_same_on_both_paths(scale, flush, monkeypatch):
     assert results["fast"][0][2] == ref.tobytes()
 
 
+@pytest.mark.parametrize("make", [lambda v: np.array(v, np.float32), lambda v: np.array([v], np.float32),
+                                  lambda v: np.array([[v]], np.float32), lambda v: np.array([0, v], np.float32)[1:],
+                                  lambda v: np.array([v, 0, 0], np.float32)[::2][:1]],
+                         ids=["0-d", "[1]", "[1,1]", "offset", "strided"])
+def test_numpy_scale_and_amax_slot_of_any_one_element_shape(make):
+    """A 1-element float32 NumPy scale or amax_out (the shortcut's case) acts as the Python float does."""
+    x = _values().astype(ml_dtypes.bfloat16)
+    slot, ref_slot = make(-1.0), np.array([-1.0], np.float32)
+    q = fp8core.quantize(x, make(0.25), "e4m3", amax_out=slot)
+    ref = fp8core.quantize(x, 0.25, "e4m3", amax_out=ref_slot)
+    assert q.tobytes() == ref.tobytes() and slot.reshape(-1).tobytes() == ref_slot.tobytes()
+
+
+@pytest.mark.parametrize("slot,exc,pattern", [
+    (np.frombuffer(bytes(4), np.float32), ValueError, r"amax_out: is read-only"),
+    (np.zeros(2, np.float32), ValueError, r"amax_out: expected 1 element"),
+    (np.zeros(1, ">f4"), TypeError, r"amax_out: big-endian"),
+    (np.zeros(1, np.float64), TypeError, r"amax_out: expected float32"),
+], ids=["read-only", "two elements", "big-endian", "float64"])
+def test_numpy_amax_slots_the_shortcut_must_refuse(slot, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fp8core.quantize(np.ones(4, np.float32), 1.0, amax_out=slot)
+
+
 def _neg_view():
     return torch._neg_view(torch.ones(4))
 

@@ -100,8 +100,8 @@ def test_many_scales_in_turn_never_build_tables_for_mid_sizes(fresh_tables):
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32], ids=["bf16", "fp16", "fp32"])
 def test_amax_small_and_large_reductions_agree(dtype, monkeypatch):
-    """One masked reduction (small arrays) and two plain ones (large): the same bits, NaN canonical, -0, inf,
-    subnormals, every 16-bit pattern one at a time in pairs with its negation."""
+    """One masked reduction (small arrays) and two plain ones (large), each by argmax or by max: the same bits,
+    NaN canonical, -0, inf, subnormals, every 16-bit pattern one at a time in pairs with its negation."""
     rng = np.random.default_rng(5)
     if dtype == np.float32:
         cases = [rng.integers(0, 1 << 32, size=64, dtype=np.uint64).astype(np.uint32).view(np.float32)
@@ -113,14 +113,16 @@ def test_amax_small_and_large_reductions_agree(dtype, monkeypatch):
         cases = [p[i:i + 256] for i in range(0, 65536, 256)] + [p[::-1], -p[:0x7C00], p[0x8000:0x8400]]
     for x in cases:
         x = np.ascontiguousarray(x)
-        small = cpu._amax_bits(x)
-        monkeypatch.setattr(cpu, "_SMALL", 0)
-        large = cpu._amax_bits(x)
-        monkeypatch.undo()
+        got = []
+        for small_max, argmax_max in ((cpu._SMALL, cpu._ARGMAX_MAX), (0, cpu._ARGMAX_MAX), (cpu._SMALL, 0), (0, 0)):
+            monkeypatch.setattr(cpu, "_SMALL", small_max)  # 0: the two plain reductions
+            monkeypatch.setattr(cpu, "_ARGMAX_MAX", argmax_max)  # 0: max instead of the value at argmax
+            got.append(cpu._amax_bits(x))
+            monkeypatch.undo()
         with np.errstate(invalid="ignore"):
             m = np.max(np.abs(x.astype(np.float32)))
         want = 0x7FFFFFFF if np.isnan(m) else int(np.array(m, np.float32).view(np.uint32))
-        assert small == large == want, (x[:4], small, large, want)
+        assert got == [want] * 4, (x[:4], got, want)
 
 
 @pytest.mark.parametrize("name,fmt", FORMATS)
@@ -162,3 +164,38 @@ def test_the_vectorised_scale_rule_matches_the_oracle(margin, power_of_2, epsilo
         got = (s[i:i + 1].view(np.uint32)[0], s_inv[i:i + 1].view(np.uint32)[0])
         assert got == (np.array(ws, np.float32).view(np.uint32), np.array(wi, np.float32).view(np.uint32)), \
             (hex(bits[i]), got)
+
+
+SMALL_SHAPES = [(), (1,), (16,), (4, 4), (2, 3, 5), (0,), (0, 3), (64, 64)]
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=["fp32", "bf16", "fp16"])
+def test_small_calls_that_allocate_give_what_the_general_path_gives(dtype, shape):
+    """NumPy callers' small quantize, dequantize and transpose let the last NumPy call allocate the result; with
+    out= (or for torch callers) the general path writes into given memory. Same bits, dtype and shape; the
+    result is an ordinary C-contiguous, writable array; amax_out accumulates the same way."""
+    rng = np.random.default_rng(3)
+    with np.errstate(all="ignore"):  # random patterns: NaN and overflow narrowed on purpose
+        x = rng.integers(0, 1 << 32, size=shape, dtype=np.uint64).astype(np.uint32).view(np.float32).astype(dtype)
+    for fmt in (Format.E4M3, Format.E5M2):
+        for start in (0.0, 1e30, -1.0, np.nan):
+            slot, given_slot = np.array([start], np.float32), np.array([start], np.float32)
+            q = fp8core.quantize(x, 0.75, fmt, amax_out=slot)
+            given = np.empty(shape, fmt.numpy_dtype)
+            assert fp8core.quantize(x, 0.75, fmt, amax_out=given_slot, out=given) is given
+            _same_array(q, given)
+            assert slot.view(np.uint32)[0] == given_slot.view(np.uint32)[0]
+        for out_dtype in ("float32", "bfloat16", "float16"):
+            y, given = fp8core.dequantize(q, 3.0, out_dtype), np.empty(shape, ml_dtypes.bfloat16 if
+                                                                          out_dtype == "bfloat16" else out_dtype)
+            _same_array(y, fp8core.dequantize(q, 3.0, out_dtype, out=given))
+        if len(shape) == 2:
+            given = np.empty(shape[::-1], q.dtype)
+            _same_array(fp8core.transpose(q), fp8core.transpose(q, out=given))
+
+
+def _same_array(got: np.ndarray, want: np.ndarray) -> None:
+    assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape
+    assert got.flags.c_contiguous and got.flags.writeable
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8))

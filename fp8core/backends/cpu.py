@@ -136,7 +136,6 @@ _F16_NUM = np.dtype(np.float16).num
 _SMALL = 4096  # elements: below this one masked reduction beats two plain ones
 _LOW15_16 = np.array(0x7FFF, np.uint16)
 _LOW31 = np.array(0x7FFFFFFF, np.uint32)
-_max = np.maximum.reduce
 
 
 def _f16_abs_to_f32() -> np.ndarray:
@@ -164,17 +163,28 @@ def _amax_bits(x: np.ndarray) -> int:
         return 0
     if x.itemsize == 2:
         if n < _SMALL:
-            m = int(_max(np.bitwise_and(x.view(np.uint16), _LOW15_16)))
+            m = _top(np.bitwise_and(x.view(np.uint16), _LOW15_16))
         else:
-            m = max(int(x.view(np.int16).max()), int(x.view(np.uint16).max()) - 0x8000, 0)
+            m = max(_top(x.view(np.int16)), _top(x.view(np.uint16)) - 0x8000, 0)
         if x.dtype.num == _F16_NUM:
             return int((_F16_BITS if _F16_BITS is not None else _f16_abs_to_f32())[m])
         return 0x7FFFFFFF if m > 0x7F80 else m << 16  # bfloat16
     if n < _SMALL:
-        m = int(_max(np.bitwise_and(x.view(np.uint32), _LOW31)))
+        m = _top(np.bitwise_and(x.view(np.uint32), _LOW31))
     else:
-        m = max(int(x.view(np.int32).max()), int(x.view(np.uint32).max()) - 0x80000000, 0)
+        m = max(_top(x.view(np.int32)), _top(x.view(np.uint32)) - 0x80000000, 0)
     return 0x7FFFFFFF if m > 0x7F800000 else m
+
+
+# Elements: below this an integer array's max is read at its argmax. argmax is a plain call where max is a ufunc
+# reduction (~1 us of set-up a call here: 0.45x the time at 4K elements, 0.65-0.8x at 64K); from ~2M elements
+# max streams faster (1.1x at 8M). Bench: bench_cpu.py's amax rows.
+_ARGMAX_MAX = 1 << 21
+
+
+def _top(v: np.ndarray) -> int:
+    """The largest element of a non-empty flat integer array."""
+    return int(v[v.argmax()]) if v.size < _ARGMAX_MAX else int(v.max())
 
 
 def _bits_to_f32(bits: Any) -> np.float32:
@@ -200,9 +210,10 @@ def _accumulate(amax_out: np.ndarray, bits: Any) -> None:
     (0x7FFFFFFF) ranks above inf. The lock makes the read-modify-write atomic among fp8core's callers, as the
     GPU's atomicMax is: threads accumulating into one slot never lose the max.
     """
-    view = amax_out.reshape(-1).view(np.int32)
+    view = amax_out.view(np.int32)  # 1-element, 1-D
     with _slot_lock:
-        view[0] = max(int(view[0]), int(bits))
+        if bits > view[0]:
+            view[0] = bits
 
 
 def _amax(x: Tensor) -> np.ndarray:
@@ -220,7 +231,7 @@ def amax(x: Tensor) -> np.ndarray:
 @ieee
 def multi_amax(xs: list[Tensor], out: np.ndarray) -> None:
     for i, x in enumerate(xs):
-        _accumulate(out[i:i + 1], _amax(x).view(np.uint32)[0])
+        _accumulate(out[i:i + 1], _amax_bits(_flat(x)))
 
 
 # ---- quantize ---------------------------------------------------------------------------------------------
@@ -274,32 +285,36 @@ _FIFTEEN = np.array(15, np.uint32)
 _SIXTEEN = np.array(16, np.uint32)
 
 
-def _cast_f32(f: np.ndarray, fmt: Format, out: np.ndarray) -> None:
-    """out (uint8 fp8 codes) = SATFINITE_RTNE(f) for a flat fp32 array."""
+def _cast_f32(f: np.ndarray, fmt: Format, out: np.ndarray | None = None) -> np.ndarray:
+    """out (uint8 fp8 codes, allocated when None) = SATFINITE_RTNE(f) for a flat fp32 array."""
     bits = f.view(np.uint32)
     low = np.bitwise_and(bits, _LOW15)
     np.add(low, _LOW15, out=low)  # bit 15 set iff any of bits 14..0 was
     np.bitwise_or(low, bits, out=low)
     np.right_shift(low, _FIFTEEN, out=low)  # (top 16 bits << 1) | (low 16 bits != 0)
     table = _CAST.get(fmt)
-    (table if table is not None else _cast_table(fmt)).take(low, out=out, mode="clip")
+    return (table if table is not None else _cast_table(fmt)).take(low, out=out, mode="clip")
+
+
+def _scaled_f32(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """fp32(x) * scale as a new flat fp32 array, scale a 0-d float32 array. NumPy's warnings must be off (the
+    product may overflow or be inf * 0): @ieee callers have them off; the pool's threads use
+    _quantize_chunk_pooled."""
+    if x.itemsize == 4:  # float32
+        return np.multiply(x, scale)
+    if x.dtype.num == _F16_NUM or x.size <= _SMALL:
+        # exact widening; for bf16, ml_dtypes' cast is the cheaper call on few elements, slower on many
+        f = x.astype(np.float32)
+    else:  # bf16: exact widening
+        f = np.left_shift(x.view(np.uint16), _SIXTEEN, dtype=np.uint32).view(np.float32)
+    return np.multiply(f, scale, out=f)
 
 
 def _quantize_chunk(x: np.ndarray, scale: np.ndarray, fmt: Format, out: np.ndarray, want_amax: bool = True
                     ) -> int:
-    """out (uint8 codes) = SATFINITE_RTNE(fp32(x) * scale), scale a 0-d float32 array; returns the chunk's
-    amax bits (of x, before scaling) when asked. NumPy's warnings must be off (the product may overflow or be
-    inf * 0): @ieee callers have them off; the pool's threads use _quantize_chunk_pooled."""
-    if x.itemsize == 4:  # float32
-        f = np.multiply(x, scale)
-    else:
-        if x.dtype.num == _F16_NUM or x.size <= _SMALL:
-            # exact widening; for bf16, ml_dtypes' cast is the cheaper call on few elements, slower on many
-            f = x.astype(np.float32)
-        else:  # bf16: exact widening
-            f = np.left_shift(x.view(np.uint16), _SIXTEEN, dtype=np.uint32).view(np.float32)
-        np.multiply(f, scale, out=f)
-    _cast_f32(f, fmt, out)
+    """out (uint8 codes) = SATFINITE_RTNE(fp32(x) * scale) (see _scaled_f32); returns the chunk's amax bits
+    (of x, before scaling) when asked."""
+    _cast_f32(_scaled_f32(x, scale), fmt, out)
     return _amax_bits(x) if want_amax else 0
 
 
@@ -350,11 +365,18 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
               ) -> np.ndarray:
     s = _scale_0d(scale)
     data = x.data
-    q = empty(data.shape, fmt.numpy_dtype, x) if out is None else out
-    flat, qflat = data.reshape(-1), q.reshape(-1).view(np.uint8)
+    flat = data if data.ndim == 1 else data.reshape(-1)
     n = flat.size
     want = amax_out is not None
     table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
+    if out is None and table is None and x.origin != "torch" and 0 < n <= _CHUNK and n < _POOL_MIN["cast"]:
+        # A small call's cost is its NumPy calls: the lookup allocates the result (torch callers get torch's)
+        q = _cast_f32(_scaled_f32(flat, s), fmt).view(fmt.numpy_dtype)
+        if want:
+            _accumulate(amax_out, _amax_bits(flat))
+        return q if data.ndim == 1 else q.reshape(data.shape)
+    q = empty(data.shape, fmt.numpy_dtype, x) if out is None else out
+    qflat = q.reshape(-1).view(np.uint8)
     # Above one chunk, amax is one pass over the whole array after all chunks: a reduction between two chunks'
     # lookups slows the next lookup by ~60 us a chunk here (1M fp32 quantize: 4.8 ms; with amax per chunk
     # 6.4 ms; with amax of the whole array after 5.3 ms; bf16 by table: 3.3, 4.6, 3.4 ms).
@@ -440,9 +462,12 @@ def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarr
 @ieee
 def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
                out: np.ndarray | None = None) -> np.ndarray:
-    table = _dequant_table(fmt, int(scale_value(scale_inv).view(np.uint32)), out_dtype)
+    table = _dequant_table(fmt, int(_scale_0d(scale_inv).view(np.uint32)), out_dtype)
     data = q.data
-    codes = data.reshape(-1).view(np.uint8)
+    codes = (data if data.ndim == 1 else data.reshape(-1)).view(np.uint8)
+    if out is None and q.origin != "torch" and codes.size <= _CHUNK:  # the lookup allocates (see _quantize)
+        y = table.take(codes, mode="clip")
+        return y if data.ndim == 1 else y.reshape(data.shape)
     y = empty(data.shape, table.dtype, q) if out is None else out
     yflat = y.reshape(-1)
     if codes.size <= _CHUNK:
@@ -456,10 +481,13 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
 
 def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     rows, cols = q.shape
+    block = 256  # square tiles keep both the reads and the writes in cache
+    # Small ones: one allocating copy (break-even with the tiles at 16K elements, 1.5x slower at 64K)
+    if out is None and q.origin != "torch" and rows * cols <= _SMALL:
+        return q.data.T.copy()
     out = empty((cols, rows), q.data.dtype, q) if out is None else out
     src = q.data.view(np.uint8)
     dst = out.view(np.uint8)
-    block = 256  # square tiles keep both the reads and the writes in cache
     for r in range(0, rows, block):
         dst[:, r:r + block] = src[r:r + block].T
     return out

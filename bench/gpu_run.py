@@ -42,9 +42,11 @@ bench/results/gpu-<date>/, copy gpu-verified.json to bench/results/, and commit 
 # 2. Block-scale layouts (torch PR #166752 quotes cuBLAS's "scaling factors layouts": 1x128 scales [KB, rows]
 #    unpadded, stride M; 128x128 [row tiles, round4(KB)] zero-padded): tests/test_gpu_blocks.py -k "rows_not_a or
 #    small_and_odd_m or torch_scaled_mm". Wrong values = a layout bug (cuda_blocks.layout_for_cublaslt and
-#    cpu_blocks.gemm_scale together). "found no FP8 GEMM algorithm" only for M = 1, 20, 130 with a 1x128 a =
-#    Transformer Engine's n % 8 rule (cublaslt_gemm.cu: "Outer dimension requirement ... Caller must pad"):
-#    then refuse M % 8 there in blocks.gemm_scales on both backends (or pad), not in the test.
+#    cpu_blocks.gemm_scale together); wrong values only where M % 4 != 0 (M = 1, 130) = cuBLASLt reads the 1x128
+#    scales with leading dimension round4(M) (Transformer Engine's "GEMM-ready" layout pads M to 4): pad there.
+#    "found no FP8 GEMM algorithm" only for M = 1, 20, 130 with a 1x128 a = Transformer Engine's n % 8 rule
+#    (cublaslt_gemm.cu: "Outer dimension requirement ... Caller must pad"): then refuse M % 8 in
+#    blocks.gemm_scales on both backends (or pad), not in the test.
 # 3. AMAX_D is set, not max-accumulated, by cuBLASLt: test_gpu_gemm.py::test_amax_word_is_set_by_each_gemm_not_
 #    accumulated (else zero the scratch word before each call: cuda.py _fill on the launch stream).
 # 4. BIAS epilogue with block scale modes: test_gpu_blocks.py::test_block_gemm_with_bias (a failure: refuse bias
@@ -55,7 +57,9 @@ bench/results/gpu-<date>/, copy gpu-verified.json to bench/results/, and commit 
 # 6. JAX on a GPU: tests/test_jax_frontend.py under jit. If XLA folds the buffer_callback into a command buffer
 #    (CUDA graph), CuPy pool allocations inside it fail: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer=
 #    to tell.
-# 7. Not on Hopper: MXFP8 GEMM and the sm_100f/sm_120f kernels (the "mx" rows skip or check the refusal).
+# 7. Not on Hopper: MXFP8 GEMM and the sm_100f/sm_120f kernels (the "mx" rows skip or check the refusal); on a
+#    Blackwell GPU, that 1x128/128x128 GEMMs are refused by name (cublaslt._block_scales: sm_90 only, from
+#    torch PR #188996 and TE's MXFP8 emulation) rather than supported by a newer cuBLASLt.
 
 from __future__ import annotations
 

@@ -222,3 +222,22 @@ def test_fast_accumulation_stays_allowed_for_mxfp8(rng):
     np.testing.assert_array_equal(fp8core.gemm(a, b, out_dtype="float32", use_fast_accum=True),
                                   fp8core.gemm(a, b, out_dtype="float32"))
 
+
+
+@pytest.mark.parametrize("cc", [89, 100, 103, 120])
+def test_fp32_block_gemm_is_refused_off_hopper_by_name(monkeypatch, cc):
+    """cuBLASLt has the VEC128_32F/BLK128x128_32F scale modes on sm_90 only (torch xfails them elsewhere,
+    PR #188996; Transformer Engine emulates the recipe through MXFP8 on Blackwell): a clear ValueError, not
+    'no algorithm'."""
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    with pytest.raises(ValueError, match=rf"needs a GPU of compute capability 9.0 \(Hopper\).* is {cc // 10}\."
+                                         rf"{cc % 10}{'; on Blackwell use MXFP8' if cc >= 100 else '$'}"):
+        cublaslt._block_scales(spec(a="e4m3", b="e4m3", a_block="1x128", b_block="128x128"), 0, None, None,
+                               None, 0)
+
+
+@pytest.mark.parametrize("cc", [89, 90])
+def test_mxfp8_gemm_is_refused_before_blackwell(monkeypatch, cc):
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    with pytest.raises(ValueError, match="an MXFP8 GEMM needs a GPU of compute capability 10.0"):
+        cublaslt._block_scales(spec(a="e4m3", b="e4m3", a_block="1x32", b_block="1x32"), 0, None, None, None, 0)

@@ -54,6 +54,9 @@ bench/results/gpu-<date>/, copy gpu-verified.json to bench/results/, and commit 
 #    failure: refuse a bias not 16-byte aligned in gemm._bias, both backends).
 # 5. Graph capture: test_gpu_gemm.py::test_cuda_graph_capture_of_a_threads_first_gemm makes cublasLtCreate, the
 #    plan and the workspace inside torch's global-mode capture; also run `-k 10_replays` alone (a fresh process).
+#    test_gpu.py::test_first_kernel_launch_inside_torch_graph_capture_in_a_fresh_process: an fp8core kernel's
+#    module loaded and its function fetched inside capture (lazy loading); a failure: load a device's modules
+#    at its first use, or document warm-up before capture.
 # 6. JAX on a GPU: tests/test_jax_frontend.py under jit. If XLA folds the buffer_callback into a command buffer
 #    (CUDA graph), CuPy pool allocations inside it fail: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer=
 #    to tell.

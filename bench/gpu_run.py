@@ -57,9 +57,8 @@ bench/results/gpu-<date>/, copy gpu-verified.json to bench/results/, and commit 
 #    test_gpu.py::test_first_kernel_launch_inside_torch_graph_capture_in_a_fresh_process: an fp8core kernel's
 #    module loaded and its function fetched inside capture (lazy loading); a failure: load a device's modules
 #    at its first use, or document warm-up before capture.
-# 6. JAX on a GPU: tests/test_jax_frontend.py under jit. If XLA folds the buffer_callback into a command buffer
-#    (CUDA graph), CuPy pool allocations inside it fail: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer=
-#    to tell.
+# 6. JAX on a GPU: tests/test_jax_frontend.py under jit (buffer_callback is made with command_buffer_compatible
+#    False, its default, so XLA keeps it out of CUDA graphs and CuPy's pool may allocate inside it).
 # 7. Not on Hopper: MXFP8 GEMM and the sm_100f/sm_120f kernels (the "mx" rows skip or check the refusal); on a
 #    Blackwell GPU, that 1x128/128x128 GEMMs are refused by name (cublaslt._block_scales: sm_90 only, from
 #    torch PR #188996 and TE's MXFP8 emulation) rather than supported by a newer cuBLASLt.

@@ -36,6 +36,33 @@ so each command sets itself up):
 bench/results/gpu-<date>/, copy gpu-verified.json to bench/results/, and commit both.
 """
 
+# ---- What only a GPU can settle (gpureview, 2026-11-22): read before phase 1, check these rows after it -------
+# Every item below was read against cuBLAS/TE/torch and is coded to the documented answer; none has run.
+# 1. nvmath loads cuBLASLt: env.json "cublasLt" must be a version (>= 120900 for 1x128/128x128), not an error.
+# 2. Block-scale layouts (torch PR #166752 quotes cuBLAS's "scaling factors layouts": 1x128 scales [KB, rows]
+#    unpadded, stride M; 128x128 [row tiles, round4(KB)] zero-padded): tests/test_gpu_blocks.py -k "rows_not_a or
+#    small_and_odd_m or torch_scaled_mm". Wrong values = a layout bug (cuda_blocks.layout_for_cublaslt and
+#    cpu_blocks.gemm_scale together); wrong values only where M % 4 != 0 (M = 1, 130) = cuBLASLt reads the 1x128
+#    scales with leading dimension round4(M) (Transformer Engine's "GEMM-ready" layout pads M to 4): pad there.
+#    "found no FP8 GEMM algorithm" only for M = 1, 20, 130 with a 1x128 a = Transformer Engine's n % 8 rule
+#    (cublaslt_gemm.cu: "Outer dimension requirement ... Caller must pad"): then refuse M % 8 in
+#    blocks.gemm_scales on both backends (or pad), not in the test.
+# 3. AMAX_D is set, not max-accumulated, by cuBLASLt: test_gpu_gemm.py::test_amax_word_is_set_by_each_gemm_not_
+#    accumulated (else zero the scratch word before each call: cuda.py _fill on the launch stream).
+# 4. BIAS epilogue with block scale modes: test_gpu_blocks.py::test_block_gemm_with_bias (a failure: refuse bias
+#    with blocks in blocks.gemm_scales); a bias 2 bytes off: test_gpu_gemm.py::test_bias_at_an_odd_address (a
+#    failure: refuse a bias not 16-byte aligned in gemm._bias, both backends).
+# 5. Graph capture: test_gpu_gemm.py::test_cuda_graph_capture_of_a_threads_first_gemm makes cublasLtCreate, the
+#    plan and the workspace inside torch's global-mode capture; also run `-k 10_replays` alone (a fresh process).
+#    test_gpu.py::test_first_kernel_launch_inside_torch_graph_capture_in_a_fresh_process: an fp8core kernel's
+#    module loaded and its function fetched inside capture (lazy loading); a failure: load a device's modules
+#    at its first use, or document warm-up before capture.
+# 6. JAX on a GPU: tests/test_jax_frontend.py under jit (buffer_callback is made with command_buffer_compatible
+#    False, its default, so XLA keeps it out of CUDA graphs and CuPy's pool may allocate inside it).
+# 7. Not on Hopper: MXFP8 GEMM and the sm_100f/sm_120f kernels (the "mx" rows skip or check the refusal); on a
+#    Blackwell GPU, that 1x128/128x128 GEMMs are refused by name (cublaslt._block_scales: sm_90 only, from
+#    torch PR #188996 and TE's MXFP8 emulation) rather than supported by a newer cuBLASLt.
+
 from __future__ import annotations
 
 import argparse
@@ -166,6 +193,12 @@ def environment(run: Run) -> dict[str, Any]:
     env: dict[str, Any] = {"phase": run.phase, "commit": commit_of_checkout(), "cuda_sha256": cuda_sha256(),
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions(),
                            "tools": {t: shutil.which(t) for t in ("nvidia-smi", "compute-sanitizer", "ncu", "nvcc")}}
+    try:  # nvmath's cuBLASLt: the library the GEMM will load, or why it cannot
+        from nvmath.bindings import cublasLt
+
+        env["cublasLt"] = int(cublasLt.get_version())
+    except Exception as e:  # noqa: BLE001 - recorded, not raised: the GEMM tests then say the same
+        env["cublasLt"] = f"unavailable: {type(e).__name__}: {e}"
     if env["tools"]["nvidia-smi"] and not run.dry_run:
         try:
             env["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
@@ -174,7 +207,8 @@ def environment(run: Run) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError) as e:
             env["nvidia_smi"] = f"failed: {e}"
     run.write_json("env.json", env)
-    run.facts.update({"commit": env["commit"], "cuda/ sha256": env["cuda_sha256"][:16], "date": env["date"]})
+    run.facts.update({"commit": env["commit"], "cuda/ sha256": env["cuda_sha256"][:16], "date": env["date"],
+                      "cuBLASLt": env["cublasLt"]})
     return env
 
 

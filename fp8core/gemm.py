@@ -131,7 +131,8 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     Block-scaled operands (:mod:`fp8core.blocks`) carry their scales, so a_scale_inv and b_scale_inv stay
     None: rowwise ``MXTensor`` x ``MXTensor`` (1x32 E8M0 blocks along K, K a multiple of 32; cuBLASLt on
     sm_100+), or ``BlockScaledTensor`` x ``BlockScaledTensor`` with 1x128 and/or 128x128 fp32 blocks (not both
-    128x128; K a multiple of 128; cuBLASLt >= 12.9 on sm_90). Their output is float32, bfloat16 or float16.
+    128x128; K a multiple of 128; cuBLASLt >= 12.9 on sm_90 only; no use_fast_accum). Their output is float32,
+    bfloat16 or float16.
     """
     blocks = None
     if isinstance(a, tuple) or isinstance(b, tuple):
@@ -162,6 +163,11 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
         from .blocks import gemm_scales
 
         sa, sb, a_block, b_block = gemm_scales(blocks, ta, tb, k, out_name)
+        if use_fast_accum and a_block != "1x32":
+            # torch._scaled_mm refuses it and Transformer Engine's Float8BlockScaling always splits the
+            # accumulator: the block scales are applied where each K-block's partial sum is promoted to fp32.
+            raise ValueError("use_fast_accum: a 1x128/128x128 block GEMM accumulates in fp32 at every 128-wide "
+                             "K-block (cuBLASLt has no fast accumulation for it); pass use_fast_accum=False")
     else:
         sa = _scalar(a_scale_inv, ta, "a_scale_inv", "a")
         sb = _scalar(b_scale_inv, ta, "b_scale_inv", "a")

@@ -980,7 +980,7 @@ def _block_gemm_refusal(t: Target, scheme: str) -> str:
         return ""
     if scheme == "mx":
         return "" if t.cc >= 100 else "compute capability 10.0"
-    if t.cc < 90:
+    if t.cc != 90:  # cuBLASLt's 1x128/128x128 scale modes exist on Hopper only
         return "compute capability 9.0"
     from .backends import cublaslt
 

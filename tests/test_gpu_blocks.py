@@ -186,7 +186,7 @@ def _cuda_pair(t):
 
 
 def _supported(scheme: str) -> bool:
-    return _cc() >= 100 if scheme == "mx" else _cc() >= 90
+    return _cc() >= 100 if scheme == "mx" else _cc() == 90  # cuBLASLt: 1x128/128x128 on Hopper only
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -245,3 +245,41 @@ def test_block_gemm_against_torch_scaled_mm_with_the_same_scales(rng, scheme):
     atol, rtol = block_gemm_tolerance(a, b, "bfloat16")
     diff = np.abs(d.float().cpu().numpy().astype(np.float64) - ref.float().cpu().numpy().astype(np.float64))
     assert (diff <= 2 * atol + 2 * rtol * np.abs(ref.float().cpu().numpy())).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_block_gemm_with_bias(rng, scheme):
+    """The BIAS epilogue with block scale modes (Transformer Engine allows BIAS with 1x128/128x128 blocks;
+    torch fixed MXFP8 + bias in PR #152665): D = a b^T + bias[N] against the float64 reference."""
+    if not _supported(scheme):
+        pytest.skip(f"{scheme}: needs a newer GPU")
+    a, b = block_operands(rng, 128, 256, 512, scheme)
+    bias = (rng.standard_normal(256) * 8).astype(ml_dtypes.bfloat16)
+    d = fp8core.gemm(_cuda_pair(a), _cuda_pair(b), out_dtype="float32", bias=to_cuda(bias))
+    ref = dequantized_operand(a) @ dequantized_operand(b).T + bias.astype(np.float64)[None, :]
+    atol, rtol = block_gemm_tolerance(a, b, "float32")
+    got = d.cpu().numpy().astype(np.float64)
+    assert (np.abs(got - ref) <= atol + rtol * np.abs(ref)).all()
+
+
+@pytest.mark.parametrize("scheme", ["1x128,1x128", "128x128,1x128"])
+def test_block_gemm_refuses_fast_accumulation_like_the_cpu(rng, scheme):
+    a, b = block_operands(rng, 64, 128, 256, scheme)
+    with pytest.raises(ValueError, match="use_fast_accum: a 1x128/128x128 block GEMM"):
+        fp8core.gemm(_cuda_pair(a), _cuda_pair(b), out_dtype="bfloat16", use_fast_accum=True)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("m", [1, 8, 20, 136])
+def test_block_gemm_small_and_odd_m(rng, scheme, m):
+    """M is cuBLASLt's n (our a is its B): Transformer Engine requires n % 8 == 0 when that operand is 1x128 and
+    pads to meet it. A failure here with 'found no FP8 GEMM algorithm' for m in (1, 20) settles it: then
+    fp8core must refuse (or pad) M % 8 for a 1x128 a on both backends; a wrong value means a layout bug."""
+    if not _supported(scheme):
+        pytest.skip(f"{scheme}: needs a newer GPU")
+    a, b = block_operands(rng, m, 144, 384, scheme)
+    d = fp8core.gemm(_cuda_pair(a), _cuda_pair(b), out_dtype="float32")
+    ref = dequantized_operand(a) @ dequantized_operand(b).T
+    atol, rtol = block_gemm_tolerance(a, b, "float32")
+    got = d.cpu().numpy().astype(np.float64)
+    assert (np.abs(got - ref) <= atol + rtol * np.abs(ref)).all()

@@ -223,3 +223,67 @@ def test_gemm_on_the_second_device(rng):
     ref = gemm_reference(ac, "e4m3", bc, "e4m3", 1.0, 1.0)
     atol, rtol = gemm_tolerance(ac, "e4m3", bc, "e4m3", 1.0, "float32")
     check(to_f64(d), ref, atol, rtol)
+
+
+def test_amax_word_is_set_by_each_gemm_not_accumulated(rng):
+    """cuBLASLt documents AMAX_D_POINTER as *set* to amax(D) on completion; fp8core merges that word into
+    out_amax afterwards. If cuBLASLt max-accumulated into the word instead, the second, smaller GEMM on the same
+    stream (same workspace word) would report the first one's amax."""
+    big, small = fp8_codes(rng, (64, 128), "e4m3", spread=6.0), fp8_codes(rng, (64, 128), "e4m3", spread=0.0)
+    bc = fp8_codes(rng, (32, 128), "e4m3")
+    b = cuda_fp8(bc, "e4m3")
+    amaxes = []
+    for ac in (big, small):
+        amax = torch.zeros(1, device="cuda")
+        fp8core.gemm(cuda_fp8(ac, "e4m3"), b, scalar(1.0), scalar(1.0), out_dtype="e4m3", out_scale=scalar(2.0 ** -8),
+                     out_amax=amax)
+        ref = gemm_reference(ac, "e4m3", bc, "e4m3", 1.0, 1.0)
+        atol, _ = gemm_tolerance(ac, "e4m3", bc, "e4m3", 1.0, "float32")
+        assert abs(amax.item() - np.abs(ref).max()) <= atol.max() + 2.0 ** -20 * np.abs(ref).max()
+        amaxes.append(amax.item())
+    assert amaxes[1] < amaxes[0]
+
+
+def test_bias_at_an_odd_address(rng):
+    """A bias view 2 bytes past an allocation's start: cuBLASLt's BIAS epilogue either reads it (results right)
+    or this fails; then fp8core must refuse a misaligned bias by name on both backends (gemm.py: _bias)."""
+    m, n, k = 32, 64, 128
+    ac, bc = fp8_codes(rng, (m, k), "e4m3"), fp8_codes(rng, (n, k), "e4m3")
+    store = torch.randn(n + 1, dtype=torch.bfloat16, device="cuda")
+    bias = store[1:]
+    d = fp8core.gemm(cuda_fp8(ac, "e4m3"), cuda_fp8(bc, "e4m3"), scalar(1.0), scalar(1.0), out_dtype="float32",
+                     bias=bias)
+    ref = gemm_reference(ac, "e4m3", bc, "e4m3", 1.0, 1.0, bias.float().cpu().numpy())
+    check(to_f64(d), ref, *gemm_tolerance(ac, "e4m3", bc, "e4m3", 1.0, "float32"))
+
+
+def test_cuda_graph_capture_of_a_threads_first_gemm(rng):
+    """A fresh thread has no cuBLASLt handle, no plan and (on the capture stream) no workspace: all three are made
+    inside torch.cuda.graph's capture (global mode, where a cudaMalloc would fail the capture). cublasLtCreate
+    may allocate on the device; if this fails, create the handle before capture (e.g. at import of the thread's
+    first gemm outside capture) and say so in the docs."""
+    import threading
+
+    ac, bc = fp8_codes(rng, (64, 128), "e4m3"), fp8_codes(rng, (48, 128), "e4m3")
+    a, b = cuda_fp8(ac, "e4m3"), cuda_fp8(bc, "e4m3")
+    one = scalar(1.0)
+    out = torch.empty(64, 48, device="cuda", dtype=torch.float32)
+    result = {}
+
+    def work():
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fp8core.gemm(a, b, one, one, out_dtype="float32", out=out)
+            graph.replay()
+            torch.cuda.synchronize()
+            result["out"] = out.cpu()
+        except Exception as e:  # reported below
+            result["error"] = e
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in result, result.get("error")
+    ref = gemm_reference(ac, "e4m3", bc, "e4m3", 1.0, 1.0)
+    check(result["out"].numpy().astype(np.float64), ref, *gemm_tolerance(ac, "e4m3", bc, "e4m3", 1.0, "float32"))

@@ -127,9 +127,21 @@ def _set_pointers(lt: Any, plan: _Plan, a_s: int, b_s: int, bias: int, out_scale
 
 
 def _make_plan(lt: Any, spec: Any, handle: int, device_id: int, align: int, pointers: tuple) -> _Plan:
+    desc = lt.matmul_desc_create(_COMPUTE_32F, _CUDA_R["float32"])
+    layouts: list[int] = []
+    try:
+        return _configure(lt, spec, handle, device_id, align, pointers, desc, layouts)
+    except BaseException:  # nothing of a plan that failed outlives it
+        for layout in layouts:
+            lt.matrix_layout_destroy(layout)
+        lt.matmul_desc_destroy(desc)
+        raise
+
+
+def _configure(lt: Any, spec: Any, handle: int, device_id: int, align: int, pointers: tuple, desc: int,
+               layouts: list[int]) -> _Plan:
     A = lt.MatmulDescAttribute
     put = lambda d, attr, v: _set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, d, attr, v)  # noqa: E731
-    desc = lt.matmul_desc_create(_COMPUTE_32F, _CUDA_R["float32"])
     put(desc, A.TRANSA, _OP_T)
     put(desc, A.TRANSB, _OP_N)
     put(desc, A.FAST_ACCUM, 1 if spec.fast_accum else 0)
@@ -142,14 +154,14 @@ def _make_plan(lt: Any, spec: Any, handle: int, device_id: int, align: int, poin
     # An fp8 output's C type is the bias type (cuBLASLt's FP8 table); C itself is never read (beta = 0).
     c_type = _CUDA_R[spec.bias_dtype or "bfloat16"] if fp8_out else _CUDA_R[spec.out_dtype]
     m, n, k = spec.m, spec.n, spec.k
-    layouts = (lt.matrix_layout_create(_CUDA_R[spec.b_fmt.dtype_name], k, n, k),
-               lt.matrix_layout_create(_CUDA_R[spec.a_fmt.dtype_name], k, m, k),
-               lt.matrix_layout_create(c_type, n, m, n),
-               lt.matrix_layout_create(_CUDA_R[spec.out_dtype], n, m, n))
-    plan = _Plan(desc, layouts, lt.MatmulHeuristicResult(1), fp8_out)
+    for args in ((_CUDA_R[spec.b_fmt.dtype_name], k, n, k), (_CUDA_R[spec.a_fmt.dtype_name], k, m, k),
+                 (c_type, n, m, n), (_CUDA_R[spec.out_dtype], n, m, n)):
+        layouts.append(lt.matrix_layout_create(*args))
+    plan = _Plan(desc, tuple(layouts), lt.MatmulHeuristicResult(1), fp8_out)  # type: ignore[arg-type]
     _set_pointers(lt, plan, *pointers)
     P = lt.MatmulPreferenceAttribute
     pref = lt.matmul_preference_create()
+    found = np.zeros(1, dtype=np.int32)
     try:
         pset = lambda attr, v: _set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype,  # noqa: E731
                                     pref, attr, v)
@@ -157,13 +169,28 @@ def _make_plan(lt: Any, spec: Any, handle: int, device_id: int, align: int, poin
         for attr in (P.MIN_ALIGNMENT_A_BYTES, P.MIN_ALIGNMENT_B_BYTES, P.MIN_ALIGNMENT_C_BYTES,
                      P.MIN_ALIGNMENT_D_BYTES):
             pset(attr, align)
-        found = np.zeros(1, dtype=np.int32)
-        lt.matmul_algo_get_heuristic(handle, desc, *layouts, pref, 1, plan.algo.ptr, found.ctypes.data)
+        try:
+            lt.matmul_algo_get_heuristic(handle, desc, *layouts, pref, 1, plan.algo.ptr, found.ctypes.data)
+        except lt.cuBLASLtError as e:  # NOT_SUPPORTED when no kernel takes these shapes, types and scale modes
+            raise RuntimeError(_no_algorithm(spec, e)) from e
     finally:
         lt.matmul_preference_destroy(pref)
     if found[0] == 0:
-        raise RuntimeError(f"cuBLASLt found no FP8 GEMM algorithm for {spec}")
+        raise RuntimeError(_no_algorithm(spec, None))
     return plan
+
+
+def _no_algorithm(spec: Any, cause: Any) -> str:
+    """What the heuristic was asked for, and the one limit of cuBLASLt's block GEMM fp8core does not check."""
+    blocks = f", blocks a {spec.a_block} x b {spec.b_block}" if spec.a_block is not None else ""
+    msg = (f"cuBLASLt found no FP8 GEMM algorithm for M={spec.m}, N={spec.n}, K={spec.k}, a {spec.a_fmt.name} x "
+           f"b {spec.b_fmt.name} -> {spec.out_dtype}, bias {spec.bias_dtype}, fast_accum {spec.fast_accum}{blocks}")
+    if cause is not None:
+        msg += f" ({cause})"
+    if spec.a_block == "1x128" and spec.m % 8:
+        # Transformer Engine requires it of a 1x128 operand in cuBLASLt's B position (our a) and pads to meet it.
+        msg += f"; cuBLASLt's 1x128 GEMM may need M to be a multiple of 8 (got {spec.m}): pad a's rows"
+    return msg
 
 
 _ONE = np.ones(1, dtype=np.float32)
@@ -261,9 +288,12 @@ def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: A
         raise ValueError(f"a: an MXFP8 GEMM needs a GPU of compute capability 10.0 or newer (Blackwell); "
                          f"cuda:{device_id} is {cc // 10}.{cc % 10}")
     if spec.a_block != "1x32":
-        if cc < 90:
-            raise ValueError(f"a: a 1x128/128x128 block GEMM needs a GPU of compute capability 9.0 or newer "
-                             f"(Hopper); cuda:{device_id} is {cc // 10}.{cc % 10}")
+        # cuBLASLt has the VEC128_32F/BLK128x128_32F scale modes on sm_90 only (torch's tests xfail them elsewhere,
+        # PR #188996; Transformer Engine emulates its blockwise recipe through MXFP8 on Blackwell).
+        if cc != 90:
+            hint = "; on Blackwell use MXFP8 blocks (fp8core.blocks.quantize_mxfp8)" if cc >= 100 else ""
+            raise ValueError(f"a: a 1x128/128x128 block GEMM needs a GPU of compute capability 9.0 (Hopper), where "
+                             f"cuBLASLt has these scale modes; cuda:{device_id} is {cc // 10}.{cc % 10}{hint}")
         version = int(_lt().get_version())
         if version < _MIN_BLOCK_VERSION:
             raise ValueError(f"a: a 1x128/128x128 block GEMM needs cuBLAS 12.9 or newer, found {version}")

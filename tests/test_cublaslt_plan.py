@@ -1,0 +1,243 @@
+"""What fp8core asks of cuBLASLt, checked on the CPU: the GEMM's plan is built against a recording stand-in for
+``nvmath.bindings.cublasLt`` (its real enums and attribute dtypes, no library calls), so the row-major to
+column-major mapping, the scale pointers' operands and the scale modes are checked without a GPU. The numbers
+the plan passes (CUDA_R_*, CUBLAS_COMPUTE_32F) are read from nvmath's own enums here, not from fp8core."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import fp8core
+from fp8core.gemm import GemmSpec
+
+lt_real = pytest.importorskip("nvmath.bindings.cublasLt", reason="nvmath-python (fp8core[gemm]) is not installed")
+nvmath = pytest.importorskip("nvmath")
+from fp8core.backends import cublaslt  # noqa: E402  (after the skip: it needs nvmath at call time only)
+
+CUDA_R = {name: int(getattr(nvmath.CudaDataType, f"CUDA_R_{code}").value)
+          for name, code in (("float32", "32F"), ("float16", "16F"), ("bfloat16", "16BF"),
+                             ("float8_e4m3fn", "8F_E4M3"), ("float8_e5m2", "8F_E5M2"))}
+A = lt_real.MatmulDescAttribute
+SCALE = lt_real.MatmulMatrixScale
+
+
+class Refused(Exception):
+    """Stands in for nvmath's cuBLASLtError (whose constructor needs the library)."""
+
+
+class RecordingLt:
+    """The calls of cublaslt._make_plan, recorded: attribute values are read back from the buffers passed."""
+
+    MatmulDescAttribute = lt_real.MatmulDescAttribute
+    MatmulPreferenceAttribute = lt_real.MatmulPreferenceAttribute
+    MatmulMatrixScale = lt_real.MatmulMatrixScale
+    Epilogue = lt_real.Epilogue
+    MatmulHeuristicResult = lt_real.MatmulHeuristicResult
+    get_matmul_desc_attribute_dtype = staticmethod(lt_real.get_matmul_desc_attribute_dtype)
+    get_matmul_preference_attribute_dtype = staticmethod(lt_real.get_matmul_preference_attribute_dtype)
+    cuBLASLtError = Refused
+
+    def __init__(self, found: int = 1, refuse: bool = False) -> None:
+        self.found, self.refuse = found, refuse
+        self.desc: dict[int, object] = {}
+        self.pref: dict[int, object] = {}
+        self.layouts: list[tuple[int, int, int, int]] = []
+        self.created, self.destroyed = [], []
+
+    @staticmethod
+    def _read(buf: int, size: int, dtype) -> object:
+        return np.frombuffer(ctypes.string_at(buf, size), dtype=dtype)[0].item()
+
+    def matmul_desc_create(self, compute: int, scale: int) -> int:
+        self.compute = (compute, scale)
+        self.created.append(1000)
+        return 1000
+
+    def matmul_desc_set_attribute(self, desc: int, attr, buf: int, size: int) -> None:
+        self.desc[attr] = self._read(buf, size, lt_real.get_matmul_desc_attribute_dtype(attr))
+
+    def matrix_layout_create(self, dtype: int, rows: int, cols: int, ld: int) -> int:
+        self.layouts.append((dtype, rows, cols, ld))
+        self.created.append(2000 + len(self.layouts))
+        return self.created[-1]
+
+    def matmul_preference_create(self) -> int:
+        return 3000
+
+    def matmul_preference_set_attribute(self, pref: int, attr, buf: int, size: int) -> None:
+        self.pref[attr] = self._read(buf, size, lt_real.get_matmul_preference_attribute_dtype(attr))
+
+    def matmul_algo_get_heuristic(self, handle, desc, a, b, c, d, pref, n, results, found_ptr) -> None:
+        self.heuristic_layouts = (a, b, c, d)
+        if self.refuse:
+            raise Refused("CUBLAS_STATUS_NOT_SUPPORTED")
+        ctypes.c_int32.from_address(found_ptr).value = self.found
+
+    def matmul_preference_destroy(self, pref: int) -> None:
+        self.destroyed.append(pref)
+
+    def matrix_layout_destroy(self, layout: int) -> None:
+        self.destroyed.append(layout)
+
+    def matmul_desc_destroy(self, desc: int) -> None:
+        self.destroyed.append(desc)
+
+
+# a [M, K], b [N, K] row-major; scale pointers and the bias as recognisable numbers
+M, N, K = 48, 32, 256
+A_S, B_S, BIAS, OUT_S, AMAX = 0x1100, 0x2200, 0x3300, 0x4400, 0x5500
+
+
+@pytest.fixture(autouse=True)
+def _hopper(monkeypatch):
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: 90)
+
+
+def plan(spec, lt=None, amax=True):
+    lt = lt or RecordingLt()
+    p = cublaslt._make_plan(lt, spec, 7, 0, 256, (A_S, B_S, BIAS if spec.bias_dtype else 0, OUT_S,
+                                                  AMAX if amax else 0))
+    return lt, p
+
+
+def spec(a="e4m3", b="e5m2", out="bfloat16", bias=None, fast=False, a_block=None, b_block=None, m=M):
+    return GemmSpec(m, N, K, fp8core.as_format(a), fp8core.as_format(b), out, bias, fast, a_block, b_block)
+
+
+def test_row_major_d_is_cublaslts_column_major_transpose_in_tn_form():
+    """D[M, N] = a b^T row-major is D^T[N, M] = b a^T column-major: cuBLASLt's A is our b (K x N, ld K,
+    transposed), its B our a (K x M, ld K), C and D N x M with ld N; the types follow the operands."""
+    lt, p = plan(spec())
+    assert lt.desc[A.TRANSA] == 1 and lt.desc[A.TRANSB] == 0  # CUBLAS_OP_T, CUBLAS_OP_N: "TN"
+    assert lt.layouts == [(CUDA_R["float8_e5m2"], K, N, K), (CUDA_R["float8_e4m3fn"], K, M, K),
+                          (CUDA_R["bfloat16"], N, M, N), (CUDA_R["bfloat16"], N, M, N)]
+    assert lt.heuristic_layouts == p.layouts
+    assert lt.desc[A.A_SCALE_POINTER] == B_S and lt.desc[A.B_SCALE_POINTER] == A_S  # cuBLASLt's A is our b
+    assert lt.desc[A.FAST_ACCUM] == 0
+    assert A.D_SCALE_POINTER not in lt.desc and A.AMAX_D_POINTER not in lt.desc  # not an fp8 output
+    assert A.EPILOGUE not in lt.desc and A.A_SCALE_MODE not in lt.desc
+
+
+def test_compute_type_is_cublas_compute_32f():
+    from nvmath.bindings import cublas
+
+    lt, _ = plan(spec())
+    assert lt.compute == (int(cublas.ComputeType.COMPUTE_32F), CUDA_R["float32"])
+
+
+def test_fp8_output_with_bias():
+    """An fp8 D: its scale and the amax word are set; C takes the bias type; the BIAS epilogue adds bias[N]
+    (one value per row of D^T, per column of our D)."""
+    lt, p = plan(spec(out="float8_e4m3fn", bias="float16", fast=True))
+    assert lt.desc[A.D_SCALE_POINTER] == OUT_S and lt.desc[A.AMAX_D_POINTER] == AMAX
+    assert lt.desc[A.EPILOGUE] == int(lt_real.Epilogue.BIAS) and lt.desc[A.BIAS_DATA_TYPE] == CUDA_R["float16"]
+    assert lt.desc[A.BIAS_POINTER] == BIAS and lt.desc[A.FAST_ACCUM] == 1
+    assert lt.layouts[2] == (CUDA_R["float16"], N, M, N) and lt.layouts[3] == (CUDA_R["float8_e4m3fn"], N, M, N)
+    assert p.fp8_out
+
+
+def test_fp8_output_without_bias_has_a_bf16_c():
+    lt, _ = plan(spec(out="float8_e5m2"), amax=False)
+    assert lt.layouts[2][0] == CUDA_R["bfloat16"]
+    assert A.AMAX_D_POINTER not in lt.desc
+
+
+def test_workspace_and_alignment_preferences():
+    lt, _ = plan(spec())
+    P = lt_real.MatmulPreferenceAttribute
+    assert lt.pref[P.MAX_WORKSPACE_BYTES] == cublaslt._WORKSPACE_SM90 - cublaslt._SCRATCH
+    assert all(lt.pref[a] == 256 for a in (P.MIN_ALIGNMENT_A_BYTES, P.MIN_ALIGNMENT_B_BYTES,
+                                           P.MIN_ALIGNMENT_C_BYTES, P.MIN_ALIGNMENT_D_BYTES))
+
+
+@pytest.mark.parametrize("a_block,b_block", [("1x128", "1x128"), ("1x128", "128x128"), ("128x128", "1x128"),
+                                             ("1x32", "1x32")])
+def test_block_scale_modes_follow_the_operands(a_block, b_block):
+    """cuBLASLt's A scale mode is b's blocks, its B scale mode a's (the operands are swapped)."""
+    mode = {"1x32": SCALE.VEC32_UE8M0, "1x128": SCALE.VEC128_32F, "128x128": SCALE.BLK128x128_32F}
+    lt, _ = plan(spec(a="e4m3", b="e4m3", a_block=a_block, b_block=b_block))
+    assert lt.desc[A.A_SCALE_MODE] == int(mode[b_block]) and lt.desc[A.B_SCALE_MODE] == int(mode[a_block])
+    assert lt.desc[A.A_SCALE_POINTER] == B_S and lt.desc[A.B_SCALE_POINTER] == A_S
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_no_algorithm_is_a_clear_error_and_leaks_no_descriptor(refuse):
+    lt = RecordingLt(found=0, refuse=refuse)
+    with pytest.raises(RuntimeError, match=r"no FP8 GEMM algorithm for M=20, N=32, K=256, a E4M3 x b E4M3 -> "
+                                           r"bfloat16.*blocks a 1x128 x b 128x128.*multiple of 8 \(got 20\)"):
+        plan(spec(a="e4m3", b="e4m3", a_block="1x128", b_block="128x128", m=20), lt)
+    assert sorted(lt.destroyed) == sorted(lt.created + [3000])  # the desc, the 4 layouts and the preference
+
+
+def test_a_plan_that_fails_midway_destroys_what_it_made():
+    lt = RecordingLt()
+    calls = {"n": 0}
+    create = lt.matrix_layout_create
+
+    def third_fails(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Refused("CUBLAS_STATUS_INVALID_VALUE")
+        return create(*args)
+
+    lt.matrix_layout_create = third_fails
+    with pytest.raises(Refused):
+        plan(spec(), lt)
+    assert sorted(lt.destroyed) == sorted(lt.created)
+
+
+def test_the_scale_mode_enums_are_cublaslts():
+    assert [cublaslt._scale_mode(lt_real, k) for k in ("1x32", "1x128", "128x128")] == \
+        [int(SCALE.VEC32_UE8M0), int(SCALE.VEC128_32F), int(SCALE.BLK128x128_32F)]
+    assert cublaslt._CUDA_R == CUDA_R
+
+
+# ---- the rules fp8core.gemm enforces for cuBLASLt, the same on the CPU -------------------------------------
+
+def _block_operands(rng, m, n, k, a_block, b_block):
+    from fp8core import blocks
+
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    return blocks.quantize_blockwise(x, block=a_block), blocks.quantize_blockwise(w, block=b_block)
+
+
+@pytest.mark.parametrize("a_block,b_block", [("1x128", "1x128"), ("1x128", "128x128"), ("128x128", "1x128")])
+def test_fast_accumulation_is_refused_for_fp32_block_gemms(rng, a_block, b_block):
+    """torch._scaled_mm refuses fast accumulation with 1x128/128x128 blocks and Transformer Engine's
+    Float8BlockScaling always splits the accumulator: the CPU refuses it too, so code moves to a GPU unchanged."""
+    a, b = _block_operands(rng, 32, 16, 256, a_block, b_block)
+    with pytest.raises(ValueError, match="use_fast_accum: a 1x128/128x128 block GEMM"):
+        fp8core.gemm(a, b, out_dtype="float32", use_fast_accum=True)
+    d = fp8core.gemm(a, b, out_dtype="float32")
+    assert d.shape == (32, 16) and np.isfinite(d).all()
+
+
+def test_fast_accumulation_stays_allowed_for_mxfp8(rng):
+    from fp8core import blocks
+
+    a = blocks.quantize_mxfp8(rng.standard_normal((32, 64)).astype(np.float32))
+    b = blocks.quantize_mxfp8(rng.standard_normal((16, 64)).astype(np.float32))
+    np.testing.assert_array_equal(fp8core.gemm(a, b, out_dtype="float32", use_fast_accum=True),
+                                  fp8core.gemm(a, b, out_dtype="float32"))
+
+
+
+@pytest.mark.parametrize("cc", [89, 100, 103, 120])
+def test_fp32_block_gemm_is_refused_off_hopper_by_name(monkeypatch, cc):
+    """cuBLASLt has the VEC128_32F/BLK128x128_32F scale modes on sm_90 only (torch xfails them elsewhere,
+    PR #188996; Transformer Engine emulates the recipe through MXFP8 on Blackwell): a clear ValueError, not
+    'no algorithm'."""
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    with pytest.raises(ValueError, match=rf"needs a GPU of compute capability 9.0 \(Hopper\).* is {cc // 10}\."
+                                         rf"{cc % 10}{'; on Blackwell use MXFP8' if cc >= 100 else '$'}"):
+        cublaslt._block_scales(spec(a="e4m3", b="e4m3", a_block="1x128", b_block="128x128"), 0, None, None,
+                               None, 0)
+
+
+@pytest.mark.parametrize("cc", [89, 90])
+def test_mxfp8_gemm_is_refused_before_blackwell(monkeypatch, cc):
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    with pytest.raises(ValueError, match="an MXFP8 GEMM needs a GPU of compute capability 10.0"):
+        cublaslt._block_scales(spec(a="e4m3", b="e4m3", a_block="1x32", b_block="1x32"), 0, None, None, None, 0)

@@ -22,10 +22,16 @@ import fp8core.jax as fj  # noqa: E402
 from fp8core import _tensor  # noqa: E402
 
 
+def _general_read(monkeypatch):
+    """Every jax.Array read through DLPack's device query, as if its sharding were not one CPU device."""
+    sharding = _tensor._jax_sharding
+    monkeypatch.setattr(_tensor, "_jax_sharding", lambda s: (False, sharding(s)[1]))
+
+
 @pytest.fixture(params=["shortcut", "general"])
 def jax_read(request, monkeypatch):
     if request.param == "general":
-        monkeypatch.setattr(_tensor, "_jax_on_cpu", lambda sharding: False)
+        _general_read(monkeypatch)
     return request.param
 
 
@@ -87,7 +93,7 @@ def test_generic_api_on_jax_arrays_same_bits_both_ways(op, monkeypatch):
     got = {}
     for mode in ("shortcut", "general"):
         if mode == "general":
-            monkeypatch.setattr(_tensor, "_jax_on_cpu", lambda sharding: False)
+            _general_read(monkeypatch)
             monkeypatch.setattr(_tensor, "FAST_PATHS", False)
         out = OPS[op](x, s)
         outs = out if isinstance(out, tuple) else (out,)
@@ -102,7 +108,7 @@ def test_deleted_and_sharded_arrays_keep_the_general_paths_errors(monkeypatch):
     messages = []
     for mode in ("shortcut", "general"):
         if mode == "general":
-            monkeypatch.setattr(_tensor, "_jax_on_cpu", lambda sharding: False)
+            _general_read(monkeypatch)
         with pytest.raises(Exception) as info:
             fp8core.amax(x)
         messages.append((type(info.value), str(info.value)))

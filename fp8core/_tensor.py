@@ -541,13 +541,16 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
     if origin == "torch":
         return _to_torch(data, dtype, like)
     place = like.place
-    if FAST_PATHS and type(data) is np.ndarray and data.nbytes <= _JAX_COPY_MAX:
-        return _jax_put(place)(data)[0]
+    if FAST_PATHS and type(data) is np.ndarray:
+        if data.nbytes <= _JAX_COPY_MAX:
+            return _jax_put(place)(data)[0]
+        import jax
+
+        # Not DLPack's import: that commits its result to the first CPU device (another device takes a second
+        # copy), and it is no faster (512 KiB to 16 MiB: device_put 160-480 us, DLPack 200-530 us, min of 30).
+        return jax.device_put(data, place)
     import jax.dlpack
 
-    if place is not None and type(data) is np.ndarray:
-        # DLPack imports host memory onto the first CPU device: another one would take a second copy
-        return jax.device_put(data, place)
     # On a GPU the kernels ran on CuPy's current stream (cuda._stream for non-torch arrays); XLA reads on its own
     # (non-blocking) stream, which the exporter makes wait for them. The import lands on the GPU that holds the
     # memory (x's) and commits to it whatever x was.
@@ -557,7 +560,7 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
 
 # Up to this many bytes a NumPy result goes to JAX as an argument of a jitted identity, copied by jit's C++
 # argument path (~20 us; jax.numpy.asarray and jax.device_put run ~50-100 us of Python); above it, the copy
-# costs more than DLPack's import (~150 us whatever the size). On 2 cores the two meet near 1 MiB
+# costs more than DLPack's import or jax.device_put (~150 us and up). On 2 cores they meet near 1 MiB
 # (bench/bench_overhead.py --jax-export measures it: 512 KiB ~70 vs ~170 us, 1 MiB ~160-200 vs ~200 us).
 _JAX_COPY_MAX = 1 << 19
 _jax_identity: Any = None

@@ -2,7 +2,7 @@
 
 - jax CPU arrays read by ``_from_jax`` without asking DLPack for the device (against the general path);
 - NumPy results handed back to JAX through a jitted identity, or jax.device_put above the size where export
-  switches (against the DLPack import), with every fp8/16-bit code and float32 NaN payloads; never aliased;
+  switches (against the DLPack import), with every fp8/16-bit code and float32 NaN payloads; outliving the NumPy result;
 - eager ``fp8core.jax`` primitives through their cached jit (against the untraced primitive they wrap);
 - fp8core.jax's callbacks handing XLA's buffers straight to the backend (against the public primitives with
   ``out=``, ``fp8core.jax.TRUSTED_OUTS = False``).

@@ -277,7 +277,8 @@ def _jax_sharding(sharding: Any) -> tuple[bool, Any]:
 def _from_jax(x: Any, arg: str) -> Tensor:
     # One CPU device: the host buffer without asking DLPack where it lives (x.__dlpack_device__ costs more than
     # the read). x.__array__() is np.asarray(x) without NumPy's protocol lookup: a zero-copy read-only view that
-    # waits for x to be computed. Deleted and sharded arrays take the general path, for its errors.
+    # waits for x to be computed. Deleted arrays take the general path, for its errors; arrays sharded over
+    # several devices are refused (DLPack would refuse them with a vaguer message).
     on_cpu, place = _jax_sharding(x.sharding)
     if on_cpu and not x.is_deleted():
         t = _from_numpy(x.__array__(), arg, "jax")

@@ -7,6 +7,16 @@ fp8, uint16 for bf16), because CuPy has neither type.
 Each array type fp8core knows (NumPy, torch, CuPy, JAX) has a fast path that reads the array's own
 attributes; DLPack capsules are parsed only for other producers. The fast paths and the DLPack path give the
 same views and the same errors (tests/test_fastpath.py runs both).
+
+JAX placement. Results of a call on a jax.Array follow JAX's own rule for an operation on that array: an array
+committed to a device (``jax.device_put(x, device)``, or the result of a computation on committed arrays) gives
+results committed to the same device, with x's single-device sharding; an uncommitted array gives uncommitted
+results on the default device, where ``x + 1`` would put them. Every CPU device of XLA:CPU reads the same host
+memory, so the computation itself runs on the host either way; only the results' placement follows x. Two JAX
+arguments committed to different devices are refused, naming the argument (``scale: is on cpu:0 but x is on
+cpu:1``), as jax.jit refuses them; an uncommitted JAX argument, a NumPy array or a Python number goes with any
+device, as in JAX. A JAX array sharded over several devices is refused: fp8core.jax's primitives run per shard
+inside ``shard_map``.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ class Tensor:
     device: Device
     origin: str
     readonly: bool = False
+    # A jax.Array committed to one device: its SingleDeviceSharding (one object per device and memory kind, so
+    # `is` compares placements), where its results are committed. None for everything else.
+    place: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,6 +75,8 @@ class Tensor:
         return self.device[0] == "cuda"
 
     def device_str(self) -> str:
+        if self.place is not None:
+            return str(next(iter(self.place.device_set)))  # JAX's name: cpu:1, cuda:0
         return "cpu" if self.device[0] == "cpu" else f"cuda:{self.device[1]}"
 
 
@@ -232,32 +247,51 @@ def _from_cupy(arr: Any, arg: str) -> Tensor:
     return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), ("cuda", arr.data.device_id), "cupy")
 
 
-# jax sharding -> whether it places a whole array on one CPU device (then the array is one host buffer)
-_JAX_ON_CPU: dict[Any, bool] = {}
+# jax sharding -> (whether it places a whole array on one CPU device (then the array is one host buffer), the
+# placement its committed arrays give their results: Tensor.place)
+_JAX_SHARDINGS: dict[Any, tuple[bool, Any]] = {}
+# (device, memory kind) -> the one SingleDeviceSharding kept for it
+_JAX_PLACES: dict[tuple[Any, Any], Any] = {}
 
 
-def _jax_on_cpu(sharding: Any) -> bool:
-    on_cpu = _JAX_ON_CPU.get(sharding)
-    if on_cpu is None:
+def _jax_sharding(sharding: Any) -> tuple[bool, Any]:
+    info = _JAX_SHARDINGS.get(sharding)
+    if info is None:
         import jax
 
-        on_cpu = type(sharding) is jax.sharding.SingleDeviceSharding and \
-            next(iter(sharding.device_set)).platform == "cpu"
-        if type(sharding) is jax.sharding.SingleDeviceSharding:  # one per device: the cache stays small
-            _JAX_ON_CPU[sharding] = on_cpu
-    return on_cpu
+        single = type(sharding) is jax.sharding.SingleDeviceSharding
+        devices = sharding.device_set
+        place = None
+        if len(devices) == 1:  # a single-device NamedSharding places its array as a SingleDeviceSharding does
+            key = (next(iter(devices)), sharding.memory_kind)
+            place = _JAX_PLACES.get(key)
+            if place is None:
+                place = _JAX_PLACES[key] = sharding if single else \
+                    jax.sharding.SingleDeviceSharding(key[0], memory_kind=key[1])
+        info = (single and next(iter(devices)).platform == "cpu", place)
+        if single:  # one per device: the cache stays small
+            _JAX_SHARDINGS[sharding] = info
+    return info
 
 
 def _from_jax(x: Any, arg: str) -> Tensor:
     # One CPU device: the host buffer without asking DLPack where it lives (x.__dlpack_device__ costs more than
     # the read). x.__array__() is np.asarray(x) without NumPy's protocol lookup: a zero-copy read-only view that
-    # waits for x to be computed. Deleted and sharded arrays take the general path, for its errors.
-    if _jax_on_cpu(x.sharding) and not x.is_deleted():
-        return _from_numpy(x.__array__(), arg, "jax")
-    device_type, _ = x.__dlpack_device__()
-    if device_type == CPU:
-        return _from_numpy(np.asarray(x), arg, "jax")  # zero-copy and read-only on the CPU
-    return _from_dlpack(x, arg)
+    # waits for x to be computed. Deleted arrays take the general path, for its errors; arrays sharded over
+    # several devices are refused (DLPack would refuse them with a vaguer message).
+    on_cpu, place = _jax_sharding(x.sharding)
+    if on_cpu and not x.is_deleted():
+        t = _from_numpy(x.__array__(), arg, "jax")
+    elif place is None:
+        raise ValueError(f"{arg}: is a jax.Array sharded over {len(x.sharding.device_set)} devices; fp8core takes "
+                         "one device's array: call fp8core.jax's primitives inside jax.shard_map, on each shard")
+    elif x.__dlpack_device__()[0] == CPU:
+        t = _from_numpy(np.asarray(x), arg, "jax")  # zero-copy and read-only on the CPU
+    else:
+        t = _from_dlpack(x, arg)
+    if place is not None and x.committed:  # the device is read here once; uncommitted arrays keep None
+        t.place = place
+    return t
 
 
 def _jax_tracer(x: Any, arg: str) -> Tensor:
@@ -507,29 +541,47 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
         return data
     if origin == "torch":
         return _to_torch(data, dtype, like)
-    if FAST_PATHS and type(data) is np.ndarray and data.nbytes <= _JAX_COPY_MAX:
-        return _jax_put()(data)[0]
+    place = like.place
+    if FAST_PATHS and type(data) is np.ndarray:
+        if data.nbytes <= _JAX_COPY_MAX:
+            return _jax_put(place)(data)[0]
+        import jax
+
+        # Not DLPack's import: that commits its result to the first CPU device (another device takes a second
+        # copy), and it is no faster (512 KiB to 16 MiB: device_put 160-480 us, DLPack 200-530 us, min of 30).
+        return jax.device_put(data, place)
     import jax.dlpack
 
     # On a GPU the kernels ran on CuPy's current stream (cuda._stream for non-torch arrays); XLA reads on its own
-    # (non-blocking) stream, which the exporter makes wait for them.
+    # (non-blocking) stream, which the exporter makes wait for them. The import lands on the GPU that holds the
+    # memory (x's) and commits to it whatever x was.
     stream = None if type(data) is np.ndarray else _cupy_module().cuda.get_current_stream().ptr
-    return jax.dlpack.from_dlpack(_exporter(data, dtype, like, stream))
+    return jax.dlpack.from_dlpack(_exporter(data, dtype, like, stream), device=place)
 
 
 # Up to this many bytes a NumPy result goes to JAX as an argument of a jitted identity, copied by jit's C++
 # argument path (~20 us; jax.numpy.asarray and jax.device_put run ~50-100 us of Python); above it, the copy
-# costs more than DLPack's import (~150 us whatever the size). On 2 cores the two meet near 1 MiB
+# costs more than DLPack's import or jax.device_put (~150 us and up). On 2 cores they meet near 1 MiB
 # (bench/bench_overhead.py --jax-export measures it: 512 KiB ~70 vs ~170 us, 1 MiB ~160-200 vs ~200 us).
 _JAX_COPY_MAX = 1 << 19
 _jax_identity: Any = None
+# Tensor.place -> the jitted identity whose results are committed to it
+_jax_placed: dict[Any, Any] = {}
 
 
-def _jax_put() -> Any:
-    """jax.jit of the identity: NumPy arrays in, a tuple of jax.Arrays holding copies on the default device out.
-    Large arguments are copied asynchronously, jit holding the arrays until then: like DLPack's import, this is
-    for fresh results that nobody writes afterwards."""
+def _jax_put(place: Any = None) -> Any:
+    """jax.jit of the identity: NumPy arrays in, a tuple of jax.Arrays holding copies out: uncommitted on the
+    default device, or committed to ``place`` (a Tensor.place). Large arguments are copied asynchronously, jit
+    holding the arrays until then: like DLPack's import, this is for fresh results that nobody writes
+    afterwards."""
     global _jax_identity
+    if place is not None:
+        put = _jax_placed.get(place)
+        if put is None:
+            import jax
+
+            put = _jax_placed[place] = jax.jit(lambda *arrays: arrays, out_shardings=place)
+        return put
     if _jax_identity is None:
         import jax
 
@@ -542,5 +594,5 @@ def export_all(results: Any, like: Tensor) -> tuple:
     dispatch instead of one per result)."""
     if like.origin == "jax" and FAST_PATHS and all(type(d) is np.ndarray for d, _ in results) \
             and sum(d.nbytes for d, _ in results) <= _JAX_COPY_MAX:
-        return _jax_put()(*(d for d, _ in results))
+        return _jax_put(like.place)(*(d for d, _ in results))
     return tuple(export(d, name, like) for d, name in results)

@@ -80,7 +80,8 @@ def _fp8(obj: Any, arg: str, fmt: Any) -> tuple[Tensor, Format]:
 
 
 def _same_device(t: Tensor, x: Tensor, arg: str, xarg: str = "x") -> None:
-    if t.device != x.device:
+    # JAX arrays committed to two devices are refused (an uncommitted one goes anywhere): _tensor says why
+    if t.device != x.device or (t.place is not x.place and t.place is not None and x.place is not None):
         raise ValueError(f"{arg}: is on {t.device_str()} but {xarg} is on {x.device_str()}; "
                          "put them on the same device")
 
@@ -128,7 +129,7 @@ def _f32_vector(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Tensor:
     t = _contiguous(wrap(obj, arg), arg)
     if t.dtype != "float32":
         raise TypeError(f"{arg}: expected float32, got {t.dtype}")
-    if t.device != x.device:
+    if t.device != x.device or t.place is not x.place:
         _same_device(t, x, arg, xarg)
     return t
 
@@ -159,7 +160,7 @@ def _as_2d(t: Tensor, arg: str) -> Tensor:
     if len(shape) == 2:
         return t
     rows = math.prod(shape[:-1])
-    return Tensor(t.data.reshape(rows, shape[-1]), t.dtype, t.device, t.origin, t.readonly)
+    return Tensor(t.data.reshape(rows, shape[-1]), t.dtype, t.device, t.origin, t.readonly, t.place)
 
 
 _OUT_DTYPES: dict[Any, str] = {}
@@ -383,7 +384,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
     if t.dtype != "float32":
         raise TypeError(f"amax: expected float32, got {t.dtype}")
     if t.data.ndim == 0:
-        t = Tensor(t.data.reshape(1), t.dtype, t.device, t.origin, t.readonly)
+        t = Tensor(t.data.reshape(1), t.dtype, t.device, t.origin, t.readonly, t.place)
     m, p2, eps = _margin(margin), _checks.flag(power_of_2, "power_of_2"), _epsilon(epsilon)
     prev = None
     if previous is not None:

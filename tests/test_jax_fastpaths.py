@@ -1,8 +1,8 @@
 """JAX's shortcuts against the paths they shortcut: identical bits and identical errors.
 
 - jax CPU arrays read by ``_from_jax`` without asking DLPack for the device (against the general path);
-- NumPy results handed back to JAX through a jitted identity (against the DLPack import), on both sides of
-  the size where export switches, with every fp8/16-bit code and float32 NaN payloads; never aliased;
+- NumPy results handed back to JAX through a jitted identity, or jax.device_put above the size where export
+  switches (against the DLPack import), with every fp8/16-bit code and float32 NaN payloads; outliving the NumPy result;
 - eager ``fp8core.jax`` primitives through their cached jit (against the untraced primitive they wrap);
 - fp8core.jax's callbacks handing XLA's buffers straight to the backend (against the public primitives with
   ``out=``, ``fp8core.jax.TRUSTED_OUTS = False``).
@@ -22,10 +22,16 @@ import fp8core.jax as fj  # noqa: E402
 from fp8core import _tensor  # noqa: E402
 
 
+def _general_read(monkeypatch):
+    """Every jax.Array read through DLPack's device query, as if its sharding were not one CPU device."""
+    sharding = _tensor._jax_sharding
+    monkeypatch.setattr(_tensor, "_jax_sharding", lambda s: (False, sharding(s)[1]))
+
+
 @pytest.fixture(params=["shortcut", "general"])
 def jax_read(request, monkeypatch):
     if request.param == "general":
-        monkeypatch.setattr(_tensor, "_jax_on_cpu", lambda sharding: False)
+        _general_read(monkeypatch)
     return request.param
 
 
@@ -87,7 +93,7 @@ def test_generic_api_on_jax_arrays_same_bits_both_ways(op, monkeypatch):
     got = {}
     for mode in ("shortcut", "general"):
         if mode == "general":
-            monkeypatch.setattr(_tensor, "_jax_on_cpu", lambda sharding: False)
+            _general_read(monkeypatch)
             monkeypatch.setattr(_tensor, "FAST_PATHS", False)
         out = OPS[op](x, s)
         outs = out if isinstance(out, tuple) else (out,)
@@ -102,7 +108,7 @@ def test_deleted_and_sharded_arrays_keep_the_general_paths_errors(monkeypatch):
     messages = []
     for mode in ("shortcut", "general"):
         if mode == "general":
-            monkeypatch.setattr(_tensor, "_jax_on_cpu", lambda sharding: False)
+            _general_read(monkeypatch)
         with pytest.raises(Exception) as info:
             fp8core.amax(x)
         messages.append((type(info.value), str(info.value)))

@@ -4,6 +4,11 @@
 JAX arrays are immutable, so where the core accumulates into an amax slot these functions return the amax
 instead; scales and amaxes are float32 [1] arrays. Under ``vmap`` the callbacks run once per batch element
 (``vmap_method="sequential"``). Across devices, reduce amaxes with :func:`reduce_amax` inside ``shard_map``.
+
+Placement is XLA's, eager calls included (each is a cached ``jax.jit``): the callback runs on the device the
+computation runs on and writes XLA's buffers there, so results land where XLA puts them (x's device for a
+committed x, or where ``in_shardings``/``out_shardings`` say), and XLA refuses arguments committed to two
+devices with its own error.
 """
 
 from __future__ import annotations

@@ -360,6 +360,25 @@ def _torch_stream(obj: Any) -> int | None:
     return handle or 1  # DLPack forbids 0 for CUDA: 1 names the legacy default stream
 
 
+def _consumer_stream(obj: Any) -> int | None:
+    """For an array on a CUDA device, the stream fp8core's kernels will read it on, so that its producer orders
+    its pending work before them on the GPU. With no stream named, the DLPack convention is a producer that
+    synchronises with the legacy default stream, and JAX blocks the host until the array is ready: a hidden
+    host synchronisation on every call."""
+    try:
+        device_type, device = obj.__dlpack_device__()
+    except Exception:  # no such method, or one that fails: import_dlpack reports the object as it is
+        return None
+    if device_type not in (CUDA, CUDA_MANAGED):
+        return None
+    from .backends import cuda
+
+    try:
+        return cuda.consumer_stream(device) or 1  # DLPack forbids 0 for CUDA: 1 names the legacy default stream
+    except cuda.cupy.cuda.runtime.CUDARuntimeError:  # no usable driver: no kernel will read it; the call fails
+        return None                                  # later with the backend's own error (or a device check's)
+
+
 def _from_dlpack(obj: Any, arg: str) -> Tensor:
     origin = _origin(obj)
     stream = None
@@ -369,6 +388,8 @@ def _from_dlpack(obj: Any, arg: str) -> Tensor:
         stream = _torch_stream(obj)
     elif isinstance(obj, np.ndarray):
         _numpy_dtype_name(obj.dtype, arg)  # byte order: NumPy's exporter refuses it with a vaguer message
+    else:
+        stream = _consumer_stream(obj)
     try:
         view = import_dlpack(obj, stream=stream, arg=arg)
     except (BufferError, RuntimeError) as e:

@@ -1,10 +1,12 @@
-"""The DLPack exporter orders a consumer's stream after the producer's (an event), without a GPU: the CUDA
-runtime calls are recorded by a stand-in."""
+"""The DLPack exporter orders a consumer's stream after the producer's (an event), and the importer names its
+own stream to CUDA producers (JAX blocks the host without one), without a GPU: the CUDA runtime calls are
+recorded by stand-ins."""
 
 import pytest
 
+import fp8core
 from fp8core import _dlpack
-from fp8core._dlpack import CPU, CUDA, Exporter
+from fp8core._dlpack import CPU, CUDA, CUDA_MANAGED, Exporter
 
 
 @pytest.fixture
@@ -36,3 +38,57 @@ def test_legacy_default_producer(waits):
     _export(0).__dlpack__(stream=1)  # both name the legacy default stream
     _export(0).__dlpack__(stream=9)
     assert waits == [(9, 0, 1)]
+
+
+class _Producer:
+    """A DLPack producer that records the stream it is asked for and refuses to export (no GPU here)."""
+
+    def __init__(self, device_type, device):
+        self.device, self.asked = (device_type, device), []
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, **kwargs):
+        self.asked.append(kwargs.get("stream", "not named"))
+        raise BufferError("stand-in")
+
+
+class _JaxProducer(_Producer):
+    pass
+
+
+_JaxProducer.__module__ = "jaxlib.xla_extension"  # what fp8core reads to tell a JAX array
+
+
+@pytest.mark.parametrize("kind", [_Producer, _JaxProducer])
+@pytest.mark.parametrize("device_type", [CUDA, CUDA_MANAGED])
+@pytest.mark.parametrize("current,named", [(0, 1), (7, 7), (2, 2)])
+def test_a_cuda_producer_is_told_the_stream_fp8core_reads_on(monkeypatch, kind, device_type, current, named):
+    """Named: CuPy's current stream on the array's device (or the front-ends' override); 0, CuPy's null
+    stream, is named 1, the legacy default, as DLPack wants."""
+    from fp8core.backends import cuda
+
+    devices = []
+    monkeypatch.setattr(cuda, "consumer_stream", lambda device: devices.append(device) or current)
+    x = kind(device_type, 3)
+    with pytest.raises(TypeError, match="x: could not be read through DLPack: stand-in"):
+        fp8core.amax(x)
+    assert devices == [3] and x.asked and set(x.asked) == {named}
+
+
+def test_the_front_ends_override_is_the_stream_named(monkeypatch):
+    from fp8core.backends import cuda
+
+    monkeypatch.setattr(cuda.cupy.cuda, "get_current_stream", lambda device: pytest.fail("override ignored"))
+    x = _Producer(CUDA, 0)
+    with cuda.launch_stream(1234), pytest.raises(TypeError, match="stand-in"):
+        fp8core.amax(x)
+    assert set(x.asked) == {1234}
+
+
+def test_a_cpu_producer_is_named_no_stream():
+    x = _Producer(CPU, 0)
+    with pytest.raises(TypeError, match="stand-in"):
+        fp8core.amax(x)
+    assert x.asked and set(x.asked) == {"not named"}

@@ -91,6 +91,15 @@ def _stream(t: Tensor) -> int:
 _torch_stream: Callable[[int], int] | None = None
 
 
+def consumer_stream(device: int) -> int:
+    """The raw handle of the stream a call on a non-torch array of CUDA ``device`` launches on (see _stream):
+    what fp8core names as the consumer's stream when it imports such an array through DLPack."""
+    override = _stream_override.get()
+    if override is not None:
+        return override
+    return cupy.cuda.get_current_stream(device).ptr
+
+
 def _torch_current_stream() -> Callable[[int], int]:
     """device -> torch's current stream handle. torch._C._cuda_getCurrentRawStream (what torch's own compiled
     code calls) returns the handle without making a Stream object; the public API where it is missing."""

@@ -176,7 +176,7 @@ def test_torch_callers_are_not_asked(dev):
 # ---- a Python number made into a device array (ops._new_f32 -> cuda.device_f32) ---------------------------
 
 @pytest.mark.parametrize("arg", ["scale", "scale_inv", "a_scale_inv", "b_scale_inv", "out_scale", "previous"])
-def test_python_float_refused_inside_a_cupy_capture(dev, arg):
+def test_python_number_refused_inside_a_cupy_capture(dev, arg):
     dev.capturing()
     with pytest.raises(ValueError, match=f"^{arg}: a Python number becomes a device temporary that a graph captured "
                                          "with CuPy would read after it is freed; pass a 1-element float32 CuPy"):
@@ -184,13 +184,13 @@ def test_python_float_refused_inside_a_cupy_capture(dev, arg):
     assert dev.kinds() == ["is_capturing"], "refused before anything is allocated or launched"
 
 
-def test_python_float_outside_a_capture_unchanged(dev):
+def test_python_number_outside_a_capture_unchanged(dev):
     out = ops._new_f32([0.5], gpu_tensor((8,)), "scale")
     assert dev.kinds() == ["is_capturing", "alloc", "fill_kernel"]
     assert dev.log[2][2] == (out.data.ptr, int(np.float32(0.5).view(np.uint32)), 1)
 
 
-def test_python_float_for_a_torch_caller_inside_a_capture(dev):
+def test_python_number_for_a_torch_caller_inside_a_capture(dev):
     dev.capturing()
     ops._new_f32([0.5], gpu_tensor((8,), origin="torch"), "scale")
     assert dev.kinds() == ["alloc", "fill_kernel"] and dev.allocs()[0][3] == "torch"
@@ -342,18 +342,18 @@ def _bits(a):
 
 @contextlib.contextmanager
 def _captured(cp, stream, graphs):
-    """Capture on ``stream`` (the capture is ended even when the body raises); the graph goes into ``graphs``.
-    A memset of an array made before the capture comes first, so that a refused call still ends a graph that is
-    not empty."""
+    """Capture on ``stream`` (ended even when the body raises); ``(graph, first)`` goes into ``graphs``: ``first``
+    is an array the graph's first node writes (so that a refused call still ends a graph that is not empty), kept
+    with the graph as every array a graph touches must be."""
     first = cp.zeros(1, cp.uint32)
-    stream.synchronize()
+    cp.cuda.Device().synchronize()
     with stream:
         stream.begin_capture()
         try:
             first.fill(1)
             yield
         finally:
-            graphs.append(stream.end_capture())
+            graphs.append((stream.end_capture(), first))
 
 
 def _crowd(cp, stream, sizes=(1, 2, 4, 36, 64, 256, 1024, 1 << 16)):
@@ -370,7 +370,7 @@ def _data(cp, n, seed):
 
 
 @requires_gpu
-def test_gpu_python_float_refused_inside_a_cupy_capture(cp):
+def test_gpu_python_number_refused_inside_a_cupy_capture(cp):
     x = _data(cp, 4096, 0)
     fp8core.quantize(x, 2.0)  # compiled and planned outside the capture
     stream, graphs = cp.cuda.Stream(non_blocking=True), []
@@ -387,7 +387,8 @@ def test_gpu_python_float_refused_inside_a_cupy_capture(cp):
 def test_gpu_captured_calls_survive_later_allocations(cp, given):
     """quantize_dynamic (results returned, or all three given as out=), quantize and cast_transpose with device
     scales, amax: captured with CuPy, then the capture stream allocates a crowd of sentinel arrays, then 5
-    replays on new data; each replay's results equal the same calls made eagerly, and no sentinel changed."""
+    replays on new data; each replay's results equal the same calls made eagerly (where quantize_dynamic takes
+    its one cooperative launch), and no sentinel changed."""
     n = 3 * 4096 + 5
     x = _data(cp, n, 1)
     x2 = x[: 96 * 128].reshape(96, 128)
@@ -405,11 +406,13 @@ def test_gpu_captured_calls_survive_later_allocations(cp, given):
     stream.synchronize()
     with _captured(cp, stream, graphs):
         captured = step()
-    graph = graphs[-1]
+    graph = graphs[-1][0]
     crowd = _crowd(cp, stream)
     for replay in range(5):
         with stream:
             x[...] = _data(cp, n, 100 + replay)
+            if replay == 3:
+                x[7] = float("nan")  # amax NaN: no new scale, 1.0 (both quantize_dynamic paths)
             graph.launch()
             got = [_bits(r).copy() for r in captured]
             want = [_bits(r) for r in step()]

@@ -319,11 +319,21 @@ def test_step_counter_and_scale_rule_allocate_like_the_caller(dev, origin):
     fail it); nobody's from CuPy's pool behind the caller's back."""
     counter = cuda.step_counter(2, gpu_tensor((4, 2), origin=origin))
     assert counter.shape == (2,) and dev.allocs() == [("alloc", (2,), "int32", origin)]
-    assert dev.kinds() == ["alloc", "fill_kernel", "fill_kernel"]
+    assert dev.kinds() == ["is_capturing", "alloc", "fill_kernel", "fill_kernel"]
     dev.log.clear()
     s, s_inv, ok = cuda.scale_rule(gpu_tensor((3,), origin=origin), scalar_array().data, 0, False, 0.0)
     assert [e[1:] for e in dev.allocs()] == [((3,), "bool", origin), ((3,), "float32", origin),
                                               ((3,), "float32", origin)]
+
+
+@pytest.mark.parametrize("origin", ["torch", "cupy"])
+def test_step_counter_is_not_made_inside_any_capture(dev, origin):
+    """Its setting (two fills) would be replayed with the graph, restarting the interval at every replay."""
+    dev.capturing()
+    with pytest.raises(ValueError, match=r"^interval: the update's device counter .* call update\(\) once before "
+                                         "capturing"):
+        cuda.step_counter(2, gpu_tensor((4, 2), origin=origin))
+    assert dev.kinds() == ["is_capturing"]
 
 
 # ---- on a GPU: capture with CuPy, allocate afterwards, replay, compare with an uncaptured twin ---------------
@@ -437,3 +447,17 @@ def test_gpu_block_gemm_refused_inside_a_cupy_capture(cp):
     with pytest.raises(ValueError, match="^a, b: a block-scaled GEMM"):
         with _captured(cp, stream, graphs):
             fp8core.gemm(a, b, out_dtype="bfloat16")
+
+
+@requires_gpu
+def test_gpu_first_update_with_an_interval_refused_inside_a_capture(cp):
+    st = fp8core.ScalingState(2, fp8core.DelayedScaling(amax_history_len=2, interval=3), device="cuda")
+    stream, graphs = cp.cuda.Stream(non_blocking=True), []
+    with pytest.raises(ValueError, match="^interval: the update's device counter"):
+        with _captured(cp, stream, graphs):
+            st.update()
+    assert st.steps == 0
+    with stream:
+        st.update()  # made outside the capture, the counter then advances on the device in every replay
+    stream.synchronize()
+    assert st.steps == 1

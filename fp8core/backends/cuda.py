@@ -533,6 +533,12 @@ def step_counter(step: int, like: Any) -> Any:
     t = _array_tensor(like)
     with _On(t.device[1]):
         stream = _stream(t)
+        if _runtime.streamIsCapturing(stream):
+            # The fills below would become graph nodes (torch's capture or CuPy's alike): every replay would reset
+            # the counter and the interval would never advance. Asked only when a counter is made (rarely).
+            raise ValueError("interval: the update's device counter is set from steps at the first update (and "
+                             "after steps changes); inside a CUDA graph capture every replay would reset it, so "
+                             "call update() once before capturing")
         counter = _empty((2,), np.int32, t)
         _fill(counter[:1].view(np.uint32), int(step), t.device[1], stream)
         _fill(counter[1:].view(np.uint32), 0, t.device[1], stream)

@@ -63,7 +63,7 @@ bench/results/gpu-<date>/, copy gpu-verified.json to bench/results/, and commit 
 #    Blackwell GPU, that 1x128/128x128 GEMMs are refused by name (cublaslt._block_scales: sm_90 only, from
 #    torch PR #188996 and TE's MXFP8 emulation) rather than supported by a newer cuBLASLt.
 # 8. CuPy's own capture: tests/test_cupy_capture.py -k gpu (replays equal eager, arrays allocated after the capture
-#    stay untouched; quantize_dynamic's two-pass path, taken there, must equal its cooperative kernel bit for bit).
+#    stay untouched; quantize_dynamic's two-pass path, taken there with out=, must equal its cooperative kernel).
 
 from __future__ import annotations
 

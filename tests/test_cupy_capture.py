@@ -227,27 +227,39 @@ def test_public_calls_name_their_argument(dev):
 
 # ---- quantize_dynamic: no workspace inside a CuPy capture --------------------------------------------------
 
-def test_quantize_dynamic_outside_a_capture_is_one_cooperative_launch(dev):
+@pytest.mark.parametrize("capturing", [False, True])
+@pytest.mark.parametrize("given", [(False, False), (True, False), (False, True)])
+def test_quantize_dynamic_whose_workspace_holds_a_result_is_one_cooperative_launch(dev, capturing, given):
+    """The workspace holds the amax and/or scale_inv returned, so the caller holds it: no capture query."""
+    dev.capturing(capturing)
     x = gpu_tensor((1 << 16,))
-    q, s_inv, a = cuda.quantize_dynamic(x, Format.E4M3, 0, False, 0.0, None)
-    assert dev.kinds() == ["alloc", "is_capturing", "alloc", "memset", "quantize_dynamic_kernel"]
+    outs = (None, scalar_array(0xC10000).data if given[0] else None, scalar_array(0xC20000).data if given[1] else None)
+    q, s_inv, a = cuda.quantize_dynamic(x, Format.E4M3, 0, False, 0.0, None, out=outs)
+    assert dev.kinds() == ["alloc", "alloc", "memset", "quantize_dynamic_kernel"]
     ws = dev.allocs()[1]
     assert ws[1:3] == ((4 + 32,), "uint32"), "[amax, scale_inv, barrier x2, a partial per block]"
     assert dev.log[-1][4] is True, "cooperative"
     assert (a.data.ptr, s_inv.data.ptr) == (dev.log[-1][2][3], dev.log[-1][2][4])
+    assert (s_inv is outs[1] or outs[1] is None) and (a is outs[2] or outs[2] is None)
 
 
-@pytest.mark.parametrize("given", [(False, False), (True, True), (True, False)])
-def test_quantize_dynamic_inside_a_cupy_capture_makes_no_temporary(dev, given):
-    """Every array written is a result the caller holds: amax (given or returned), scale_inv (given or returned),
-    q; the amax goes straight into its slot (no copy from a temporary)."""
+def test_quantize_dynamic_into_given_slots_outside_a_capture_is_one_cooperative_launch(dev):
+    outs = (None, scalar_array(0xC10000).data, scalar_array(0xC20000).data)
+    cuda.quantize_dynamic(gpu_tensor((1 << 16,)), Format.E4M3, 0, False, 0.0, None, out=outs)
+    assert dev.kinds() == ["alloc", "is_capturing", "alloc", "memset", "quantize_dynamic_kernel"]
+
+
+@pytest.mark.parametrize("q_given", [False, True])
+def test_quantize_dynamic_into_given_slots_inside_a_cupy_capture_makes_no_temporary(dev, q_given):
+    """amax and scale_inv given: the workspace would be a pure temporary, so the two-launch path, which writes
+    only results (the amax straight into its slot, no copy from a temporary)."""
     dev.capturing()
     x = gpu_tensor((1 << 16,))
-    outs = (gpu_tensor((1 << 16,), "uint8", ptr=0xC00000).data,
-            scalar_array(0xC10000).data if given[0] else None, scalar_array(0xC20000).data if given[1] else None)
+    outs = (gpu_tensor((1 << 16,), "uint8", ptr=0xC00000).data if q_given else None, scalar_array(0xC10000).data,
+            scalar_array(0xC20000).data)
     q, s_inv, a = cuda.quantize_dynamic(x, Format.E4M3, 0, False, 0.0, None, out=outs)
-    assert q is outs[0] and (s_inv is outs[1] or outs[1] is None) and (a is outs[2] or outs[2] is None)
-    assert len(dev.allocs()) == given.count(False), "only the results not given are allocated"
+    assert (s_inv, a) == outs[1:] and (q is outs[0] or not q_given)
+    assert len(dev.allocs()) == (0 if q_given else 1), "only q, when not given"
     assert [k for k in dev.kinds() if k != "alloc"] == ["is_capturing", "memset", "amax_kernel", "quantize_kernel"]
     memset, amax_launch, quantize_launch = [e for e in dev.log if e[0] in ("memset", "launch")]
     assert memset[1] == a.data.ptr and amax_launch[2][1] == a.data.ptr
@@ -259,7 +271,8 @@ def test_quantize_dynamic_inside_a_cupy_capture_makes_no_temporary(dev, given):
 
 def test_quantize_dynamic_for_a_torch_caller_inside_a_capture_keeps_its_one_launch(dev):
     dev.capturing()
-    cuda.quantize_dynamic(gpu_tensor((1 << 16,), origin="torch"), Format.E4M3, 0, False, 0.0, None)
+    outs = (None, scalar_array(0xC10000).data, scalar_array(0xC20000).data)
+    cuda.quantize_dynamic(gpu_tensor((1 << 16,), origin="torch"), Format.E4M3, 0, False, 0.0, None, out=outs)
     assert dev.kinds() == ["alloc", "alloc", "memset", "quantize_dynamic_kernel"]
 
 
@@ -395,10 +408,10 @@ def test_gpu_python_number_refused_inside_a_cupy_capture(cp):
 @requires_gpu
 @pytest.mark.parametrize("given", [False, True], ids=["returned", "out"])
 def test_gpu_captured_calls_survive_later_allocations(cp, given):
-    """quantize_dynamic (results returned, or all three given as out=), quantize and cast_transpose with device
-    scales, amax: captured with CuPy, then the capture stream allocates a crowd of sentinel arrays, then 5
-    replays on new data; each replay's results equal the same calls made eagerly (where quantize_dynamic takes
-    its one cooperative launch), and no sentinel changed."""
+    """quantize_dynamic (results returned: its cooperative launch, whose workspace the returned amax holds; or all
+    three given as out=: its two-launch path), quantize and cast_transpose with device scales, amax: captured
+    with CuPy, then the capture stream allocates a crowd of sentinel arrays, then 5 replays on new data; each
+    replay's results equal the same calls made eagerly (the cooperative launch), and no sentinel changed."""
     n = 3 * 4096 + 5
     x = _data(cp, n, 1)
     x2 = x[: 96 * 128].reshape(96, 128)

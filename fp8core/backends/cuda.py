@@ -323,10 +323,11 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
     with _On(device):
         stream = _stream(x)
         q = _empty(x.shape, np.uint8, x) if q_out is None else q_out
-        # Inside a CuPy capture the cooperative kernel's workspace (barrier words, per-block partials) would be a
-        # temporary the graph outlives; this path makes none (every array it writes is a result), at the cost
-        # of one more launch, which a graph replays cheaply.
-        if reduce is not None or x.size == 0 or _cupy_capture(x, stream):
+        # The cooperative kernel's workspace (below) is also the storage of the amax and scale_inv it returns, so
+        # the caller holds it, unless both are given as out=: then, inside a CuPy capture, it would be a temporary
+        # the graph outlives. This path makes none (every array it writes is a result), for one more launch.
+        if reduce is not None or x.size == 0 or (a_out is not None and s_inv_out is not None
+                                                 and _cupy_capture(x, stream)):
             # Distributed: amax, the group's MAX-reduce, then one quantize that makes the scale in every block.
             a = _empty((1,), np.float32, x) if a_out is None else a_out
             _amax_into(x, a, device, stream)

@@ -3,7 +3,8 @@ temporaries. CuPy's memory pool does nothing special during a capture: a tempora
 to the stream's free list, the next allocation gets it, and every replay reads or writes that array. So every CUDA
 path that would make one for a CuPy caller inside a capture either makes none (quantize_dynamic) or refuses by
 name (a Python-number scale, block scales laid out for cuBLASLt); torch callers allocate through torch, whose
-torch.cuda.graph keeps its capture's memory.
+torch.cuda.graph keeps its capture's memory. The update's interval counter is not made inside any capture (its
+setting would be replayed).
 
 The CPU tests stand in for the device (allocations, launches and the capture query are recorded); the GPU tests
 capture with CuPy, allocate afterwards, replay, and compare bits with an uncaptured twin.
@@ -11,6 +12,7 @@ capture with CuPy, allocate afterwards, replay, and compare bits with an uncaptu
 
 import contextlib
 import math
+import types
 
 import numpy as np
 import pytest
@@ -130,15 +132,11 @@ def dev(monkeypatch):
     monkeypatch.setattr(cuda_blocks, "_plan", plan)
     monkeypatch.setattr(ops, "_cuda", cuda)
 
-    class Dev:
-        pass
-
-    d = Dev()
-    d.log = log
-    d.capturing = lambda status=CAPTURE_ACTIVE: setattr(runtime, "status", status)
-    d.kinds = lambda: [e[0] if e[0] != "launch" else e[1] for e in log]
-    d.allocs = lambda: [e for e in log if e[0] == "alloc"]
-    return d
+    return types.SimpleNamespace(
+        log=log,
+        capturing=lambda status=CAPTURE_ACTIVE: setattr(runtime, "status", status),
+        kinds=lambda: [e[0] if e[0] != "launch" else e[1] for e in log],
+        allocs=lambda: [e for e in log if e[0] == "alloc"])
 
 
 def gpu_tensor(shape, dtype="float32", origin="cupy", ptr=0x900000):

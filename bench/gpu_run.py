@@ -64,6 +64,8 @@ bench/results/gpu-<date>/, copy gpu-verified.json to bench/results/, and commit 
 # 7. Not on Hopper: MXFP8 GEMM and the sm_100f/sm_120f kernels (the "mx" rows skip or check the refusal); on a
 #    Blackwell GPU, that 1x128/128x128 GEMMs are refused by name (cublaslt._block_scales: sm_90 only, from
 #    torch PR #188996 and TE's MXFP8 emulation) rather than supported by a newer cuBLASLt.
+# 8. CuPy's own capture: tests/test_cupy_capture.py -k gpu (replays equal eager, arrays allocated after the capture
+#    stay untouched; quantize_dynamic's two-pass path, taken there with out=, must equal its cooperative kernel).
 
 from __future__ import annotations
 

@@ -92,11 +92,12 @@ def _host_f32(values: Any) -> np.ndarray:
         return np.asarray(values, dtype=np.float32).reshape(-1)
 
 
-def _new_f32(values: Any, like: Tensor) -> Any:
+def _new_f32(values: Any, like: Tensor, arg: str | None = None) -> Any:
+    """``arg``: the argument whose Python number this is (a device temporary: refused inside a CuPy capture)."""
     host = _host_f32(values)
     if not like.is_cuda:
         return host
-    return _backend(like).device_f32(host, like)  # on the caller's stream, capture-safe
+    return _backend(like).device_f32(host, like, arg)  # on the caller's stream
 
 
 def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x", copy: bool = False) -> Any:
@@ -107,7 +108,7 @@ def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x", copy: bool = False) 
         # fp32 normals (and 0) convert the same in any floating-point mode; the rest go through the guard
         if (_F32_MIN_NORMAL <= abs(obj) <= _F32_MAX or obj == 0) and x.device[0] == "cpu":
             return np.array([obj], np.float32)
-        return _new_f32([obj], x)
+        return _new_f32([obj], x, arg)
     if tp is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu":
         return obj if obj.ndim == 1 else obj.reshape(-1)  # a native fp32 element: nothing the checks would refuse
     torch = _tensor._torch
@@ -389,7 +390,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
     prev = None
     if previous is not None:
         if isinstance(previous, (float, int, np.floating, np.integer)) and not isinstance(previous, bool):
-            prev = _new_f32([_checks.scale_value(previous, "previous")], t)
+            prev = _new_f32([_checks.scale_value(previous, "previous")], t, "previous")
         else:
             pt = _f32_vector(previous, t, "previous", "amax")
             prev = pt.data

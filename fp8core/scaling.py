@@ -306,7 +306,7 @@ class ScalingState:
                 h, s, si, fm, nf, margin, algo, eps = check_update_args(
                     H, scale, scale_inv, self.fp8_max, self.non_finite, r.margin, r.amax_compute_algo, r.epsilon)
                 backends.for_device(self.device).update(h.data, s, si, fm, margin, algo, r.power_of_2, eps,
-                                                        update_scale, nf, **self._device_step(h.data))
+                                                        update_scale, nf, **self._device_step(t))
         self.steps += 1
 
     def _device_step(self, like: Any) -> dict[str, Any]:

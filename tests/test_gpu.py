@@ -248,19 +248,21 @@ def test_torch_side_stream(rng):
 
 
 def test_graph_capture_replays_equal_eager(cp, rng):
-    """quantize_dynamic, cast_transpose, multi_quantize (with a Python-float scale upload) and the update with
-    interval 3, captured once and replayed 10 times on new data, against the same calls made eagerly."""
+    """quantize_dynamic, cast_transpose, multi_quantize and the update with interval 3, captured once and replayed
+    10 times on new data, against the same calls made eagerly. Every scale is a device array the test keeps (a
+    Python number is refused inside a CuPy capture: tests/test_cupy_capture.py)."""
     recipe = fp8core.DelayedScaling(amax_history_len=4, interval=3)
     st = fp8core.ScalingState(3, recipe, device="cuda")
     x = cp.asarray(data((3000, 256), np.float32, rng))
     small = cp.asarray(data((5,), np.float16, rng))
     scales = cp.asarray(np.array([0.5, 2.0], np.float32))
+    s075 = cp.asarray(np.array([0.75], np.float32))
     stream = cp.cuda.Stream(non_blocking=True)
 
     def step(state):
         q = state.quantize(x, 0)
         qd, si, a = fp8core.quantize_dynamic(x, "e4m3")
-        qc, qt = fp8core.cast_transpose(x, 0.75, "e5m2")
+        qc, qt = fp8core.cast_transpose(x, s075, "e5m2")
         qs = fp8core.multi_quantize([x, small], scales, "e4m3", amax_out=state.amax_history[0, 1:3])
         state.update()
         return [q, qd, si, a, qc, qt, *qs]

@@ -8,7 +8,9 @@ Arrays here are CuPy arrays in storage dtype (uint8 fp8, uint16 bf16). Every cal
 - launches through the driver with the arguments packed once (``_Plan``: the function, its argument layout
   and its occupancy-limited grid are cached per device, kernel and conversion path).
 Nothing synchronises with the host, and nothing a call leaves behind is shared between streams or threads,
-so calls can run concurrently and be captured in CUDA graphs.
+so calls can run concurrently and be captured in CUDA graphs. Inside CuPy's own capture no device temporary may
+be made (CuPy's pool would hand it to the next allocation while the graph still reads it): such calls take a
+path without one or are refused by name (:func:`_cupy_capture`).
 """
 
 from __future__ import annotations
@@ -237,23 +239,43 @@ def _empty(shape: Any, dtype: Any, t: Tensor, stream: Any = None) -> Any:
     return cupy.empty(shape, dtype=dtype)
 
 
+def _cupy_capture(t: Tensor, stream: int) -> bool:
+    """Whether a device temporary made now for ``t`` would be freed while a graph still reads it: ``stream`` is
+    capturing and the temporary would come from CuPy's pool. CuPy's pool does nothing special during a capture
+    (no graph-owned memory, no refusal): a block freed after the call goes back to the stream's free list and the
+    next allocation gets it, and every replay of the graph then reads or writes that array. torch.cuda.graph keeps
+    its capture's allocations in the graph's private pool until the graph is freed, so torch callers (whose
+    temporaries come from torch, see :func:`_empty`) are safe. Asked only where a temporary is about to be made;
+    cudaStreamIsCapturing is a host-side query (no synchronisation). CuPy raises on a capture already invalidated
+    (its end_capture would fail anyway)."""
+    return t.origin != "torch" and bool(_runtime.streamIsCapturing(stream))
+
+
 def _fill(out: Any, bits: int, device: int, stream: int) -> None:
     if out.size:
         plan = _plan(device, "update.cu", "fp8core::fill_kernel")
         plan.launch(plan.grid(out.size, 1), _THREADS, (out.data.ptr, bits, out.size), stream)
 
 
-def device_f32(values: Any, like: Tensor) -> Any:
+def device_f32(values: Any, like: Tensor, arg: str | None = None) -> Any:
     """Host values as a float32 device array on like's device, written on the caller's stream.
 
     One value, or equal values, travel as a kernel parameter (no host-to-device copy, so this can be captured in
     a CUDA graph and is ordered with the caller's work); other lists are copied on the same stream.
+    ``arg``: the argument a temporary stands for (a Python-number scale): refused inside a CuPy capture, which
+    would outlive it (see :func:`_cupy_capture`). None: the array is the caller's result.
     """
     with np.errstate(over="ignore"):
         host = np.asarray(values, dtype=np.float32).reshape(-1)
     device = like.device[1]
     with _On(device):
         stream = _stream(like)
+        if arg is not None and _cupy_capture(like, stream):
+            # No owner could keep it alive as long as the graph (a cache keyed by value would grow without
+            # bound), and the caller can make the array once and keep it: so refuse.
+            raise ValueError(f"{arg}: a Python number becomes a device temporary that a graph captured with CuPy "
+                             "would read after it is freed; pass a 1-element float32 CuPy array and keep it as "
+                             "long as the graph")
         out = _empty(host.shape, np.float32, like)
         bits = host.view(np.uint32)
         if host.size == 0 or (bits == bits[0]).all():
@@ -266,15 +288,19 @@ def device_f32(values: Any, like: Tensor) -> Any:
 
 # ---- amax and quantize ------------------------------------------------------------------------------------
 
+def _amax_into(x: Tensor, out: Any, device: int, stream: int) -> None:
+    _runtime.memsetAsync(out.data.ptr, 0, 4, stream)
+    if x.size:
+        plan = _plan(device, "quantize.cu", f"fp8core::amax_kernel<{_T[x.dtype]}>")
+        plan.launch(plan.grid(x.size), _THREADS, (x.data.data.ptr, out.data.ptr, x.size), stream)
+
+
 def amax(x: Tensor) -> Any:
     device = x.device[1]
     with _On(device):
         stream = _stream(x)
         out = _empty((1,), np.float32, x)
-        _runtime.memsetAsync(out.data.ptr, 0, 4, stream)
-        if x.size:
-            plan = _plan(device, "quantize.cu", f"fp8core::amax_kernel<{_T[x.dtype]}>")
-            plan.launch(plan.grid(x.size), _THREADS, (x.data.data.ptr, out.data.ptr, x.size), stream)
+        _amax_into(x, out, device, stream)
         return out
 
 
@@ -306,12 +332,14 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
     with _On(device):
         stream = _stream(x)
         q = _empty(x.shape, np.uint8, x) if q_out is None else q_out
-        if reduce is not None or x.size == 0:
+        # The cooperative kernel's workspace (below) is also the storage of the amax and scale_inv it returns, so
+        # the caller holds it, unless both are given as out=: then, inside a CuPy capture, it would be a temporary
+        # the graph outlives. This path makes none (every array it writes is a result), for one more launch.
+        if reduce is not None or x.size == 0 or (a_out is not None and s_inv_out is not None
+                                                 and _cupy_capture(x, stream)):
             # Distributed: amax, the group's MAX-reduce, then one quantize that makes the scale in every block.
-            a = amax(x)
-            if a_out is not None:
-                _runtime.memcpyAsync(a_out.data.ptr, a.data.ptr, 4, _runtime.memcpyDeviceToDevice, stream)
-                a = a_out
+            a = _empty((1,), np.float32, x) if a_out is None else a_out
+            _amax_into(x, a, device, stream)
             if reduce is not None:
                 reduce(a)
             s_inv = _empty((1,), np.float32, x) if s_inv_out is None else s_inv_out
@@ -487,7 +515,7 @@ def scale_rule(amax: Any, fp8_max: Any, margin: int, power_of_2: bool, epsilon: 
     """(scale, scale_inv, ok) elementwise, for the array path of callable recipes."""
     t = _array_tensor(amax)
     with _On(t.device[1]):
-        ok = cupy.empty(amax.shape, dtype=cupy.bool_)
+        ok = _empty(amax.shape, np.bool_, t)
         s, s_inv = _scale_launch(t, fp8_max, 0.0, margin, power_of_2, epsilon, None, ok, _stream(t))
         return s, s_inv, ok
 
@@ -509,11 +537,19 @@ def update(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, margin: int, 
 
 
 def step_counter(step: int, like: Any) -> Any:
-    """The device counter of :func:`update` (int32 [step, 0]) on like's device, written on the launch stream."""
+    """The device counter of :func:`update` (int32 [step, 0]) on like's device, written on the launch stream.
+    like: the state's buffer as a Tensor (a torch buffer's counter then comes from torch, so it can be made inside
+    torch.cuda.graph's capture), or a CuPy array. The caller keeps the counter as long as the state."""
     t = _array_tensor(like)
     with _On(t.device[1]):
         stream = _stream(t)
-        counter = cupy.empty(2, dtype=np.int32)
+        if _runtime.streamIsCapturing(stream):
+            # The fills below would become graph nodes (torch's capture or CuPy's alike): every replay would reset
+            # the counter and the interval would never advance. Asked only when a counter is made (rarely).
+            raise ValueError("interval: the update's device counter is set from steps at the first update (and "
+                             "after steps changes); inside a CUDA graph capture every replay would reset it, so "
+                             "call update() once before capturing")
+        counter = _empty((2,), np.int32, t)
         _fill(counter[:1].view(np.uint32), int(step), t.device[1], stream)
         _fill(counter[1:].view(np.uint32), 0, t.device[1], stream)
         return counter
@@ -525,6 +561,8 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
          out_scale: Any | None, out_amax: Any | None, out: Any | None) -> Any:
     from . import cublaslt
 
+    # Inside a CuPy capture: the workspace is kept per (device, stream) for the life of the process, so no graph
+    # outlives it; block scales laid out for cuBLASLt are temporaries, refused in cuda_blocks.layout_for_cublaslt.
     with _On(a.device[1]):
         return cublaslt.gemm(spec, a, b, a_scale_inv, b_scale_inv, bias, out_scale, out_amax, out, _stream(a),
                              _empty)

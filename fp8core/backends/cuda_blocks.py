@@ -16,7 +16,7 @@ import numpy as np
 from .._tensor import Tensor
 from ..formats import Format
 from .cpu_blocks import FP32_BLOCK, MX_BLOCK, inv_fp8_max
-from .cuda import _OUT_STORAGE, _T, _THREADS, _On, _empty, _plan, _ptr, _stream, cupy
+from .cuda import _OUT_STORAGE, _T, _THREADS, _cupy_capture, _On, _empty, _plan, _ptr, _stream, cupy
 
 _FILE = "block_quantize.cu"
 _EMAX = {Format.E4M3: 8, Format.E5M2: 15}
@@ -136,18 +136,25 @@ def gemm_scale(scale: Tensor, kind: str) -> Any:
     """One GEMM operand's block scales ``[rows or row-tiles, K-blocks]`` in the layout cuBLASLt reads (see
     :func:`layout_for_cublaslt`), on the scale's device and the caller's stream: uint8 for "1x32", else float32."""
     with _On(scale.device[1]):
-        return layout_for_cublaslt(scale.data, kind, scale, _stream(scale))
+        return layout_for_cublaslt(scale.data, kind, scale, _stream(scale), temporary=False)
 
 
-def layout_for_cublaslt(scale: Any, kind: str, like: Tensor, stream: int) -> Any:
+def layout_for_cublaslt(scale: Any, kind: str, like: Tensor, stream: int, *, temporary: bool = True) -> Any:
     """:func:`gemm_scale` inside the caller's device guard, on the raw stream handle ``stream``.
 
     "1x32": 128 x 4 swizzled tiles (cuBLAS's "1D block scaling factors layout"), zero padding; flat uint8.
     "1x128": outer-dimension-major, ``[KB, rows]`` contiguous.
     "128x128": row-major ``[row-tiles, KB]`` with each row padded with zeros to a multiple of 4 floats (16 bytes).
+    temporary: the result is the GEMM's own (dropped after the call), not the caller's.
     """
     rows, kgroups = scale.shape
     device = like.device[1]
+    if temporary and _cupy_capture(like, stream):
+        # The captured GEMM would read the layouts after they are freed, and nothing the caller holds could own
+        # them (the output may be the caller's out=, and its memory is not ours to extend): refuse.
+        raise ValueError("a, b: a block-scaled GEMM lays its block scales out for cuBLASLt in device temporaries "
+                         "that a graph captured with CuPy would read after they are freed; capture it with "
+                         "torch.cuda.graph on torch tensors, or make the call outside the capture")
     if kind == "1x32":
         out = _empty((mx_swizzled_size(rows, kgroups),), np.uint8, like)
         if out.size:

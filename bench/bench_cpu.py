@@ -31,11 +31,12 @@ def timeit(fn, repeat: int) -> tuple[float, float, float]:
     return statistics.median(times), q[0], q[3]
 
 
-def interleaved(fns: dict, repeat: int, block: int = 1) -> tuple[dict, float]:
+def interleaved(fns: dict, repeat: int, block: int = 1, ratio: tuple[str, str] = ("ours", "eager")
+                ) -> tuple[dict, float]:
     """Each callable timed in alternating blocks of ``block`` calls (``repeat`` blocks each, after one warm-up
     call), so that a machine whose speed drifts (a shared VM: here torch eager's 16-element quantize ran 18-34 us
     within a minute) slows every candidate alike. Returns {name: (median, p20, p80)} of the blocks' per-call
-    seconds, and the median over blocks of fns["ours"] / fns["eager"] (nan without both)."""
+    seconds, and the median over blocks of fns[ratio[0]] / fns[ratio[1]] (nan without both)."""
     for fn in fns.values():
         fn()
     per = {k: [] for k in fns}
@@ -49,9 +50,10 @@ def interleaved(fns: dict, repeat: int, block: int = 1) -> tuple[dict, float]:
     for k, v in per.items():
         q = statistics.quantiles(v, n=5, method="inclusive")
         stats[k] = (statistics.median(v), q[0], q[3])
-    ratio = statistics.median(a / b for a, b in zip(per["ours"], per["eager"])) if "eager" in per and "ours" in per \
+    top, bottom = ratio
+    r = statistics.median(a / b for a, b in zip(per[top], per[bottom])) if top in per and bottom in per \
         else float("nan")
-    return stats, ratio
+    return stats, r
 
 
 def _torch_dynamic(torch, tx):

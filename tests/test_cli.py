@@ -331,6 +331,26 @@ def test_bench_percentiles_contain_the_median():
         assert p20 <= med <= p80, (repeat, p20, med, p80)
 
 
+def test_bench_ab_compares_two_checkouts_row_by_row(tmp_path):
+    """bench/bench_ab.py against this very checkout as its base: every primitive on both inputs, both timed,
+    the base imported as a separate package (its ratio to itself near 1 is not asserted: timing is noisy)."""
+    import json
+    import os
+    import subprocess
+
+    repo = os.path.join(os.path.dirname(__file__), "..")
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, os.path.join(repo, "bench", "bench_ab.py"), repo, "--repeat", "5",
+                        "--block", "2", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    ops = {"amax", "quantize", "quantize+amax_out", "quantize_dynamic", "dequantize", "transpose",
+           "cast_transpose", "multi_amax"}
+    assert {(row["op"], row["input"]) for row in rows} == {(op, i) for op in ops for i in ("numpy", "torch")}
+    assert all(row["base_us"] > 0 and row["this_us"] > 0 and row["this_over_base"] > 0 for row in rows)
+    assert "this/base" in r.stdout
+
+
 # ---- why there is no GPU, told truthfully ----------------------------------------------------------------------
 
 class _FakeRuntime:

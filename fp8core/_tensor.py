@@ -373,6 +373,8 @@ def _consumer_stream(obj: Any) -> int | None:
         return None
     from .backends import cuda
 
+    if cuda.cupy is None:  # CuPy is not installed: no stream to name (the import goes on to the general error)
+        return None
     try:
         return cuda.consumer_stream(device) or 1  # DLPack forbids 0 for CUDA: 1 names the legacy default stream
     except cuda.cupy.cuda.runtime.CUDARuntimeError:  # no usable driver: no kernel will read it; the call fails

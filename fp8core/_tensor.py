@@ -265,9 +265,9 @@ def _jax_sharding(sharding: Any) -> tuple[bool, Any]:
         if len(devices) == 1:  # a single-device NamedSharding places its array as a SingleDeviceSharding does
             key = (next(iter(devices)), sharding.memory_kind)
             place = _JAX_PLACES.get(key)
-            if place is None:
-                place = _JAX_PLACES[key] = sharding if single else \
-                    jax.sharding.SingleDeviceSharding(key[0], memory_kind=key[1])
+            if place is None:  # setdefault: two threads here at once keep the same one (placements compare by `is`)
+                place = _JAX_PLACES.setdefault(key, sharding if single else
+                                               jax.sharding.SingleDeviceSharding(key[0], memory_kind=key[1]))
         info = (single and next(iter(devices)).platform == "cpu", place)
         if single:  # one per device: the cache stays small
             _JAX_SHARDINGS[sharding] = info

@@ -76,7 +76,9 @@ class Tensor:
 
     def device_str(self) -> str:
         if self.place is not None:
-            return str(next(iter(self.place.device_set)))  # JAX's name: cpu:1, cuda:0
+            name = str(next(iter(self.place.device_set)))  # JAX's name: cpu:1, cuda:0
+            kind = self.place.memory_kind  # arrays in one device's two memories are also refused: tell them apart
+            return name if kind in (None, "device") else f"{name} ({kind} memory)"
         return "cpu" if self.device[0] == "cpu" else f"cuda:{self.device[1]}"
 
 

@@ -41,3 +41,19 @@ def test_a_first_placement_raced_by_another_thread_is_the_same_object(monkeypatc
     q = fp8core.quantize(x, s, "e4m3")  # committed to one device: accepted, and the result stays there
     assert q.committed and q.devices() == {d0}
     np.testing.assert_array_equal(np.asarray(q).astype(np.float32), np.full(8, 2.0, np.float32))
+
+
+def test_same_device_other_memory_kind_is_named_in_the_refusal():
+    """A jax.Array in the device's pinned host memory and one in its device memory: refused (as jax.jit refuses
+    mixing memory spaces), with a message that tells the two apart instead of 'on cpu:0 but x is on cpu:0'."""
+    from jax.sharding import SingleDeviceSharding
+
+    d0 = jax.devices()[0]
+    try:
+        x = jax.device_put(np.ones(8, np.float32), SingleDeviceSharding(d0, memory_kind="pinned_host"))
+    except (ValueError, RuntimeError) as e:  # a backend without that memory kind
+        pytest.skip(f"no pinned_host memory on {d0}: {e}")
+    s = jax.device_put(np.full(1, 2.0, np.float32), d0)
+    with pytest.raises(ValueError, match=rf"^scale: is on {d0} but x is on {d0} \(pinned_host memory\); put them "
+                                         "on the same device$"):
+        fp8core.quantize(x, s, "e4m3")

@@ -61,6 +61,7 @@ bench/results/gpu-<date>/, copy gpu-verified.json to bench/results/, and commit 
 #    False, its default, so XLA keeps it out of CUDA graphs and CuPy's pool may allocate inside it). The generic
 #    API reads a JAX GPU array through DLPack naming CuPy's current stream (_tensor._consumer_stream), so XLA
 #    orders it on the GPU instead of blocking the host: tests/test_interop.py's JAX GPU rows must pass with it.
+#    fp8core.jax's callback buffers are read naming no stream (_tensor._from_jax_buffer), as before.
 # 7. Not on Hopper: MXFP8 GEMM and the sm_100f/sm_120f kernels (the "mx" rows skip or check the refusal); on a
 #    Blackwell GPU, that 1x128/128x128 GEMMs are refused by name (cublaslt._block_scales: sm_90 only, from
 #    torch PR #188996 and TE's MXFP8 emulation) rather than supported by a newer cuBLASLt.

@@ -307,7 +307,9 @@ def _from_jax_buffer(b: Any, arg: str) -> Tensor:
     if b.__dlpack_device__()[0] == CPU:
         arr = np.asarray(b)
         return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), _CPU, "jax", not b.writeable)
-    return _from_dlpack(b, arg)
+    # No stream named: the callback runs on XLA's stream, where the buffer is already ordered, and fp8core
+    # launches on that same stream (launch_stream); what jaxlib's Buffer does with a stream is unverified.
+    return _from_dlpack(b, arg, consumer=False)
 
 
 # ---- DLPack: every other producer -------------------------------------------------------------------------
@@ -383,7 +385,8 @@ def _consumer_stream(obj: Any) -> int | None:
         return None                                  # later with the backend's own error (or a device check's)
 
 
-def _from_dlpack(obj: Any, arg: str) -> Tensor:
+def _from_dlpack(obj: Any, arg: str, consumer: bool = True) -> Tensor:
+    """``consumer``: name fp8core's stream to a CUDA producer (see _consumer_stream)."""
     origin = _origin(obj)
     stream = None
     if origin == "torch":
@@ -392,7 +395,7 @@ def _from_dlpack(obj: Any, arg: str) -> Tensor:
         stream = _torch_stream(obj)
     elif isinstance(obj, np.ndarray):
         _numpy_dtype_name(obj.dtype, arg)  # byte order: NumPy's exporter refuses it with a vaguer message
-    else:
+    elif consumer:
         stream = _consumer_stream(obj)
     try:
         view = import_dlpack(obj, stream=stream, arg=arg)

@@ -92,3 +92,15 @@ def test_a_cpu_producer_is_named_no_stream():
     with pytest.raises(TypeError, match="stand-in"):
         fp8core.amax(x)
     assert x.asked and set(x.asked) == {"not named"}
+
+
+def test_a_jax_callback_buffer_on_a_gpu_is_named_no_stream(monkeypatch):
+    """fp8core.jax's callbacks run on XLA's stream, where their buffers are ordered already: no stream named."""
+    from fp8core import _tensor
+    from fp8core.backends import cuda
+
+    monkeypatch.setattr(cuda, "consumer_stream", lambda device: pytest.fail("a buffer was asked for a stream"))
+    b = _JaxProducer(CUDA, 0)
+    with pytest.raises(TypeError, match="stand-in"):
+        _tensor._from_jax_buffer(b, "x")
+    assert b.asked and set(b.asked) == {"not named"}

@@ -104,3 +104,17 @@ def test_a_jax_callback_buffer_on_a_gpu_is_named_no_stream(monkeypatch):
     with pytest.raises(TypeError, match="stand-in"):
         _tensor._from_jax_buffer(b, "x")
     assert b.asked and set(b.asked) == {"not named"}
+
+
+@pytest.mark.parametrize("device_type", [CUDA, CUDA_MANAGED, CPU])
+def test_no_cupy_no_stream_named_and_the_dlpack_error(monkeypatch, device_type):
+    """CuPy not importable (fp8core[cuda12|cuda13] not installed): no stream named (there is no CuPy stream to
+    name), and the general path's own error, not an AttributeError from inside the stream lookup."""
+    from fp8core.backends import cuda
+
+    monkeypatch.setattr(cuda, "cupy", None)  # what cuda.py leaves when `import cupy` fails
+    monkeypatch.setattr(cuda, "_runtime", None)
+    x = _Producer(device_type, 0)
+    with pytest.raises(TypeError, match="^x: could not be read through DLPack: stand-in$"):
+        fp8core.amax(x)
+    assert x.asked and set(x.asked) == {"not named"}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["cuda_dir", "cuda_sha256", "compile_cubin", "get_function", "KERNELS", "OPTIONS", "cache_dir",
-           "FORCE_SOFT_FP8", "module_options", "arch_options", "FAMILY_ARCHS"]
+           "FORCE_SOFT_FP8", "module_options", "arch_options", "FAMILY_ARCHS", "nvrtc_version"]
 
 # CuPy's RawModule appends -ftz=true and --device-as-default-execution-space to every compile; compile_cubin
 # passes them too so that it compiles what runs. The kernels are written to be immune to -ftz.
@@ -90,11 +90,24 @@ def module_options(soft_fp8: bool) -> tuple[str, ...]:
 # both compiles for the family target. The forced software path never takes it.
 FAMILY_FILES = frozenset({"block_quantize.cu"})
 FAMILY_ARCHS = (100, 103, 110, 120, 121)
+# The first NVRTC that takes each family target: the "f" targets came with CUDA 12.9 (12.8 answers "invalid value
+# for --gpu-architecture"), and sm_110 was sm_101 before CUDA 13.0. The cuda12 extra allows NVRTC 12.4+, so an
+# older NVRTC compiles the generic target, where block_quantize.cu takes its software E8M0 path (same bits).
+FAMILY_MIN_NVRTC = {100: (12, 9), 103: (12, 9), 110: (13, 0), 120: (12, 9), 121: (12, 9)}
+
+
+@lru_cache(maxsize=1)
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC CuPy loaded, read once per process."""
+    major, minor = _nvrtc().getVersion()
+    return int(major), int(minor)
 
 
 def arch_options(filename: str, compute_capability: int, soft_fp8: bool) -> tuple[str, ...]:
-    """The extra -arch option a device of ``compute_capability`` compiles ``filename`` with (or none)."""
-    if filename in FAMILY_FILES and compute_capability in FAMILY_ARCHS and not soft_fp8:
+    """The extra -arch option a device of ``compute_capability`` compiles ``filename`` with (or none): the family
+    target where this NVRTC has it."""
+    if (filename in FAMILY_FILES and compute_capability in FAMILY_ARCHS and not soft_fp8
+            and nvrtc_version() >= FAMILY_MIN_NVRTC[compute_capability]):
         return (f"-arch=sm_{compute_capability}f",)
     return ()
 

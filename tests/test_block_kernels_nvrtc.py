@@ -39,7 +39,8 @@ def test_rceil_uses_the_hardware_conversion_only_where_it_exists(arch, hardware)
 
 
 @pytest.mark.parametrize("cc", _kernels.FAMILY_ARCHS)
-def test_the_loader_asks_for_the_family_target_on_blackwell(cc):
+def test_the_loader_asks_for_the_family_target_on_blackwell(cc, monkeypatch):
+    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: (13, 0))  # whatever NVRTC this machine has
     assert _kernels.arch_options(FILE, cc, soft_fp8=False) == (f"-arch=sm_{cc}f",)
     assert _kernels.arch_options(FILE, cc, soft_fp8=True) == ()  # FP8CORE_FORCE_SOFT_FP8: software everywhere
     assert _kernels.arch_options("quantize.cu", cc, soft_fp8=False) == ()
@@ -73,3 +74,35 @@ def test_cupy_compiles_block_quantize_with_the_family_option(monkeypatch):
                                                     name_expressions=_kernels.KERNELS[FILE])
     assert family[:4] == b"\x7fELF" and set(mapping) == set(_kernels.KERNELS[FILE])
     assert family != generic
+
+
+@pytest.mark.parametrize("version,family", [((12, 4), False), ((12, 8), False), ((12, 9), True), ((13, 0), True)])
+@pytest.mark.parametrize("cc", [100, 120])
+def test_family_target_only_where_nvrtc_has_it(monkeypatch, version, family, cc):
+    """NVRTC before 12.9 refuses -arch=sm_100f/120f ("invalid value for --gpu-architecture"), and the cuda12 extra
+    allows 12.4+: there the generic target, whose software E8M0 path gives the same bits."""
+    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: version)
+    assert _kernels.arch_options(FILE, cc, soft_fp8=False) == ((f"-arch=sm_{cc}f",) if family else ())
+
+
+@pytest.mark.parametrize("version,family", [((12, 9), False), ((13, 0), True)])
+def test_sm110_family_target_needs_cuda13(monkeypatch, version, family):
+    """sm_110 was sm_101 before CUDA 13.0: NVRTC 12.9 has no sm_110f."""
+    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: version)
+    assert _kernels.arch_options(FILE, 110, soft_fp8=False) == (("-arch=sm_110f",) if family else ())
+
+
+def test_nvrtc_version_is_read_once(monkeypatch):
+    from cupy.cuda import nvrtc
+
+    calls = []
+    real = nvrtc.getVersion
+    monkeypatch.setattr(nvrtc, "getVersion", lambda: calls.append(1) or real())
+    _kernels.nvrtc_version.cache_clear()
+    try:
+        first = _kernels.nvrtc_version()
+        for cc in _kernels.FAMILY_ARCHS:
+            _kernels.arch_options(FILE, cc, soft_fp8=False)
+        assert _kernels.nvrtc_version() == first == tuple(real()) and calls == [1]
+    finally:
+        _kernels.nvrtc_version.cache_clear()

@@ -11,7 +11,9 @@ capture with CuPy, allocate afterwards, replay, and compare bits with an uncaptu
 """
 
 import contextlib
+import ctypes
 import math
+import struct
 import types
 
 import numpy as np
@@ -345,6 +347,156 @@ def test_step_counter_is_not_made_inside_any_capture(dev, origin):
                                          "capturing"):
         cuda.step_counter(2, gpu_tensor((4, 2), origin=origin))
     assert dev.kinds() == ["is_capturing"]
+
+
+# ---- the cooperative quantize_dynamic refused by the driver (MPS limits, green contexts) --------------------
+
+REAL_PLAN = cuda._plan
+COOPERATIVE_TOO_LARGE = 720  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE
+
+
+class DriverError(Exception):
+    """Stands in for cupy_backends' CUDADriverError (whose constructor needs libcuda)."""
+
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
+
+
+class FakeDriver:
+    """The driver calls of cuda._Plan: the occupancy answer, and launches decoded from the packed parameter buffer
+    into the log. Cooperative launches of more than ``resident`` blocks are refused, as under an MPS thread limit
+    or in a green context with fewer SMs than the device; ``error`` refuses them with another status."""
+
+    CUDADriverError = DriverError
+
+    def __init__(self, log, per_sm=8, resident=1 << 30, error=COOPERATIVE_TOO_LARGE):
+        self.log, self.per_sm, self.resident, self.error = log, per_sm, resident, error
+        self.functions = {}
+
+    def occupancyMaxActiveBlocksPerMultiprocessor(self, fn, threads, smem):
+        return self.per_sm
+
+    def _args(self, fn, params):
+        name, fmt = self.functions[fn]
+        base = ctypes.c_void_p.from_address(params).value  # the first argument's address is the buffer's
+        return name, struct.unpack(fmt, ctypes.string_at(base, struct.calcsize(fmt)))
+
+    def launchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        name, args = self._args(fn, params)
+        self.log.append(("launch", name, args, stream, False, gx))
+
+    def launchCooperativeKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params):
+        name, args = self._args(fn, params)
+        if gx > self.resident:
+            self.log.append(("refused", name, gx))
+            raise DriverError(self.error)
+        self.log.append(("launch", name, args, stream, True, gx))
+
+
+SMS = 132
+
+
+@pytest.fixture
+def drv(dev, monkeypatch):
+    """``dev`` with the real launch plans (grid sizing, argument packing, cooperative launch) over FakeDriver."""
+    driver = FakeDriver(dev.log)
+
+    class Function:
+        def __init__(self, expr):
+            self.ptr = 0x7000 + len(driver.functions)
+            kernel = expr.split("::")[1].split("<")[0]
+            driver.functions[self.ptr] = (kernel, cuda.ARGS[kernel])
+
+    monkeypatch.setattr(cuda, "_driver", driver)
+    monkeypatch.setattr(cuda, "_plan", REAL_PLAN)
+    monkeypatch.setattr(cuda, "_plans", {})
+    monkeypatch.setattr(cuda, "_sm_counts", {0: SMS, 1: SMS})
+    monkeypatch.setattr(cuda, "_capability_ok", {0, 1})
+    monkeypatch.setattr(cuda, "_no_cooperative", set())
+    monkeypatch.setattr(cuda._kernels, "get_function", lambda filename, expr, device: Function(expr))
+    dev.driver = driver
+    return dev
+
+
+BIG = SMS * 8 * 8 * cuda._THREADS * 2  # enough work for every block the occupancy rule allows
+
+
+def _launches(log):
+    return [(e[1], e[4]) for e in log if e[0] == "launch"]
+
+
+def test_cooperative_grid_is_what_the_occupancy_api_allows(drv):
+    drv.driver.per_sm = 3
+    cuda.quantize_dynamic(gpu_tensor((BIG,)), Format.E4M3, 0, False, 0.0, None)
+    (launch,) = [e for e in drv.log if e[0] == "launch"]
+    assert launch[4] is True and launch[5] == 3 * SMS
+    assert cuda._no_cooperative == set()
+
+
+@pytest.mark.parametrize("outs", ["returned", "q_given"])
+def test_refused_cooperative_launch_falls_back_to_two_launches(drv, outs):
+    """The driver refuses the grid (fewer SMs than the device reports): the same call returns the two-launch
+    results, written into the arrays it already holds (the workspace's amax and scale_inv), nothing allocated after
+    the refusal; the device is remembered, and the next call goes straight to two launches."""
+    drv.driver.resident = 500
+    x = gpu_tensor((BIG,))
+    q_given = gpu_tensor((BIG,), "uint8", ptr=0xC00000).data if outs == "q_given" else None
+    q, s_inv, a = cuda.quantize_dynamic(x, Format.E4M3, 1, True, 0.5, None, out=(q_given, None, None))
+    kinds = drv.kinds()
+    assert kinds[kinds.index("refused"):] == ["refused", "memset", "amax_kernel", "quantize_kernel"]
+    assert [e[1:3] for e in drv.allocs()] == ([] if q_given else [((BIG,), "uint8")]) + [((4 + 8 * SMS,), "uint32")]
+    memset, amax_launch, quantize_launch = [e for e in drv.log if e[0] in ("memset", "launch")][1:]
+    assert memset[1:4] == (a.data.ptr, 0, 4) and amax_launch[2] == (x.data.data.ptr, a.data.ptr, BIG)
+    assert quantize_launch[2][:6] == (x.data.data.ptr, q.data.ptr, 0, a.data.ptr, 0, s_inv.data.ptr)
+    assert quantize_launch[2][6:] == (BIG, 448.0, 1, 1, 0.5)
+    assert (q_given is None or q is q_given) and a.data.ptr + 4 == s_inv.data.ptr, "the workspace's two words"
+    assert cuda._no_cooperative == {0}
+
+    drv.log.clear()
+    q2, s_inv2, a2 = cuda.quantize_dynamic(x, Format.E4M3, 1, True, 0.5, None)
+    assert drv.kinds() == ["alloc", "alloc", "alloc", "memset", "amax_kernel", "quantize_kernel"]
+    assert _launches(drv.log) == [("amax_kernel", False), ("quantize_kernel", False)]
+
+
+def test_refusal_inside_a_cupy_capture_allocates_nothing_more(drv):
+    """Inside a CuPy capture with the amax given and scale_inv returned: the workspace holds the returned scale_inv
+    (the caller keeps it); the fallback after the refusal makes no temporary the graph would outlive."""
+    drv.capturing()
+    drv.driver.resident = 100
+    q_out, a_out = gpu_tensor((BIG,), "uint8", ptr=0xC00000).data, scalar_array(0xC20000).data
+    q, s_inv, a = cuda.quantize_dynamic(gpu_tensor((BIG,)), Format.E5M2, 0, False, 0.0, None,
+                                        out=(q_out, None, a_out))
+    assert a is a_out and q is q_out
+    assert [e[1:3] for e in drv.allocs()] == [((4 + 8 * SMS,), "uint32")]
+    assert drv.kinds()[-4:] == ["refused", "memset", "amax_kernel", "quantize_kernel"]
+    barrier = next(e for e in drv.log if e[0] == "memset")
+    assert drv.log[-1][2][5] == s_inv.data.ptr == barrier[1] - 4, "scale_inv is the workspace's second word"
+
+
+def test_a_refusal_is_remembered_per_device(drv):
+    drv.driver.resident = 100
+    x1 = Tensor(FakeArray((BIG,), np.float32, 0x900000), "float32", ("cuda", 1), "cupy")
+    cuda.quantize_dynamic(x1, Format.E4M3, 0, False, 0.0, None)
+    assert cuda._no_cooperative == {1}
+    drv.log.clear()
+    drv.driver.resident = 1 << 30
+    cuda.quantize_dynamic(gpu_tensor((BIG,)), Format.E4M3, 0, False, 0.0, None)
+    assert _launches(drv.log) == [("quantize_dynamic_kernel", True)]
+
+
+def test_a_small_grid_is_still_cooperative_on_a_limited_device(drv):
+    """Only a refusal switches a device: a grid within what is resident launches cooperatively."""
+    drv.driver.resident = 100
+    cuda.quantize_dynamic(gpu_tensor((100 * 8 * cuda._THREADS,)), Format.E4M3, 0, False, 0.0, None)
+    assert _launches(drv.log) == [("quantize_dynamic_kernel", True)] and cuda._no_cooperative == set()
+
+
+def test_other_launch_errors_are_raised_not_hidden(drv):
+    drv.driver.resident, drv.driver.error = 100, 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(DriverError):
+        cuda.quantize_dynamic(gpu_tensor((BIG,)), Format.E4M3, 0, False, 0.0, None)
+    assert cuda._no_cooperative == set() and _launches(drv.log) == []
 
 
 # ---- on a GPU: capture with CuPy, allocate afterwards, replay, compare with an uncaptured twin ---------------

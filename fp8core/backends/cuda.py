@@ -325,6 +325,25 @@ def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *, amax_i
         return q
 
 
+# Devices where the driver refused the cooperative quantize_dynamic (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE): the
+# grid is sized by the occupancy API over the device's SMs, but an MPS client limited by an active thread
+# percentage, or a green context, has fewer SMs than the device reports, and the driver refuses any grid whose
+# blocks cannot all be resident. Such a device then takes the two-launch path for good (a set only ever added to,
+# so threads need no lock: at worst two of them each see one refusal).
+_COOPERATIVE_TOO_LARGE = 720
+_no_cooperative: set[int] = set()
+
+
+def _dynamic_two_launch(x: Tensor, q: Any, a: Any, s_inv: Any, fmt: Format, margin: int, power_of_2: bool,
+                        epsilon: float, reduce: Callable | None, device: int, stream: int) -> None:
+    """amax into ``a``, the caller's MAX-reduce of it when distributed, then one quantize making the scale in
+    every block (the same bits as the cooperative kernel)."""
+    _amax_into(x, a, device, stream)
+    if reduce is not None:
+        reduce(a)
+    _quantize(x, q, None, fmt, None, a, s_inv, margin, power_of_2, epsilon, stream)
+
+
 def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
                      reduce: Callable | None, *, out: tuple = (None, None, None)) -> tuple[Any, Any, Any]:
     device = x.device[1]
@@ -335,15 +354,11 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
         # The cooperative kernel's workspace (below) is also the storage of the amax and scale_inv it returns, so
         # the caller holds it, unless both are given as out=: then, inside a CuPy capture, it would be a temporary
         # the graph outlives. This path makes none (every array it writes is a result), for one more launch.
-        if reduce is not None or x.size == 0 or (a_out is not None and s_inv_out is not None
-                                                 and _cupy_capture(x, stream)):
-            # Distributed: amax, the group's MAX-reduce, then one quantize that makes the scale in every block.
+        if reduce is not None or x.size == 0 or device in _no_cooperative or (
+                a_out is not None and s_inv_out is not None and _cupy_capture(x, stream)):
             a = _empty((1,), np.float32, x) if a_out is None else a_out
-            _amax_into(x, a, device, stream)
-            if reduce is not None:
-                reduce(a)
             s_inv = _empty((1,), np.float32, x) if s_inv_out is None else s_inv_out
-            _quantize(x, q, None, fmt, None, a, s_inv, margin, power_of_2, epsilon, stream)
+            _dynamic_two_launch(x, q, a, s_inv, fmt, margin, power_of_2, epsilon, reduce, device, stream)
             return q, s_inv, a
         plan = _plan(device, "quantize.cu", f"fp8core::quantize_dynamic_kernel<{_T[x.dtype]}, {fmt.index}>")
         blocks = plan.grid(x.size)
@@ -356,9 +371,18 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
         _runtime.memsetAsync(ws.data.ptr + 8, 0, 8, stream)
         a = ws[0:1].view(np.float32) if a_out is None else a_out
         s_inv = ws[1:2].view(np.float32) if s_inv_out is None else s_inv_out
-        plan.launch(blocks, _THREADS,
-                    (x.data.data.ptr, q.data.ptr, ws.data.ptr + 8, a.data.ptr, s_inv.data.ptr, x.size, fmt.max,
-                     margin, int(power_of_2), epsilon), stream, cooperative=True)
+        try:
+            plan.launch(blocks, _THREADS,
+                        (x.data.data.ptr, q.data.ptr, ws.data.ptr + 8, a.data.ptr, s_inv.data.ptr, x.size, fmt.max,
+                         margin, int(power_of_2), epsilon), stream, cooperative=True)
+        except _driver.CUDADriverError as e:
+            if e.status != _COOPERATIVE_TOO_LARGE:
+                raise
+            # Refused at the launch call, before anything ran: q, amax and scale_inv are untouched, and the
+            # two-launch path writes them whole, into the same arrays (no allocation, so also inside a capture;
+            # should the driver have invalidated a capture over the refusal, these launches raise its error).
+            _no_cooperative.add(device)
+            _dynamic_two_launch(x, q, a, s_inv, fmt, margin, power_of_2, epsilon, None, device, stream)
         return q, s_inv, a
 
 

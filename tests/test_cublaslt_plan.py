@@ -96,8 +96,8 @@ def _hopper(monkeypatch):
 
 def plan(spec, lt=None, amax=True):
     lt = lt or RecordingLt()
-    p = cublaslt._make_plan(lt, spec, 7, 0, 256, (A_S, B_S, BIAS if spec.bias_dtype else 0, OUT_S,
-                                                  AMAX if amax else 0))
+    p = cublaslt._make_plan(lt, spec, 7, cublaslt._workspace_size(0) - cublaslt._SCRATCH, 256,
+                            (A_S, B_S, BIAS if spec.bias_dtype else 0, OUT_S, AMAX if amax else 0))
     return lt, p
 
 

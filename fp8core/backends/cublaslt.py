@@ -3,17 +3,37 @@
 Row-major ``D[M, N] = a[M, K] · b[N, K]ᵀ`` is column-major ``Dᵀ[N, M] = b · aᵀ``: cuBLASLt's "TN" form with
 b as its A (transposed, K x N, ld K) and a as its B (K x M, ld K), the only FP8 layout Hopper and Ada
 support, so nothing is transposed at call time. Scales, out_scale and the output amax are device pointers.
+Everything is launched on the caller's stream; cuda.gemm runs this inside its device guard.
 
-Per (thread, device, spec, alignment) a plan holds the matmul descriptor, the four layouts and the
-heuristic's algorithm; each call only rewrites the pointer attributes. Plans are kept in a bounded LRU per
-thread (M varies from call to call). A handle per device and thread; the workspace and the AMAX_D scratch word
-per (device, stream), as Transformer Engine and torch keep them, so concurrent GEMMs on different streams never
-share one; the caller's stream. cuda.gemm runs this inside its device guard.
+Plans: per (thread, device, spec, alignment, workspace size) the matmul descriptor, the four layouts and the
+heuristic's algorithm; each call only rewrites the pointer attributes. A bounded LRU per thread (M varies from
+call to call), destroyed when the thread ends.
+
+Handles, as torch keeps them: a thread takes one per device from the device's pool at its first GEMM there, and
+gives it back when the thread ends (its thread-local lease is collected), so a thread pool's turnover reuses
+handles instead of creating one per thread that ever ran a GEMM.
+
+Workspaces (with the AMAX_D scratch word in their last bytes) follow one rule: **a workspace is never used by two
+GEMMs that can run at once, and there are at most** ``_WORKSPACES_PER_DEVICE`` **per device.**
+- Outside a capture, each stream has its own (the per-thread default stream, one handle for every thread, has one
+  per thread), so GEMMs on different streams run concurrently. A stream with none when the device has its bound
+  takes over the least recently used one. Every GEMM makes its stream wait (cudaStreamWaitEvent, no host sync)
+  for the event recorded after the last GEMM that used the workspace, on whatever stream it ran: a stream that
+  takes one over, a new stream given the handle of a destroyed one, or a thread given a dead thread's id waits for
+  the previous user instead of racing it. Host-side, a workspace's wait, matmul and record are one critical
+  section, so the event waited for is always the last use's.
+- During a graph capture (cudaStreamIsCapturing on the launch stream) the pool is not used: graphs captured on
+  one stream and replayed on several would share a pooled workspace. A torch caller's GEMM takes a workspace of
+  its own from torch's allocator, which keeps it in the graph's private pool as long as the graph (a block freed
+  during the capture serves the capture's later GEMMs, in stream order). Under CuPy's capture a temporary would be
+  freed while the graph still reads it (see cuda._cupy_capture), so the GEMM runs with no workspace (cuBLASLt
+  then picks an algorithm that needs none) and an ``out_amax``, which needs the scratch word, is refused by name.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -32,11 +52,15 @@ MIN_COMPUTE_CAPABILITY = 89
 _SCRATCH = 256  # bytes at the workspace's end, kept from cuBLASLt for the amax word
 
 _PLANS_PER_THREAD = 64      # LRU bound of the plan cache
+_WORKSPACES_PER_DEVICE = 8  # 256 MiB at most on Hopper and newer
 _PER_THREAD_STREAM = 2      # cudaStreamPerThread: one handle, a different stream in every thread
+_EVENT_DISABLE_TIMING = 2   # cudaEventDisableTiming
 
 _local = threading.local()
-_workspaces: dict[tuple[int, int, int], Any] = {}
 _lock = threading.Lock()
+_handle_pool: dict[int, list[int]] = {}  # device -> handles no live thread holds
+# Reentrant: a lease is given back by whichever thread drops the dead thread's storage, maybe one inside _handle.
+_handle_lock = threading.RLock()
 
 
 def _lt() -> Any:
@@ -46,6 +70,12 @@ def _lt() -> Any:
         raise ImportError("fp8core.gemm on a GPU calls cuBLASLt through nvmath-python; install it with "
                           "pip install 'fp8core[gemm]'") from e
     return cublasLt
+
+
+def _runtime() -> Any:
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
 
 
 @lru_cache(maxsize=None)
@@ -62,37 +92,84 @@ def _check_device(device_id: int) -> None:
                          f"cuda:{device_id} is {cc // 10}.{cc % 10}")
 
 
-def _handle(device_id: int) -> int:
-    handles = getattr(_local, "handles", None)
-    if handles is None:
-        handles = _local.handles = {}
-    if device_id not in handles:
-        import cupy
+class _Lease:
+    """This thread's handles (device -> handle) and plans, given back by :func:`_give_back` when the thread ends."""
 
-        with cupy.cuda.Device(device_id):
-            handles[device_id] = _lt().create()
-    return handles[device_id]
+    __slots__ = ("handles", "plans", "__weakref__")
+
+    def __init__(self) -> None:
+        self.handles: dict[int, int] = {}
+        self.plans: OrderedDict = OrderedDict()
+
+
+def _give_back(handles: dict[int, int], plans: OrderedDict) -> None:
+    with _handle_lock:
+        for device_id, handle in handles.items():
+            _handle_pool.setdefault(device_id, []).append(handle)
+    if plans:
+        lt = _lt()
+        while plans:
+            _destroy(lt, plans.popitem()[1])
+
+
+def _lease() -> _Lease:
+    lease = getattr(_local, "lease", None)
+    if lease is None:
+        lease = _local.lease = _Lease()
+        # Runs when the thread's local storage goes (the thread ended); not at interpreter exit, when cuBLASLt
+        # may be unloaded already.
+        weakref.finalize(lease, _give_back, lease.handles, lease.plans).atexit = False
+    return lease
+
+
+def _handle(device_id: int) -> int:
+    """This thread's handle on device_id (inside the device guard): from the pool, else a new one."""
+    handles = _lease().handles
+    handle = handles.get(device_id)
+    if handle is None:
+        with _handle_lock:
+            pool = _handle_pool.get(device_id)
+            handle = pool.pop() if pool else None
+        if handle is None:
+            handle = _lt().create()
+        handles[device_id] = handle
+    return handle
 
 
 def _workspace_size(device_id: int) -> int:
     return _WORKSPACE_SM90 if compute_capability(device_id) >= 90 else _WORKSPACE_OLDER
 
 
-def _workspace(device_id: int, stream: int, t: Tensor, alloc: Any) -> Any:
-    """The workspace of (device, stream), its last _SCRATCH bytes kept for the AMAX_D word.
+class _Workspace:
+    """A pooled workspace, the event recorded after the last GEMM that used it, and the lock that makes a GEMM's
+    wait, matmul and record one step (see the module's rule)."""
 
-    Allocated by the caller's allocator (torch's for torch tensors: inside a graph capture it comes from the
-    graph's pool, so a GEMM's first call on a capture stream can be captured). Stream-ordered: calls on one stream
-    reuse it in order; the per-thread default stream is one handle for every thread, so it is keyed by thread too.
-    """
-    key = (device_id, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0)
-    ws = _workspaces.get(key)
-    if ws is None:
-        with _lock:
-            ws = _workspaces.get(key)
-            if ws is None:
-                ws = _workspaces[key] = alloc((_workspace_size(device_id),), np.uint8, t, stream)
-    return ws
+    __slots__ = ("array", "event", "lock")
+
+    def __init__(self, array: Any, event: int) -> None:
+        self.array, self.event, self.lock = array, event, threading.Lock()
+
+
+_workspaces: dict[int, OrderedDict] = {}  # device -> stream key -> _Workspace, least recently used first
+
+
+def _workspace(device_id: int, stream: int, t: Tensor, alloc: Any) -> _Workspace:
+    """The workspace of ``stream`` on device_id outside a capture (module docstring); its last _SCRATCH bytes are
+    kept for the AMAX_D word. Allocated by the caller's allocator, at most _WORKSPACES_PER_DEVICE per device."""
+    key = (stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0)
+    with _lock:
+        table = _workspaces.setdefault(device_id, OrderedDict())
+        ws = table.get(key)
+        if ws is not None:
+            table.move_to_end(key)
+            return ws
+        if len(table) >= _WORKSPACES_PER_DEVICE:
+            ws = table.popitem(last=False)[1]  # taken over: the GEMM waits for its last use
+        else:
+            ws = _Workspace(alloc((_workspace_size(device_id),), np.uint8, t, stream),
+                            _runtime().eventCreateWithFlags(_EVENT_DISABLE_TIMING))
+        table[key] = ws
+        return ws
 
 
 def _set(setter: Any, dtype_of: Any, obj: int, attr: Any, value: Any) -> None:
@@ -126,11 +203,12 @@ def _set_pointers(lt: Any, plan: _Plan, a_s: int, b_s: int, bias: int, out_scale
             put(A.AMAX_D_POINTER, amax)
 
 
-def _make_plan(lt: Any, spec: Any, handle: int, device_id: int, align: int, pointers: tuple) -> _Plan:
+def _make_plan(lt: Any, spec: Any, handle: int, workspace_bytes: int, align: int, pointers: tuple) -> _Plan:
+    """workspace_bytes: the most the algorithm may use (0 under a CuPy capture, see the module docstring)."""
     desc = lt.matmul_desc_create(_COMPUTE_32F, _CUDA_R["float32"])
     layouts: list[int] = []
     try:
-        return _configure(lt, spec, handle, device_id, align, pointers, desc, layouts)
+        return _configure(lt, spec, handle, workspace_bytes, align, pointers, desc, layouts)
     except BaseException:  # nothing of a plan that failed outlives it
         for layout in layouts:
             lt.matrix_layout_destroy(layout)
@@ -138,7 +216,7 @@ def _make_plan(lt: Any, spec: Any, handle: int, device_id: int, align: int, poin
         raise
 
 
-def _configure(lt: Any, spec: Any, handle: int, device_id: int, align: int, pointers: tuple, desc: int,
+def _configure(lt: Any, spec: Any, handle: int, workspace_bytes: int, align: int, pointers: tuple, desc: int,
                layouts: list[int]) -> _Plan:
     A = lt.MatmulDescAttribute
     put = lambda d, attr, v: _set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, d, attr, v)  # noqa: E731
@@ -165,7 +243,7 @@ def _configure(lt: Any, spec: Any, handle: int, device_id: int, align: int, poin
     try:
         pset = lambda attr, v: _set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype,  # noqa: E731
                                     pref, attr, v)
-        pset(P.MAX_WORKSPACE_BYTES, _workspace_size(device_id) - _SCRATCH)
+        pset(P.MAX_WORKSPACE_BYTES, workspace_bytes)
         for attr in (P.MIN_ALIGNMENT_A_BYTES, P.MIN_ALIGNMENT_B_BYTES, P.MIN_ALIGNMENT_C_BYTES,
                      P.MIN_ALIGNMENT_D_BYTES):
             pset(attr, align)
@@ -198,10 +276,7 @@ _ZERO = np.zeros(1, dtype=np.float32)
 
 
 def _plans() -> OrderedDict:
-    plans = getattr(_local, "plans", None)
-    if plans is None:
-        plans = _local.plans = OrderedDict()
-    return plans
+    return _lease().plans
 
 
 def _destroy(lt: Any, plan: _Plan) -> None:
@@ -227,16 +302,31 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     device_id = a.device[1]
     _check_device(device_id)
     lt = _lt()
-    d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
     if spec.m == 0:
+        d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
         if out_amax is not None:  # amax of an empty D is 0, merged as the CPU merges it (-0.0 becomes 0)
             cuda.merge_amax(out_amax, None, device_id, stream)
         return d
+    capturing = bool(_runtime().streamIsCapturing(stream))  # CuPy raises on an invalidated capture
+    cupy_capture = capturing and a.origin != "torch"
+    if cupy_capture and out_amax is not None:
+        raise ValueError("out_amax: cuBLASLt writes the output's amax to a device scratch word, which a graph "
+                         "captured with CuPy would read after it is freed; call this GEMM outside the capture, or "
+                         "capture with torch.cuda.graph (whose private pool keeps it)")
+    d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
     if spec.a_block is not None:
         a_scale_inv, b_scale_inv = _block_scales(spec, device_id, a, a_scale_inv, b_scale_inv, stream)
-    ws = _workspace(device_id, stream, a, alloc)
+    pooled = None
+    if cupy_capture:
+        ws = None
+    elif capturing:
+        ws = alloc((_workspace_size(device_id),), np.uint8, a, stream)  # the graph's own, from its private pool
+    else:
+        pooled = _workspace(device_id, stream, a, alloc)
+        ws = pooled.array
+    ws_bytes = 0 if ws is None else ws.nbytes - _SCRATCH
     # cuBLASLt overwrites AMAX_D; the contract accumulates, so it writes a scratch word, merged after. The word
-    # lives past the end of the workspace cuBLASLt is given: no allocation, so the call can be graph-captured.
+    # lives past the end of the workspace cuBLASLt is given.
     scratch = ws[-_SCRATCH:].view(np.float32)[:1] if out_amax is not None else None
     ptr = lambda x: 0 if x is None else int(x.data.ptr)  # noqa: E731
     align = _alignment([ptr(a.data), ptr(b.data), ptr(d)])
@@ -244,19 +334,29 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
                 ptr(scratch))
     handle = _handle(device_id)
     plans = _plans()
-    key = (device_id, spec, align, out_amax is not None)
+    key = (device_id, spec, align, out_amax is not None, ws_bytes)
     plan = plans.get(key)
     if plan is None:
-        plan = _remember(lt, plans, key, _make_plan(lt, spec, handle, device_id, align, pointers))
+        plan = _remember(lt, plans, key, _make_plan(lt, spec, handle, ws_bytes, align, pointers))
     else:
         plans.move_to_end(key)
         _set_pointers(lt, plan, *pointers)
     c_ptr = 0 if plan.fp8_out else ptr(d)
-    lt.matmul(handle, plan.desc, _ONE.ctypes.data, ptr(b.data), plan.layouts[0], ptr(a.data), plan.layouts[1],
-              _ZERO.ctypes.data, c_ptr, plan.layouts[2], ptr(d), plan.layouts[3], plan.algo.ptr, ws.data.ptr,
-              ws.nbytes - _SCRATCH, stream)
-    if scratch is not None:
-        cuda.merge_amax(out_amax, scratch, device_id, stream)  # max(out_amax, |amax(D)|); NaN propagates
+
+    def run() -> None:
+        lt.matmul(handle, plan.desc, _ONE.ctypes.data, ptr(b.data), plan.layouts[0], ptr(a.data), plan.layouts[1],
+                  _ZERO.ctypes.data, c_ptr, plan.layouts[2], ptr(d), plan.layouts[3], plan.algo.ptr, ptr(ws),
+                  ws_bytes, stream)
+        if scratch is not None:
+            cuda.merge_amax(out_amax, scratch, device_id, stream)  # max(out_amax, |amax(D)|); NaN propagates
+
+    if pooled is None:
+        run()
+    else:
+        with pooled.lock:
+            _runtime().streamWaitEvent(stream, pooled.event, 0)  # after the workspace's last GEMM, any stream
+            run()
+            _runtime().eventRecord(pooled.event, stream)
     return d
 
 

@@ -585,8 +585,8 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
          out_scale: Any | None, out_amax: Any | None, out: Any | None) -> Any:
     from . import cublaslt
 
-    # Inside a CuPy capture: the workspace is kept per (device, stream) for the life of the process, so no graph
-    # outlives it; block scales laid out for cuBLASLt are temporaries, refused in cuda_blocks.layout_for_cublaslt.
+    # Inside a CuPy capture: no workspace and no amax scratch (cublaslt's docstring); block scales laid out for
+    # cuBLASLt are temporaries, refused in cuda_blocks.layout_for_cublaslt.
     with _On(a.device[1]):
         return cublaslt.gemm(spec, a, b, a_scale_inv, b_scale_inv, bias, out_scale, out_amax, out, _stream(a),
                              _empty)

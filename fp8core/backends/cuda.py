@@ -6,7 +6,8 @@ Arrays here are CuPy arrays in storage dtype (uint8 fp8, uint16 bf16). Every cal
   current stream for torch tensors, else CuPy's current stream — and launches everything on it, including
   the upload of a Python-float scale (a kernel parameter of ``fill_kernel``, never a host-to-device copy);
 - launches through the driver with the arguments packed once (``_Plan``: the function, its argument layout
-  and its occupancy-limited grid are cached per device, kernel and conversion path).
+  and its occupancy-limited grid are cached per device, kernel and conversion path). A device that refuses
+  quantize_dynamic's cooperative grid (MPS limits, green contexts) takes its two-launch path from then on.
 Nothing synchronises with the host, and nothing a call leaves behind is shared between streams or threads,
 so calls can run concurrently and be captured in CUDA graphs. Inside CuPy's own capture no device temporary may
 be made (CuPy's pool would hand it to the next allocation while the graph still reads it): such calls take a

@@ -252,6 +252,48 @@ def test_update_takes_a_returned_array_as_it_takes_an_in_place_reduce():
     assert _bits(s.buffer) == _bits(twin.buffer) and s.steps == twin.steps
 
 
+class _Handle:
+    """An async reduce's handle (torch.distributed's Work): the amaxes are reduced when it is waited on."""
+
+    def __init__(self, a, value):
+        self.a, self.value = a, value
+
+    def wait(self):
+        self.a[...] = self.value
+
+
+@pytest.mark.parametrize("value", [1000.0, -1.0], ids=["1000", "-1 (refused)"])
+def test_an_async_handle_is_waited_on_then_checked(value):
+    def run(reduce):
+        try:
+            return quantize_dynamic(X, reduce=reduce)
+        except ValueError as e:
+            return str(e)
+
+    assert _bits(run(lambda a: _Handle(a, value))) == _bits(run(_writing(value)))
+
+
+def _torch_state():
+    torch = pytest.importorskip("torch")
+    s = ScalingState(3, DelayedScaling(amax_history_len=4), buffer=torch.zeros(4 * 3 + 2 * 3))
+    for i in range(3):
+        s.quantize(torch.from_numpy(X * (i + 1)), i)
+    return s
+
+
+def test_a_torch_state_takes_a_returned_tensor_and_refuses_a_negative_one():
+    torch = pytest.importorskip("torch")
+    s, twin = _torch_state(), _torch_state()
+    s.update(reduce=lambda row0: torch.full_like(row0, 7.0))  # a functional all-reduce's result
+    twin.update(reduce=lambda row0: row0.fill_(7.0))
+    assert torch.equal(s.buffer.view(torch.int32), twin.buffer.view(torch.int32))
+    before = s.buffer.clone()
+    for reduce in (lambda row0: torch.full_like(row0, -7.0), lambda row0: row0.fill_(-7.0)):
+        with pytest.raises(ValueError, match=r"^reduce: gave a negative amax \(-7.0\)"):
+            s.update(reduce=reduce)
+        assert torch.equal(s.buffer.view(torch.int32), before.view(torch.int32)) and s.steps == twin.steps
+
+
 def test_quantize_dynamic_reduce_refused_leaves_out_amax_as_the_local_amax():
     q, s_inv, a = np.zeros(X.shape, ml_dtypes.float8_e4m3fn), np.full(1, 9.0, np.float32), np.zeros(1, np.float32)
     with pytest.raises(ValueError, match=r"^reduce: "):

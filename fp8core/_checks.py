@@ -15,9 +15,9 @@ import numpy as np
 
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
 
-__all__ = ["MAX_MARGIN", "MAX_HISTORY_LEN", "MAX_TENSORS", "AMAX_ALGOS", "F32_EPSILON_MAX", "margin", "epsilon", "flag", "real", "amax_algo",
-           "scale_value", "scale_values", "scale_mask", "negative_amax_mask", "f32_text", "fmt", "out_dtype",
-           "array_sequence", "high_precision_name"]
+__all__ = ["MAX_MARGIN", "MAX_HISTORY_LEN", "MAX_TENSORS", "AMAX_ALGOS", "F32_EPSILON_MAX", "margin", "epsilon",
+           "flag", "real", "amax_algo", "scale_value", "scale_values", "scale_mask", "negative_amax_mask", "f32_text",
+           "fmt", "out_dtype", "array_sequence", "high_precision_name"]
 
 MAX_MARGIN = 512
 # A delayed-scaling state's dimensions: the update kernel takes the history length as a 32-bit int, and a count

@@ -330,7 +330,8 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
 
     ``reduce``, when given, MAX-reduces the 1-element amax across a process group before the scale is taken:
     in place, or by returning the reduced amax (the rule of :func:`reduce_amaxes`, as ``ScalingState.update``);
-    a negative reduced amax is refused. Returns ``(q, scale_inv, amax)``; scale_inv and amax are 1-element float32 on x's device.
+    a negative reduced amax is refused. Returns ``(q, scale_inv, amax)``; scale_inv and amax are 1-element
+    float32 on x's device.
     out: optional ``q`` array, or a tuple ``(q, scale_inv, amax)`` with None for any to allocate.
     """
     t = _high_precision(x, "x")

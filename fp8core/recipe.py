@@ -67,8 +67,8 @@ class DelayedScaling:
     """Delayed scaling: each tensor's scale comes from the amax history of earlier steps.
 
     margin: the scale is divided by 2**margin. interval: steps between scale updates (the history rolls
-    every step). amax_history_len: L, rows of the history (at most 2**31 - 1). amax_compute_algo: "max", "most_recent", or a
-    callable ``(history[L, N]) -> amax[N]``. scaling_factor_compute_algo: optional callable
+    every step). amax_history_len: L, rows of the history (at most 2**31 - 1). amax_compute_algo: "max",
+    "most_recent", or a callable ``(history[L, N]) -> amax[N]``. scaling_factor_compute_algo: optional callable
     ``(amax[N], scale[N], fp8_max[N], recipe) -> scale[N]``. power_of_2: round scales down to powers of two.
     reduce_amax: all-reduce (MAX) row 0 across the group before each update.
     """

@@ -123,8 +123,9 @@ ERRORS = [
     ("DelayedScaling amax_history_len 2**62", lambda: DelayedScaling(amax_history_len=2 ** 62), ValueError,
      "amax_history_len", "an int in [1, 2147483647]"),
     # (L + 2) * N elements beyond what an array can index: refused by NumPy before any allocation is tried
-    ("ScalingState too big to allocate", lambda: ScalingState(2 ** 31 - 1, DelayedScaling(amax_history_len=2 ** 31 - 1)),
-     MemoryError, "num_tensors, amax_history_len", "could not be allocated"),
+    ("ScalingState too big to allocate",
+     lambda: ScalingState(2 ** 31 - 1, DelayedScaling(amax_history_len=2 ** 31 - 1)), MemoryError,
+     "num_tensors, amax_history_len", "could not be allocated"),
     ("ScalingState device 'gpu'", lambda: ScalingState(2, device="gpu"), ValueError, "device", "'cuda:N'"),
 ]
 

@@ -434,7 +434,11 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
     prev = None
     if previous is not None:
         if isinstance(previous, (float, int, np.floating, np.integer)) and not isinstance(previous, bool):
-            prev = _new_f32([_checks.scale_value(previous, "previous")], t, "previous")
+            host = _host_f32([_checks.scale_value(previous, "previous")])
+            if not _checks.scale_mask(host).all():  # 1e-46 is 0 in float32, 1e39 is inf: no scale either
+                raise ValueError(f"previous: {previous!r} is {_checks.f32_text(host)} in float32; expected a finite "
+                                 f"scale > 0")
+            prev = _new_f32(host, t, "previous")
         else:
             pt = _f32_vector(previous, t, "previous", "amax")
             prev = pt.data

@@ -335,13 +335,16 @@ NEG_TINY = np.array([-1e-39], np.float32)
 ZEROS = np.zeros(3, np.float32)
 
 
-def _tiny_scale_recipe():
-    return DelayedScaling(amax_history_len=4, scaling_factor_compute_algo=lambda a, s, m, r: np.full(3, TINY[0]))
-
-
-def _updated_with_tiny_scales():
+def _updated_with_tiny_scales(algo=lambda a, s, m, r: np.full(3, TINY[0])):
     s = _stepped_state()
-    s.recipe = _tiny_scale_recipe()
+    s.recipe = DelayedScaling(amax_history_len=4, scaling_factor_compute_algo=algo)
+    s.update()
+    return s.buffer.copy()
+
+
+def _tiny_amax_update():
+    s = _stepped_state()
+    s.recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=lambda h: np.full(3, TINY[0]))
     s.update()
     return s.buffer.copy()
 
@@ -359,6 +362,9 @@ FLUSHING = [
     ("compute_scale previous 1e-39", lambda: compute_scale(ZEROS, "e4m3", previous=TINY)),
     ("compute_scale previous 1e-39 as a Python float", lambda: compute_scale(ZEROS, "e4m3", previous=1e-39)),
     ("scaling_factor_compute_algo returns 1e-39", _updated_with_tiny_scales),
+    ("scaling_factor_compute_algo returns Python floats 1e-39",
+     lambda: _updated_with_tiny_scales(lambda a, s, m, r: [1e-39] * 3)),
+    ("amax_compute_algo returns 1e-39", _tiny_amax_update),
     ("load_state_dict scale 1e-39", _load_tiny_scale),
     ("reduce returns 1e-39", lambda: quantize_dynamic(X, reduce=lambda a: TINY.copy())),
     ("quantize_dynamic epsilon 1e-39", lambda: quantize_dynamic(X * 0, epsilon=1e-39)),

@@ -102,11 +102,20 @@ def _numpy_dtype_name(dt: np.dtype, arg: str) -> str:
 
 
 def _from_numpy(arr: np.ndarray, arg: str, origin: str = "numpy") -> Tensor:
+    if type(arr) is not np.ndarray:
+        arr = _plain_ndarray(arr)
     dt = arr.dtype
     name = _NP_NAMES.get(dt.num) if dt.isnative else None
     if name is None:
         name = _numpy_dtype_name(dt, arg)
     return Tensor(arr, name, _CPU, origin, not arr.flags.writeable)
+
+
+def _plain_ndarray(arr: np.ndarray) -> np.ndarray:
+    """An ndarray subclass as the plain ndarray over its memory, as ``np.asarray`` reads it ("numpy in, numpy
+    out": np.matrix, np.memmap and masked arrays come back as ndarrays; a mask is not applied, as np.asarray
+    does not). np.matrix would stay 2-D under every reshape the primitives make."""
+    return arr.view(np.ndarray)
 
 
 # ---- torch ------------------------------------------------------------------------------------------------
@@ -410,6 +419,8 @@ def _from_dlpack(obj: Any, arg: str, consumer: bool = True) -> Tensor:
 
 
 def _generic(obj: Any, arg: str) -> Tensor:
+    if isinstance(obj, np.ndarray) and type(obj) is not np.ndarray:
+        obj = _plain_ndarray(obj)  # np.matrix's DLPack export would keep its 2-D reshapes
     if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
         cupy = _cupy_module()
         arr = cupy.asarray(obj)

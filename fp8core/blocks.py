@@ -98,8 +98,9 @@ def quantize_mxfp8(x: Array, fmt: Format | str = Format.E4M3, *, scale_mode: str
     t = _high_precision(x, "x")
     f = as_format(fmt)
     mode = _scale_mode(scale_mode)
+    cw = _checks.flag(columnwise, "columnwise")
     t2 = _as_2d(t, "x")
-    q, s = _backend(t).quantize_mxfp8(t2, f, mode, bool(columnwise))
+    q, s = _backend(t).quantize_mxfp8(t2, f, mode, cw)
     return MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t))
 
 

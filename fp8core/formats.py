@@ -120,6 +120,10 @@ def as_format(fmt: Any, *, arg: str = "fmt", allow_hybrid: bool = False) -> Form
             raise ValueError(f"{arg}: unknown FP8 format {fmt!r}; expected Format.E4M3, Format.E5M2, "
                              "'e4m3', 'e5m2' or an fp8 dtype")
         result = _ALIASES[name]
+    if allow_hybrid is not False and allow_hybrid is not True:
+        from ._checks import flag  # _checks imports this module
+
+        allow_hybrid = flag(allow_hybrid, "allow_hybrid")
     if result is Format.HYBRID and not allow_hybrid:
         raise ValueError(f"{arg}: HYBRID is a recipe, not an encoding; pass Format.HYBRID.fwd or .bwd")
     return result

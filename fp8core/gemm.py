@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import backends
+from . import _checks, backends
 from ._tensor import Tensor, export, wrap
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
 from .ops import _contiguous, _fp8, _same_device, _scalar
@@ -134,6 +134,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     128x128; K a multiple of 128; cuBLASLt >= 12.9 on sm_90 only; no use_fast_accum). Their output is float32,
     bfloat16 or float16.
     """
+    fast_accum = _checks.flag(use_fast_accum, "use_fast_accum")
     blocks = None
     if isinstance(a, tuple) or isinstance(b, tuple):
         from .blocks import gemm_operands
@@ -163,7 +164,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
         from .blocks import gemm_scales
 
         sa, sb, a_block, b_block = gemm_scales(blocks, ta, tb, k, out_name)
-        if use_fast_accum and a_block != "1x32":
+        if fast_accum and a_block != "1x32":
             # torch._scaled_mm refuses it and Transformer Engine's Float8BlockScaling always splits the
             # accumulator: the block scales are applied where each K-block's partial sum is promoted to fp32.
             raise ValueError("use_fast_accum: a 1x128/128x128 block GEMM accumulates in fp32 at every 128-wide "
@@ -181,7 +182,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     am = _out_amax(out_amax, ta) if out_amax is not None else None
     tbias = _bias(bias, ta, n, out_name)
     dst = _out(out, ta, m, n, out_name) if out is not None else None
-    spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, bool(use_fast_accum),
+    spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, fast_accum,
                     a_block, b_block)
     d = backends.for_device(ta.device).gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
     return out if out is not None else export(d, out_name, ta)

@@ -108,7 +108,7 @@ def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x", copy: bool = False) 
         # fp32 normals (and 0) convert the same in any floating-point mode; the rest go through the guard
         if (_F32_MIN_NORMAL <= abs(obj) <= _F32_MAX or obj == 0) and x.device[0] == "cpu":
             return np.array([obj], np.float32)
-        return _new_f32([obj], x, arg)
+        return _new_f32([_checks.real(obj, arg)], x, arg)
     if tp is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu":
         return obj if obj.ndim == 1 else obj.reshape(-1)  # a native fp32 element: nothing the checks would refuse
     torch = _tensor._torch
@@ -190,9 +190,51 @@ _cuda: Any = None  # imported on the first CUDA call (it imports CuPy)
 
 
 def _reduce(reduce: Any) -> Any:
-    if reduce is not None and not callable(reduce):
+    """The backend's hook: ``reduce`` run by :func:`reduce_amaxes`'s rule on the 1-element amax."""
+    if reduce is None:
+        return None
+    if not callable(reduce):
         raise TypeError(f"reduce: expected a callable or None, got {type(reduce).__name__}")
-    return reduce
+    return lambda a: reduce_amaxes(reduce, a, a)
+
+
+def reduce_amaxes(reduce: Callable[[Any], Any], given: Any, data: Any) -> None:
+    """The one rule of every ``reduce`` hook (:func:`quantize_dynamic`, ``ScalingState.update``).
+
+    ``reduce(given)`` MAX-reduces the float32 amaxes ``given`` [n] across a group, either in place (returning
+    None, ``given`` itself, or an async handle with ``wait()``, which is waited on: torch.distributed.all_reduce)
+    or by returning the reduced amaxes (n float32 values on their device: a functional all-reduce), which are
+    then copied into ``given``. ``data`` is ``given``'s memory as a backend array (NumPy or CuPy), flat.
+
+    The reduced amaxes are checked where they lie in host memory (a GPU array is not read back: that would
+    synchronise): a negative amax (-0.0 too: a MAX of amaxes >= +0 never gives one) is refused naming
+    ``reduce``, and ``given`` is put back as it was, so a refused reduce leaves nothing written.
+    """
+    n = data.size
+    saved = data.copy() if isinstance(data, np.ndarray) else None
+    result = reduce(given)
+    if result is not None and result is not given:
+        if callable(getattr(result, "wait", None)):
+            result.wait()
+        else:
+            try:
+                got = _contiguous(wrap(result, "reduce's result"), "reduce's result")
+            except TypeError as e:
+                raise TypeError(f"reduce: returned {type(result).__name__}; expected None (reduced in place) or "
+                                f"the reduced amaxes as an array of {n} float32 values") from e
+            if got.dtype != "float32" or got.size != n:
+                raise ValueError(f"reduce: returned {got.size} {got.dtype} values; expected None (reduced in "
+                                 f"place) or the reduced amaxes as {n} float32 values")
+            _same_device(got, wrap(data, "amax"), "reduce's result", "the amaxes")
+            data[...] = got.data.reshape(-1)  # float32 to float32: a copy of bits in any mode
+    if saved is not None:
+        neg = _checks.negative_amax_mask(data)
+        if bool(neg.any()):
+            i = int(np.flatnonzero(neg)[0])
+            value = _checks.f32_text(data[i])
+            data[...] = saved
+            raise ValueError(f"reduce: gave a negative amax ({value}) for tensor {i}; amaxes are >= +0 (a MAX "
+                             f"all-reduce of amaxes keeps them so); nothing was written")
 
 
 # ---- out=: the caller's memory for the results (NumPy's convention); checked in full before any write -----
@@ -286,8 +328,10 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
                      out: Array | tuple[Array | None, ...] | None = None) -> tuple[Array, Array, Array]:
     """Current scaling: amax of x, the scale rule (1.0 when there is no scale), then quantize.
 
-    ``reduce``, when given, MAX-reduces the 1-element amax in place across a process group before the scale
-    is taken. Returns ``(q, scale_inv, amax)``; scale_inv and amax are 1-element float32 on x's device.
+    ``reduce``, when given, MAX-reduces the 1-element amax across a process group before the scale is taken:
+    in place, or by returning the reduced amax (the rule of :func:`reduce_amaxes`, as ``ScalingState.update``);
+    a negative reduced amax is refused. Returns ``(q, scale_inv, amax)``; scale_inv and amax are 1-element
+    float32 on x's device.
     out: optional ``q`` array, or a tuple ``(q, scale_inv, amax)`` with None for any to allocate.
     """
     t = _high_precision(x, "x")
@@ -380,7 +424,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
     """
     f = _format(fmt)
     if isinstance(amax, (float, int)) and not isinstance(amax, bool):
-        amax = _host_f32([amax])
+        amax = _host_f32([_checks.real(amax, "amax")])
     t = _contiguous(wrap(amax, "amax"), "amax")
     if t.dtype != "float32":
         raise TypeError(f"amax: expected float32, got {t.dtype}")
@@ -390,7 +434,11 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
     prev = None
     if previous is not None:
         if isinstance(previous, (float, int, np.floating, np.integer)) and not isinstance(previous, bool):
-            prev = _new_f32([_checks.scale_value(previous, "previous")], t, "previous")
+            host = _host_f32([_checks.scale_value(previous, "previous")])
+            if not _checks.scale_mask(host).all():  # 1e-46 is 0 in float32, 1e39 is inf: no scale either
+                raise ValueError(f"previous: {previous!r} is {_checks.f32_text(host)} in float32; expected a finite "
+                                 f"scale > 0")
+            prev = _new_f32(host, t, "previous")
         else:
             pt = _f32_vector(previous, t, "previous", "amax")
             prev = pt.data

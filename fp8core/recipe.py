@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import numpy as np
-
+from . import _checks
+from ._checks import MAX_HISTORY_LEN, MAX_MARGIN
 from .formats import Format, as_format
-from .ops import MAX_MARGIN
 
 __all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling"]
 
@@ -32,27 +30,19 @@ def _int(recipe: Any, field: str, low: int | None = None, high: int | None = Non
     if low is not None and v < low:
         raise ValueError(f"{field}: expected an int >= {low}, got {v}")
     if high is not None and abs(v) > high:
-        raise ValueError(f"{field}: expected |{field}| <= {high}, got {v}")
+        bound = f"an int in [{low}, {high}]" if low is not None else f"|{field}| <= {high}"
+        raise ValueError(f"{field}: expected {bound}, got {v}")
     _set(recipe, field, v)
 
 
 def _bool(recipe: Any, field: str) -> None:
-    """True or False (NumPy's bool too); strings such as "False" are refused, not read as true."""
-    v = getattr(recipe, field)
-    if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{field}: expected True or False, got {type(v).__name__} {v!r}")
-    _set(recipe, field, bool(v))
+    """True or False: the one rule of every boolean argument (fp8core._checks.flag)."""
+    _set(recipe, field, _checks.flag(getattr(recipe, field), field))
 
 
 def _epsilon(recipe: Any, field: str) -> None:
-    """A finite real number >= 0, stored as a Python float."""
-    v = getattr(recipe, field)
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{field}: expected a finite number >= 0, got {type(v).__name__} {v!r}")
-    f = float(v)
-    if not (math.isfinite(f) and f >= 0.0):
-        raise ValueError(f"{field}: expected a finite number >= 0, got {v!r}")
-    _set(recipe, field, f)
+    """The amax floor, by the rule of every epsilon argument (fp8core._checks.epsilon), stored as a float."""
+    _set(recipe, field, _checks.epsilon(getattr(recipe, field), field))
 
 
 def _repr(recipe: Any) -> str:
@@ -77,8 +67,8 @@ class DelayedScaling:
     """Delayed scaling: each tensor's scale comes from the amax history of earlier steps.
 
     margin: the scale is divided by 2**margin. interval: steps between scale updates (the history rolls
-    every step). amax_history_len: L, rows of the history. amax_compute_algo: "max", "most_recent", or a
-    callable ``(history[L, N]) -> amax[N]``. scaling_factor_compute_algo: optional callable
+    every step). amax_history_len: L, rows of the history (at most 2**31 - 1). amax_compute_algo: "max",
+    "most_recent", or a callable ``(history[L, N]) -> amax[N]``. scaling_factor_compute_algo: optional callable
     ``(amax[N], scale[N], fp8_max[N], recipe) -> scale[N]``. power_of_2: round scales down to powers of two.
     reduce_amax: all-reduce (MAX) row 0 across the group before each update.
     """
@@ -97,7 +87,7 @@ class DelayedScaling:
         _format(self)
         _int(self, "margin", high=MAX_MARGIN)
         _int(self, "interval", low=1)
-        _int(self, "amax_history_len", low=1)
+        _int(self, "amax_history_len", low=1, high=MAX_HISTORY_LEN)
         algo = self.amax_compute_algo
         if not callable(algo) and not (isinstance(algo, str) and algo in _ALGOS):
             raise ValueError(f"amax_compute_algo: expected 'max', 'most_recent' or a callable, "

@@ -15,10 +15,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import backends
+from . import _checks, backends
+from ._fpenv import ieee
 from ._tensor import Tensor, wrap
 from .formats import Format, as_format
-from .ops import _contiguous, _epsilon, _margin, _same_device, quantize
+from .ops import _contiguous, _epsilon, _margin, _same_device, quantize, reduce_amaxes
 from .recipe import DelayedScaling
 
 __all__ = ["ScalingState", "check_update_args", "check_state_values", "ALGOS"]
@@ -30,15 +31,21 @@ def _parse_device(device: Any) -> tuple:
     text = str(device)
     if text == "cpu":
         return ("cpu", 0)
-    if text == "cuda":
-        try:
-            import cupy
-        except ImportError as e:
-            raise RuntimeError("device: 'cuda' needs CuPy (pip install 'fp8core[cuda13]', or [cuda12])") from e
-        return ("cuda", cupy.cuda.Device().id)
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return ("cuda", int(text[5:]))
-    raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if text != "cuda" and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    try:
+        import cupy
+    except ImportError as e:
+        raise RuntimeError(f"device: {text!r} needs CuPy (pip install 'fp8core[cuda13]', or [cuda12])") from e
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        index = cupy.cuda.Device().id if text == "cuda" else int(text[5:])
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise RuntimeError(f"device: {text!r} has no usable CUDA GPU here (no GPU, or no driver that runs "
+                           f"CuPy's CUDA runtime: {e}); use device='cpu'") from e
+    if index >= count:
+        raise ValueError(f"device: {text!r}, but this machine has {count} CUDA device(s)")
+    return ("cuda", index)
 
 
 def _device_str(device: tuple) -> str:
@@ -110,14 +117,15 @@ def check_state_values(history: Any, scale: Any, scale_inv: Any, steps: Any, num
             hint = f" (amax_history_len {got[0]} in the checkpoint, {L} here)" \
                 if arg.endswith("amax_history") and len(got) == 2 and got[1:] == shape[1:] else ""
             raise ValueError(f"{arg}: expected shape {shape}, got {tuple(got)}{hint}")
+        flat = np.ascontiguousarray(data).reshape(-1)
         if arg.endswith("amax_history"):
-            bad = np.signbit(data) & ~np.isnan(data)
+            bad = _checks.negative_amax_mask(flat)
             if bad.any():
-                raise ValueError(f"{arg}: holds a negative amax ({data[bad][0]!r}); amaxes are >= +0")
-        else:
-            bad = ~(np.isfinite(data) & (data > 0))
+                raise ValueError(f"{arg}: holds a negative amax ({_checks.f32_text(flat[bad][0])}); amaxes are >= +0")
+        else:  # by bits: a subnormal scale is a scale in every floating-point mode
+            bad = ~_checks.scale_mask(flat)
             if bad.any():
-                raise ValueError(f"{arg}: expected finite values > 0, got {data[bad][0]!r} at index "
+                raise ValueError(f"{arg}: expected finite values > 0, got {_checks.f32_text(flat[bad][0])} at index "
                                  f"{int(np.flatnonzero(bad)[0])}")
     return _steps(steps, f"{prefix}steps")
 
@@ -163,28 +171,32 @@ class ScalingState:
 
     def __init__(self, num_tensors: int, recipe: DelayedScaling | None = None,
                  formats: Sequence[Format | str] | None = None, device: Any = "cpu", buffer: Any = None) -> None:
-        if isinstance(num_tensors, bool) or not isinstance(num_tensors, int) or num_tensors < 1:
-            raise ValueError(f"num_tensors: expected an int >= 1, got {num_tensors!r}")
+        if isinstance(num_tensors, bool) or not isinstance(num_tensors, numbers.Integral) \
+                or not 1 <= num_tensors <= _checks.MAX_TENSORS:
+            raise ValueError(f"num_tensors: expected an int in [1, {_checks.MAX_TENSORS}], got {num_tensors!r}")
+        num_tensors = int(num_tensors)
         self.recipe = recipe if recipe is not None else DelayedScaling()
         if not isinstance(self.recipe, DelayedScaling):
             raise TypeError(f"recipe: expected DelayedScaling, got {type(self.recipe).__name__}")
         _margin(self.recipe.margin)  # refused now, not at the first update
         _epsilon(self.recipe.epsilon)
         n, L = num_tensors, self.recipe.amax_history_len
-        if formats is None:
-            self.formats = [self.recipe.fp8_format.fwd] * n
-        else:
+        if formats is not None:
             self.formats = [as_format(f, arg="formats") for f in formats]
             if len(self.formats) != n:
                 raise ValueError(f"formats: expected {n} formats, got {len(self.formats)}")
         self.device = _parse_device(device)
         xp = backends.for_device(self.device).xp
+        # the buffer before the default formats: a list of n formats is smaller than the buffer, so a state too
+        # big for memory is refused before Python builds the list
         if buffer is None:
             with self._on_device():
-                self.buffer = xp.zeros(L * n + 2 * n, dtype=xp.float32)
+                self.buffer = _allocate(xp, L * n + 2 * n, n, L, self.device)
         else:
-            self._check_buffer(buffer)
+            self._check_buffer(buffer, n)
             self.buffer = buffer
+        if formats is None:
+            self.formats = [self.recipe.fp8_format.fwd] * n
         t = self._check_buffer(self.buffer)
         with self._on_device(), _caller_stream(t):
             data = t.data.reshape(-1)
@@ -203,8 +215,9 @@ class ScalingState:
             return cupy.cuda.Device(self.device[1])
         return contextlib.nullcontext()
 
-    def _check_buffer(self, buffer: Any) -> Tensor:
-        size = self.recipe.amax_history_len * len(self.formats) + 2 * len(self.formats)
+    def _check_buffer(self, buffer: Any, n: int | None = None) -> Tensor:
+        n = len(self.formats) if n is None else n
+        size = self.recipe.amax_history_len * n + 2 * n
         t = _contiguous(wrap(buffer, "buffer"), "buffer")
         if t.dtype != "float32" or t.size != size:
             raise ValueError(f"buffer: expected {size} float32 elements, got {t.size} {t.dtype}")
@@ -287,13 +300,17 @@ class ScalingState:
 
         ``reduce`` receives row 0 [N] in the buffer's own array type (a torch tensor when the state lives in
         one, so ``functools.partial(torch.distributed.all_reduce, op=ReduceOp.MAX)`` works as it is) and
-        reduces it in place; a returned array of N float32 is taken instead (a returned async handle with
-        ``wait()`` is waited on).
+        reduces it in place, or returns the reduced row 0 (N float32), which is taken; a returned async handle
+        with ``wait()`` is waited on. The rule of :func:`fp8core.ops.reduce_amaxes`, as quantize_dynamic's:
+        a negative reduced amax is refused (in host memory) and row 0 is left as it was.
         """
         r = self.recipe
         if reduce is not None:
-            row0 = self.amax_history[0]
-            self._take_reduced(row0, reduce(row0))
+            if not callable(reduce):
+                raise TypeError(f"reduce: expected a callable or None, got {type(reduce).__name__}")
+            t = self._check_buffer(self.buffer)
+            with _caller_stream(t):
+                reduce_amaxes(reduce, self.amax_history[0], t.data.reshape(-1)[: self.num_tensors])
         t = self._check_buffer(self.buffer)
         data = t.data.reshape(-1)
         n, L = self.num_tensors, self.history_len
@@ -321,25 +338,7 @@ class ScalingState:
         self._step_counter_at = self.steps + 1
         return {"step": self._step_counter, "interval": r.interval}
 
-    def _take_reduced(self, row0: Any, result: Any) -> None:
-        if result is None or result is row0:
-            return
-        if hasattr(result, "wait") and callable(result.wait):
-            result.wait()
-            return
-        try:
-            got = _contiguous(wrap(result, "reduce's result"), "reduce's result")
-        except TypeError as e:
-            raise TypeError(f"reduce: returned {type(result).__name__}; expected None (reduced in place) or the "
-                            f"reduced row 0 as an array of {self.num_tensors} float32 values") from e
-        if got.dtype != "float32" or got.size != self.num_tensors:
-            raise ValueError(f"reduce: returned {got.size} {got.dtype} values; expected None (reduced in place) "
-                             f"or the reduced row 0 as {self.num_tensors} float32 values")
-        _same_device(got, wrap(row0, "row0"), "reduce's result", "the state")
-        t = self._check_buffer(self.buffer)
-        with _caller_stream(t):
-            t.data.reshape(-1)[: self.num_tensors] = got.data.reshape(-1)
-
+    @ieee  # the host's arithmetic here (max, compares, 1 / s) must not flush subnormals in a flushing thread
     def _update_callable(self, H: Any, scale: Any, scale_inv: Any, update_scale: bool) -> None:
         """The array path for callable algorithms: same roll, same did-not-run rule. Every result is checked
         before anything is written (this reads the results on the host)."""
@@ -351,7 +350,7 @@ class ScalingState:
         if update_scale:
             if callable(r.amax_compute_algo):
                 a = _callable_result(r.amax_compute_algo(H), "amax_compute_algo", n, xp, self.device)
-                neg = xp.signbit(a) & ~xp.isnan(a) & (a != 0)
+                neg = _checks.negative_amax_mask(a, xp) & ((a.view(xp.uint32) & xp.uint32(0x7FFFFFFF)) != 0)
                 if bool(neg.any()):
                     raise ValueError(f"amax_compute_algo: returned a negative amax for tensor "
                                      f"{int(xp.flatnonzero(neg)[0])}; amaxes are >= 0")
@@ -360,12 +359,14 @@ class ScalingState:
             if r.scaling_factor_compute_algo is not None:
                 s = _callable_result(r.scaling_factor_compute_algo(a, scale.copy(), self.fp8_max.copy(), r),
                                      "scaling_factor_compute_algo", n, xp, self.device)
-                ok = ran & xp.isfinite(a) & (a != 0)
-                bad = ok & ~(xp.isfinite(s) & (s > 0))
+                a_mag = a.view(xp.uint32) & xp.uint32(0x7FFFFFFF)  # bits: a subnormal amax has a scale
+                ok = ran & (a_mag != 0) & (a_mag < xp.uint32(0x7F800000))
+                bad = ok & ~_checks.scale_mask(s, xp)
                 if bool(bad.any()):
                     i = int(xp.flatnonzero(bad)[0])
-                    raise ValueError(f"scaling_factor_compute_algo: returned scale {float(s[i])!r} for tensor {i} "
-                                     f"(amax {float(a[i])!r}); expected a finite scale > 0")
+                    raise ValueError(f"scaling_factor_compute_algo: returned scale {_checks.f32_text(_np(s[i]))} "
+                                     f"for tensor {i} (amax {_checks.f32_text(_np(a[i]))}); expected a finite "
+                                     f"scale > 0")
                 s_inv = xp.float32(1) / xp.where(ok, s, xp.float32(1))
             else:
                 s, s_inv, ok = backend.scale_rule(a, self.fp8_max, _margin(r.margin), r.power_of_2,
@@ -409,6 +410,22 @@ class ScalingState:
         self.steps = steps
 
 
+def _allocate(xp: Any, size: int, n: int, L: int, device: tuple) -> Any:
+    """The state's zeroed buffer; an allocation that fails says what it was for (NumPy's MemoryError says
+    nothing, and an array too big to index is a ValueError)."""
+    try:
+        return xp.zeros(size, dtype=xp.float32)
+    except (MemoryError, ValueError) as e:
+        oom = e
+    except Exception as e:  # CuPy's OutOfMemoryError
+        if type(e).__name__ != "OutOfMemoryError":
+            raise
+        oom = e
+    raise MemoryError(f"num_tensors, amax_history_len: a state of {n} tensors x {L} history rows needs "
+                      f"{size * 4} bytes of float32 on {_device_str(device)}, which could not be allocated "
+                      f"({type(oom).__name__}); use fewer tensors or a shorter history") from oom
+
+
 def _split_buffer(state: Mapping[str, Any], n: int, L: int) -> dict[str, Any]:
     flat, dtype, shape = _host(state["buffer"], "buffer")
     if dtype != "float32":
@@ -418,6 +435,11 @@ def _split_buffer(state: Mapping[str, Any], n: int, L: int) -> dict[str, Any]:
                          f"got {tuple(shape)}")
     return {"amax_history": flat[: L * n].reshape(L, n), "scale": flat[L * n: L * n + n],
             "scale_inv": flat[L * n + n:], "steps": state.get("steps")}
+
+
+def _np(value: Any) -> np.ndarray:
+    """A backend element (NumPy or CuPy) on the host, for a message."""
+    return value.get() if hasattr(value, "get") else np.asarray(value)
 
 
 def _copy(a: Any) -> Any:

@@ -383,7 +383,7 @@ ERRORS = [
     (lambda: fp8core.MXFP8BlockScaling(scale_mode="ceil"), ValueError, "scale_mode: expected"),
     (lambda: fp8core.MXFP8BlockScaling(fp8_format="e3m4"), ValueError, "fp8_format: unknown"),
     (lambda: fp8core.Float8BlockScaling(epsilon=-1.0), ValueError, "epsilon: expected a finite"),
-    (lambda: fp8core.Float8BlockScaling(power_of_2="yes"), TypeError, "power_of_2: expected True or False"),
+    (lambda: fp8core.Float8BlockScaling(power_of_2="yes"), TypeError, "power_of_2: expected a bool"),
     (lambda: fp8core.Float8BlockScaling(w_block_scaling_dim=3), ValueError, "w_block_scaling_dim: expected 1"),
 ]
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling
 
-from . import cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
+from . import _args, cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["init_state", "dense", "next_state"]
 
@@ -25,8 +25,8 @@ _MULTIPLE = 16
 
 
 def init_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
-    """The state of one dense layer: zero history, unit scales."""
-    L = recipe.amax_history_len
+    """The state of one dense layer: zero history [amax_history_len, 3], unit scales [3]."""
+    L = _args.delayed(recipe).amax_history_len
     return {"amax_history": jnp.zeros((L, 3), jnp.float32), "scale": jnp.ones(3, jnp.float32),
             "scale_inv": jnp.ones(3, jnp.float32)}
 
@@ -81,7 +81,8 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
           bias: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array] | None]:
     """x [..., K] · w[N, K]ᵀ (+ bias) with fp8 GEMMs; returns (y [..., N] in x's dtype, new state).
 
-    K and N must be multiples of 16; the token count is zero-padded to one. ``state`` is None under
+    K and N must be multiples of 16; the token count is zero-padded to one (an empty batch to 16 rows: the
+    weight gradient's GEMM contracts over the tokens and needs K > 0). ``state`` is None under
     Float8CurrentScaling. Differentiate with respect to ``state`` too, and pass that gradient to
     :func:`next_state`: it carries the grad_output amax.
     """
@@ -92,7 +93,7 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
         raise ValueError(f"w: expected [N, K] with K = {k} and N, K multiples of 16, got {w.shape}")
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
-    pad = -rows % _MULTIPLE
+    pad = -rows % _MULTIPLE or (_MULTIPLE if rows == 0 else 0)
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     if isinstance(recipe, Float8CurrentScaling):

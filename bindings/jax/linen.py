@@ -32,7 +32,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling
 
-from . import amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
+from . import _args, amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT"]
 
@@ -106,6 +106,7 @@ def _check_recipe(recipe: Any) -> None:
     if recipe.fp8_format is fp8core.Format.E5M2:
         raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
     if isinstance(recipe, DelayedScaling):
+        _args.history_len(recipe.amax_history_len)
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             raise ValueError("recipe: Fp8DotGeneral's functional update takes amax_compute_algo 'max' or "
                              "'most_recent' and no scaling_factor_compute_algo")
@@ -157,8 +158,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     x = (lhs if lperm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lperm)).reshape(-1, k)
     w = (rhs if rperm == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rperm)).reshape(k, n)
     rows = x.shape[0]
-    if rows % _MULTIPLE:  # the wgrad GEMM contracts over the tokens: zero rows change no amax
-        x = jnp.pad(x, ((0, -rows % _MULTIPLE), (0, 0)))
+    if rows % _MULTIPLE or rows == 0:  # the wgrad GEMM contracts over the tokens (K > 0): zero rows change
+        x = jnp.pad(x, ((0, -rows % _MULTIPLE or _MULTIPLE), (0, 0)))  # no amax and add nothing
     if isinstance(recipe, DelayedScaling):
         h, s, si = state["amax_history"], state["scale"], state["scale_inv"]
     else:

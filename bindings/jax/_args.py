@@ -250,4 +250,4 @@ def pack(values: tuple[float, ...]) -> np.ndarray:
 
 def unpack(words: Any) -> tuple[float, ...]:
     """The inverse of :func:`pack`, on the host copy of the operand (bits moved, no arithmetic)."""
-    return tuple(np.ascontiguousarray(words).view(np.float64).tolist())
+    return tuple(float(v) for v in np.ascontiguousarray(words).view(np.float64))

@@ -11,7 +11,7 @@ the message is the core's.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -251,3 +251,35 @@ def pack(values: tuple[float, ...]) -> np.ndarray:
 def unpack(words: Any) -> tuple[float, ...]:
     """The inverse of :func:`pack`, on the host copy of the operand (bits moved, no arithmetic)."""
     return tuple(float(v) for v in np.ascontiguousarray(words).view(np.float64))
+
+
+def dense_recipe(recipe: Any, arg: str = "recipe") -> Any:
+    """DelayedScaling or Float8CurrentScaling whose GEMMs exist (no E5M2 x E5M2)."""
+    if not isinstance(recipe, (fp8core.DelayedScaling, fp8core.Float8CurrentScaling)):
+        raise TypeError(f"{arg}: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if recipe.fp8_format is Format.E5M2:
+        raise ValueError(f"{arg}: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    if isinstance(recipe, fp8core.DelayedScaling):
+        history_len(recipe.amax_history_len)
+    return recipe
+
+
+def layer_state(state: Any, recipe: Any, arg: str = "state") -> None:
+    """A dense layer's delayed-scaling state (init_state's): amax_history [amax_history_len, 3], scale [3],
+    scale_inv [3], float32."""
+    if not isinstance(recipe, fp8core.DelayedScaling):
+        return
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{arg}: expected the delayed-scaling state (a dict of amax_history, scale, scale_inv: "
+                        f"fp8core.jax.init_state(recipe)), got {type(state).__name__}")
+    L = recipe.amax_history_len
+    for key, shape in (("amax_history", (L, 3)), ("scale", (3,)), ("scale_inv", (3,))):
+        if key not in state:
+            raise KeyError(f"{arg}: missing key {key!r} (expected amax_history, scale, scale_inv)")
+        v = array(state[key], f"{arg}[{key!r}]")
+        if _name(v) != "float32":
+            raise TypeError(f"{arg}[{key!r}]: expected float32, got {_name(v)}")
+        if tuple(v.shape) != shape:
+            hint = (f" (amax_history_len {v.shape[0]} in the state, {L} in the recipe)"
+                    if key == "amax_history" and len(v.shape) == 2 and v.shape[1:] == (3,) else "")
+            raise ValueError(f"{arg}[{key!r}]: expected shape {shape}, got {tuple(v.shape)}{hint}")

@@ -9,12 +9,11 @@ gradient of ``state["amax_history"][0, 2]``. :func:`next_state` merges the two a
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
-import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling
 
 from . import _args, cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
@@ -86,9 +85,15 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
     Float8CurrentScaling. Differentiate with respect to ``state`` too, and pass that gradient to
     :func:`next_state`: it carries the grad_output amax.
     """
-    if recipe.fp8_format is fp8core.Format.E5M2:
-        raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    _args.dense_recipe(recipe)
+    _args.high_precision(x, "x", matrix=True)
+    _args.high_precision(w, "w")
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected a 2-D [N, K] array, got shape {tuple(w.shape)}")
+    _args.layer_state(state, recipe)
     k, n = x.shape[-1], w.shape[0]
+    if bias is not None and tuple(_args.array(bias, "bias").shape) != (n,):
+        raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(bias.shape)}")
     if k % _MULTIPLE or n % _MULTIPLE or w.shape[1] != k:
         raise ValueError(f"w: expected [N, K] with K = {k} and N, K multiples of 16, got {w.shape}")
     x2 = x.reshape(-1, k)
@@ -115,6 +120,10 @@ def next_state(state: dict[str, jax.Array], state_grad: dict[str, jax.Array], re
                axis_name: Any = None) -> dict[str, jax.Array]:
     """Fold the grad_output amax (from ``state_grad``) into row 0, MAX-reduce row 0 over ``axis_name``
     (inside shard_map) when given, then the batched update of the contract."""
+    _args.layer_state(state, _args.delayed(recipe))
+    if not isinstance(state_grad, Mapping) or "amax_history" not in state_grad:
+        raise TypeError(f"state_grad: expected the gradient of dense's state (a dict with amax_history), got "
+                        f"{type(state_grad).__name__}")
     h = state["amax_history"]
     row0 = h[0].at[2].max(jnp.abs(state_grad["amax_history"][0, 2]))
     if axis_name is not None:

@@ -145,6 +145,10 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     :class:`Fp8DotGeneral`. ``state`` (delayed scaling): ``{"amax_history", "scale", "scale_inv"}``; its
     gradient is its next value. The contracted size K and the rhs free size N must be multiples of 16."""
     _check_recipe(recipe)
+    for arg, t in (("lhs", lhs), ("rhs", rhs)):
+        if len(_args.array(t, arg).shape) == 0:
+            raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
+    _args.layer_state(state, recipe)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
     if k % _MULTIPLE or n % _MULTIPLE:
         raise ValueError(f"dimension_numbers: the contracted size K = {k} and the rhs free size N = {n} must be "

@@ -332,3 +332,17 @@ def test_numbers_travel_as_their_float64_bits():
     values = (0.1, 1e-320, 3e38, -0.0, 512.0)
     assert [np.float64(v).tobytes() for v in _args.unpack(_args.pack(values))] == \
         [np.float64(v).tobytes() for v in values]
+
+
+@pytest.mark.parametrize("op", list(CURRENT))
+def test_static_numbers_as_on_a_gpu_machine_same_bits(op, monkeypatch):
+    """Where a GPU needs margin and epsilon by value (fp8core.jax.numbers_static), they reach the callback as
+    static values: that branch, taken here on the CPU, gives the same bits, one program per value."""
+    monkeypatch.setattr(fj, "numbers_static", lambda: True)
+    prim, ours, core = CURRENT[op]
+    x = _x()
+    before = _programs(prim)
+    for eps, m in ((1e-40, 3), (0.1, -2), (2e-3, 0)):
+        for g, w in zip(ours(x, eps, m), core(x, eps, m)):
+            np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"epsilon {eps!r}, margin {m}")
+    assert _programs(prim) - before == 3

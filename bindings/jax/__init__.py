@@ -114,16 +114,17 @@ def _jitted(*static: str, numbers: tuple[str, ...] = ()) -> Callable[[Callable[.
 
     ``numbers`` (margin, epsilon): data, not program. They are checked by the core's rules here and reach the
     decorated function as ``numbers``, a uint32 operand holding their float64 bits (one program for every
-    value), and as ``host_numbers``, their values where they must stay static (:func:`numbers_static`), else
-    None; :func:`_numbers` reads them back in the callback."""
+    value), or, where they must stay static (:func:`numbers_static`), as ``host_numbers`` (``numbers`` None);
+    the callback gets ``_operands(numbers)`` and reads them back with :func:`_numbers`."""
     def wrap_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
         jitted = jax.jit(fn, static_argnames=static + (("host_numbers",) if numbers else ()))
 
         def pack(kwargs: dict[str, Any]) -> dict[str, Any]:
             if numbers:
                 values = tuple(_args.NUMBER_RULES[name](kwargs.pop(name)) for name in numbers)
-                kwargs["numbers"] = _args.pack(values)
-                kwargs["host_numbers"] = values if numbers_static() else None
+                static = numbers_static()
+                kwargs["numbers"] = None if static else _args.pack(values)
+                kwargs["host_numbers"] = values if static else None
             return kwargs
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -141,13 +142,14 @@ def _jitted(*static: str, numbers: tuple[str, ...] = ()) -> Callable[[Callable[.
     return wrap_fn
 
 
-def _numbers(buf: Tensor, host: tuple[float, ...] | None) -> tuple[float, ...]:
-    """The callback's numbers: the static values where there are some, else the operand's (host memory)."""
-    if host is not None:
-        return host
-    if buf.is_cuda:  # numbers_static() is true wherever there is a GPU: not reached
-        raise RuntimeError("fp8core.jax: margin/epsilon operand on a GPU without static values")
-    return _args.unpack(buf.data)
+def _operands(numbers: Any) -> tuple[Any, ...]:
+    return () if numbers is None else (numbers,)
+
+
+def _numbers(buf: Tensor | None, host: tuple[float, ...] | None) -> tuple[float, ...]:
+    """The callback's numbers: the static values where there are some, else the operand's (host memory: there
+    is an operand only where numbers_static() is false, on a machine without a GPU)."""
+    return host if host is not None else _args.unpack(buf.data)
 
 
 def _fp8_shape(x: Any, fmt: Any, shape: Any = None) -> jax.ShapeDtypeStruct:
@@ -194,14 +196,14 @@ def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2
 @_jitted("fmt", "power_of_2", numbers=("margin", "epsilon"))
 def _quantize_dynamic(x: Array, *, fmt: Any, power_of_2: Any, numbers: Any,
                       host_numbers: Any) -> tuple[Array, ...]:
-    def run(outs, t, nums):
+    def run(outs, t, nums=None):
         m, epsilon = _numbers(nums, host_numbers)
         margin = int(m)
         if TRUSTED_OUTS:
             return _direct.quantize_dynamic(outs, t, fmt, margin, power_of_2, epsilon)
         fp8core.quantize_dynamic(t, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon, out=tuple(outs))
 
-    return _primitive(run, (_fp8_shape(x, fmt), _F32_1, _F32_1))(x, numbers)
+    return _primitive(run, (_fp8_shape(x, fmt), _F32_1, _F32_1))(x, *_operands(numbers))
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = jnp.float32) -> Array:
@@ -343,14 +345,14 @@ def compute_scale(amax: Array, fmt: Any, *, margin: int = 0, power_of_2: bool = 
 @_jitted("fmt", "power_of_2", numbers=("margin", "epsilon"))
 def _compute_scale(amax: Array, *, fmt: Any, power_of_2: Any, numbers: Any, host_numbers: Any
                    ) -> tuple[Array, Array]:
-    def run(outs, a, nums):
+    def run(outs, a, nums=None):
         m, epsilon = _numbers(nums, host_numbers)
         for o, r in zip(outs, fp8core.compute_scale(a, fmt, margin=int(m), power_of_2=power_of_2,
                                                     epsilon=epsilon)):
             o.data[...] = r.reshape(o.data.shape)  # [N] floats: no out= on the core's scale rule
 
     shape = jax.ShapeDtypeStruct(amax.shape if amax.ndim else (1,), jnp.float32)
-    return _primitive(run, (shape, shape))(amax, numbers)
+    return _primitive(run, (shape, shape))(amax, *_operands(numbers))
 
 
 def reduce_amax(amax: Array, axis_name: Any) -> Array:

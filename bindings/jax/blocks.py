@@ -18,7 +18,7 @@ from fp8core import blocks as core
 from fp8core._tensor import Tensor
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor
 
-from . import _args, _fp8_shape, _jitted, _numbers, _primitive, _rows
+from . import _args, _fp8_shape, _jitted, _numbers, _operands, _primitive, _rows
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
            "dequantize_blockwise", "block_gemm"]
@@ -117,11 +117,11 @@ def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numb
     s_shape = (_cdiv(_rows(x), br), _cdiv(x.shape[-1], FP32_BLOCK))
     shapes = (_fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
 
-    def run(t, nums):
+    def run(t, nums=None):
         (epsilon,) = _numbers(nums, host_numbers)
         return tuple(core.quantize_blockwise(t, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon))
 
-    return BlockScaledTensor(*_primitive(_returning(run), shapes)(x, numbers))
+    return BlockScaledTensor(*_primitive(_returning(run), shapes)(x, *_operands(numbers)))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:

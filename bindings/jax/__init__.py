@@ -24,6 +24,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 import fp8core
 from fp8core import _checks
+from fp8core._fpenv import ieee
 from fp8core._tensor import Tensor, wrap
 from fp8core.backends import for_device
 
@@ -295,6 +296,7 @@ def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.
     return _update(amax_history, scale, scale_inv, recipe=recipe, formats=fl, update_scale=update_scale)
 
 
+@ieee  # XLA:CPU calls back with FTZ/DAZ set: the callables and ScalingState's checks see subnormals as it does
 def _callable_update(recipe: fp8core.DelayedScaling, formats: tuple[Any, ...], update_scale: bool,
                      h: Tensor, s: Tensor, si: Tensor, outs: Sequence[Tensor]) -> None:
     """A recipe with a callable algorithm: ScalingState.update itself, on a state of our own (the callables

@@ -76,6 +76,7 @@ CASES = [
      "float32, bfloat16 or float16"),
     ("dequantize out_dtype nonsense", lambda: fj.dequantize(Q, 1.0, "fp64ish"), ValueError, "out_dtype",
      "float32, bfloat16 or float16"),
+    ("dequantize out_dtype None", lambda: fj.dequantize(Q, 1.0, None), ValueError, "out_dtype", "got None"),
     ("gemm out_dtype int32", lambda: fj.gemm(Q, Q, 1.0, 1.0, jnp.int32), ValueError, "out_dtype", "float32"),
     ("gemm 1-D a", lambda: fj.gemm(Q[0], Q, 1.0, 1.0), ValueError, "a", "2-D [M, K]"),
     ("gemm K mismatch", lambda: fj.gemm(Q, Q[:, :16], 1.0, 1.0), ValueError, "b", "K = 32"),

@@ -94,7 +94,7 @@ def scale(value: Any, arg: str) -> Any:
 def out_dtype(value: Any, arg: str = "out_dtype") -> Any:
     """float32, bfloat16 or float16 (a dtype or its name)."""
     try:
-        name = jnp.dtype(value).name
+        name = jnp.dtype(value).name if value is not None else None  # jnp.dtype(None) is float64
     except TypeError:
         name = None
     _checks.out_dtype(name if name is not None else value, arg)

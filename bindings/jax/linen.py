@@ -30,7 +30,7 @@ import numpy as np
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 import fp8core
-from fp8core import DelayedScaling, Float8CurrentScaling
+from fp8core import DelayedScaling
 
 from . import _args, amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
 
@@ -101,12 +101,8 @@ _fp8_dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 def _check_recipe(recipe: Any) -> None:
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(f"recipe: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
-    if recipe.fp8_format is fp8core.Format.E5M2:
-        raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    _args.dense_recipe(recipe)
     if isinstance(recipe, DelayedScaling):
-        _args.history_len(recipe.amax_history_len)
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             raise ValueError("recipe: Fp8DotGeneral's functional update takes amax_compute_algo 'max' or "
                              "'most_recent' and no scaling_factor_compute_algo")

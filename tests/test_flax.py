@@ -264,3 +264,41 @@ def test_unsupported_uses_are_named(build, match):
     x = jnp.ones((5, 16, 24)) if "K = 24" in match else jnp.ones((5, 16, 16))
     with pytest.raises(ValueError, match=match):
         build().init(jax.random.PRNGKey(0), x)
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, fp8core.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("batch", [(0,), (0, 3), (2, 0)], ids=["0", "0x3", "2x0"])
+def test_empty_batch_forward_and_grad_as_the_high_precision_definition(recipe, batch):
+    """An empty batch (torch handles them): y has shape [..., N], the gradients are the high-precision
+    definition's, zeros of the parameters' shapes (the weight gradient's GEMM contracts over no tokens)."""
+    model = nn.Dense(16, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=recipe))
+    ref = nn.Dense(16)
+    variables = model.init(jax.random.PRNGKey(0), jnp.ones((1, 32)))
+    x = jnp.zeros((*batch, 32))
+
+    def loss(model, variables):
+        return lambda params, x: (model.apply({**variables, "params": params}, x) ** 2).sum()
+
+    want = jax.grad(loss(ref, {}), argnums=(0, 1))(variables["params"], x)
+    for jit in (False, True):
+        apply, grad = model.apply, jax.grad(loss(model, variables), argnums=(0, 1))
+        if jit:
+            apply, grad = jax.jit(apply), jax.jit(grad)
+        y = apply(variables, x)
+        assert y.shape == (*batch, 16) and y.dtype == jnp.float32
+        got = grad(variables["params"], x)
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), got) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
+
+
+def test_dense_empty_batch_grad_is_zero():
+    """fp8core.jax.dense, the same: zeros of w's shape, and the state's grad_output amax stays 0."""
+    state = fj.init_state(DELAYED)
+    w = jax.random.normal(jax.random.PRNGKey(1), (16, 32))
+    x = jnp.zeros((0, 32))
+    (dw, dstate) = jax.grad(lambda w, s: fj.dense(x, w, s, DELAYED)[0].sum(), argnums=(0, 1))(w, state)
+    assert dw.shape == w.shape and not np.asarray(dw).view(np.uint32).any()
+    assert float(dstate["amax_history"][0, 2]) == 0.0
+    y, new = fj.dense(x, w, state, DELAYED)
+    assert y.shape == (0, 16) and float(new["amax_history"][0, 0]) == 0.0

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp8core
+from fp8core import _checks
 from fp8core import blocks as core
 from fp8core._tensor import Tensor
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor
 
-from . import _fp8_shape, _jitted, _primitive, _rows
+from . import _args, _fp8_shape, _jitted, _numbers, _operands, _primitive, _rows
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
            "dequantize_blockwise", "block_gemm"]
@@ -52,7 +53,9 @@ def _mx_scale_shape(x: Any, columnwise: bool) -> tuple[int, int]:
 
 def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
     """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
-    return _quantize_mxfp8(x, fmt=fmt, scale_mode=scale_mode, columnwise=columnwise)
+    return _quantize_mxfp8(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
+                           scale_mode=fp8core.recipe._scale_mode(scale_mode),
+                           columnwise=_checks.flag(columnwise, "columnwise"))
 
 
 @_jitted("fmt", "scale_mode", "columnwise")
@@ -65,7 +68,8 @@ def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> 
 
 def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
     """(rowwise, columnwise) from one read of x."""
-    return _quantize_mxfp8_both(x, fmt=fmt, scale_mode=scale_mode)
+    return _quantize_mxfp8_both(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
+                                scale_mode=fp8core.recipe._scale_mode(scale_mode))
 
 
 @_jitted("fmt", "scale_mode")
@@ -83,7 +87,9 @@ def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTens
 
 
 def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
-    return _dequantize_mxfp8(t, out_dtype=out_dtype)
+    """y = data · 2^(scale - 127) per block, in out_dtype (float32, bfloat16 or float16), data's shape."""
+    _args.mx_tensor(t)
+    return _dequantize_mxfp8(MXTensor(*t), out_dtype=_args.out_dtype(out_dtype))
 
 
 @_jitted("out_dtype")
@@ -96,22 +102,32 @@ def _dequantize_mxfp8(t: MXTensor, *, out_dtype: Any) -> Array:
 
 def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", power_of_2: bool = True,
                        epsilon: float = 0.0) -> BlockScaledTensor:
-    """BlockScaledTensor(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)])."""
-    return _quantize_blockwise(x, fmt=fmt, block=block, power_of_2=power_of_2, epsilon=epsilon)
+    """BlockScaledTensor(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)]).
+    epsilon is data (traced: one program for every value)."""
+    core._block_rows(block)
+    return _quantize_blockwise(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
+                               block=tuple(block) if isinstance(block, list) else block,
+                               power_of_2=_checks.flag(power_of_2, "power_of_2"), epsilon=epsilon)
 
 
-@_jitted("fmt", "block", "power_of_2", "epsilon")
-def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, epsilon: Any) -> BlockScaledTensor:
+@_jitted("fmt", "block", "power_of_2", numbers=("epsilon",))
+def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numbers: Any,
+                        host_numbers: Any) -> BlockScaledTensor:
     br = core._block_rows(block)
     s_shape = (_cdiv(_rows(x), br), _cdiv(x.shape[-1], FP32_BLOCK))
     shapes = (_fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
-    run = _returning(lambda t: tuple(core.quantize_blockwise(t, fmt, block=block, power_of_2=power_of_2,
-                                                              epsilon=epsilon)))
-    return BlockScaledTensor(*_primitive(run, shapes)(x))
+
+    def run(t, nums=None):
+        (epsilon,) = _numbers(nums, host_numbers)
+        return tuple(core.quantize_blockwise(t, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon))
+
+    return BlockScaledTensor(*_primitive(_returning(run), shapes)(x, *_operands(numbers)))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
-    return _dequantize_blockwise(t, out_dtype=out_dtype)
+    """y = data · scale_inv[its block] in out_dtype (float32, bfloat16 or float16), data's shape."""
+    _args.block_tensor(t)
+    return _dequantize_blockwise(BlockScaledTensor(*t), out_dtype=_args.out_dtype(out_dtype))
 
 
 @_jitted("out_dtype")
@@ -126,7 +142,8 @@ def _dequantize_blockwise(t: BlockScaledTensor, *, out_dtype: Any) -> Array:
 def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,
                out_dtype: Any = jnp.bfloat16) -> Array:
     """[M, N] = sum over K-blocks of the block-scaled products, as :func:`fp8core.gemm` with block operands."""
-    return _block_gemm(a, b, out_dtype=out_dtype)
+    _args.block_gemm_operands(a, b)
+    return _block_gemm(a, b, out_dtype=_args.out_dtype(out_dtype))
 
 
 @_jitted("out_dtype")

@@ -9,15 +9,14 @@ gradient of ``state["amax_history"][0, 2]``. :func:`next_state` merges the two a
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
-import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling
 
-from . import cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
+from . import _args, cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["init_state", "dense", "next_state"]
 
@@ -25,8 +24,8 @@ _MULTIPLE = 16
 
 
 def init_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
-    """The state of one dense layer: zero history, unit scales."""
-    L = recipe.amax_history_len
+    """The state of one dense layer: zero history [amax_history_len, 3], unit scales [3]."""
+    L = _args.delayed(recipe).amax_history_len
     return {"amax_history": jnp.zeros((L, 3), jnp.float32), "scale": jnp.ones(3, jnp.float32),
             "scale_inv": jnp.ones(3, jnp.float32)}
 
@@ -81,18 +80,25 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
           bias: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array] | None]:
     """x [..., K] · w[N, K]ᵀ (+ bias) with fp8 GEMMs; returns (y [..., N] in x's dtype, new state).
 
-    K and N must be multiples of 16; the token count is zero-padded to one. ``state`` is None under
+    K and N must be multiples of 16; the token count is zero-padded to one (an empty batch to 16 rows: the
+    weight gradient's GEMM contracts over the tokens and needs K > 0). ``state`` is None under
     Float8CurrentScaling. Differentiate with respect to ``state`` too, and pass that gradient to
     :func:`next_state`: it carries the grad_output amax.
     """
-    if recipe.fp8_format is fp8core.Format.E5M2:
-        raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    _args.dense_recipe(recipe)
+    _args.high_precision(x, "x", matrix=True)
+    _args.high_precision(w, "w")
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected a 2-D [N, K] array, got shape {tuple(w.shape)}")
+    _args.layer_state(state, recipe)
     k, n = x.shape[-1], w.shape[0]
+    if bias is not None and tuple(_args.array(bias, "bias").shape) != (n,):
+        raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(bias.shape)}")
     if k % _MULTIPLE or n % _MULTIPLE or w.shape[1] != k:
         raise ValueError(f"w: expected [N, K] with K = {k} and N, K multiples of 16, got {w.shape}")
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
-    pad = -rows % _MULTIPLE
+    pad = -rows % _MULTIPLE or (_MULTIPLE if rows == 0 else 0)
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     if isinstance(recipe, Float8CurrentScaling):
@@ -114,6 +120,10 @@ def next_state(state: dict[str, jax.Array], state_grad: dict[str, jax.Array], re
                axis_name: Any = None) -> dict[str, jax.Array]:
     """Fold the grad_output amax (from ``state_grad``) into row 0, MAX-reduce row 0 over ``axis_name``
     (inside shard_map) when given, then the batched update of the contract."""
+    _args.layer_state(state, _args.delayed(recipe))
+    if not isinstance(state_grad, Mapping) or "amax_history" not in state_grad:
+        raise TypeError(f"state_grad: expected the gradient of dense's state (a dict with amax_history), got "
+                        f"{type(state_grad).__name__}")
     h = state["amax_history"]
     row0 = h[0].at[2].max(jnp.abs(state_grad["amax_history"][0, 2]))
     if axis_name is not None:

@@ -30,9 +30,9 @@ import numpy as np
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 import fp8core
-from fp8core import DelayedScaling, Float8CurrentScaling
+from fp8core import DelayedScaling
 
-from . import amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
+from . import _args, amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT"]
 
@@ -101,10 +101,7 @@ _fp8_dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 def _check_recipe(recipe: Any) -> None:
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(f"recipe: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
-    if recipe.fp8_format is fp8core.Format.E5M2:
-        raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    _args.dense_recipe(recipe)
     if isinstance(recipe, DelayedScaling):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             raise ValueError("recipe: Fp8DotGeneral's functional update takes amax_compute_algo 'max' or "
@@ -144,6 +141,10 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     :class:`Fp8DotGeneral`. ``state`` (delayed scaling): ``{"amax_history", "scale", "scale_inv"}``; its
     gradient is its next value. The contracted size K and the rhs free size N must be multiples of 16."""
     _check_recipe(recipe)
+    for arg, t in (("lhs", lhs), ("rhs", rhs)):
+        if len(_args.array(t, arg).shape) == 0:
+            raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
+    _args.layer_state(state, recipe)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
     if k % _MULTIPLE or n % _MULTIPLE:
         raise ValueError(f"dimension_numbers: the contracted size K = {k} and the rhs free size N = {n} must be "
@@ -157,8 +158,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     x = (lhs if lperm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lperm)).reshape(-1, k)
     w = (rhs if rperm == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rperm)).reshape(k, n)
     rows = x.shape[0]
-    if rows % _MULTIPLE:  # the wgrad GEMM contracts over the tokens: zero rows change no amax
-        x = jnp.pad(x, ((0, -rows % _MULTIPLE), (0, 0)))
+    if rows % _MULTIPLE or rows == 0:  # the wgrad GEMM contracts over the tokens (K > 0): zero rows change
+        x = jnp.pad(x, ((0, -rows % _MULTIPLE or _MULTIPLE), (0, 0)))  # no amax and add nothing
     if isinstance(recipe, DelayedScaling):
         h, s, si = state["amax_history"], state["scale"], state["scale_inv"]
     else:

@@ -1,0 +1,285 @@
+"""fp8core.jax's argument checks, made while ``jax.jit`` traces: on shapes, dtypes and Python values only, so
+they hold eagerly and under an outer jit alike, and every error names the argument as the core's does.
+
+The callbacks check again with the core's own functions, but an error raised there reaches the caller wrapped
+in XLA's INTERNAL error, after the program was built: these checks make sure nothing the core would refuse
+for its shape, dtype or value gets that far. The rules are the core's (fp8core._checks, fp8core.blocks'
+layouts); where the core has a rule only inside a function that takes real arrays, it is restated here and
+the message is the core's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+import fp8core
+from fp8core import _checks
+from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor, block_layout, mx_layout
+from fp8core.formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
+
+# The update kernel counts history rows in a 32-bit int (cuda/update.cu): the longest history a recipe can
+# have on either backend. Real recipes keep 1 to 1024 rows (Transformer Engine's default is 1024).
+MAX_HISTORY_LEN = 2**31 - 1
+# cuBLASLt's FP8 table (fp8core.gemm): the bias dtype each high-precision output takes
+_BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",)}
+_E8M0 = "float8_e8m0fnu"
+
+
+def _name(x: Any) -> str:
+    return jnp.dtype(x.dtype).name
+
+
+def array(x: Any, arg: str) -> Any:
+    """A JAX or NumPy array (or a tracer of one): anything with a shape and a dtype."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, (str, bytes)):
+        raise TypeError(f"{arg}: expected a JAX or NumPy array, got {type(x).__name__}")
+    return x
+
+
+def high_precision(x: Any, arg: str, matrix: bool = False) -> Any:
+    """float32, bfloat16 or float16 data; ``matrix``: viewed as [rows, cols], so at least 1-D."""
+    name = _name(array(x, arg))
+    if name not in HIGH_PRECISION_DTYPES:
+        _checks.high_precision_name(name, arg)
+    if matrix:
+        at_least_1d(x, arg)
+    return x
+
+
+def at_least_1d(x: Any, arg: str) -> None:
+    if len(x.shape) == 0:
+        raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
+
+
+def fp8(q: Any, arg: str, matrix: bool = False) -> Format:
+    """fp8 data (float8_e4m3fn or float8_e5m2; JAX has the dtypes, so no uint8 storage): its format."""
+    name = _name(array(q, arg))
+    if name not in FP8_DTYPES:
+        hint = "; quantize it first" if name in HIGH_PRECISION_DTYPES else ""
+        raise TypeError(f"{arg}: expected fp8 data (float8_e4m3fn, float8_e5m2), got {name}{hint}")
+    if matrix:
+        at_least_1d(q, arg)
+    return as_format(name)
+
+
+def fmt(value: Any, arg: str = "fmt") -> Format:
+    return _checks.fmt(value, arg)
+
+
+def scale(value: Any, arg: str) -> Any:
+    """A scale: a Python number (converted to float32 as the core converts it) or a 1-element float32 array.
+    Strings, booleans and None are refused (the core's rule), not read as numbers."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{arg}: expected a 1-element float32 array or a Python number, got {type(value).__name__}")
+    if isinstance(value, (int, float)):
+        if isinstance(value, int):
+            try:
+                float(value)
+            except OverflowError:
+                raise ValueError(f"{arg}: {value.bit_length()}-bit int is too large for a float32 scale") from None
+        return value
+    array(value, arg)
+    name = _name(value)
+    if name != "float32":
+        raise TypeError(f"{arg}: expected float32, got {name}")
+    if math.prod(value.shape) != 1:
+        raise ValueError(f"{arg}: expected 1 element, got shape {tuple(value.shape)}")
+    return value
+
+
+def out_dtype(value: Any, arg: str = "out_dtype") -> Any:
+    """float32, bfloat16 or float16 (a dtype or its name)."""
+    try:
+        name = jnp.dtype(value).name if value is not None else None  # jnp.dtype(None) is float64
+    except TypeError:
+        name = None
+    _checks.out_dtype(name if name is not None else value, arg)
+    return value
+
+
+def pair(t: Any, kind: type, arg: str = "t") -> tuple[Any, Any]:
+    """An MXTensor / BlockScaledTensor, or a plain (data, scale) pair."""
+    if not isinstance(t, tuple) or len(t) != 2:
+        raise TypeError(f"{arg}: expected a {kind.__name__} (data, {kind._fields[1]}), got {type(t).__name__}")
+    return t[0], t[1]
+
+
+def _rows_cols(q: Any) -> tuple[int, int]:
+    shape = tuple(q.shape)
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def mx_tensor(t: Any, arg: str = "t") -> tuple[Format, bool]:
+    """(format, columnwise) of an MXTensor: fp8 data, E8M0 (or uint8) scales in one of its two layouts."""
+    data, s = pair(t, MXTensor, arg)
+    f = fp8(data, f"{arg}.data", matrix=True)
+    name = _name(array(s, f"{arg}.scale"))
+    if name not in (_E8M0, "uint8"):
+        raise TypeError(f"{arg}.scale: expected {_E8M0} or uint8, got {name}")
+    return f, mx_layout(_rows_cols(data), tuple(s.shape), f"{arg}.scale")
+
+
+def block_tensor(t: Any, arg: str = "t") -> tuple[Format, int]:
+    """(format, block rows) of a BlockScaledTensor: fp8 data, float32 scale_inv of 1x128 or 128x128 blocks."""
+    data, s = pair(t, BlockScaledTensor, arg)
+    f = fp8(data, f"{arg}.data", matrix=True)
+    name = _name(array(s, f"{arg}.scale_inv"))
+    if name != "float32":
+        raise TypeError(f"{arg}.scale_inv: expected float32, got {name}")
+    return f, block_layout(_rows_cols(data), tuple(s.shape), f"{arg}.scale_inv")
+
+
+def gemm_operands(a: Any, b: Any) -> tuple[Format, Format, int, int]:
+    """(a's format, b's format, K, N) of fp8 a [M, K] and b [N, K], by cuBLASLt's FP8 limits (fp8core.gemm)."""
+    fa, fb = fp8(a, "a"), fp8(b, "b")
+    for arg, t, dims in (("a", a, "[M, K]"), ("b", b, "[N, K]")):
+        if len(t.shape) != 2:
+            raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {tuple(t.shape)}")
+    (_, k), (n, kb) = a.shape, b.shape
+    if kb != k:
+        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a.shape)}, got shape "
+                         f"{tuple(b.shape)}")
+    if k == 0 or k % 16:
+        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
+    if n == 0 or n % 16:
+        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
+    if fa is Format.E5M2 and fb is Format.E5M2:
+        raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
+    return fa, fb, k, n
+
+
+def bias(b: Any, n: int, out_name: str) -> None:
+    if b is None:
+        return
+    name = _name(array(b, "bias"))
+    allowed = _BIAS_DTYPES[out_name]
+    if name not in allowed:
+        raise TypeError(f"bias: for out_dtype {out_name} expected {' or '.join(allowed)}, got {name}")
+    if tuple(b.shape) != (n,):
+        raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(b.shape)}")
+
+
+def block_gemm_operands(a: Any, b: Any) -> None:
+    """Block-scaled GEMM operands by fp8core.blocks' rules: both MXTensor (rowwise, K a multiple of 32) or
+    both BlockScaledTensor (K a multiple of 128, not both 128x128)."""
+    for arg, t in (("a", a), ("b", b)):
+        if not isinstance(t, (MXTensor, BlockScaledTensor)):
+            raise TypeError(f"{arg}: with a block-scaled operand, expected an MXTensor or a BlockScaledTensor, "
+                            f"got {type(t).__name__}; quantize both operands with the same scheme")
+    if type(a) is not type(b):
+        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__}; a block-scaled GEMM takes "
+                         "MXFP8 x MXFP8 or fp32 blocks x fp32 blocks")
+    fa, fb, k, _ = gemm_operands(a[0], b[0])
+    if isinstance(a, MXTensor):
+        if k % MX_BLOCK:
+            raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
+        for arg, t in (("a", a), ("b", b)):
+            mx_tensor(t, arg)
+            rows = t[0].shape[0]
+            if tuple(t[1].shape) != (rows, k // MX_BLOCK):
+                raise ValueError(f"{arg}.scale: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
+                                 f"{(rows, k // MX_BLOCK)}, got {tuple(t[1].shape)}")
+        return
+    if k % FP32_BLOCK:
+        raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole blocks)")
+    if block_tensor(a, "a")[1] == block_tensor(b, "b")[1] == FP32_BLOCK:
+        raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) in "
+                         "1x128 blocks")
+
+
+def delayed(recipe: Any, arg: str = "recipe") -> fp8core.DelayedScaling:
+    if not isinstance(recipe, fp8core.DelayedScaling):
+        raise TypeError(f"{arg}: expected DelayedScaling (the delayed-scaling state and update), got "
+                        f"{type(recipe).__name__}")
+    history_len(recipe.amax_history_len)
+    return recipe
+
+
+def history_len(L: int, arg: str = "amax_history_len") -> int:
+    if L > MAX_HISTORY_LEN:
+        raise ValueError(f"{arg}: expected at most {MAX_HISTORY_LEN} rows (the update kernel's 32-bit row "
+                         f"count), got {L}")
+    return L
+
+
+def update_args(history: Any, scale_: Any, scale_inv: Any, recipe: Any, formats: Any,
+                update_scale: Any) -> tuple[Format, ...]:
+    """The functional update's arguments, by fp8core.scaling.check_update_args' rules: the formats, one per
+    column of history."""
+    delayed(recipe)
+    _checks.flag(update_scale, "update_scale")
+    name = _name(array(history, "amax_history"))
+    if name != "float32":
+        raise TypeError(f"amax_history: expected float32, got {name}")
+    if len(history.shape) != 2 or history.shape[0] < 1 or history.shape[1] < 1:
+        raise ValueError(f"amax_history: expected shape [L, N] with L, N >= 1, got {tuple(history.shape)}")
+    n = history.shape[1]
+    for arg, v in (("scale", scale_), ("scale_inv", scale_inv)):
+        name = _name(array(v, arg))
+        if name != "float32":
+            raise TypeError(f"{arg}: expected float32, got {name}")
+        if tuple(v.shape) != (n,):
+            raise ValueError(f"{arg}: expected shape ({n},) to match amax_history [L, {n}], got {tuple(v.shape)}")
+    return format_list(formats, n)
+
+
+def format_list(formats: Any, n: int, arg: str = "formats") -> tuple[Format, ...]:
+    """One fp8 format per tensor: a list or tuple of n (one format is not broadcast)."""
+    if isinstance(formats, (str, Format)) or not isinstance(formats, Sequence):
+        raise TypeError(f"{arg}: expected a list or tuple of {n} formats (one per tensor), got "
+                        f"{type(formats).__name__} {formats!r}")
+    fl = tuple(as_format(f, arg=arg) for f in formats)
+    if len(fl) != n:
+        raise ValueError(f"{arg}: expected {n} formats (one per column of amax_history), got {len(fl)}")
+    return fl
+
+
+# The numbers that are data, by the core's rules; margin as an exact float (they travel as float64 bits)
+NUMBER_RULES = {"margin": lambda v: float(_checks.margin(v)), "epsilon": _checks.epsilon}
+
+
+def pack(values: tuple[float, ...]) -> np.ndarray:
+    """Python floats as uint32 words of their float64 bits: a jit operand carrying them exactly, with or
+    without jax_enable_x64."""
+    return np.array(values, np.float64).view(np.uint32)
+
+
+def unpack(words: Any) -> tuple[float, ...]:
+    """The inverse of :func:`pack`, on the host copy of the operand (bits moved, no arithmetic)."""
+    return tuple(float(v) for v in np.ascontiguousarray(words).view(np.float64))
+
+
+def dense_recipe(recipe: Any, arg: str = "recipe") -> Any:
+    """DelayedScaling or Float8CurrentScaling whose GEMMs exist (no E5M2 x E5M2)."""
+    if not isinstance(recipe, (fp8core.DelayedScaling, fp8core.Float8CurrentScaling)):
+        raise TypeError(f"{arg}: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if recipe.fp8_format is Format.E5M2:
+        raise ValueError(f"{arg}: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    if isinstance(recipe, fp8core.DelayedScaling):
+        history_len(recipe.amax_history_len)
+    return recipe
+
+
+def layer_state(state: Any, recipe: Any, arg: str = "state") -> None:
+    """A dense layer's delayed-scaling state (init_state's): amax_history [amax_history_len, 3], scale [3],
+    scale_inv [3], float32."""
+    if not isinstance(recipe, fp8core.DelayedScaling):
+        return
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{arg}: expected the delayed-scaling state (a dict of amax_history, scale, scale_inv: "
+                        f"fp8core.jax.init_state(recipe)), got {type(state).__name__}")
+    L = recipe.amax_history_len
+    for key, shape in (("amax_history", (L, 3)), ("scale", (3,)), ("scale_inv", (3,))):
+        if key not in state:
+            raise KeyError(f"{arg}: missing key {key!r} (expected amax_history, scale, scale_inv)")
+        v = array(state[key], f"{arg}[{key!r}]")
+        if _name(v) != "float32":
+            raise TypeError(f"{arg}[{key!r}]: expected float32, got {_name(v)}")
+        if tuple(v.shape) != shape:
+            hint = (f" (amax_history_len {v.shape[0]} in the state, {L} in the recipe)"
+                    if key == "amax_history" and len(v.shape) == 2 and v.shape[1:] == (3,) else "")
+            raise ValueError(f"{arg}[{key!r}]: expected shape {shape}, got {tuple(v.shape)}{hint}")

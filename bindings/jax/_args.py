@@ -21,9 +21,6 @@ from fp8core import _checks
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor, block_layout, mx_layout
 from fp8core.formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
 
-# The update kernel counts history rows in a 32-bit int (cuda/update.cu): the longest history a recipe can
-# have on either backend. Real recipes keep 1 to 1024 rows (Transformer Engine's default is 1024).
-MAX_HISTORY_LEN = 2**31 - 1
 # cuBLASLt's FP8 table (fp8core.gemm): the bias dtype each high-precision output takes
 _BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",)}
 _E8M0 = "float8_e8m0fnu"
@@ -195,15 +192,7 @@ def delayed(recipe: Any, arg: str = "recipe") -> fp8core.DelayedScaling:
     if not isinstance(recipe, fp8core.DelayedScaling):
         raise TypeError(f"{arg}: expected DelayedScaling (the delayed-scaling state and update), got "
                         f"{type(recipe).__name__}")
-    history_len(recipe.amax_history_len)
-    return recipe
-
-
-def history_len(L: int, arg: str = "amax_history_len") -> int:
-    if L > MAX_HISTORY_LEN:
-        raise ValueError(f"{arg}: expected at most {MAX_HISTORY_LEN} rows (the update kernel's 32-bit row "
-                         f"count), got {L}")
-    return L
+    return recipe  # its amax_history_len is bounded by DelayedScaling itself (_checks.MAX_HISTORY_LEN)
 
 
 def update_args(history: Any, scale_: Any, scale_inv: Any, recipe: Any, formats: Any,
@@ -259,8 +248,6 @@ def dense_recipe(recipe: Any, arg: str = "recipe") -> Any:
         raise TypeError(f"{arg}: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
     if recipe.fp8_format is Format.E5M2:
         raise ValueError(f"{arg}: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
-    if isinstance(recipe, fp8core.DelayedScaling):
-        history_len(recipe.amax_history_len)
     return recipe
 
 

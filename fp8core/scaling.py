@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import backends
+from ._fpenv import ieee
 from ._tensor import Tensor, wrap
 from .formats import Format, as_format
 from .ops import _contiguous, _epsilon, _margin, _same_device, quantize
@@ -92,6 +93,7 @@ def _host(obj: Any, arg: str) -> tuple[np.ndarray, str, tuple]:
     return np.asarray(data), t.dtype, t.shape
 
 
+@ieee  # by the values' bits: a subnormal scale is > 0 whatever flush-to-zero mode the caller set
 def check_state_values(history: Any, scale: Any, scale_inv: Any, steps: Any, num_tensors: int, history_len: int,
                        prefix: str = "") -> int:
     """Validate a checkpoint's delayed-scaling state before anything is written; returns steps as an int.

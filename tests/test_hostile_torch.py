@@ -42,7 +42,11 @@ def bits(t):
 
 # ---- custom ops: eager and fake agree, for every op, over 0-d, 1-d and empty inputs -------------------------
 
-SHAPES = [(), (5,), (0,), (32,), (0, 4), (4, 0), (2, 0, 3), (3, 32)]
+SHAPES = [(), (5,), (0,), (32,), (0, 4), (4, 0), (2, 0, 3), (3, 32), (16, 16), (32, 32), (128, 128), (2, 16, 32)]
+
+
+def _cdiv(a, b):
+    return -(-a // b)
 
 
 def op_calls(shape):
@@ -50,6 +54,10 @@ def op_calls(shape):
     q = x.to(torch.float8_e4m3fn)
     s = torch.ones(1)
     e8m0 = torch.ones((shape[0] if len(shape) > 1 else 1, 1) if shape else ()).to(torch.float8_e8m0fnu)
+    rows, cols = (torch.ones(shape[:-1]).numel(), shape[-1]) if shape else (1, 1)
+    mx_scale = torch.ones((rows, _cdiv(cols, 32)) if shape else ()).to(torch.float8_e8m0fnu)
+    tiles = torch.ones((_cdiv(rows, 128), _cdiv(cols, 128)) if shape else ())
+    blocks = torch.ones((rows, _cdiv(cols, 128)) if shape else ())
     return {
         "amax": (O.amax, (x,)),
         "quantize": (O.quantize, (x, s, "e4m3")),
@@ -69,6 +77,14 @@ def op_calls(shape):
         "quantize_blockwise_128x128": (O.quantize_blockwise, (x, "e4m3", "128x128", True, 0.0)),
         "dequantize_mxfp8": (O.dequantize_mxfp8, (q, e8m0, torch.float32)),
         "dequantize_blockwise": (O.dequantize_blockwise, (q, e8m0.float(), torch.float32)),
+        "dequantize_mxfp8_rowwise": (O.dequantize_mxfp8, (q, mx_scale, torch.float32)),
+        "dequantize_blockwise_tiles": (O.dequantize_blockwise, (q, tiles, torch.float32)),
+        "transpose_blocks_mx": (O.transpose_blocks, (q, mx_scale, True)),
+        "transpose_blocks_tiles": (O.transpose_blocks, (q, tiles, False)),
+        "block_gemm_mx": (O.block_gemm, (q, mx_scale, q, mx_scale, True, torch.float32)),
+        "block_gemm_1x128": (O.block_gemm, (q, blocks, q, blocks, False, torch.bfloat16)),
+        "block_gemm_tiles": (O.block_gemm, (q, tiles, q, tiles, False, torch.float32)),
+        "block_gemm_1x128_tiles": (O.block_gemm, (q, blocks, q, tiles, False, torch.float32)),
     }
 
 

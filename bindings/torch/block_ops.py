@@ -14,7 +14,7 @@ import fp8core
 from fp8core import blocks as core
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor, block_layout, mx_layout
 
-from .fake_rules import matrix, refuse_meta
+from .fake_rules import gemm_shape, matrix, refuse_meta
 
 Tensor = torch.Tensor
 _LIB = "fp8core"
@@ -118,12 +118,27 @@ def _block_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, mx: bool
 
 @_block_gemm.register_fake
 def _(a, a_scale, b, b_scale, mx, out_dtype):
+    """The core's shape rules (fp8core.gemm, then fp8core.blocks.gemm_scales), in its order."""
     refuse_meta(("a", a), ("a.scale", a_scale), ("b", b), ("b.scale", b_scale))
-    for arg, t in (("a", a), ("b", b)):
-        if t.dim() != 2:
-            raise ValueError(f"{arg}: expected a 2-D {'[M, K]' if arg == 'a' else '[N, K]'} array, got shape "
-                             f"{tuple(t.shape)}")
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    m, n = gemm_shape(a, b)
+    k = a.shape[1]
+    if mx:
+        if k % MX_BLOCK:
+            raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
+        for arg, t, rows in (("a.scale", a_scale, m), ("b.scale", b_scale, n)):
+            if tuple(t.shape) != (rows, k // MX_BLOCK):
+                raise ValueError(f"{arg}: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
+                                 f"{(rows, k // MX_BLOCK)}, got {tuple(t.shape)}")
+    else:
+        if k % FP32_BLOCK:
+            raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole "
+                             "blocks)")
+        tiles = [block_layout(shape, t.shape, arg) == FP32_BLOCK
+                 for shape, t, arg in (((m, k), a_scale, "a.scale_inv"), ((n, k), b_scale, "b.scale_inv"))]
+        if all(tiles):
+            raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) "
+                             "in 1x128 blocks")
+    return a.new_empty((m, n), dtype=out_dtype)
 
 
 # ---- the typed front doors --------------------------------------------------------------------------------

@@ -97,6 +97,27 @@ def test_eager_and_fake_agree(op, shape):
     assert "IndexError" not in str(eager)
 
 
+def update_call(history=(4, 3), n=3, margin=0, algo="max", epsilon=0.0, dtype=torch.float32, flags=torch.bool):
+    h = torch.rand(history, dtype=dtype) if history else torch.tensor(1.0, dtype=dtype)
+    return O.update, (h, torch.ones(n), torch.ones(n), torch.full((n,), 448.0), torch.zeros(n, dtype=flags),
+                      margin, algo, False, epsilon, True)
+
+
+UPDATES = {"valid": update_call(), "history_0d": update_call(()), "history_1d": update_call((3,)),
+           "history_no_rows": update_call((0, 3)), "history_no_tensors": update_call((4, 0), 0),
+           "history_3d": update_call((2, 2, 3)), "history_f64": update_call(dtype=torch.float64),
+           "scale_length": update_call(n=2), "non_finite_dtype": update_call(flags=torch.uint8),
+           "algo": update_call(algo="mean"), "margin": update_call(margin=600), "epsilon": update_call(epsilon=-1.0)}
+
+
+@pytest.mark.parametrize("case", list(UPDATES))
+def test_update_eager_and_fake_agree(case):
+    fn, args = UPDATES[case]
+    eager = outcome(fn, args)
+    assert fake_outcome(fn, args) == eager
+    assert (eager == []) == (case == "valid")
+
+
 # the probes of issue 28 by name: the core's error (or result) where a bare IndexError or a mismatch was
 ZERO_D = [
     ("transpose", ("ValueError", "q: expected at least 1 dimension, got a scalar")),

@@ -14,7 +14,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["refuse_meta", "matrix", "gemm_shape"]
+from fp8core import _checks
+from fp8core.scaling import ALGOS
+
+__all__ = ["refuse_meta", "matrix", "gemm_shape", "update_args"]
 
 _GEMM_MULTIPLE = 16
 
@@ -50,3 +53,29 @@ def gemm_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
     if n == 0 or n % _GEMM_MULTIPLE:
         raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
     return m, n
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def update_args(history: torch.Tensor, vectors: tuple[tuple[str, Optional[torch.Tensor], str], ...], margin: int,
+                algo: str, epsilon: float) -> None:
+    """The batched update's argument rules (fp8core.scaling.check_update_args), in its order: history float32
+    [L, N], L and N >= 1; each (name, tensor or None, dtype) of ``vectors`` [N]; algo, margin, epsilon."""
+    if _dtype(history) != "float32":
+        raise TypeError(f"history: expected float32, got {_dtype(history)}")
+    if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] < 1:
+        raise ValueError(f"history: expected shape [L, N] with L, N >= 1, got {tuple(history.shape)}")
+    n = history.shape[1]
+    for arg, t, dtype in vectors:
+        if t is None:
+            continue
+        if _dtype(t) != dtype:
+            raise TypeError(f"{arg}: expected {dtype}, got {_dtype(t)}")
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{arg}: expected shape ({n},) to match history [L, {n}], got {tuple(t.shape)}")
+    if not isinstance(algo, str) or algo not in ALGOS:
+        raise ValueError(f"algo: expected one of {ALGOS}, got {algo!r}")
+    _checks.margin(margin)
+    _checks.epsilon(epsilon)

@@ -16,7 +16,7 @@ import fp8core
 from fp8core import backends
 from fp8core.scaling import check_update_args
 
-from .fake_rules import gemm_shape, matrix, refuse_meta
+from .fake_rules import gemm_shape, matrix, refuse_meta, update_args
 
 Tensor = torch.Tensor
 _LIB = "fp8core"
@@ -202,4 +202,6 @@ def update(history: Tensor, scale: Tensor, scale_inv: Tensor, fp8_max: Tensor, n
 def _(history, scale, scale_inv, fp8_max, non_finite, margin, algo, power_of_2, epsilon, update_scale):
     refuse_meta(("history", history), ("scale", scale), ("scale_inv", scale_inv), ("fp8_max", fp8_max),
                 ("non_finite", non_finite))
+    update_args(history, (("scale", scale, "float32"), ("scale_inv", scale_inv, "float32"),
+                          ("fp8_max", fp8_max, "float32"), ("non_finite", non_finite, "bool")), margin, algo, epsilon)
     return None

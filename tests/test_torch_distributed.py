@@ -269,9 +269,19 @@ def _checkpoint_main(rank, port, out_dir):
         dcp.load(loaded, checkpoint_id=os.path.join(out_dir, f"ckpt_{name}"))
         set_model_state_dict(twin, loaded)
         same_after_load = _plain_state(model), _plain_state(twin)
+        refused = None
+        if name == "delayed":  # a bad checkpoint: refused, nothing written (the doubled weight neither)
+            bad = {**loaded, "0.weight": loaded["0.weight"] * 2, "2.fp8_scale": -loaded["2.fp8_scale"]}
+            try:
+                set_model_state_dict(twin, bad)
+            except RuntimeError as e:
+                refused = str(e)
+            after = _plain_state(twin)
+            refused = refused, all(torch.equal(after[k], same_after_load[1][k]) for k in after)
         wrapped = all(isinstance(p.to_local(), Float8AllGatherWeight) for p in twin.parameters() if p.dim() == 2)
         a, b = _steps(model, 2, rank, first=2), _steps(twin, 2, rank, first=2)
-        results["dcp", name] = {"leaked": leaked, "loaded": same_after_load, "wrapped": wrapped, "next": (a, b)}
+        results["dcp", name] = {"leaked": leaked, "loaded": same_after_load, "wrapped": wrapped, "next": (a, b),
+                                "refused": refused}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -301,5 +311,9 @@ def test_fsdp2_param_dtype_and_distributed_checkpoints(tmp_path):
             src, dst = r["loaded"]
             assert list(src) == list(dst) and all(torch.equal(src[k], dst[k]) for k in src), name
             assert name == "current" or any(k.endswith("fp8_steps") and src[k] == 2 for k in src)
+            if name == "delayed":
+                message, unchanged = r["refused"]
+                assert "Error(s) in loading state_dict" in message and "2.fp8_scale: expected finite" in message
+                assert unchanged
             (outs_a, grads_a), (outs_b, grads_b) = r["next"]
             assert all(torch.equal(a, b) for a, b in zip(outs_a + grads_a, outs_b + grads_b)), name

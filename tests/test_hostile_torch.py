@@ -267,6 +267,13 @@ LOADS = {  # (model builder, checkpoint edit, the words of every mismatch the Ru
                                      ["inner.0.fp8_amax_history: expected float32, got float64",
                                       "missing inner.2.fp8_scale"]),
     "nested_bias_size": (nested, _set("inner.2.bias", torch.zeros(3)), ["size mismatch for inner.2.bias"]),
+    "every_entry_of_one_layer": (hand_built, _all(_set("1.fp8_amax_history", lambda t: -t - 1),
+                                                  _set("1.fp8_scale", lambda t: t.half()),
+                                                  _set("1.fp8_scale_inv", torch.ones(4)),
+                                                  _set("1.fp8_steps", torch.tensor(0.5))),
+                                 ["1.fp8_amax_history: holds a negative amax", "1.fp8_scale: expected float32, got "
+                                  "float16", "1.fp8_scale_inv: expected shape (3,), got (4,)",
+                                  "1.fp8_steps: expected an integer"]),
     "layer_alone": (lambda seed=0: hand_built(seed)[1], _set("fp8_scale", torch.ones(2)),
                     ["fp8_scale: expected shape (3,), got (2,)"]),
 }

@@ -319,6 +319,20 @@ def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Option
     return state_dict[keys[0]], state_dict[keys[1]], state_dict[keys[2]], steps
 
 
+def _fp8_entry_errors(module: Float8Linear, state_dict: Any, prefix: str) -> list[str]:
+    """What is wrong with each fp8 entry of ``state_dict``, each checked beside the initial state's others."""
+    L = module.recipe.amax_history_len
+    good = [*initial_state(L, "cpu"), 0]
+    errors = []
+    for i, key in enumerate(_KEYS):
+        args = good[:i] + [state_dict[prefix + key]] + good[i + 1:]
+        try:
+            check_state_values(*args, SLOTS, L, prefix=prefix + "fp8_")
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    return errors
+
+
 def module_load_errors(m: torch.nn.Module, state_dict: Any, prefix: str) -> list[str]:
     """Every reason ``state_dict`` cannot load into ``m`` itself (not its children) that torch would find only
     while it copies: a delayed-scaling Float8Linear's fp8 entries, and each parameter's or buffer's shape, in
@@ -327,8 +341,10 @@ def module_load_errors(m: torch.nn.Module, state_dict: Any, prefix: str) -> list
     if isinstance(m, Float8Linear) and m._fp8_group is not None:
         try:
             _checked_state(m, state_dict, prefix)
-        except (TypeError, ValueError, KeyError) as e:
-            errors.append(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
+        except KeyError as e:
+            errors.append(str(e.args[0]))
+        except (TypeError, ValueError):
+            errors += _fp8_entry_errors(m, state_dict, prefix)
     persistent = [(k, v) for k, v in m._buffers.items() if k not in m._non_persistent_buffers_set]
     for name, t in (*m._parameters.items(), *persistent):
         got = state_dict.get(prefix + name)

@@ -347,12 +347,16 @@ def module_load_errors(m: torch.nn.Module, state_dict: Any, prefix: str) -> list
             errors += _fp8_entry_errors(m, state_dict, prefix)
     persistent = [(k, v) for k, v in m._buffers.items() if k not in m._non_persistent_buffers_set]
     for name, t in (*m._parameters.items(), *persistent):
-        got = state_dict.get(prefix + name)
-        if t is None or not isinstance(got, torch.Tensor) or isinstance(t, torch.nn.parameter.UninitializedParameter):
+        key = prefix + name
+        if t is None or key not in state_dict or torch.nn.parameter.is_lazy(t):
             continue
-        if got.shape != t.shape and not (t.dim() == 0 and got.dim() == 1):  # torch takes a [1] for a 0-d
-            errors.append(f"size mismatch for {prefix + name}: copying a param with shape {got.shape} from "
-                          f"checkpoint, the shape in current model is {t.shape}.")
+        got = state_dict[key]
+        if not torch.overrides.is_tensor_like(got):
+            errors.append(f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object '
+                          f"from checkpoint but received {type(got)}")
+        elif got.shape != t.shape and not (t.dim() == 0 and tuple(got.shape) == (1,)):  # torch takes [1] for 0-d
+            errors.append(f"size mismatch for {key}: copying a param with shape {got.shape} from checkpoint, "
+                          f"the shape in current model is {t.shape}.")
     return errors
 
 

@@ -300,6 +300,19 @@ def test_a_failed_load_writes_nothing_and_lists_every_mismatch(case, strict):
     assert steps == {2}
 
 
+def test_a_compiled_wrapper_refuses_a_bad_checkpoint_and_writes_nothing():
+    model = trained(converted(0))
+    compiled = torch.compile(model)  # OptimizedModule registers the model: the wrapper checks loads too
+    sd = {k: v.clone() for k, v in trained(converted(1), 1).state_dict().items()}
+    sd = {f"_orig_mod.{k}": v for k, v in sd.items()}
+    sd["_orig_mod.2.fp8_scale"] = -sd["_orig_mod.2.fp8_scale"]
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="for OptimizedModule:\n\t_orig_mod.2.fp8_scale: expected finite"):
+        compiled.load_state_dict(sd)
+    after = snapshot(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
 @pytest.mark.parametrize("build", [hand_built, nested, converted])
 def test_a_good_load_gives_the_twin(build):
     model, source = trained(build(0), 0), trained(build(1), 1, steps=3)

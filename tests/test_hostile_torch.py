@@ -239,6 +239,14 @@ def nested(seed=0):
     return Outer(converted(seed))
 
 
+def nested_then_converted(seed=0):
+    """The outer module first, then its inner part converted in place: the outer module is marked too."""
+    torch.manual_seed(seed)
+    outer = Outer(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)))
+    convert_to_float8(outer.inner, RECIPE)
+    return outer
+
+
 def _set(key, value):
     def edit(sd):
         sd[key] = value(sd[key]) if callable(value) else value
@@ -269,6 +277,8 @@ LOADS = {  # (model builder, checkpoint edit, the words of every mismatch the Ru
     "nested_not_a_tensor": (nested, _all(_set("scale", [1.0, 2.0, 3.0, 4.0]), _set("inner.2.fp8_scale", lambda t: -t)),
                             ['While copying the parameter named "scale", expected torch.Tensor',
                              "inner.2.fp8_scale: expected finite values > 0"]),
+    "nested_then_converted_bad_history": (nested_then_converted, _set("inner.0.fp8_amax_history", lambda t: -t - 1),
+                                          ["inner.0.fp8_amax_history: holds a negative amax"]),
     "nested_bias_size": (nested, _set("inner.2.bias", torch.zeros(3)), ["size mismatch for inner.2.bias"]),
     "every_entry_of_one_layer": (hand_built, _all(_set("1.fp8_amax_history", lambda t: -t - 1),
                                                   _set("1.fp8_scale", lambda t: t.half()),
@@ -313,7 +323,33 @@ def test_a_compiled_wrapper_refuses_a_bad_checkpoint_and_writes_nothing():
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("build", [hand_built, nested, converted])
+class Unhashable(torch.nn.Module):
+    """A module class that defines __eq__ alone (so __hash__ is None): registering it must still work."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __eq__(self, other):
+        return self is other
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_unhashable_modules_around_float8_linear_still_register_and_check_loads():
+    model = torch.nn.Sequential(Unhashable(hand_built(0)))
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["0.inner.1.fp8_scale"] = -sd["0.inner.1.fp8_scale"]
+    sd["0.inner.0.weight"] += 1
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="0.inner.1.fp8_scale: expected finite values > 0"):
+        model.load_state_dict(sd)
+    after = snapshot(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("build", [hand_built, nested, converted, nested_then_converted])
 def test_a_good_load_gives_the_twin(build):
     model, source = trained(build(0), 0), trained(build(1), 1, steps=3)
     model.load_state_dict(source.state_dict())

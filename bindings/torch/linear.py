@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import numbers
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -124,12 +125,11 @@ class Float8Linear(torch.nn.Linear):
     in ``state_dict`` with ``fp8_steps`` (the group's step count; each key is an attribute, as
     torch.distributed.checkpoint requires); every module transform carries it, in float32.
 
-    ``load_state_dict`` on this module, or on any module above it however the model was built (a module that
-    takes in a delayed-scaling Float8Linear, or a module above one, is marked by torch's module registration
-    hook), checks the whole checkpoint first: every fp8 entry and every parameter's shape. A bad one raises
+    ``load_state_dict`` on this module, or on any module above it however the model was built (torch's module
+    registration hook marks each module that takes in a delayed-scaling Float8Linear or a module above one, and
+    each module above a part converted in place later), checks the whole checkpoint first: every fp8 entry and every parameter's shape. A bad one raises
     torch's ``RuntimeError("Error(s) in loading state_dict for ...")`` listing every mismatch, and nothing is
-    written. (A module that held the model before a later ``convert_to_float8`` of a part of it is not marked:
-    convert the outermost module.)
+    written.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
@@ -360,31 +360,62 @@ def module_load_errors(m: torch.nn.Module, state_dict: Any, prefix: str) -> list
     return errors
 
 
+def _walk(module: torch.nn.Module, prefix: str) -> list[tuple[torch.nn.Module, str]]:
+    """(module, its state_dict prefix) for ``module`` and every module below it, as load_state_dict visits them: a
+    module shared by two parents under each of its names (named_modules would take it once, and would need
+    modules to be hashable)."""
+    out, todo = [], [(module, prefix)]
+    while todo:
+        m, p = todo.pop()
+        out.append((m, p))
+        todo.extend((c, f"{p}{name}.") for name, c in reversed(m._modules.items()) if c is not None)
+    return out
+
+
 def check_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs) -> None:
     """load_state_dict pre-hook on every module that holds a delayed-scaling Float8Linear (see
     :func:`watch_loads`): the module a load starts from checks the whole checkpoint before anything is written,
     and refuses it as torch refuses one, with a RuntimeError listing every mismatch."""
-    errors = [e for name, m in module.named_modules(prefix=prefix[:-1] if prefix else "")
-              for e in module_load_errors(m, state_dict, f"{name}." if name else "")]
+    errors = [e for m, p in _walk(module, prefix) for e in module_load_errors(m, state_dict, p)]
     if errors:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
 
 
+# child -> the modules it was registered in (weakly: this keeps nothing alive), so that a module converted in
+# place after it was nested marks the modules above it too
+_PARENTS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
 def watch_loads(module: torch.nn.Module) -> None:
-    """Make ``load_state_dict`` on ``module`` check everything below it before it writes (once per module)."""
-    if not module.__dict__.get("_fp8_checks_load"):
-        if not isinstance(module, Float8Linear):  # a Float8Linear checks itself first thing in _load_from_state_dict
-            module.register_load_state_dict_pre_hook(check_before_load)
-        module.__dict__["_fp8_checks_load"] = True  # not through __setattr__: wrappers (torch.compile's
+    """Make ``load_state_dict`` on ``module``, and on every module it was registered in (up to the top), check
+    everything below it before it writes (once per module)."""
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if m.__dict__.get("_fp8_checks_load"):
+            continue
+        if not isinstance(m, Float8Linear):  # a Float8Linear checks itself first thing in _load_from_state_dict
+            m.register_load_state_dict_pre_hook(check_before_load)
+        m.__dict__["_fp8_checks_load"] = True  # not through __setattr__: wrappers (torch.compile's
         # OptimizedModule) forward it to a module they have not registered yet when their hook fires
+        try:
+            todo.extend(_PARENTS.get(m, ()))
+        except TypeError:  # a module class that is not hashable
+            pass
 
 
 def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
     """torch's module registration hook: a module that takes in a watched module (a delayed-scaling
     Float8Linear, or a module above one) is watched too, so a load from any ancestor, however the model was
-    built, checks before it writes."""
-    if child is not None and child.__dict__.get("_fp8_checks_load") and not parent.__dict__.get("_fp8_checks_load"):
+    built, checks before it writes. Every registration is remembered (weakly) for :func:`watch_loads`."""
+    if child is None:
+        return
+    try:
+        _PARENTS.setdefault(child, weakref.WeakSet()).add(parent)
+    except TypeError:  # a module class that is not hashable (it defines __eq__ alone): not remembered
+        pass
+    if child.__dict__.get("_fp8_checks_load"):
         watch_loads(parent)
 
 

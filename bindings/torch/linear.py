@@ -127,9 +127,9 @@ class Float8Linear(torch.nn.Linear):
 
     ``load_state_dict`` on this module, or on any module above it however the model was built (torch's module
     registration hook marks each module that takes in a delayed-scaling Float8Linear or a module above one, and
-    each module above a part converted in place later), checks the whole checkpoint first: every fp8 entry and every parameter's shape. A bad one raises
-    torch's ``RuntimeError("Error(s) in loading state_dict for ...")`` listing every mismatch, and nothing is
-    written.
+    each module above a part converted in place later), checks the whole checkpoint first: every fp8 entry,
+    every parameter's shape. A bad one raises torch's ``RuntimeError("Error(s) in loading state_dict for ...")``
+    listing every mismatch, and nothing is written.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,

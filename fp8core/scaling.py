@@ -99,6 +99,7 @@ def _host(obj: Any, arg: str) -> tuple[np.ndarray, str, tuple]:
     return np.asarray(data), t.dtype, t.shape
 
 
+@ieee  # by the values' bits: a subnormal scale is > 0 whatever flush-to-zero mode the caller set
 def check_state_values(history: Any, scale: Any, scale_inv: Any, steps: Any, num_tensors: int, history_len: int,
                        prefix: str = "") -> int:
     """Validate a checkpoint's delayed-scaling state before anything is written; returns steps as an int.

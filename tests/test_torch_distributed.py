@@ -202,3 +202,118 @@ def test_fsdp2_fp8_all_gather_equals_the_bf16_all_gather_on_half_the_weight_byte
             rounds, rest = divmod(bf16["bytes"], 2 * (weights + biases))  # all-gathers of both layers
             assert rest == 0 and rounds >= STEPS
             assert fp8["bytes"] == rounds * (weights + 2 * biases)  # the weights' bytes halve; biases stay bf16
+
+
+# ---- fp32 master weights with a bf16 param_dtype; distributed checkpoints (issue 28) ------------------------
+
+def _shard(model, fp8_gather, policy=None):
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8core.torch import enable_fsdp_float8_all_gather
+
+    if fp8_gather:
+        enable_fsdp_float8_all_gather(model)
+    kw = {} if policy is None else {"mp_policy": policy}
+    fully_shard(model[0], **kw)
+    fully_shard(model[2], **kw)
+    return fully_shard(model, **kw)
+
+
+def _steps(model, steps, rank, dtype=torch.float32, first=0):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outs, grads = [], []
+    for step in range(first, first + steps):
+        with autocast():
+            y = model(batch(step, rank).to(dtype))
+            y.float().square().sum().backward()
+        grads += [p.grad.to_local().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        outs.append(y.detach())
+    return outs, grads
+
+
+def _plain_state(model):
+    """Every entry of the model's state_dict as full plain tensors (weights gathered from their shards)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {k: full(v).detach().clone() for k, v in get_model_state_dict(model).items()}
+
+
+def _checkpoint_main(rank, port, out_dir):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fp8core.torch.fsdp import Float8AllGatherWeight
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results = {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for name, recipe in RECIPES.items():
+        for fp8_gather in (False, True):  # fp32 master weights gathered in bf16, or in fp8 from bf16-rounded shards
+            model = _shard(make(recipe), fp8_gather, policy)
+            outs, grads = _steps(model, STEPS, rank, torch.bfloat16)
+            shards = [getattr(p.to_local(), "_tensor", p.to_local()).detach().clone() for p in model.parameters()]
+            results["mp", name, fp8_gather] = {"outs": outs, "grads": grads, "shards": shards,
+                                               "state": fp8_state(model)}
+        # a checkpoint of a trained model, loaded into a differently trained twin, then both train on
+        model, twin = _shard(make(recipe), True), _shard(make(recipe), True)
+        _steps(model, 2, rank), _steps(twin, 1, rank, first=5)
+        sd = get_model_state_dict(model)
+        leaked = [k for k, v in sd.items() if isinstance(getattr(v, "_local_tensor", v), Float8AllGatherWeight)]
+        dcp.save(sd, checkpoint_id=os.path.join(out_dir, f"ckpt_{name}"))
+        loaded = get_model_state_dict(twin)
+        dcp.load(loaded, checkpoint_id=os.path.join(out_dir, f"ckpt_{name}"))
+        set_model_state_dict(twin, loaded)
+        same_after_load = _plain_state(model), _plain_state(twin)
+        refused = None
+        if name == "delayed":  # a bad checkpoint: refused, nothing written (the doubled weight neither)
+            bad = {**loaded, "0.weight": loaded["0.weight"] * 2, "2.fp8_scale": -loaded["2.fp8_scale"]}
+            try:
+                set_model_state_dict(twin, bad)
+            except RuntimeError as e:
+                refused = str(e)
+            after = _plain_state(twin)
+            refused = refused, all(torch.equal(after[k], same_after_load[1][k]) for k in after)
+        wrapped = all(isinstance(p.to_local(), Float8AllGatherWeight) for p in twin.parameters() if p.dim() == 2)
+        a, b = _steps(model, 2, rank, first=2), _steps(twin, 2, rank, first=2)
+        results["dcp", name] = {"leaked": leaked, "loaded": same_after_load, "wrapped": wrapped, "next": (a, b),
+                                "refused": refused}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_param_dtype_and_distributed_checkpoints(tmp_path):
+    """fp32 master weights with MixedPrecisionPolicy(param_dtype=bfloat16): the fp8 all-gather gives the bf16
+    all-gather's bits. get_model_state_dict / dcp.save / dcp.load / set_model_state_dict round-trip a sharded,
+    fp8-gathered model into a twin: plain tensors in the checkpoint, every entry equal, the same next steps."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.spawn(_checkpoint_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in RECIPES:
+            bf16, fp8 = got["mp", name, False], got["mp", name, True]
+            for key in ("outs", "grads", "shards", "state"):
+                assert len(bf16[key]) == len(fp8[key]) and (bf16[key] or (key, name) == ("state", "current"))
+                assert all(torch.equal(a, b) for a, b in zip(bf16[key], fp8[key])), f"{name}: rank {rank}'s {key}"
+            assert all(p.dtype == torch.float32 for p in bf16["shards"])  # the master weights stay fp32
+            r = got["dcp", name]
+            assert r["leaked"] == [] and r["wrapped"]
+            src, dst = r["loaded"]
+            assert list(src) == list(dst) and all(torch.equal(src[k], dst[k]) for k in src), name
+            assert name == "current" or any(k.endswith("fp8_steps") and src[k] == 2 for k in src)
+            if name == "delayed":
+                message, unchanged = r["refused"]
+                assert "Error(s) in loading state_dict" in message and "2.fp8_scale: expected finite" in message
+                assert unchanged
+            (outs_a, grads_a), (outs_b, grads_b) = r["next"]
+            assert all(torch.equal(a, b) for a, b in zip(outs_a + grads_a, outs_b + grads_b)), name

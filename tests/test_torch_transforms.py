@@ -227,18 +227,18 @@ def _bad(key, value):
 
 
 BAD_CHECKPOINTS = {
-    "history_len": (_bad("0.fp8_amax_history", lambda t: torch.zeros(16, 3)), ValueError, "amax_history_len 16"),
-    "history_f64": (_bad("0.fp8_amax_history", lambda t: t.double()), TypeError, "expected float32, got float64"),
-    "scale_i64": (_bad("2.fp8_scale", lambda t: t.long()), TypeError, "2.fp8_scale: expected float32, got int64"),
-    "scale_shape": (_bad("2.fp8_scale", lambda t: t[:2]), ValueError, r"expected shape \(3,\)"),
-    "scale_nan": (_bad("2.fp8_scale", lambda t: torch.tensor([1.0, float("nan"), 1.0])), ValueError, "finite"),
-    "scale_neg": (_bad("2.fp8_scale", lambda t: -t), ValueError, "finite values > 0"),
-    "scale_zero": (_bad("2.fp8_scale_inv", lambda t: t * 0), ValueError, "fp8_scale_inv"),
-    "scale_inf": (_bad("2.fp8_scale", lambda t: t / 0), ValueError, "inf"),
-    "history_neg0": (_bad("2.fp8_amax_history", lambda t: torch.where(t == 0, -0.0, t)), ValueError, "negative"),
-    "steps_neg": (_bad("2.fp8_steps", torch.tensor(-1)), ValueError, "fp8_steps: expected an int >= 0"),
-    "steps_float": (_bad("2.fp8_steps", torch.tensor(1.5)), TypeError, "fp8_steps: expected an integer"),
-    "missing": (lambda sd: sd.pop("2.fp8_scale_inv"), KeyError, "missing 2.fp8_scale_inv"),
+    "history_len": (_bad("0.fp8_amax_history", lambda t: torch.zeros(16, 3)), RuntimeError, "amax_history_len 16"),
+    "history_f64": (_bad("0.fp8_amax_history", lambda t: t.double()), RuntimeError, "expected float32, got float64"),
+    "scale_i64": (_bad("2.fp8_scale", lambda t: t.long()), RuntimeError, "2.fp8_scale: expected float32, got int64"),
+    "scale_shape": (_bad("2.fp8_scale", lambda t: t[:2]), RuntimeError, r"expected shape \(3,\)"),
+    "scale_nan": (_bad("2.fp8_scale", lambda t: torch.tensor([1.0, float("nan"), 1.0])), RuntimeError, "finite"),
+    "scale_neg": (_bad("2.fp8_scale", lambda t: -t), RuntimeError, "finite values > 0"),
+    "scale_zero": (_bad("2.fp8_scale_inv", lambda t: t * 0), RuntimeError, "fp8_scale_inv"),
+    "scale_inf": (_bad("2.fp8_scale", lambda t: t / 0), RuntimeError, "inf"),
+    "history_neg0": (_bad("2.fp8_amax_history", lambda t: torch.where(t == 0, -0.0, t)), RuntimeError, "negative"),
+    "steps_neg": (_bad("2.fp8_steps", torch.tensor(-1)), RuntimeError, "fp8_steps: expected an int >= 0"),
+    "steps_float": (_bad("2.fp8_steps", torch.tensor(1.5)), RuntimeError, "fp8_steps: expected an integer"),
+    "missing": (lambda sd: sd.pop("2.fp8_scale_inv"), RuntimeError, "missing 2.fp8_scale_inv"),
 }
 
 
@@ -251,7 +251,7 @@ def test_a_bad_checkpoint_raises_and_leaves_the_model_unchanged(case, strict):
     sd = {k: v.clone() for k, v in source.state_dict().items()}
     edit(sd)
     before = snapshot(model)
-    with pytest.raises(err, match=match):
+    with pytest.raises(err, match=match):  # torch's convention: RuntimeError, the model unchanged
         model.load_state_dict(sd, strict=strict)
     assert same(snapshot(model), before)
 
@@ -349,10 +349,10 @@ def test_clear_errors():
     with pytest.raises(TypeError, match="recipe: expected DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling "
                                         "or Float8BlockScaling, got str"):
         Float8Linear(32, 32, recipe="delayed")
-    with pytest.raises(ValueError, match=r"in_features: 48 is not a multiple of 32 under MXFP8BlockScaling "
+    with pytest.raises(ValueError, match=r"in_features: 48 is not a positive multiple of 32 under MXFP8BlockScaling "
                                          r"\(the MXFP8 GEMM's K takes whole 1x32 blocks\)"):
         Float8Linear(48, 32, recipe=fp8core.MXFP8BlockScaling())
-    with pytest.raises(ValueError, match="out_features: 64 is not a multiple of 128 under Float8BlockScaling"):
+    with pytest.raises(ValueError, match="out_features: 64 is not a positive multiple of 128 under Float8BlockScaling"):
         Float8Linear.from_linear(torch.nn.Linear(128, 64), fp8core.Float8BlockScaling())
     with pytest.raises(ValueError, match="E5M2 x E5M2"):
         Float8Linear(32, 32, recipe=fp8core.MXFP8BlockScaling(fp8_format=fp8core.Format.E5M2))

@@ -12,7 +12,9 @@ import torch
 
 import fp8core
 from fp8core import blocks as core
-from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor
+from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor, block_layout, mx_layout
+
+from .fake_rules import gemm_shape, matrix, refuse_meta
 
 Tensor = torch.Tensor
 _LIB = "fp8core"
@@ -25,16 +27,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _rows_of(x: Tensor) -> int:
-    """Rows of the 2-D view [prod(leading), last] (what the core folds to)."""
-    n = 1
-    for d in x.shape[:-1]:
-        n *= d
-    return n
-
-
 def _mx_scale(x: Tensor, columnwise: bool) -> Tensor:
-    rows, cols = _rows_of(x), x.shape[-1]
+    rows, cols = matrix(x, "x")
     shape = (_cdiv(rows, MX_BLOCK), cols) if columnwise else (rows, _cdiv(cols, MX_BLOCK))
     return x.new_empty(shape, dtype=torch.float8_e8m0fnu)
 
@@ -71,6 +65,8 @@ def _dequantize_mxfp8(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Te
 
 @_dequantize_mxfp8.register_fake
 def _(data, scale, out_dtype):
+    refuse_meta(("t.data", data), ("t.scale", scale))
+    mx_layout(matrix(data, "t.data"), scale.shape, "t.scale")
     return torch.empty_like(data, dtype=out_dtype)
 
 
@@ -82,7 +78,8 @@ def _quantize_blockwise(x: Tensor, fmt: str, block: str, power_of_2: bool, epsil
 @_quantize_blockwise.register_fake
 def _(x, fmt, block, power_of_2, epsilon):
     br = core._block_rows(block)
-    return _fp8(x, fmt), x.new_empty((_cdiv(_rows_of(x), br), _cdiv(x.shape[-1], FP32_BLOCK)), dtype=torch.float32)
+    rows, cols = matrix(x, "x")
+    return _fp8(x, fmt), x.new_empty((_cdiv(rows, br), _cdiv(cols, FP32_BLOCK)), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_LIB}::dequantize_blockwise", mutates_args=())
@@ -92,6 +89,8 @@ def _dequantize_blockwise(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtyp
 
 @_dequantize_blockwise.register_fake
 def _(data, scale_inv, out_dtype):
+    refuse_meta(("t.data", data), ("t.scale_inv", scale_inv))
+    block_layout(matrix(data, "t.data"), scale_inv.shape, "t.scale_inv")
     return torch.empty_like(data, dtype=out_dtype)
 
 
@@ -105,8 +104,9 @@ def _transpose_blocks(data: Tensor, scale: Tensor, mx: bool) -> tuple[Tensor, Te
 
 @_transpose_blocks.register_fake
 def _(data, scale, mx):
-    rows = _rows_of(data)
-    return data.new_empty((data.shape[-1], rows)), scale.new_empty((scale.shape[1], scale.shape[0]))
+    refuse_meta(("t.data", data), ("t.scale", scale))
+    rows, cols = matrix(data, "t.data")
+    return data.new_empty((cols, rows)), scale.new_empty((scale.shape[1], scale.shape[0]))
 
 
 @torch.library.custom_op(f"{_LIB}::block_gemm", mutates_args=())
@@ -118,7 +118,27 @@ def _block_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, mx: bool
 
 @_block_gemm.register_fake
 def _(a, a_scale, b, b_scale, mx, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    """The core's shape rules (fp8core.gemm, then fp8core.blocks.gemm_scales), in its order."""
+    refuse_meta(("a", a), ("a.scale", a_scale), ("b", b), ("b.scale", b_scale))
+    m, n = gemm_shape(a, b)
+    k = a.shape[1]
+    if mx:
+        if k % MX_BLOCK:
+            raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
+        for arg, t, rows in (("a.scale", a_scale, m), ("b.scale", b_scale, n)):
+            if tuple(t.shape) != (rows, k // MX_BLOCK):
+                raise ValueError(f"{arg}: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
+                                 f"{(rows, k // MX_BLOCK)}, got {tuple(t.shape)}")
+    else:
+        if k % FP32_BLOCK:
+            raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole "
+                             "blocks)")
+        tiles = [block_layout(shape, t.shape, arg) == FP32_BLOCK
+                 for shape, t, arg in (((m, k), a_scale, "a.scale_inv"), ((n, k), b_scale, "b.scale_inv"))]
+        if all(tiles):
+            raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) "
+                             "in 1x128 blocks")
+    return a.new_empty((m, n), dtype=out_dtype)
 
 
 # ---- the typed front doors --------------------------------------------------------------------------------

@@ -9,8 +9,16 @@ all-gather every rank casts its own shard once, with the weight's scale, and FSD
 - current scaling: one MAX all-reduce of the shards' amaxes gives the whole weight's amax, then its scale.
 
 The gathered weight (:class:`Float8GatheredWeight`, fp8 data and its scale_inv) feeds the GEMM without a
-second cast, so outputs and gradients are those of the high-precision all-gather, bit for bit. Any other use
-of the gathered weight (a forward outside ``autocast``) sees it dequantized to the parameter dtype.
+second cast, so outputs and gradients are those of the high-precision all-gather, bit for bit, with or without
+a ``MixedPrecisionPolicy(param_dtype=...)`` (the shard is rounded to ``param_dtype`` before its amax and its
+cast, as the high-precision all-gather rounds it before the GEMM's cast). Any other use of the gathered weight
+(a forward outside ``autocast``) sees it dequantized to the parameter dtype.
+
+Each all-gather casts: with FSDP2's default ``reshard_after_forward=True`` the weight is gathered again for the
+backward, so each shard is cast to fp8 twice a step (the same bits both times: its scale changes only at the
+update, after the step). ``fully_shard(..., reshard_after_forward=False)`` keeps the gathered fp8 weight from
+the forward to the backward and casts once a step, for the memory of one unsharded fp8 weight per layer.
+Checkpoints (``state_dict``, torch.distributed.checkpoint) hold the plain weight, not the wrapper.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from torch.utils._pytree import tree_map
 
 from . import ops
 
-__all__ = ["enable_fsdp_float8_all_gather", "Float8AllGatherWeight", "Float8GatheredWeight"]
+__all__ = ["enable_fsdp_float8_all_gather", "Float8AllGatherWeight", "Float8GatheredWeight", "plain_weight",
+           "wrap_weight"]
 
 _aten = torch.ops.aten
 # what FSDP2 does to a parameter to shard, pad and copy it: the result stays a Float8AllGatherWeight
@@ -67,8 +76,12 @@ class Float8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: torch.nn.Module,
                             mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """This rank's shard cast to fp8 once (the bytes FSDP2 gathers), and its scale_inv."""
+        """This rank's shard cast to fp8 (the bytes FSDP2 gathers), and its scale_inv. The shard is first rounded
+        to the policy's ``param_dtype``, as the high-precision all-gather would give it to the GEMM's cast."""
         shard = self._tensor
+        param_dtype = getattr(mp_policy, "param_dtype", None)
+        if param_dtype is not None and param_dtype != shard.dtype:
+            shard = shard.to(param_dtype)
         fwd = module.recipe.fp8_format.fwd.value
         if module._fp8_group is not None:
             if module._fp8_history.device != shard.device:
@@ -123,6 +136,21 @@ class Float8GatheredWeight(torch.Tensor):
         return func(*tree_map(plain, args), **tree_map(plain, kwargs or {}))
 
 
+def plain_weight(t: torch.Tensor) -> torch.Tensor:
+    """The weight as a checkpoint holds it: a Float8AllGatherWeight (alone, or as a DTensor's shard under
+    FSDP2) becomes the plain tensor it wraps, the same storage, so ``torch.load(weights_only=True)`` and
+    ``torch.distributed.checkpoint`` take the checkpoint (they refuse unknown tensor classes)."""
+    if isinstance(t, Float8AllGatherWeight):
+        return t._tensor
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, Float8AllGatherWeight):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    return t
+
+
 def _unwrap(t: Any) -> Any:
     return t._tensor if isinstance(t, Float8AllGatherWeight) else t
 
@@ -138,7 +166,13 @@ def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:
             raise TypeError(f"module: {name or 'the module'} uses {type(m.recipe).__name__}; fp8 all-gather takes "
                             "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling")
     for m in module.modules():
-        if isinstance(m, Float8Linear) and not isinstance(m.weight, Float8AllGatherWeight):
-            w = m.weight
-            m.weight = torch.nn.Parameter(Float8AllGatherWeight(w.data), requires_grad=w.requires_grad)
+        if isinstance(m, Float8Linear):
+            wrap_weight(m)
     return module
+
+
+def wrap_weight(m: torch.nn.Module) -> None:
+    """``m.weight`` as a Float8AllGatherWeight parameter (unless it is one already)."""
+    w = m.weight
+    if not isinstance(w, Float8AllGatherWeight):
+        m.weight = torch.nn.Parameter(Float8AllGatherWeight(w.data), requires_grad=w.requires_grad)

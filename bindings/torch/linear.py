@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import numbers
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,7 +28,7 @@ from fp8core.scaling import check_state_values
 
 from . import ops
 from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
-from .fsdp import Float8AllGatherWeight, Float8GatheredWeight
+from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
 from .scaling import SLOTS, STATE, SharedScaling, check_recipe, current_context, initial_state
 
 __all__ = ["Float8Linear", "convert_to_float8"]
@@ -111,7 +113,7 @@ def _have_cupy() -> bool:
 
 class Float8Linear(torch.nn.Linear):
     """``nn.Linear`` with fp8 GEMMs forward and backward inside :func:`autocast`; exactly ``nn.Linear``
-    (high precision) outside it. ``in_features`` and ``out_features`` must be multiples of 16 (32 under
+    (high precision) outside it. ``in_features`` and ``out_features`` must be positive multiples of 16 (32 under
     MXFP8BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
     x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
@@ -120,7 +122,14 @@ class Float8Linear(torch.nn.Linear):
     module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
     a group of its own otherwise. The module owns its state (see fp8core.torch.scaling): float32
     ``fp8_amax_history`` [L, 3], ``fp8_scale`` [3], ``fp8_scale_inv`` [3] (input, weight, grad_output),
-    in ``state_dict`` with ``fp8_steps``; every module transform carries it, in float32.
+    in ``state_dict`` with ``fp8_steps`` (the group's step count; each key is an attribute, as
+    torch.distributed.checkpoint requires); every module transform carries it, in float32.
+
+    ``load_state_dict`` on this module, or on any module above it however the model was built (torch's module
+    registration hook marks each module that takes in a delayed-scaling Float8Linear or a module above one, and
+    each module above a part converted in place later), checks the whole checkpoint first: every fp8 entry,
+    every parameter's shape. A bad one raises torch's ``RuntimeError("Error(s) in loading state_dict for ...")``
+    listing every mismatch, and nothing is written.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
@@ -141,11 +150,14 @@ class Float8Linear(torch.nn.Linear):
             self._fp8_slot = self._fp8_group.join(self)
             self._fp8_history, self._fp8_scale, self._fp8_scale_inv = initial_state(
                 self.recipe.amax_history_len, self.weight.device)
+            watch_loads(self)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None, shared: SharedScaling | None = None
                     ) -> "Float8Linear":
         """The same parameters (shared, not copied) in a Float8Linear."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
         _check_features(linear.in_features, linear.out_features,
                         check_recipe(recipe) if shared is None else shared.recipe)
         new = cls.__new__(cls)
@@ -168,6 +180,12 @@ class Float8Linear(torch.nn.Linear):
     @property
     def fp8_scale_inv(self) -> torch.Tensor:
         return self._fp8_scale_inv
+
+    @property
+    def fp8_steps(self) -> torch.Tensor:
+        """The group's step count as an int64 0-d tensor (what ``state_dict`` holds; every key of a state_dict
+        names an attribute, as torch.distributed.checkpoint looks them up)."""
+        return torch.tensor(self._fp8_group.steps)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -230,32 +248,39 @@ class Float8Linear(torch.nn.Linear):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars and prefix + "weight" in destination:  # a checkpoint holds plain tensors
+            destination[prefix + "weight"] = plain_weight(destination[prefix + "weight"])
         if self._fp8_group is not None:
             for key, name in zip(_KEYS, STATE):
                 t = getattr(self, name)
                 destination[prefix + key] = t if keep_vars else t.detach()
-            destination[prefix + "fp8_steps"] = torch.tensor(self._fp8_group.steps)
+            destination[prefix + "fp8_steps"] = self.fp8_steps
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        keys = [prefix + k for k in _KEYS]
-        if self._fp8_group is not None:
-            found = _checked_state(self, state_dict, prefix)  # before anything is written
-            if found is not None:
-                hist, scale, scale_inv, steps = found
-                assign = local_metadata.get("assign_to_params_buffers", False)
-                with torch.no_grad():
-                    for name, src in zip(STATE, (hist, scale, scale_inv)):
-                        if assign:
-                            setattr(self, name, src.detach())
-                        else:
-                            getattr(self, name).copy_(src)
-                self._fp8_group.steps = steps
-            else:
-                missing_keys.extend(keys)
-            state_dict = {k: v for k, v in state_dict.items() if k not in keys}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        errors = module_load_errors(self, state_dict, prefix)  # everything checked before anything is written
+        if errors:
+            error_msgs.extend(errors)
+            return
+        keys = [prefix + k for k in _KEYS] if self._fp8_group is not None else []
+        found = _checked_state(self, state_dict, prefix) if keys else None
+        if keys and found is None:
+            missing_keys.extend(keys)
+        elif found is not None:
+            hist, scale, scale_inv, steps = found
+            assign = local_metadata.get("assign_to_params_buffers", False)
+            with torch.no_grad():
+                for name, src in zip(STATE, (hist, scale, scale_inv)):
+                    if assign:
+                        setattr(self, name, src.detach())
+                    else:
+                        getattr(self, name).copy_(src)
+            self._fp8_group.steps = steps
+        gathers_fp8 = isinstance(self.weight, Float8AllGatherWeight)
+        super()._load_from_state_dict({k: v for k, v in state_dict.items() if k not in keys}, prefix,
+                                      local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if gathers_fp8:  # assign=True put the checkpoint's plain tensor in its place
+            wrap_weight(self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}, format={self.recipe.fp8_format.name}"
@@ -271,8 +296,11 @@ def _feature_multiple(recipe: Any) -> tuple[int, str]:
 def _check_features(in_features: int, out_features: int, recipe: Any) -> None:
     multiple, why = _feature_multiple(recipe)
     for name, v in (("in_features", in_features), ("out_features", out_features)):
-        if v % multiple:
-            raise ValueError(f"{name}: {v} is not a multiple of {multiple} under {type(recipe).__name__} ({why})")
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
+        if v <= 0 or v % multiple:
+            raise ValueError(f"{name}: {v} is not a positive multiple of {multiple} under {type(recipe).__name__} "
+                             f"({why})")
 
 
 def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Optional[tuple]:
@@ -291,13 +319,107 @@ def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Option
     return state_dict[keys[0]], state_dict[keys[1]], state_dict[keys[2]], steps
 
 
-def validate_fp8_checkpoint(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                            error_msgs) -> None:
-    """load_state_dict pre-hook (registered on every Float8Linear and on the root convert_to_float8 returns):
-    every Float8Linear below ``module`` checks its entries before any module writes anything."""
-    for name, m in module.named_modules(prefix=prefix[:-1] if prefix else ""):
-        if isinstance(m, Float8Linear) and m._fp8_group is not None:
-            _checked_state(m, state_dict, f"{name}." if name else "")
+def _fp8_entry_errors(module: Float8Linear, state_dict: Any, prefix: str) -> list[str]:
+    """What is wrong with each fp8 entry of ``state_dict``, each checked beside the initial state's others."""
+    L = module.recipe.amax_history_len
+    good = [*initial_state(L, "cpu"), 0]
+    errors = []
+    for i, key in enumerate(_KEYS):
+        args = good[:i] + [state_dict[prefix + key]] + good[i + 1:]
+        try:
+            check_state_values(*args, SLOTS, L, prefix=prefix + "fp8_")
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def module_load_errors(m: torch.nn.Module, state_dict: Any, prefix: str) -> list[str]:
+    """Every reason ``state_dict`` cannot load into ``m`` itself (not its children) that torch would find only
+    while it copies: a delayed-scaling Float8Linear's fp8 entries, and each parameter's or buffer's shape, in
+    torch's words."""
+    errors = []
+    if isinstance(m, Float8Linear) and m._fp8_group is not None:
+        try:
+            _checked_state(m, state_dict, prefix)
+        except KeyError as e:
+            errors.append(str(e.args[0]))
+        except (TypeError, ValueError):
+            errors += _fp8_entry_errors(m, state_dict, prefix)
+    persistent = [(k, v) for k, v in m._buffers.items() if k not in m._non_persistent_buffers_set]
+    for name, t in (*m._parameters.items(), *persistent):
+        key = prefix + name
+        if t is None or key not in state_dict or torch.nn.parameter.is_lazy(t):
+            continue
+        got = state_dict[key]
+        if not torch.overrides.is_tensor_like(got):
+            errors.append(f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object '
+                          f"from checkpoint but received {type(got)}")
+        elif got.shape != t.shape and not (t.dim() == 0 and tuple(got.shape) == (1,)):  # torch takes [1] for 0-d
+            errors.append(f"size mismatch for {key}: copying a param with shape {got.shape} from checkpoint, "
+                          f"the shape in current model is {t.shape}.")
+    return errors
+
+
+def _walk(module: torch.nn.Module, prefix: str) -> list[tuple[torch.nn.Module, str]]:
+    """(module, its state_dict prefix) for ``module`` and every module below it, as load_state_dict visits them: a
+    module shared by two parents under each of its names (named_modules would take it once, and would need
+    modules to be hashable)."""
+    out, todo = [], [(module, prefix)]
+    while todo:
+        m, p = todo.pop()
+        out.append((m, p))
+        todo.extend((c, f"{p}{name}.") for name, c in reversed(m._modules.items()) if c is not None)
+    return out
+
+
+def check_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs) -> None:
+    """load_state_dict pre-hook on every module that holds a delayed-scaling Float8Linear (see
+    :func:`watch_loads`): the module a load starts from checks the whole checkpoint before anything is written,
+    and refuses it as torch refuses one, with a RuntimeError listing every mismatch."""
+    errors = [e for m, p in _walk(module, prefix) for e in module_load_errors(m, state_dict, p)]
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
+
+
+# child -> the modules it was registered in (weakly: this keeps nothing alive), so that a module converted in
+# place after it was nested marks the modules above it too
+_PARENTS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def watch_loads(module: torch.nn.Module) -> None:
+    """Make ``load_state_dict`` on ``module``, and on every module it was registered in (up to the top), check
+    everything below it before it writes (once per module)."""
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if m.__dict__.get("_fp8_checks_load"):
+            continue
+        if not isinstance(m, Float8Linear):  # a Float8Linear checks itself first thing in _load_from_state_dict
+            m.register_load_state_dict_pre_hook(check_before_load)
+        m.__dict__["_fp8_checks_load"] = True  # not through __setattr__: wrappers (torch.compile's
+        # OptimizedModule) forward it to a module they have not registered yet when their hook fires
+        try:
+            todo.extend(_PARENTS.get(m, ()))
+        except TypeError:  # a module class that is not hashable
+            pass
+
+
+def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
+    """torch's module registration hook: a module that takes in a watched module (a delayed-scaling
+    Float8Linear, or a module above one) is watched too, so a load from any ancestor, however the model was
+    built, checks before it writes. Every registration is remembered (weakly) for :func:`watch_loads`."""
+    if child is None:
+        return
+    try:
+        _PARENTS.setdefault(child, weakref.WeakSet()).add(parent)
+    except TypeError:  # a module class that is not hashable (it defines __eq__ alone): not remembered
+        pass
+    if child.__dict__.get("_fp8_checks_load"):
+        watch_loads(parent)
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_on_register)
 
 
 def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
@@ -305,18 +427,25 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
     """Swap every ``nn.Linear`` of ``module`` (in place; returned) for a Float8Linear sharing its parameters.
 
     Under delayed scaling all swapped layers join one group (one all-reduce and one update per step), and
-    ``module.load_state_dict`` checks every layer's fp8 entries before it writes anything.
+    ``load_state_dict`` (on ``module`` or on any module it is, or later becomes, part of) checks the whole
+    checkpoint before it writes anything.
     ``module_filter_fn(linear, fqn) -> bool`` chooses layers; layers the FP8 GEMM cannot take (features not
     multiples of 16; of 32 under MXFP8BlockScaling, of 128 under Float8BlockScaling) are kept as they are, with
     a warning naming them.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(f"module_filter_fn: expected a callable (module, fqn) -> bool, got "
+                        f"{type(module_filter_fn).__name__}")
     recipe = check_recipe(recipe)
     multiple, why = _feature_multiple(recipe)
     chosen, skipped = [], []
     for fqn, child in module.named_modules():
         if type(child) is not torch.nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
             continue
-        if child.in_features % multiple or child.out_features % multiple:
+        if not (child.in_features > 0 and child.out_features > 0) or child.in_features % multiple \
+                or child.out_features % multiple:
             skipped.append(f"{fqn} ({child.in_features} -> {child.out_features})")
             continue
         chosen.append(fqn)
@@ -333,6 +462,9 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
         if fqn == "":
             return new
         setattr(parent, name, new)
-    if shared is not None:  # the whole checkpoint's fp8 state is checked before any module writes
-        module.register_load_state_dict_pre_hook(validate_fp8_checkpoint)
+    if shared is not None:  # every module above a converted layer checks a checkpoint before anything is written
+        for fqn in chosen:
+            parts = fqn.split(".")
+            for i in range(len(parts)):
+                watch_loads(module.get_submodule(".".join(parts[:i])))
     return module

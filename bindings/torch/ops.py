@@ -2,6 +2,8 @@
 ``torch.compile(fullgraph=True)`` traces through them. The numerics are the core's: each op calls fp8core.
 
 Formats are passed as strings ("e4m3", "e5m2"); scales and amax slots are 1-element float32 tensors.
+An argument on the meta device beside real ones is refused as the core refuses it; with every argument on meta
+an op infers shapes only (fake_rules.py says why).
 """
 
 from __future__ import annotations
@@ -14,16 +16,14 @@ import fp8core
 from fp8core import backends
 from fp8core.scaling import check_update_args
 
+from .fake_rules import gemm_shape, matrix, refuse_meta, update_args
+
 Tensor = torch.Tensor
 _LIB = "fp8core"
 
 
 def _fp8_dtype(fmt: str) -> torch.dtype:
     return fp8core.as_format(fmt).torch_dtype
-
-
-def _rows(x: Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
 
 
 @torch.library.custom_op(f"{_LIB}::amax", mutates_args=())
@@ -59,11 +59,13 @@ def _quantize_amax(x: Tensor, scale: Tensor, fmt: str, amax_out: Tensor) -> Tens
 
 @_quantize.register_fake
 def _(x, scale, fmt):
+    refuse_meta(("x", x), ("scale", scale))
     return torch.empty_like(x, dtype=_fp8_dtype(fmt))
 
 
 @_quantize_amax.register_fake
 def _(x, scale, fmt, amax_out):
+    refuse_meta(("x", x), ("scale", scale), ("amax_out", amax_out))
     return torch.empty_like(x, dtype=_fp8_dtype(fmt))
 
 
@@ -87,6 +89,7 @@ def dequantize(q: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
 
 @dequantize.register_fake
 def _(q, scale_inv, out_dtype):
+    refuse_meta(("q", q), ("scale_inv", scale_inv))
     return torch.empty_like(q, dtype=out_dtype)
 
 
@@ -98,7 +101,8 @@ def transpose(q: Tensor) -> Tensor:
 
 @transpose.register_fake
 def _(q):
-    return q.new_empty((q.shape[-1], _rows(q)))
+    rows, cols = matrix(q, "q")
+    return q.new_empty((cols, rows))
 
 
 def cast_transpose(x: Tensor, scale: Tensor, fmt: str, amax_out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -119,8 +123,10 @@ def _cast_transpose_amax(x: Tensor, scale: Tensor, fmt: str, amax_out: Tensor) -
 
 
 def _cast_transpose_fake(x, scale, fmt, amax_out=None):
+    refuse_meta(("x", x), ("scale", scale), ("amax_out", amax_out))
+    rows, cols = matrix(x, "x")
     dt = _fp8_dtype(fmt)
-    return torch.empty_like(x, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt)
+    return torch.empty_like(x, dtype=dt), x.new_empty((cols, rows), dtype=dt)
 
 
 _cast_transpose.register_fake(_cast_transpose_fake)
@@ -136,7 +142,8 @@ def compute_scale(amax: Tensor, fmt: str, margin: int = 0, power_of_2: bool = Fa
 
 @compute_scale.register_fake
 def _(amax, fmt, margin=0, power_of_2=False, epsilon=0.0):
-    return torch.empty_like(amax), torch.empty_like(amax)
+    shape = amax.shape if amax.dim() else (1,)  # a 0-d amax gives [1] results, as the core's
+    return amax.new_empty(shape), amax.new_empty(shape)
 
 
 def gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
@@ -163,8 +170,11 @@ def _gemm_amax(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, o
                         out_amax=out_amax, use_fast_accum=use_fast_accum)
 
 
-def _gemm_fake(a, b, a_scale_inv, b_scale_inv, out_dtype, *rest):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+def _gemm_fake(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, *rest):
+    out_amax = rest[0] if len(rest) == 2 else None
+    refuse_meta(("a", a), ("b", b), ("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv), ("bias", bias),
+                ("out_scale", out_scale), ("out_amax", out_amax))
+    return a.new_empty(gemm_shape(a, b), dtype=out_dtype)
 
 
 _gemm.register_fake(_gemm_fake)
@@ -190,4 +200,8 @@ def update(history: Tensor, scale: Tensor, scale_inv: Tensor, fp8_max: Tensor, n
 
 @update.register_fake
 def _(history, scale, scale_inv, fp8_max, non_finite, margin, algo, power_of_2, epsilon, update_scale):
+    refuse_meta(("history", history), ("scale", scale), ("scale_inv", scale_inv), ("fp8_max", fp8_max),
+                ("non_finite", non_finite))
+    update_args(history, (("scale", scale, "float32"), ("scale_inv", scale_inv, "float32"),
+                          ("fp8_max", fp8_max, "float32"), ("non_finite", non_finite, "bool")), margin, algo, epsilon)
     return None

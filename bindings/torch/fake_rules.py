@@ -1,0 +1,81 @@
+"""What the custom ops' fakes check, so that torch.compile (fake tensors) and eager agree: the same output
+shapes and dtypes, and the core's own error where the core refuses an argument for its device or its shape.
+
+A fake also runs in eager mode, as the op's Meta kernel, whenever one argument is on the meta device: left
+unchecked it would hand back uninitialised memory (or, for an in-place op, do nothing). So an argument on meta
+beside real ones is refused with the core's error. All arguments on meta is shape inference, which the meta
+device is for: meta results, no data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from fp8core import _checks
+from fp8core.scaling import ALGOS
+
+__all__ = ["refuse_meta", "matrix", "gemm_shape", "update_args"]
+
+_GEMM_MULTIPLE = 16
+
+
+def refuse_meta(*named: tuple[str, Optional[torch.Tensor]]) -> None:
+    """Raise the core's error for the first argument on the meta device, unless every tensor is there.
+    ``named``: (argument name, tensor or None) in the core's order of checks."""
+    tensors = [(arg, t) for arg, t in named if t is not None]
+    on_meta = [t.is_meta for _, t in tensors]
+    if any(on_meta) and not all(on_meta):
+        arg, t = tensors[on_meta.index(True)]
+        raise ValueError(f"{arg}: torch device 'meta' is neither CPU nor CUDA")  # the core's words
+
+
+def matrix(t: torch.Tensor, arg: str) -> tuple[int, int]:
+    """[rows, cols]: the 2-D view [prod(leading), last] the core folds t to (at least 1 dimension)."""
+    if t.dim() == 0:
+        raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
+    return math.prod(t.shape[:-1]), t.shape[-1]
+
+
+def gemm_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    """(M, N) of fp8core.gemm(a [M, K], b [N, K]) by the core's shape rules (fp8core.gemm)."""
+    for arg, t, dims in (("a", a, "[M, K]"), ("b", b, "[N, K]")):
+        if t.dim() != 2:
+            raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {tuple(t.shape)}")
+    (m, k), (n, kb) = a.shape, b.shape
+    if kb != k:
+        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a.shape)}, got shape "
+                         f"{tuple(b.shape)}")
+    if k == 0 or k % _GEMM_MULTIPLE:
+        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
+    if n == 0 or n % _GEMM_MULTIPLE:
+        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
+    return m, n
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def update_args(history: torch.Tensor, vectors: tuple[tuple[str, Optional[torch.Tensor], str], ...], margin: int,
+                algo: str, epsilon: float) -> None:
+    """The batched update's argument rules (fp8core.scaling.check_update_args), in its order: history float32
+    [L, N], L and N >= 1; each (name, tensor or None, dtype) of ``vectors`` [N]; algo, margin, epsilon."""
+    if _dtype(history) != "float32":
+        raise TypeError(f"history: expected float32, got {_dtype(history)}")
+    if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] < 1:
+        raise ValueError(f"history: expected shape [L, N] with L, N >= 1, got {tuple(history.shape)}")
+    n = history.shape[1]
+    for arg, t, dtype in vectors:
+        if t is None:
+            continue
+        if _dtype(t) != dtype:
+            raise TypeError(f"{arg}: expected {dtype}, got {_dtype(t)}")
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{arg}: expected shape ({n},) to match history [L, {n}], got {tuple(t.shape)}")
+    if not isinstance(algo, str) or algo not in ALGOS:
+        raise ValueError(f"algo: expected one of {ALGOS}, got {algo!r}")
+    _checks.margin(margin)
+    _checks.epsilon(epsilon)

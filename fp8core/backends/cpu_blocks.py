@@ -2,8 +2,9 @@
 
 Arrays are 2-D NumPy views ``[rows, cols]`` in their logical dtype; block amaxes are fp32 bit patterns
 (unsigned order is float order, NaN canonical above inf), so every step is an exact integer or single IEEE
-fp32 operation. Blocks at the edges are partial: the tensor is padded with zeros to whole blocks, which
-changes no amax and no quantized value. Every public function runs in the IEEE default floating-point
+fp32 operation. Blocks at the edges are partial and are reduced as they are (never padded: a (1, n) tensor
+padded to 128x128 blocks would cost 128 times its size); every path works tile by tile, so its temporaries are
+tile-sized whatever the shape. Every public function runs in the IEEE default floating-point
 environment (fp8core._fpenv.ieee), so a caller that flushes subnormals gets the contract's bits too.
 """
 

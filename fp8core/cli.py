@@ -632,6 +632,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         _inspect(args)
     except CliError as e:  # messages name members and keys from the files
         raise CliError(printable(str(e))) from None
+    except (ValueError, TypeError, OSError) as e:  # main's own handler, but the text escaped (paths, names)
+        raise CliError(printable(_one_line(e, kind=False))) from None
 
 
 def _inspect(args: argparse.Namespace) -> None:

@@ -139,6 +139,10 @@ PROBES: list[Any] = [
                             "--plot", p / "e.png"],
                  lambda code, out, err: code == 0 and "\x1b" not in out + err and "plot written" in out,
                  id="escape-codes-and-mathtext-in-a-plot-title"),
+    pytest.param(lambda p: [np.save(p / "x.npy", np.ones(3, np.float32)) or p / "x.npy",
+                            "--plot", p / f"no{ESC}dir" / "x.png"],
+                 lambda code, out, err: (no_escape_codes(code, out, err), code == 2 and "\\x1b[31m" in err)[1],
+                 id="escape-codes-in-an-os-error"),
     # ---- a .pt walk visits each container once, bounded, and says what it skipped
     pytest.param(lambda p: [torch_save(p / "n.pt", shared_nest(26))],
                  lambda code, out, err: code == 0 and out.count("(1,) float32") == 1

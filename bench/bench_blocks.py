@@ -208,13 +208,13 @@ def main() -> None:
         import ml_dtypes
 
         mib = args.sizes_mib[0]
-        print(f"# peak memory (tracemalloc) of each CPU block path over its input + output bytes (bound: 2x)")
+        print("# peak memory (tracemalloc) of each CPU block path over its input + output bytes (bound: 2x)")
         for shape in ((mib * (1 << 20) // 4 // 4096, 4096), (1, mib * (1 << 20) // 4)):
             for dtype in (np.float32, ml_dtypes.bfloat16):
                 x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
                 for row in memory_rows(x):
-                    print(f"{str(shape):16s} {row['dtype']:9s} {row['case']:30s} peak {row['peak_bytes'] / 2**20:8.1f} MiB"
-                          f"  {row['peak_over_in_out']:5.2f}x in+out")
+                    print(f"{str(shape):16s} {row['dtype']:9s} {row['case']:30s} peak "
+                          f"{row['peak_bytes'] / 2**20:8.1f} MiB  {row['peak_over_in_out']:5.2f}x in+out")
                     rows_out.append({"device": "cpu", **row})
     if args.device == "cuda":
         m, n_, k = args.gemm

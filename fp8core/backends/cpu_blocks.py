@@ -10,6 +10,7 @@ environment (fp8core._fpenv.ieee), so a caller that flushes subnormals gets the 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import ml_dtypes
@@ -39,9 +40,9 @@ TILE = 1 << 18  # elements per tile of the block paths at most: their fp32 tempo
 TILE_BLOCKS = TILE // 32  # blocks per tile at most: the scale rules' temporaries are ~40 bytes a block
 
 
-def _tiles(rows: int, cols: int, br: int, bc: int) -> list[tuple[int, int, int, int]]:
-    """(r0, r1, c0, c1) rectangles covering ``[rows, cols]``, at most TILE elements and TILE_BLOCKS blocks each
-    where a block allows, on block boundaries.
+def _tiles(rows: int, cols: int, br: int, bc: int, tile: int = 0) -> list[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) rectangles covering ``[rows, cols]``, at most ``tile`` (default TILE) elements and
+    TILE_BLOCKS blocks each where a block allows, on block boundaries.
 
     Along each axis a tile holds whole blocks or is the one partial block at the edge, so its blocks are a
     reshape away and nothing is padded (padding a (1, n) tensor to 128x128 blocks costs 128 times its size).
@@ -53,7 +54,8 @@ def _tiles(rows: int, cols: int, br: int, bc: int) -> list[tuple[int, int, int, 
 
     if rows == 0 or cols == 0:
         return []
-    size = min(TILE, max(TILE // 16, rows * cols // 4))  # a small input in a few tiles: temporaries well under it
+    tile = tile or TILE
+    size = min(tile, max(tile // 16, rows * cols // 4))  # a small input in a few tiles: temporaries well under it
     nblocks = max(1, size * TILE_BLOCKS // TILE)
     cb = -(-cols // bc)
     tiles = []
@@ -248,15 +250,22 @@ def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, b
     _map(flat.size, chunk)
 
 
+@lru_cache(maxsize=2)
+def _fp32_of_code(dtype: np.dtype) -> np.ndarray:
+    """fp32 of all 256 codes of an fp8 dtype (exact): a lookup is ~6x faster than ml_dtypes' cast."""
+    return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+
+
 def _scaled_widen(q: np.ndarray, factor_of: Any, br: int, bc: int, out_dtype: str) -> np.ndarray:
     """ROUND_TO(out_dtype, fp32(q) *rn factor[block]), NaN canonical, tile by tile; ``factor_of(rs, cs)``: the
     fp32 factors of the blocks [rs, cs]."""
     rows, cols = q.shape
+    widen = _fp32_of_code(q.dtype)
     y = np.empty((rows, cols), logical_numpy_dtype(out_dtype))
     storage, nan = _CANONICAL_NAN[out_dtype]
     with np.errstate(all="ignore"):
-        for r0, r1, c0, c1 in _tiles(rows, cols, br, bc):
-            y32 = q[r0:r1, c0:c1].astype(np.float32)  # fp8 -> fp32 is exact
+        for r0, r1, c0, c1 in _tiles(rows, cols, br, bc, TILE // 4):  # the lookup's indices are 8 bytes each
+            y32 = widen.take(q[r0:r1, c0:c1].view(np.uint8))
             blocks = _blocks(y32, br, bc)
             np.multiply(blocks, factor_of(*_block_slices(r0, r1, c0, c1, br, bc))[:, None, :, None], out=blocks)
             t = y32 if y.dtype == np.float32 else y32.astype(y.dtype)

@@ -1,7 +1,9 @@
 """Block-scaled quantization throughput (GB/s) against per-tensor quantization and torch eager doing the
 same math; on a GPU also the block-scaled GEMM (TFLOP/s) against torch._scaled_mm with the same scales.
 
-GB/s counts the bytes each primitive must read and write (input, fp8 output(s), scales).
+GB/s counts the bytes each primitive must read and write (input, fp8 output(s), scales). On the CPU, also
+each block path's peak memory (tracemalloc, which NumPy reports its buffers to) against its input plus output:
+the bound is 2x, on a (rows, 4096) input and on a (1, n) one, where whole-block padding used to cost 128x.
 Usage: python bench/bench_blocks.py [--device cpu|cuda] [--sizes-mib 16 64] [--quick] [--json out.json]
 """
 
@@ -13,12 +15,14 @@ import os
 import platform
 import statistics
 import time
+import tracemalloc
 from typing import Any, Callable
 
 import numpy as np
 
 import fp8core
-from fp8core.blocks import quantize_blockwise, quantize_mxfp8, quantize_mxfp8_both
+from fp8core.blocks import (dequantize_blockwise, dequantize_mxfp8, quantize_blockwise, quantize_mxfp8,
+                            quantize_mxfp8_both)
 
 
 def timeit(fn: Callable[[], Any], repeat: int, sync: Callable[[], None]) -> tuple[float, float, float]:
@@ -74,6 +78,57 @@ def quantize_cases(x: Any, torch: Any, tx: Any) -> dict[str, tuple[int, Callable
         out["torch eager mxfp8 rowwise"] = (n * (hp + 1) + n // 32, lambda: torch_mx_rowwise(torch, tx))
         out["torch eager 1x128 fp32"] = (n * (hp + 1) + n // 32, lambda: torch_1x128(torch, tx))
     return out
+
+
+def nbytes(obj: Any) -> int:
+    """Bytes of the arrays in a result (an array, an MXTensor / BlockScaledTensor, or a tuple of them)."""
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, tuple):
+        return sum(nbytes(o) for o in obj)
+    return sum(nbytes(getattr(obj, f)) for f in ("data", "scale", "scale_inv") if hasattr(obj, f))
+
+
+def peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """(the most bytes traced at once while ``fn()`` runs, above what was held before; its result). NumPy
+    reports its array buffers to tracemalloc, so this counts the output and every temporary."""
+    fn()  # caches (cast tables, kernels) are not the path's memory
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        result = fn()
+        return tracemalloc.get_traced_memory()[1] - before, result
+    finally:
+        tracemalloc.stop()
+
+
+def memory_cases(x: np.ndarray) -> dict[str, tuple[Any, Callable[[], Any]]]:
+    """Every CPU block path on x: name -> (its input, the call)."""
+    mx, mxc = quantize_mxfp8(x), quantize_mxfp8(x, columnwise=True)
+    b1, b128 = quantize_blockwise(x), quantize_blockwise(x, block="128x128")
+    return {
+        "mxfp8 rowwise": (x, lambda: quantize_mxfp8(x)),
+        "mxfp8 columnwise": (x, lambda: quantize_mxfp8(x, columnwise=True)),
+        "mxfp8 rowwise+columnwise": (x, lambda: quantize_mxfp8_both(x)),
+        "1x128 fp32": (x, lambda: quantize_blockwise(x)),
+        "128x128 fp32": (x, lambda: quantize_blockwise(x, block="128x128")),
+        "dequantize mxfp8 rowwise": (mx, lambda: dequantize_mxfp8(mx, x.dtype)),
+        "dequantize mxfp8 columnwise": (mxc, lambda: dequantize_mxfp8(mxc, x.dtype)),
+        "dequantize 1x128": (b1, lambda: dequantize_blockwise(b1, x.dtype)),
+        "dequantize 128x128": (b128, lambda: dequantize_blockwise(b128, x.dtype)),
+    }
+
+
+def memory_rows(x: np.ndarray) -> list[dict[str, Any]]:
+    """Per path: peak bytes and its ratio to input plus output bytes."""
+    rows = []
+    for name, (arg, fn) in memory_cases(x).items():
+        peak, result = peak_bytes(fn)
+        io = nbytes(arg) + nbytes(result)
+        rows.append({"case": name, "shape": list(x.shape), "dtype": str(x.dtype), "peak_bytes": peak,
+                     "in_out_bytes": io, "peak_over_in_out": peak / io})
+    return rows
 
 
 def gemm_cases(torch: Any, m: int, n: int, k: int) -> dict[str, tuple[int, Callable[[], Any]]]:
@@ -149,6 +204,18 @@ def main() -> None:
             print(f"{mib:5d} MiB  {name:36s} {gbs:8.2f} GB/s  [{nbytes / hi / 1e9:.2f}-{nbytes / lo / 1e9:.2f}]")
             rows_out.append({"device": args.device, "mib": mib, "case": name, "gb_s": gbs, "median_s": med,
                              "p20_s": lo, "p80_s": hi})
+    if args.device == "cpu":
+        import ml_dtypes
+
+        mib = args.sizes_mib[0]
+        print("# peak memory (tracemalloc) of each CPU block path over its input + output bytes (bound: 2x)")
+        for shape in ((mib * (1 << 20) // 4 // 4096, 4096), (1, mib * (1 << 20) // 4)):
+            for dtype in (np.float32, ml_dtypes.bfloat16):
+                x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+                for row in memory_rows(x):
+                    print(f"{str(shape):16s} {row['dtype']:9s} {row['case']:30s} peak "
+                          f"{row['peak_bytes'] / 2**20:8.1f} MiB  {row['peak_over_in_out']:5.2f}x in+out")
+                    rows_out.append({"device": "cpu", **row})
     if args.device == "cuda":
         m, n_, k = args.gemm
         for name, (flops, fn) in gemm_cases(torch, m, n_, k).items():

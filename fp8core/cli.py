@@ -14,6 +14,7 @@ import platform
 import re
 import runpy
 import sys
+import textwrap
 import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -162,10 +163,18 @@ def cmd_info(args: argparse.Namespace) -> None:
 # before it is inflated, a header's shape against the bytes really there, and tensors are read and measured one
 # at a time, in chunks, so memory stays near one tensor plus a few chunk-sized temporaries.
 
-DEFAULT_MAX_BYTES = 1 << 30  # per tensor read out of a compressed .npz; --max-bytes raises it
+DEFAULT_MAX_BYTES = 1 << 30  # what a compressed .npz may inflate to, all members together; --max-bytes raises it
+MAX_DEPTH = 64  # nesting levels of a .pt checkpoint's containers that are walked
+MAX_ENTRIES = 1_000_000  # container entries walked in a .pt checkpoint
 _CHUNK = 1 << 20  # elements per step of the statistics
 _RAW_FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 _HIST_BINS = np.linspace(-152.0, 130.0, 565)  # log2|x| of every finite fp32/fp64-in-fp32-range value, 0.5 wide
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character (terminal escapes, carriage returns, bidi overrides) written
+    as its Python escape: names come from the files, and a terminal would act on them."""
+    return text if text.isprintable() else "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def _as_numpy(t: Any) -> np.ndarray:
@@ -304,15 +313,17 @@ def _npy_member(f: Any, name: str, declared: int) -> np.ndarray:
 
 def _read_npz(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
     with zipfile.ZipFile(p) as z:
-        for info in z.infolist():
-            if info.is_dir():
-                continue
-            name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+        members = [info for info in z.infolist() if not info.is_dir()]
+        for info in members:
             if not info.filename.endswith(".npy"):
                 raise CliError(f"{p}: member {info.filename} is not a .npy array")
-            if info.file_size > max_bytes:
-                raise CliError(f"{p}: member {info.filename} would inflate to {info.file_size} bytes, above the "
-                               f"limit of {max_bytes} (--max-bytes raises it)")
+        # Every member's declared size before any is read: a cap per member lets many members add up.
+        total = sum(info.file_size for info in members)
+        if total > max_bytes:
+            raise CliError(f"{p}: its {len(members)} member(s) would inflate to {total} bytes in all, above the limit "
+                           f"of {max_bytes} (--max-bytes raises it)")
+        for info in members:
+            name = info.filename[:-4]
             with z.open(info) as f:
                 try:
                     yield name, _npy_member(f, info.filename, info.file_size)
@@ -331,17 +342,38 @@ def _read_safetensors(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray
             yield k, _as_numpy(f.get_tensor(k))
 
 
-def _tensors_in(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def _tensors_in(obj: Any, prefix: str, skipped: dict[str, int]) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for the tensors in nested dicts, lists and tuples, depth first in order.
+
+    Each container is walked once: a checkpoint can share one list under two entries at every level
+    (1.7 KB that would otherwise be 2^26 paths). The walk stops MAX_DEPTH levels down and after MAX_ENTRIES
+    entries; ``skipped`` counts what was not walked: "shared" containers, entries "too deep", entries
+    "over the limit"."""
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors_in(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors_in(v, f"{prefix}.{i}" if prefix else str(i))
+    seen: set[int] = set()
+    entries = 0
+    stack: list[tuple[str, Any, int]] = [(prefix, obj, 0)]
+    while stack:
+        name, o, depth = stack.pop()
+        if isinstance(o, torch.Tensor):
+            yield name, o
+            continue
+        if not isinstance(o, (dict, list, tuple)):
+            continue
+        if id(o) in seen:
+            skipped["shared"] = skipped.get("shared", 0) + 1
+            continue
+        seen.add(id(o))
+        items = list(o.items()) if isinstance(o, dict) else list(enumerate(o))
+        if depth >= MAX_DEPTH:
+            skipped["too deep"] = skipped.get("too deep", 0) + len(items)
+            continue
+        if entries + len(items) > MAX_ENTRIES:
+            skipped["over the limit"] = skipped.get("over the limit", 0) + len(items)
+            continue
+        entries += len(items)
+        stack.extend((f"{name}.{k}" if name else str(k), v, depth + 1) for k, v in reversed(items))
 
 
 def _read_torch(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -366,9 +398,15 @@ def _read_torch(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
         why = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
         raise CliError(f"{p}: could not be read as pt (not a tensor checkpoint: "
                        f"{why.group(1) if why else _one_line(e)})") from None
-    found = list(_tensors_in(obj, "" if isinstance(obj, (dict, list, tuple)) else p.stem))
+    skipped: dict[str, int] = {}
+    found = list(_tensors_in(obj, "" if isinstance(obj, (dict, list, tuple)) else p.stem, skipped))
     if not found and not isinstance(obj, (dict, list, tuple)):
         raise CliError(f"{p}: holds a {type(obj).__name__}, not a tensor or a dict of tensors")
+    what = {"shared": "references to a dict/list/tuple already walked (walked once)",
+            "too deep": f"entries nested more than {MAX_DEPTH} levels down",
+            "over the limit": f"entries beyond the first {MAX_ENTRIES:,}"}
+    for kind, n in skipped.items():
+        print(f"fp8core: note: {printable(str(p))}: skipped {n} {what[kind]}", file=sys.stderr)
     for name, t in found:
         yield name, _as_numpy(t)
 
@@ -392,19 +430,23 @@ def _measurable(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray | None, str | N
     """The data in a dtype fp8core's amax and quantize take, or None; and a note on what was done to it."""
     x, note = _raw_bytes_dtype(x, raw_fp8)
     name = x.dtype.name
+    if not x.dtype.isnative and x.dtype.itemsize > 1:  # converted chunk by chunk (_chunk_f32)
+        note = f"big-endian {name} data: read in native byte order"
     if name in ("float32", "bfloat16", "float16"):
         return x, note
     if name in ("float8_e4m3fn", "float8_e5m2"):
         return x, note or f"{name} data: statistics of re-quantizing its values"
     if x.dtype.kind == "f":
-        return x, f"{name} data: rounded to float32 first"
+        return x, f"{name} data: rounded to float32 first" + (f" ({note})" if note else "")
     if x.dtype.kind in "iub":
-        return x, f"integer data ({name}): statistics of its float32 conversion"
+        return x, f"integer data ({name}): statistics of its float32 conversion" + (f" ({note})" if note else "")
     return None, None
 
 
 def _chunk_f32(x: np.ndarray, a: int, b: int) -> np.ndarray:
     c = x[a:b]
+    if not c.dtype.isnative:  # a file's byte order is the file's business: read it in ours
+        c = c.astype(c.dtype.newbyteorder("="))
     if c.dtype.name in ("float32", "bfloat16", "float16"):
         return np.ascontiguousarray(c)
     with np.errstate(over="ignore"):
@@ -429,7 +471,7 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     if data is None:
         row["skipped"] = f"not real-valued numbers ({x.dtype})"
         return row
-    row["dtype"] = str(data.dtype)
+    row["dtype"] = str(data.dtype if data.dtype.isnative else data.dtype.newbyteorder("="))
     flat = data.reshape(-1, order="A") if data.flags.f_contiguous else data.reshape(-1)
     n = flat.size
     bounds = [(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
@@ -513,20 +555,29 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
         raise CliError("--plot needs matplotlib (pip install 'fp8core[plot]')") from None
     target = _plot_target(out)
     n = len(stats)
-    fig, axes = plt.subplots(n, 1, figsize=(8, 2.6 * n), squeeze=False)
-    ranges = {Format.E4M3: (2.0 ** -9, 448.0, "tab:blue"), Format.E5M2: (2.0 ** -16, 57344.0, "tab:orange")}
+    fig, axes = plt.subplots(n, 1, figsize=(10, 2.6 * n), squeeze=False)
+    # Each format's range is its own opaque strip along the top, so no colour is a blend of two and the
+    # legend's swatches are what is drawn; dashed lines carry the range edges down over the histogram.
+    ranges = {Format.E4M3: (2.0 ** -9, 448.0, "tab:blue", (0.93, 1.0)),
+              Format.E5M2: (2.0 ** -16, 57344.0, "tab:orange", (0.86, 0.93))}
     centers = (_HIST_BINS[:-1] + _HIST_BINS[1:]) / 2
     for ax, (name, (hist, row)) in zip(axes[:, 0], stats.items()):
         if hist.any():
             used = np.nonzero(hist)[0]
             lo, hi = used[0], used[-1] + 1
             ax.bar(centers[lo:hi], hist[lo:hi], width=_HIST_BINS[1] - _HIST_BINS[0], color="0.3")
-        for fmt, (lo_v, hi_v, color) in ranges.items():
+        ax.set_ylim(0, max(1, int(hist.max())) * 1.25)  # headroom: the strips cover no bar
+        for fmt, (lo_v, hi_v, color, (y0, y1)) in ranges.items():
             s = row[fmt.name]["scale"]
-            ax.axvspan(math.log2(lo_v / s), math.log2(hi_v / s), color=color, alpha=0.15, label=f"{fmt.name} range")
-        ax.set_title(f"{name}  {row['dtype']} {tuple(row['shape'])}  amax {row['amax']:.4g}")
+            edges = (math.log2(lo_v / s), math.log2(hi_v / s))
+            ax.axvspan(*edges, ymin=y0, ymax=y1, color=color, label=f"{fmt.name} range (scale {s:.4g})")
+            for edge in edges:
+                ax.axvline(edge, ymax=y1, color=color, linestyle="--", linewidth=0.8)
+        # mathtext would read "$" in a name: escape it, and control characters, which no font draws
+        title = printable(f"{name}  {row['dtype']} {tuple(row['shape'])}  amax {row['amax']:.4g}")
+        ax.set_title(title.replace("$", r"\$"), fontsize=9)
         ax.set_xlabel("log2 |x|")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the plot: covers no bar
     fig.tight_layout()
     fig.savefig(target, dpi=90)
     plt.close(fig)
@@ -539,7 +590,53 @@ def _cell(v: Any, spec: str, width: int) -> str:
     return f"{v:>{width}{spec}}"
 
 
+TABLE_WIDTH = 100
+
+
+def _fit(text: str, width: int = TABLE_WIDTH) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _table(rows: dict[str, dict]) -> Iterator[str]:
+    """The inspect table, TABLE_WIDTH columns at most: a line naming each tensor, then a line per format."""
+    fields = f"{'scale':>10} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
+    yield "tensor  shape  dtype  amax"
+    yield f"  {'fmt':<4} {fields}"
+    yield "-" * (7 + len(fields))
+    for key, r in rows.items():
+        shape = str(tuple(r["shape"]))
+        rest = f"  {shape} {r['dtype']}  " + (f"skipped: {r['skipped']}" if "skipped" in r else f"amax {r['amax']:.4g}")
+        name = printable(key)
+        if len(name) + len(rest) <= TABLE_WIDTH:
+            yield name + rest
+        else:  # a long name whole, on lines of its own: any part of it may be what tells tensors apart
+            yield from (name[i:i + TABLE_WIDTH] for i in range(0, len(name), TABLE_WIDTH))
+            yield _fit(rest)
+        if "skipped" in r:
+            continue
+        for fmt in ("E4M3", "E5M2"):
+            f = r[fmt]
+            yield (f"  {fmt:<4} {f['scale']:>10.4g} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
+                   f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
+        notes = [r["note"]] if "note" in r else []
+        if r["nan"] or r["inf"]:
+            notes.append(f"{r['nan']} NaN and {r['inf']} inf of {r['elements']} values: the statistics are of the "
+                         "finite values")
+        for note in notes:
+            yield from textwrap.wrap(printable(note), TABLE_WIDTH, initial_indent="  note: ",
+                                     subsequent_indent=" " * 8)
+
+
 def cmd_inspect(args: argparse.Namespace) -> None:
+    try:
+        _inspect(args)
+    except CliError as e:  # messages name members and keys from the files
+        raise CliError(printable(str(e))) from None
+    except (ValueError, TypeError, OSError) as e:  # main's own handler, but the text escaped (paths, names)
+        raise CliError(printable(_one_line(e, kind=False))) from None
+
+
+def _inspect(args: argparse.Namespace) -> None:
     rows: dict[str, dict] = {}
     hists: dict[str, np.ndarray] = {}
     files = list(args.files)
@@ -562,31 +659,13 @@ def cmd_inspect(args: argparse.Namespace) -> None:
             raise CliError(f"{path}: holds no tensors")
         _progress(i + 1, len(files), "files")
     written = _plot({k: (hists[k], rows[k]) for k in hists}, args.plot) if args.plot and hists else None
-    if args.json:
+    if args.json:  # json escapes control characters itself: strict JSON, names intact
         print(json.dumps(_strict(rows), indent=1, allow_nan=False))
         return
-    head = f"{'tensor':<28} {'shape':<16} {'dtype':<13} {'amax':>10}  {'fmt':<4} {'scale':>10} {'SQNR dB':>8} " \
-           f"{'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
-    print(head)
-    print("-" * len(head))
-    for key, r in rows.items():
-        lead = f"{key[:28]:<28} {str(tuple(r['shape']))[:16]:<16} {r['dtype'][:13]:<13}"
-        if "skipped" in r:
-            print(f"{lead} skipped: {r['skipped']}")
-            continue
-        for j, fmt in enumerate(("E4M3", "E5M2")):
-            f = r[fmt]
-            first = f"{lead} {r['amax']:>10.4g}" if j == 0 else " " * (len(lead) + 11)
-            print(f"{first}  {fmt:<4} {f['scale']:>10.4g} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
-                  f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
-        notes = [r["note"]] if "note" in r else []
-        if r["nan"] or r["inf"]:
-            notes.append(f"{r['nan']} NaN and {r['inf']} inf of {r['elements']} values: the statistics are of the "
-                         "finite values")
-        for note in notes:
-            print(f"{'':<28}   note: {note}")
+    for line in _table(rows):
+        print(line)
     if written is not None:
-        print(f"plot written to {written}")
+        print(f"plot written to {printable(str(written))}")
 
 
 # ---- demo ----------------------------------------------------------------------------------------------------
@@ -704,7 +783,8 @@ def parser() -> argparse.ArgumentParser:
                    help="measure with this scale instead of each tensor's own (what a stale delayed-scaling scale "
                         "would do: values beyond max/S are clipped)")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
-                   help=f"refuse an .npz member that would inflate to more than N bytes (default {DEFAULT_MAX_BYTES})")
+                   help=f"refuse an .npz file whose members would inflate to more than N bytes in all (default "
+                        f"{DEFAULT_MAX_BYTES})")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("demo", help="train a small MLP with Float8Linear next to an fp32 twin")
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")

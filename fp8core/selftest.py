@@ -1343,6 +1343,10 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"fp8core selftest: no GPU to check: {e}. Nothing was checked; "
               "`fp8core selftest --backend cpu` checks the CPU backend.", file=sys.stderr)
+        if args.json:  # a script reading stdout gets a verdict, not an empty string
+            print(json.dumps({"target": None, "backend": args.backend, "quick": args.quick, "cases": 0, "passed": 0,
+                              "failed": 0, "skipped": 0, "ok": False, "verdict": f"NO GPU: nothing was checked ({e})",
+                              "checks": []}, indent=1, allow_nan=False), flush=True)
         return EXIT_NO_GPU
     if sys.stderr.isatty() and not args.json:
         sys.stderr.write("\r\033[K")

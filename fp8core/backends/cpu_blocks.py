@@ -2,13 +2,15 @@
 
 Arrays are 2-D NumPy views ``[rows, cols]`` in their logical dtype; block amaxes are fp32 bit patterns
 (unsigned order is float order, NaN canonical above inf), so every step is an exact integer or single IEEE
-fp32 operation. Blocks at the edges are partial: the tensor is padded with zeros to whole blocks, which
-changes no amax and no quantized value. Every public function runs in the IEEE default floating-point
+fp32 operation. Blocks at the edges are partial and are reduced as they are (never padded: a (1, n) tensor
+padded to 128x128 blocks would cost 128 times its size); every path works tile by tile, so its temporaries are
+tile-sized whatever the shape. Every public function runs in the IEEE default floating-point
 environment (fp8core._fpenv.ieee), so a caller that flushes subnormals gets the contract's bits too.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import ml_dtypes
@@ -34,46 +36,65 @@ def inv_fp8_max(fmt: Format) -> np.float32:
     return np.float32(1.0 / fmt.max)
 
 
-def _padded(a: np.ndarray, br: int, bc: int) -> np.ndarray:
-    """``a`` as ``[R, br, C, bc]`` whole blocks (a view when the shape allows, else a zero-padded copy)."""
-    rows, cols = a.shape
-    R, C = -(-rows // br), -(-cols // bc)
-    if (R * br, C * bc) != (rows, cols):
-        p = np.zeros((R * br, C * bc), a.dtype)
-        p[:rows, :cols] = a
-        a = p
-    return a.reshape(R, br, C, bc)
+TILE = 1 << 18  # elements per tile of the block paths at most: their fp32 temporaries stay near 1 MiB
+TILE_BLOCKS = TILE // 32  # blocks per tile at most: the scale rules' temporaries are ~40 bytes a block
 
 
-def _unpadded(blocks: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    R, br, C, bc = blocks.shape
-    return blocks.reshape(R * br, C * bc)[:rows, :cols]
+def _tiles(rows: int, cols: int, br: int, bc: int, tile: int = 0) -> list[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) rectangles covering ``[rows, cols]``, at most ``tile`` (default TILE) elements and
+    TILE_BLOCKS blocks each where a block allows, on block boundaries.
 
-
-def abs_bits(f: np.ndarray) -> np.ndarray:
-    """|f| of fp32 data as uint32 patterns, NaN canonicalised to 0x7FFFFFFF (above inf)."""
-    b = np.bitwise_and(f.view(np.uint32), np.uint32(0x7FFFFFFF))
-    b[b > _F32_INF] = _F32_NAN
-    return b
-
-
-@ieee
-def block_amax_bits(x: np.ndarray, br: int, bc: int) -> np.ndarray:
-    """The amax of every br x bc block of ``x[rows, cols]`` as fp32 bits, ``[ceil(rows/br), ceil(cols/bc)]``.
-
-    bf16 and fp16 reduce on their own 16-bit |x| patterns (unsigned order is their float order too, NaN above
-    inf), widened once per block: no fp32 copy of the tensor.
+    Along each axis a tile holds whole blocks or is the one partial block at the edge, so its blocks are a
+    reshape away and nothing is padded (padding a (1, n) tensor to 128x128 blocks costs 128 times its size).
     """
-    if x.dtype == np.float32:
-        return _padded(abs_bits(x), br, bc).max(axis=(1, 3))
-    m = _padded(np.bitwise_and(x.view(np.uint16), np.uint16(0x7FFF)), br, bc).max(axis=(1, 3))
-    if x.dtype == np.float16:
-        bits = m.view(np.float16).astype(np.float32).view(np.uint32)
-        bits[m > 0x7C00] = _F32_NAN
-        return bits
-    bits = np.left_shift(m.astype(np.uint32), 16)  # bfloat16
-    bits[m > 0x7F80] = _F32_NAN
-    return bits
+    def spans(n: int, b: int, step: int) -> list[tuple[int, int]]:  # step: a multiple of b
+        whole = n // b * b
+        out = [(a, min(a + step, whole)) for a in range(0, whole, step)]
+        return out + [(whole, n)] if whole < n else out
+
+    if rows == 0 or cols == 0:
+        return []
+    tile = tile or TILE
+    size = min(tile, max(tile // 16, rows * cols // 4))  # a small input in a few tiles: temporaries well under it
+    nblocks = max(1, size * TILE_BLOCKS // TILE)
+    cb = -(-cols // bc)
+    tiles = []
+    for r0, r1 in spans(rows, br, br * max(1, min(size // (br * cols), nblocks // cb))):
+        rr, rb = r1 - r0, -(-(r1 - r0) // br)
+        if rr * cols <= size and rb * cb <= nblocks:
+            width = cb * bc
+        else:
+            width = bc * max(1, min(size // (rr * bc), nblocks // rb))
+        tiles += [(r0, r1, c0, c1) for c0, c1 in spans(cols, bc, width)]
+    return tiles
+
+
+def _blocks(a: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """A tile ``[rr, cc]`` (contiguous) as ``[R, rr // R, C, cc // C]`` blocks, the edge ones partial."""
+    rr, cc = a.shape
+    R, C = -(-rr // br), -(-cc // bc)
+    return a.reshape(R, rr // R, C, cc // C)
+
+
+def _tile_amax_bits(t: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """The amax of every br x bc block of a tile (see :func:`_tiles`) as fp32 bits, ``[R, C]``.
+
+    Reduced on the |x| bit patterns (unsigned order is float order for fp32, bf16 and fp16 alike, NaN above
+    inf); NaN is made canonical per block, after the max, which picks a NaN over anything else. bf16 and fp16
+    block maxima are widened once per block: no fp32 copy of the tile.
+    """
+    if t.dtype == np.float32:
+        m = _blocks(np.bitwise_and(t.view(np.uint32), np.uint32(0x7FFFFFFF)), br, bc).max(axis=(1, 3))
+        m[m > _F32_INF] = _F32_NAN
+        return m
+    m16 = _blocks(np.bitwise_and(t.view(np.uint16), np.uint16(0x7FFF)), br, bc).max(axis=(1, 3))
+    if t.dtype == np.float16:
+        m = m16.view(np.float16).astype(np.float32).view(np.uint32)
+        m[m16 > 0x7C00] = _F32_NAN
+        return m
+    m = np.left_shift(m16.astype(np.uint32), 16)  # bfloat16
+    m[m16 > 0x7F80] = _F32_NAN
+    return m
 
 
 def _highest_bit(m: np.ndarray) -> np.ndarray:
@@ -131,55 +152,125 @@ TABLE_MIN = 1 << 18  # 16-bit inputs from this size quantize by table lookup
 TABLE_MAX_SCALES = 16  # ... when their blocks use at most this many distinct scales (cpu's table cache size)
 
 
-def _scaled_cast(x: np.ndarray, factor: np.ndarray, br: int, bc: int, fmt: Format) -> np.ndarray:
-    """SATFINITE_RTNE(fp32(x) *rn factor[block]) into ``fmt``; x is [rows, cols], factor fp32, one per block."""
-    rows, cols = x.shape
-    if x.dtype.itemsize == 2 and x.size >= TABLE_MIN:
-        scales = np.unique(factor.view(np.uint32))
-        if scales.size <= TABLE_MAX_SCALES:
-            return _table_cast(x, factor, scales, br, bc, fmt)
-    blocks = _padded(_to_f32(x), br, bc)
-    with np.errstate(all="ignore"):
-        np.multiply(blocks, factor[:, None, :, None], out=blocks)
-    fmax = np.float32(fmt.max)
-    np.clip(blocks, -fmax, fmax, out=blocks)  # finite overflow and +-inf saturate; NaN passes
-    q = _unpadded(blocks, rows, cols).astype(fmt.numpy_dtype)  # RTNE
+def _block_slices(r0: int, r1: int, c0: int, c1: int, br: int, bc: int) -> tuple[slice, slice]:
+    """The blocks of a tile, as slices of a per-block array."""
+    return slice(r0 // br, -(-r1 // br)), slice(c0 // bc, -(-c1 // bc))
+
+
+def _cast(t: np.ndarray, fmt: Format) -> np.ndarray:
+    """Clipped fp32 -> ``fmt`` by RTNE, NaN canonical."""
+    q = t.astype(fmt.numpy_dtype)
     _canonical_nan_fp8(q.view(np.uint8), fmt)
     return q
 
 
-def _table_cast(x: np.ndarray, factor: np.ndarray, scales: np.ndarray, br: int, bc: int, fmt: Format) -> np.ndarray:
+def _cast_tile(x: np.ndarray, q: np.ndarray, tile: tuple[int, int, int, int], factor: np.ndarray, br: int,
+               bc: int, fmt: Format) -> None:
+    r0, r1, c0, c1 = tile
+    t = _to_f32(x[r0:r1, c0:c1])
+    blocks = _blocks(t, br, bc)
+    np.multiply(blocks, factor[:, None, :, None], out=blocks)
+    fmax = np.float32(fmt.max)
+    np.clip(t, -fmax, fmax, out=t)  # finite overflow and +-inf saturate; NaN passes
+    qt = t.astype(fmt.numpy_dtype)  # RTNE
+    _canonical_nan_fp8(qt.view(np.uint8), fmt)
+    q[r0:r1, c0:c1] = qt
+
+
+def _quantize(x: np.ndarray, br: int, bc: int, fmt: Format, rule: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(q, stored scales [R, C]): each block's amax through ``rule`` -> (factor fp32, stored), then
+    SATFINITE_RTNE(fp32(x) *rn factor[block]) into ``fmt``; x is [rows, cols].
+
+    Tile by tile (see :func:`_tiles`): the temporaries are tile-sized whatever the shape, and a tile is
+    measured and cast while it is in cache. The bits do not depend on the tiling: max is exact and the rest
+    is elementwise. Large bf16/fp16 inputs are cast once every factor is known, by table lookup when their
+    blocks use few distinct factors; until then a tile keeps its factors, or where blocks are small (a
+    partial block per element or few) its distinct factors and a byte per block.
+    """
+    rows, cols = x.shape
+    q = np.empty((rows, cols), fmt.numpy_dtype)
+    shape = (-(-rows // br), -(-cols // bc))
+    _, s = rule(np.zeros((0, 0), np.uint32))
+    stored = np.empty(shape, s.dtype)
+    table = x.dtype.itemsize == 2 and x.size >= TABLE_MIN
+    pending: list[tuple[tuple[int, int, int, int], np.ndarray, np.ndarray | None]] = []
+    with np.errstate(all="ignore"):
+        for tile in _tiles(rows, cols, br, bc):
+            r0, r1, c0, c1 = tile
+            rs, cs = _block_slices(r0, r1, c0, c1, br, bc)
+            factor, stored[rs, cs] = rule(_tile_amax_bits(x[r0:r1, c0:c1], br, bc))
+            if not table:
+                _cast_tile(x, q, tile, factor, br, bc, fmt)
+            elif factor.size * 16 <= (r1 - r0) * (c1 - c0):
+                pending.append((tile, factor.view(np.uint32), None))
+            else:
+                u, inv = np.unique(factor.view(np.uint32), return_inverse=True)
+                pending.append((tile, u, inv.astype(np.uint16 if u.size > 255 else np.uint8).reshape(factor.shape)))
+        if not pending:
+            return q, stored
+        scales = np.unique(np.concatenate([f.reshape(-1) for _, f, _ in pending]))
+        if scales.size > TABLE_MAX_SCALES:  # too many for tables: cast directly
+            for tile, f, inv in pending:
+                _cast_tile(x, q, tile, (f if inv is None else f[inv]).view(np.float32), br, bc, fmt)
+            return q, stored
+        which = np.empty(shape, np.uint8)
+        for (r0, r1, c0, c1), f, inv in pending:
+            w = np.searchsorted(scales, f).astype(np.uint8)
+            which[_block_slices(r0, r1, c0, c1, br, bc)] = w if inv is None else w[inv]
+        _table_cast(x, which, scales, br, bc, fmt, q.view(np.uint8))
+    return q, stored
+
+
+def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, bc: int, fmt: Format,
+                q: np.ndarray) -> None:
     """The same cast for bf16/fp16 as lookups: cpu's quantize table of all 65,536 patterns for each distinct
     block scale (made by the direct path, so the bits are the same), indexed by (scale, pattern), in
-    cache-sized chunks on cpu's thread pool."""
+    cache-sized chunks on cpu's thread pool. ``which`` [R, C]: each block's index into ``scales``."""
     rows, cols = x.shape
     name = "bfloat16" if x.dtype == ml_dtypes.bfloat16 else "float16"
     tables = np.concatenate([_quantize_table(name, int(s), fmt) for s in scales])
-    which = np.searchsorted(scales, factor.view(np.uint32)).astype(np.intp) << 16  # [R, C]
     codes = x.view(np.uint16).reshape(-1)
-    q = np.empty(rows * cols, np.uint8)
+    flat = q.reshape(-1)
 
-    def chunk(a: int, b: int) -> None:  # flat elements [a, b): the offsets of the rows they touch
+    def offsets(r0: int, r1: int, c0: int, c1: int) -> np.ndarray:  # of rows [r0, r1), columns [c0, c1)
+        rows_which = which[np.arange(r0, r1) // br, c0 // bc:-(-c1 // bc)].astype(np.intp) << 16
+        if c1 - c0 < bc:  # narrower than a block: repeating whole blocks would overshoot up to bc-fold
+            return rows_which[:, np.arange(c0, c1) // bc - c0 // bc].reshape(-1)
+        return np.repeat(rows_which, bc, axis=1)[:, c0 % bc:c0 % bc + c1 - c0].reshape(-1)
+
+    def chunk(a: int, b: int) -> None:  # flat elements [a, b)
         r0, r1 = a // cols, -(-b // cols)
-        rows_which = np.repeat(which[r0 // br:-(-r1 // br)], br, axis=0)[r0 % br:r0 % br + r1 - r0]
-        offs = np.repeat(rows_which, bc, axis=1)[:, :cols].reshape(-1)[a - r0 * cols:b - r0 * cols]
-        np.take(tables, offs + codes[a:b], out=q[a:b])
+        if cols <= b - a:  # whole rows, but for the ends: at most two rows more than the chunk
+            offs = offsets(r0, r1, 0, cols)[a - r0 * cols:b - r0 * cols]
+        else:  # parts of at most two long rows: only the columns the chunk covers
+            offs = np.concatenate([offsets(r, r + 1, max(a - r * cols, 0), min(b - r * cols, cols))
+                                   for r in range(r0, r1)])
+        np.take(tables, offs + codes[a:b], out=flat[a:b])
 
-    _map(q.size, chunk)
-    return q.reshape(rows, cols).view(fmt.numpy_dtype)
+    _map(flat.size, chunk)
 
 
-def _scaled_widen(q: np.ndarray, factor: np.ndarray, br: int, bc: int, out_dtype: str) -> np.ndarray:
-    """ROUND_TO(out_dtype, fp32(q) *rn factor[block]), NaN canonical."""
+@lru_cache(maxsize=2)
+def _fp32_of_code(dtype: np.dtype) -> np.ndarray:
+    """fp32 of all 256 codes of an fp8 dtype (exact): a lookup is ~6x faster than ml_dtypes' cast."""
+    return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+
+
+def _scaled_widen(q: np.ndarray, factor_of: Any, br: int, bc: int, out_dtype: str) -> np.ndarray:
+    """ROUND_TO(out_dtype, fp32(q) *rn factor[block]), NaN canonical, tile by tile; ``factor_of(rs, cs)``: the
+    fp32 factors of the blocks [rs, cs]."""
     rows, cols = q.shape
-    blocks = _padded(q.astype(np.float32), br, bc)  # fp8 -> fp32 is exact
-    with np.errstate(all="ignore"):
-        np.multiply(blocks, factor[:, None, :, None], out=blocks)
-    y32 = _unpadded(blocks, rows, cols)
-    with np.errstate(all="ignore"):
-        y = y32.astype(logical_numpy_dtype(out_dtype))
+    widen = _fp32_of_code(q.dtype)
+    y = np.empty((rows, cols), logical_numpy_dtype(out_dtype))
     storage, nan = _CANONICAL_NAN[out_dtype]
-    y.view(storage)[np.isnan(y32)] = nan
+    with np.errstate(all="ignore"):
+        for r0, r1, c0, c1 in _tiles(rows, cols, br, bc, TILE // 4):  # the lookup's indices are 8 bytes each
+            y32 = widen.take(q[r0:r1, c0:c1].view(np.uint8))
+            blocks = _blocks(y32, br, bc)
+            np.multiply(blocks, factor_of(*_block_slices(r0, r1, c0, c1, br, bc))[:, None, :, None], out=blocks)
+            t = y32 if y.dtype == np.float32 else y32.astype(y.dtype)
+            t.view(storage)[np.isnan(y32)] = nan
+            y[r0:r1, c0:c1] = t
     return y
 
 
@@ -192,10 +283,12 @@ def _mx_shape(columnwise: bool) -> tuple[int, int]:
 @ieee
 def quantize_mxfp8(x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q [rows, cols] fmt, scale E8M0 [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
-    br, bc = _mx_shape(columnwise)
-    bits = block_amax_bits(x.data, br, bc)
-    e = e8m0_rceil(bits, fmt) if scale_mode == "rceil" else e8m0_floor(bits, fmt)
-    return _scaled_cast(x.data, e8m0_factor(e, -1), br, bc, fmt), e.view(E8M0)
+    def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        e = e8m0_rceil(bits, fmt) if scale_mode == "rceil" else e8m0_floor(bits, fmt)
+        return e8m0_factor(e, -1), e
+
+    q, e = _quantize(x.data, *_mx_shape(columnwise), fmt, rule)
+    return q, e.view(E8M0)
 
 
 @ieee
@@ -206,9 +299,9 @@ def quantize_mxfp8_both(x: Tensor, fmt: Format, scale_mode: str) -> tuple[np.nda
 
 @ieee
 def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, out_dtype: str) -> np.ndarray:
-    br, bc = _mx_shape(columnwise)
-    return _scaled_widen(q.data.view(fmt.numpy_dtype), e8m0_factor(scale.data.view(np.uint8), 1), br, bc,
-                         out_dtype)
+    e = scale.data.view(np.uint8)
+    return _scaled_widen(q.data.view(fmt.numpy_dtype), lambda rs, cs: e8m0_factor(e[rs, cs], 1),
+                         *_mx_shape(columnwise), out_dtype)
 
 
 # ---- fp32 block scales (1x128, 128x128) -------------------------------------------------------------------
@@ -217,16 +310,17 @@ def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, ou
 def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool,
                        epsilon: float) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q, scale_inv fp32 [ceil(rows/br), ceil(cols/128)]), each block by the scale rule."""
-    bits = block_amax_bits(x.data, br, FP32_BLOCK)
-    amax = bits.view(np.float32)
-    s, s_inv, _ = scale_rule(amax.reshape(-1), np.float32(fmt.max), 0, power_of_2, epsilon)
-    q = _scaled_cast(x.data, s.reshape(amax.shape), br, FP32_BLOCK, fmt)
-    return q, s_inv.reshape(amax.shape)
+    def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s, s_inv, _ = scale_rule(bits.view(np.float32).reshape(-1), np.float32(fmt.max), 0, power_of_2, epsilon)
+        return s.reshape(bits.shape), s_inv.reshape(bits.shape)
+
+    return _quantize(x.data, br, FP32_BLOCK, fmt, rule)
 
 
 @ieee
 def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out_dtype: str) -> np.ndarray:
-    return _scaled_widen(q.data.view(fmt.numpy_dtype), scale_inv.data, br, FP32_BLOCK, out_dtype)
+    s_inv = scale_inv.data
+    return _scaled_widen(q.data.view(fmt.numpy_dtype), lambda rs, cs: s_inv[rs, cs], br, FP32_BLOCK, out_dtype)
 
 
 def transpose_scale(scale: Tensor) -> np.ndarray:

@@ -8,6 +8,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from fp8core.cli import gpu_unavailable_reason  # noqa: E402  (after the path is set)
 
+# tests/emulation runs in a child process with AddressSanitizer preloaded (tests/test_emulation.py).
+collect_ignore = ["emulation"]
+
 # None, or why there is no usable GPU: "cupy is not installed", "no CUDA driver (libcuda cannot be loaded)",
 # "no CUDA driver", "the CUDA driver supports CUDA 12.2, older than ...", "no CUDA device".
 GPU_REASON = gpu_unavailable_reason()

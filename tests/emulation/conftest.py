@@ -1,0 +1,66 @@
+"""The emulated-GPU suite (run by tests/test_emulation.py in a child process with AddressSanitizer preloaded).
+
+The stand-in CuPy and driver (device.py) are installed before fp8core is imported, so every test here drives
+fp8core's real CUDA path: the public API, the backend's launch plans, the loader, the kernels of cuda/.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import device  # noqa: E402
+
+device.install()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# sm_80 (software conversions) and sm_90 (hardware conversions) run every test; sm_100 adds only the
+# family-specific E8M0 conversion of block_quantize.cu, so only the block-scaling tests run there.
+PER_FILE = {"block_quantize.cu": (0, 1, 2)}
+EMULATED = [pytest.param(i, id=f"sm_{device.DEVICES[i].cc}") for i in (0, 1)]
+BLOCK_EMULATED = [pytest.param(i, id=f"sm_{device.DEVICES[i].cc}") for i in PER_FILE["block_quantize.cu"]]
+
+
+def _current(request):
+    with device._DeviceObj(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=EMULATED)
+def dev(request):
+    """sm_80 and sm_90 in turn, current for the test."""
+    yield from _current(request)
+
+
+@pytest.fixture(params=BLOCK_EMULATED)
+def block_dev(request):
+    """sm_80, sm_90 and sm_100 in turn, current for the test (block scaling)."""
+    yield from _current(request)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def modules():
+    """Every module of cuda/ built for every emulated device up front, in parallel (the tests then only load)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fp8core import _kernels
+
+    def load(job):
+        dev, filename = job
+        _kernels.get_function(filename, _kernels.KERNELS[filename][0], dev)
+
+    jobs = [(d, f) for f in _kernels.KERNELS for d in PER_FILE.get(f, (0, 1))]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        list(pool.map(load, jobs))
+
+
+def pytest_collection_modifyitems(items):
+    # The coverage check reads what every other test launched: it runs last.
+    items.sort(key=lambda item: item.name == "test_every_kernel_emulated")

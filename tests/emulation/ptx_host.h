@@ -1,0 +1,186 @@
+// The PTX instructions cuda/ uses in inline asm, on the host, as the PTX ISA documents them (section "cvt", "mul").
+//
+// build.py rewrites `asm("T" : "=c"(d) : "c"(a), "c"(b));` into
+// `::fp8emu::ptx<::fp8emu::op("T")>(::fp8emu::out<'c'>(d), ::fp8emu::in<'c'>(a), ::fp8emu::in<'c'>(b));`
+// so operands arrive in the order the statement binds them (%0, %1, %2) and each constraint letter is checked
+// against its operand's size. An instruction not listed here does not compile (Ptx<op> is incomplete).
+//
+// Written from the ISA's definitions, not from cuda/common.cuh's software conversions, so that the emulated
+// hardware path is an independent check of the code around it:
+// - fp8 results: round to nearest even among the format's finite values (found by search, compared exactly in
+//   double), .satfinite clamps to +-MAX_NORM (infinities included), NaN gives the canonical NaN 0x7F;
+//   the sign of a result that rounds to zero is the input's. For x2 forms, a goes to the upper 8 bits, b lower.
+// - ue8m0 (.rp.satfinite): the least 2^(e-127) >= a, e in 0..254; NaN gives 0xFF.
+// - f16 and bf16 conversions round to nearest even with subnormals (no .ftz), NaN -> canonical 0x7FFF.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+namespace fp8emu {
+
+constexpr unsigned long long op(const char* s) {
+  unsigned long long h = 1469598103934665603ull;
+  while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
+  return h;
+}
+
+template <char C, typename T>
+constexpr bool constraint_fits() {
+  if (C == 'h') return sizeof(T) == 2;
+  if (C == 'r') return sizeof(T) == 4 && !std::is_floating_point<T>::value;
+  if (C == 'l') return sizeof(T) == 8 && !std::is_floating_point<T>::value;
+  if (C == 'f') return std::is_same<T, float>::value;
+  if (C == 'd') return std::is_same<T, double>::value;
+  return false;
+}
+template <char C, typename T>
+inline T& out(T& x) {
+  static_assert(constraint_fits<C, T>(), "asm output operand does not fit its constraint");
+  return x;
+}
+template <char C, typename T>
+inline T in(const T& x) {
+  static_assert(constraint_fits<C, T>(), "asm input operand does not fit its constraint");
+  return x;
+}
+
+template <unsigned long long OP>
+struct Ptx;  // an instruction without a specialisation here is not emulated: compile error at its call
+template <unsigned long long OP, typename... A>
+inline void ptx(A&&... a) {
+  Ptx<OP>::run(std::forward<A>(a)...);
+}
+
+inline float f32(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+inline uint32_t bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+
+// Exact value of an fp8 code (E4M3: bias 7, 3 mantissa bits, no inf, S.1111.111 NaN; E5M2: bias 15, IEEE-like).
+inline double fp8_value(unsigned code, bool e4m3) {
+  const int mb = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  const unsigned e = (code >> mb) & (e4m3 ? 0xfu : 0x1fu), m = code & ((1u << mb) - 1u);
+  const double s = (code & 0x80u) ? -1.0 : 1.0;
+  if (e4m3 && (code & 0x7fu) == 0x7fu) return NAN;
+  if (!e4m3 && e == 0x1fu) return m ? NAN : s * INFINITY;
+  if (e == 0) return s * std::ldexp((double)m, 1 - bias - mb);
+  return s * std::ldexp((double)((1u << mb) | m), (int)e - bias - mb);
+}
+
+// The positive values of a format's codes 0 .. MAX_NORM, increasing with the code.
+struct Fp8Values {
+  double v[128];
+  unsigned top;
+  explicit Fp8Values(bool e4m3) : top(e4m3 ? 0x7eu : 0x7bu) {
+    for (unsigned c = 0; c <= top; ++c) v[c] = fp8_value(c, e4m3);
+  }
+};
+
+inline uint8_t fp8_rn_satfinite(float x, bool e4m3) {
+  static const Fp8Values e4m3_values(true), e5m2_values(false);
+  const Fp8Values& t = e4m3 ? e4m3_values : e5m2_values;
+  if (std::isnan(x)) return 0x7f;
+  const unsigned sign = std::signbit(x) ? 0x80u : 0u;
+  const double a = std::fabs((double)x);
+  if (a >= t.v[t.top]) return (uint8_t)(sign | t.top);  // .satfinite: beyond MAX_NORM (inf too) is MAX_NORM
+  unsigned lo = 0, hi = t.top;  // t.v[lo] <= a < t.v[hi]
+  while (hi - lo > 1) {
+    const unsigned mid = (lo + hi) / 2;
+    (t.v[mid] <= a ? lo : hi) = mid;
+  }
+  const double below = a - t.v[lo], above = t.v[hi] - a;
+  const unsigned r = below < above ? lo : above < below ? hi : ((lo & 1u) ? hi : lo);  // a tie: the even code
+  return (uint8_t)(sign | r);
+}
+
+inline uint16_t f16_from_f32(float x) {  // IEEE binary16, round to nearest even (GCC's _Float16 conversion)
+  if (std::isnan(x)) return 0x7fff;
+  const _Float16 h = (_Float16)x;
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+inline float f32_from_f16(uint16_t b) {
+  _Float16 h;
+  std::memcpy(&h, &b, 2);
+  return (float)h;
+}
+inline uint16_t bf16_from_f32(float x) {
+  if (std::isnan(x)) return 0x7fff;
+  const uint32_t u = bits(x), lower = u & 0xffffu, half = 0x8000u;
+  uint32_t r = u >> 16;
+  if (lower > half || (lower == half && (r & 1u))) ++r;  // a carry into the exponent is the right result (inf too)
+  return (uint16_t)r;
+}
+
+inline uint8_t ue8m0_rp_satfinite(float x) {
+  if (std::isnan(x)) return 0xff;
+  if (std::signbit(x) && x != 0.f) {
+    std::fprintf(stderr, "fp8emu: cvt.rp.satfinite.ue8m0x2.f32 of a negative value is not emulated\n");
+    std::abort();
+  }
+  const double a = (double)x;
+  for (int e = 0; e <= 254; ++e)
+    if (std::ldexp(1.0, e - 127) >= a) return (uint8_t)e;
+  return 254;  // above 2^127, infinity included: .satfinite
+}
+
+inline uint16_t f16_of_fp8(unsigned code, bool e4m3) {
+  const double v = fp8_value(code, e4m3);
+  return f16_from_f32((float)v);  // every E4M3 and E5M2 value is an f16 value: exact
+}
+
+#define FP8EMU_PTX(TEXT) template <> struct Ptx<op(TEXT)>
+
+FP8EMU_PTX("cvt.f32.f16 %0, %1;") {
+  template <typename H> static void run(float& d, H a) { d = f32_from_f16((uint16_t)a); }
+};
+FP8EMU_PTX("mul.rn.f32 %0, %1, %2;") {
+  // The product of two floats is exact in double; one rounding to float is then the correctly rounded product.
+  static void run(float& d, float a, float b) { d = (float)((double)a * (double)b); }
+};
+FP8EMU_PTX("cvt.f64.f32 %0, %1;") {
+  static void run(double& d, float a) { d = (double)a; }
+};
+FP8EMU_PTX("cvt.rn.f32.f64 %0, %1;") {
+  static void run(float& d, double a) { d = (float)a; }
+};
+FP8EMU_PTX("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;") {
+  template <typename H> static void run(H& d, float a, float b) {
+    d = (H)((fp8_rn_satfinite(a, true) << 8) | fp8_rn_satfinite(b, true));
+  }
+};
+FP8EMU_PTX("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;") {
+  template <typename H> static void run(H& d, float a, float b) {
+    d = (H)((fp8_rn_satfinite(a, false) << 8) | fp8_rn_satfinite(b, false));
+  }
+};
+FP8EMU_PTX("cvt.rn.f16x2.e4m3x2 %0, %1;") {
+  template <typename R, typename H> static void run(R& d, H a) {
+    d = (R)(((uint32_t)f16_of_fp8(((unsigned)a >> 8) & 0xffu, true) << 16) | f16_of_fp8((unsigned)a & 0xffu, true));
+  }
+};
+FP8EMU_PTX("cvt.rn.f16x2.e5m2x2 %0, %1;") {
+  template <typename R, typename H> static void run(R& d, H a) {
+    d = (R)(((uint32_t)f16_of_fp8(((unsigned)a >> 8) & 0xffu, false) << 16) | f16_of_fp8((unsigned)a & 0xffu, false));
+  }
+};
+FP8EMU_PTX("cvt.rn.bf16.f32 %0, %1;") {
+  template <typename H> static void run(H& d, float a) { d = (H)bf16_from_f32(a); }
+};
+FP8EMU_PTX("cvt.rn.f16.f32 %0, %1;") {
+  template <typename H> static void run(H& d, float a) { d = (H)f16_from_f32(a); }
+};
+FP8EMU_PTX("cvt.rp.satfinite.ue8m0x2.f32 %0, %1, %2;") {
+  template <typename H> static void run(H& d, float a, float b) {
+    d = (H)((ue8m0_rp_satfinite(a) << 8) | ue8m0_rp_satfinite(b));
+  }
+};
+
+#undef FP8EMU_PTX
+
+}  // namespace fp8emu

@@ -1,0 +1,70 @@
+"""Block scaling on the emulated device against the CPU backend, by bits: MXFP8 rowwise, columnwise and both
+(rceil and floor), 1x128 and 128x128 blocks, their dequantization, and the scale layouts the GEMM reads."""
+
+import numpy as np
+import pytest
+
+import device
+import fp8core
+from arrays import DTYPES, bits, data, upload
+from fp8core import blocks, selftest
+from fp8core._tensor import wrap
+from fp8core.backends import cpu_blocks, cuda_blocks
+
+SHAPES = [(1, 1), (1, 32), (32, 64), (33, 65), (64, 1), (96, 200), (130, 260), (256, 128)]
+
+
+def _special_blocks(x: np.ndarray) -> np.ndarray:
+    """Whole blocks of NaN, inf, zeros and subnormals (their scales are the edge cases of E8M0)."""
+    x = x.copy()
+    if x.shape[0] >= 4 and x.shape[1] >= 32:
+        x[0, :32] = np.nan
+        x[1, :32] = np.inf
+        x[2, :32] = 0.0
+        x[3, :32] = np.float32(1e-41).astype(x.dtype)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_mxfp8(block_dev, dtype, shape, rng):
+    x = _special_blocks(data(rng, shape, dtype))
+    for fmt, mode in (("e4m3", "rceil"), ("e5m2", "floor"), ("e4m3", "floor")):
+        for columnwise in (False, True):
+            got = fp8core.quantize_mxfp8(upload(x, 8), fmt, scale_mode=mode, columnwise=columnwise)
+            ref = fp8core.quantize_mxfp8(x, fmt, scale_mode=mode, columnwise=columnwise)
+            np.testing.assert_array_equal(bits(got.data), bits(ref.data), err_msg=f"{fmt} {mode} {columnwise}")
+            np.testing.assert_array_equal(bits(got.scale), bits(ref.scale), err_msg=f"{fmt} {mode} {columnwise}")
+            for out in ("float32", "bfloat16"):
+                y = fp8core.dequantize_mxfp8(got, out, fmt=fmt)
+                np.testing.assert_array_equal(bits(y), bits(fp8core.dequantize_mxfp8(ref, out)))
+        both = fp8core.quantize_mxfp8_both(upload(x), fmt, scale_mode=mode)
+        ref_both = fp8core.quantize_mxfp8_both(x, fmt, scale_mode=mode)
+        for g, r in zip(both, ref_both):
+            np.testing.assert_array_equal(bits(g.data), bits(r.data))
+            np.testing.assert_array_equal(bits(g.scale), bits(r.scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("block", ["1x128", "128x128"])
+def test_blockwise(block_dev, dtype, shape, block, rng):
+    x = _special_blocks(data(rng, shape, dtype))
+    for fmt, kw in (("e4m3", {}), ("e5m2", {"power_of_2": False, "epsilon": 1e-4})):
+        got = fp8core.quantize_blockwise(upload(x, 1), fmt, block=block, **kw)
+        ref = fp8core.quantize_blockwise(x, fmt, block=block, **kw)
+        np.testing.assert_array_equal(bits(got.data), bits(ref.data), err_msg=f"{fmt} {kw}")
+        np.testing.assert_array_equal(bits(got.scale_inv), bits(ref.scale_inv), err_msg=f"{fmt} {kw}")
+        for out in ("float32", "float16"):
+            y = fp8core.dequantize_blockwise(got, out, fmt=fmt)
+            np.testing.assert_array_equal(bits(y), bits(fp8core.dequantize_blockwise(ref, out)))
+
+
+@pytest.mark.parametrize("kind", ["1x32", "1x128", "128x128"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (130, 7), (257, 33)], ids=str)
+def test_gemm_scale_layouts(block_dev, kind, shape, rng):
+    dtype = np.uint8 if kind == "1x32" else np.float32
+    s = rng.integers(0, 255, shape).astype(dtype) if kind == "1x32" else rng.random(shape).astype(dtype)
+    got = cuda_blocks.gemm_scale(wrap(upload(s)), kind)
+    np.testing.assert_array_equal(bits(got), bits(selftest.gemm_scale_oracle(s, kind)))
+    np.testing.assert_array_equal(bits(got), bits(cpu_blocks.gemm_scale(wrap(s), kind)))

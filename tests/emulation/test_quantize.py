@@ -1,0 +1,106 @@
+"""amax, quantize (delayed and current scaling), dequantize and the multi-tensor forms: the emulated CUDA path
+against the CPU backend, by bits, over sizes (empty, 1, odd, prime, several blocks), misaligned heads (1-15
+elements), tails and special values."""
+
+import numpy as np
+import pytest
+
+import device
+import fp8core
+from arrays import DTYPES, bits, data, upload
+
+SIZES = [0, 1, 7, 16, 31, 257, 4099, 65537]
+
+
+def f32(*v):
+    return np.array(v, np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_quantize_and_amax(dev, dtype, n, rng):
+    for offset in (0, 1, 3, 15) if n > 16 else (0, 5):
+        x = data(rng, (n,), dtype)
+        for fmt in ("e4m3", "e5m2"):
+            slot, ref_slot = device.asarray(f32(-0.0)), f32(-0.0)
+            q = fp8core.quantize(upload(x, offset), device.asarray(f32(0.37)), fmt, amax_out=slot)
+            r = fp8core.quantize(x, f32(0.37), fmt, amax_out=ref_slot)
+            np.testing.assert_array_equal(bits(q), bits(r), err_msg=f"{fmt} offset={offset}")
+            np.testing.assert_array_equal(bits(slot), bits(ref_slot))
+        np.testing.assert_array_equal(bits(fp8core.amax(upload(x, offset))), bits(fp8core.amax(x)))
+
+
+@pytest.mark.parametrize("offset", range(16))
+def test_every_misaligned_head(dev, offset, rng):
+    x = data(rng, (1000,), np.float16)
+    q = fp8core.quantize(upload(x, offset), 3.0, "e5m2")  # a Python number: the fill kernel makes the scale
+    np.testing.assert_array_equal(bits(q), bits(fp8core.quantize(x, 3.0, "e5m2")))
+
+
+@pytest.mark.parametrize("start", [0.0, -0.0, -1.0, 1e30, float("nan")])
+def test_amax_slot_merges(dev, start, rng):
+    x = data(rng, (3000,), np.float32, specials=False)
+    for xs in (x, x[:0]):
+        slot, ref = device.asarray(f32(start)), f32(start)
+        fp8core.quantize(upload(xs), 1.0, "e4m3", amax_out=slot)
+        fp8core.quantize(xs, 1.0, "e4m3", amax_out=ref)
+        np.testing.assert_array_equal(bits(slot), bits(ref))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [0, 1, 33, 5000, 100003])
+def test_quantize_dynamic(dev, dtype, n, rng):
+    x = data(rng, (n,), dtype)
+    for kw in ({}, {"margin": 2, "power_of_2": True}, {"epsilon": 1e-3}):
+        got = fp8core.quantize_dynamic(upload(x, 1), "e4m3", **kw)
+        ref = fp8core.quantize_dynamic(x, "e4m3", **kw)
+        for g, r in zip(got, ref):
+            np.testing.assert_array_equal(bits(g), bits(r), err_msg=str(kw))
+
+
+def test_quantize_dynamic_with_reduce(dev, rng):
+    x = data(rng, (7777,), np.float32, specials=False)
+    doubled = lambda a: a.__setitem__(..., a * 2)  # noqa: E731 (a MAX-reduce that found a larger amax elsewhere)
+    got = fp8core.quantize_dynamic(upload(x), "e5m2", reduce=doubled)
+    ref = fp8core.quantize_dynamic(x, "e5m2", reduce=doubled)
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(bits(g), bits(r))
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dequantize_every_code(dev, fmt, out_dtype):
+    codes = np.tile(np.arange(256, dtype=np.uint8), 9)[:2049]
+    q = codes.view(fp8core.as_format(fmt).numpy_dtype)
+    for offset in (0, 3):
+        for s in (f32(1.0), f32(2.0 ** -130), f32(3e38)):
+            got = fp8core.dequantize(upload(codes, offset), device.asarray(s), out_dtype, fmt=fmt)
+            np.testing.assert_array_equal(bits(got), bits(fp8core.dequantize(q, s, out_dtype)))
+
+
+def test_multi_tensor_lists(dev, rng):
+    """70 tensors (two launches of at most 64), mixed sizes with empty members, mixed dtypes and formats."""
+    sizes = [int(s) for s in rng.integers(0, 3000, 70)]
+    sizes[3] = sizes[40] = 0
+    sizes[7] = 70000
+    xs = [data(rng, (n,), DTYPES[i % 3]) for i, n in enumerate(sizes)]
+    fmts = ["e4m3" if i % 2 else "e5m2" for i in range(70)]
+    scales = (rng.random(70) + 0.5).astype(np.float32)
+    got_a = fp8core.multi_amax([upload(x, i % 5) for i, x in enumerate(xs)])
+    np.testing.assert_array_equal(bits(got_a), bits(fp8core.multi_amax(xs)))
+    slots, ref_slots = device.asarray(np.full(70, -0.0, np.float32)), np.full(70, -0.0, np.float32)
+    got = fp8core.multi_quantize([upload(x) for x in xs], device.asarray(scales), fmts, amax_out=slots)
+    ref = fp8core.multi_quantize(xs, scales, fmts, amax_out=ref_slots)
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(bits(g), bits(r))
+    np.testing.assert_array_equal(bits(slots), bits(ref_slots))
+
+
+def test_compute_scale(dev):
+    amax = f32(0, -0.0, 1e-45, 1e-38, 1, 448, 3e38, np.inf, np.nan, 7.5)
+    prev = f32(*range(1, 11))
+    for kw in ({}, {"margin": 3, "power_of_2": True}, {"epsilon": 1e-6}):
+        got = fp8core.compute_scale(device.asarray(amax), "e4m3", previous=device.asarray(prev), **kw)
+        ref = fp8core.compute_scale(amax, "e4m3", previous=prev, **kw)
+        for g, r in zip(got, ref):
+            np.testing.assert_array_equal(bits(g), bits(r), err_msg=str(kw))

@@ -1,0 +1,29 @@
+"""Every CUDA kernel executed on the CPU: tests/emulation/ runs under an emulated device (tests/emulation/device.py),
+in a child process with AddressSanitizer and UndefinedBehaviorSanitizer, and compares with the CPU backend by bits."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "emulation"))
+import build  # noqa: E402
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no host C++ compiler (g++ or clang++): the CUDA emulator "
+                                                     "cannot build the kernels")
+def test_kernels_under_emulation(capsys):
+    env = dict(os.environ, LD_PRELOAD=build.sanitizer_runtime(),
+               ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:halt_on_error=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--confcutdir={HERE / 'emulation'}",
+           "--rootdir", str(HERE / "emulation"), str(HERE / "emulation")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    out = done.stdout + done.stderr
+    summary = [line for line in out.splitlines() if line.strip()][-1:] or ["(no output)"]
+    with capsys.disabled():
+        print(f"\n[emulated GPU suite] {summary[0]}")
+    assert done.returncode == 0, f"the emulated-GPU suite failed (exit {done.returncode}):\n{out[-20000:]}"

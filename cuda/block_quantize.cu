@@ -139,14 +139,23 @@ __global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
     m = umax(umax(part[0][c], part[1][c]), umax(part[2][c], part[3][c]));
     const u32 e = e8m0<RCEIL>(m, inv_max, emax);
     const float factor = e8m0_quant_factor(e);
-    const i64 cc = c0 + c;
-    if (cc < cols) {
+    // The codes go through shared memory so that each thread then stores 8 consecutive bytes of one qc row,
+    // as the rowwise half stores q, instead of 8 bounds-checked byte stores down a column.
+    __shared__ __align__(16) u8 qtile[MX_TILE_R][MX_TILE_C];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const i64 rr = r0 + 8 * h + i;
-        if (rr < rows) qc[rr * cols + cc] = quant_one<FMT>(v[i], factor);
+    for (int i = 0; i < 8; i += 2) {
+      const u32 pair = quant_pair<FMT>(v[i], v[i + 1], factor);
+      qtile[8 * h + i][c] = (u8)(pair & 0xffu);
+      qtile[8 * h + i + 1][c] = (u8)(pair >> 8);
+    }
+    if (h == 0 && c0 + c < cols) sc[(r0 / MX) * cols + c0 + c] = (u8)e;
+    __syncthreads();
+    if (in) {
+      if (vec && aligned(qc, 8)) {
+        *reinterpret_cast<uint2*>(qc + row * cols + col) = *reinterpret_cast<const uint2*>(&qtile[r][8 * g]);
+      } else {
+        for (int j = 0; j < 8 && col + j < cols; ++j) qc[row * cols + col + j] = qtile[r][8 * g + j];
       }
-      if (h == 0) sc[(r0 / MX) * cols + cc] = (u8)e;
     }
   }
 }
@@ -195,8 +204,11 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_1x128_kernel(
 #pragma unroll
     for (int j = 0; j < 4; ++j) m = umax(m, abs_bits(f[j]));
     m = warp_max(m);
-    float sc, sc_inv;
-    block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
+    // The scale rule runs in fp64 (immune to -ftz): once per block in lane 0, not in all 32 lanes, which on
+    // GPUs with few FP64 units (sm_89, sm_120) would bound the kernel by FP64 throughput.
+    float sc = 1.f, sc_inv = 1.f;
+    if (lane == 0) block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
+    sc = __shfl_sync(0xffffffffu, sc, 0);
     if (vec && col < cols) {
       *reinterpret_cast<u32*>(q + row * cols + col) = quant_pair<FMT>(f[0], f[1], sc) | (quant_pair<FMT>(f[2], f[3], sc) << 16);
     } else {

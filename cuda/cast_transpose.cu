@@ -60,14 +60,35 @@ __global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
   const float scale = scale_p != nullptr ? *scale_p : 1.f;
   const int t = threadIdx.x;
   u32 m = 0;
+  // Every full tile takes the tiled path; each of its three memory streams is vectorised where that stream's
+  // addresses allow (x rows 16-byte aligned, q rows and q_t rows 16-byte aligned), else done a byte at a time,
+  // so dims that are not multiples of 16 still run the interior at tile speed. Edge tiles go element by element.
   const bool full = r0 + TILE <= rows && c0 + TILE <= cols;
-  const bool vec = full && cols % 16 == 0 && rows % 16 == 0 && aligned(x, 16) && aligned(q_t, 16) &&
-                   (!WRITE_Q || aligned(q, 16));
-  if (vec) {
+  if (full) {
+    const bool x_vec = cols * (i64)sizeof(T) % 16 == 0 && aligned(x, 16);
+    const bool q_vec = cols % 16 == 0 && aligned(q, 16);
+    const bool qt_vec = rows % 16 == 0 && aligned(q_t, 16);
     const int r = t >> 2, g = t & 3;  // each thread: 16 columns of one row
     u32 w[4];
-    convert16<T, FMT>(x + (r0 + r) * cols + c0 + 16 * g, scale, m, w);
-    if (WRITE_Q) *reinterpret_cast<uint4*>(q + (r0 + r) * cols + c0 + 16 * g) = make_uint4(w[0], w[1], w[2], w[3]);
+    const i64 at = (r0 + r) * cols + c0 + 16 * g;
+    if (x_vec) {
+      convert16<T, FMT>(x + at, scale, m, w);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        w[k] = 0u;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) w[k] |= (u32)convert_one<T, FMT>(x, at + 4 * k + b, scale, m) << (8 * b);
+      }
+    }
+    if (WRITE_Q) {
+      if (q_vec) {
+        *reinterpret_cast<uint4*>(q + at) = make_uint4(w[0], w[1], w[2], w[3]);
+      } else {
+#pragma unroll
+        for (int b = 0; b < 16; ++b) q[at + b] = (u8)(w[b >> 2] >> (8 * (b & 3)));
+      }
+    }
 #pragma unroll
     for (int k = 0; k < 4; ++k) tile[word_at(r, 4 * g + k)] = w[k];
     __syncthreads();
@@ -94,7 +115,13 @@ __global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
       fin[2] = from == 2 ? got : fin[2];
       fin[3] = from == 3 ? got : fin[3];
     }
-    *reinterpret_cast<uint4*>(q_t + (c0 + 4 * cw + j) * rows + r0 + 16 * gq) = make_uint4(fin[0], fin[1], fin[2], fin[3]);
+    u8* const dst = q_t + (c0 + 4 * cw + j) * rows + r0 + 16 * gq;
+    if (qt_vec) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(fin[0], fin[1], fin[2], fin[3]);
+    } else {
+#pragma unroll
+      for (int b = 0; b < 16; ++b) dst[b] = (u8)(fin[b >> 2] >> (8 * (b & 3)));
+    }
   } else {
     for (int idx = t; idx < TILE * TILE; idx += THREADS) {
       const int r = idx / TILE, c = idx % TILE;

@@ -1197,7 +1197,7 @@ class Report:
 
     def table(self, columns: int = TABLE_COLUMNS) -> str:
         """The report for a terminal, every line at most ``columns`` wide: long check names and reasons wrap."""
-        figures = 2 + 6 + 1 + 6 + 1 + 8 + 2 + len("FAILED")  # the columns right of the name
+        figures = 2 + 6 + 1 + 6 + 1 + 8 + 2 + len("skipped")  # the columns right of the name
         width = max(20, min(max(len(c.name) for c in self.checks), columns - figures))
         wrap = functools.partial(textwrap.wrap, width=columns, subsequent_indent="    ", break_on_hyphens=False)
         lines = wrap(f"fp8core {fp8core.__version__} selftest on {self.target}") + [""]

@@ -47,6 +47,8 @@ class Linear(Float8Linear):
     now instead of taking the first autocast's.
     """
 
+    adopted = False  # whether the recipe came from an autocast (said in the error of a later, different one)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Any = None,
                  init_method: Optional[Callable[[torch.Tensor], Any]] = None, recipe: Any = None,
@@ -79,8 +81,6 @@ class Linear(Float8Linear):
             self.recipe_from_autocast = False  # the first fp8 step fixes the recipe (TE's default if none named)
             self.adopted = True
         return super().forward(x)
-
-    adopted = False  # whether the recipe came from an autocast (for the error above)
 
     def _adopt(self, recipe: Any) -> None:
         """Take ``recipe`` before the first fp8 step: a fresh state for it, as a Float8Linear made with it has."""

@@ -172,8 +172,15 @@ def crossover(repeat: int) -> list[dict]:
     return rows
 
 
+def _fixed(v: float | None, width: int) -> str:
+    """A figure with two decimals, or "—" where the peer has no such primitive (or is not installed)."""
+    return f"{'—' if v is None else f'{v:.2f}':>{width}}"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="CPU throughput of fp8core's reference backend against torch eager (with "
+                                 "its intra-op threads pinned and printed) and plain ml_dtypes, in GB/s of the bytes "
+                                 "each primitive must read and write; '—' where a peer has no such primitive.")
     ap.add_argument("--sizes-mib", type=int, nargs="*", default=[1, 16, 64, 256])
     ap.add_argument("--sizes-kib", type=int, nargs="*", default=[64, 256],
                     help="small sizes, run before the MiB sizes (where thread-pool dispatch and call overhead show)")
@@ -182,28 +189,35 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--crossover", action="store_true", help="only the thread pool's crossover, by size")
     ap.add_argument("--torch-threads", type=int, default=0,
-                    help="torch's intra-op threads (default: all cores; 1 compares single-threaded code, and on a "
-                         "loaded machine keeps torch's thread team from stalling on a busy core)")
+                    help="torch's intra-op threads (default: as many as fp8core's CPU pool uses; 1 compares "
+                         "single-threaded code, and on a loaded machine keeps torch's thread team from stalling on "
+                         "a busy core)")
     args = ap.parse_args()
+    if args.torch_threads < 0:
+        ap.error("--torch-threads: expected a number >= 0 (0: as many as fp8core's CPU pool)")
     if args.quick:
         args.sizes_kib, args.sizes_mib, args.dtypes = [64], [1, 64], ["bfloat16"]
     try:
         import torch
 
-        torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
+        # by default as many threads as fp8core's CPU pool takes (all cores, at most 8): like for like
+        torch.set_num_threads(args.torch_threads or max(1, min(os.cpu_count() or 1, 8)))
     except ImportError:
         torch = None
     meta = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "date": str(date.today()),
             "fp8core": fp8core.__version__, "numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__,
             "torch": torch.__version__ if torch else None, "torch_threads": torch.get_num_threads() if torch else None}
     print("# fp8core CPU benchmark", json.dumps(meta))
+    print(f"# torch eager runs with {meta['torch_threads']} intra-op threads (--torch-threads to change); "
+          if torch else "# torch is not installed: its columns are '—'; ", end="")
+    print("'x torch' and 'x ml_dtypes' are fp8core's speed over the peer's (>1: fp8core is faster)")
     if args.crossover:
         rows = [dict(r, **meta) for r in crossover(5 if args.quick else 21)]
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return
-    header = f"{'op':<15} {'dtype':<9} {'KiB':>6} {'fp8core GB/s':>13} {'p20-p80':>13} {'torch GB/s':>11} " \
+    header = f"{'op':<16} {'dtype':<9} {'KiB':>6} {'fp8core GB/s':>13} {'p20-p80':>13} {'torch GB/s':>11} " \
              f"{'x torch':>8} {'ml_dtypes GB/s':>15} {'x ml_dtypes':>11}"
     print(header)
     rows = []
@@ -233,10 +247,9 @@ def main() -> None:
                     row["x_torch"] = 1 / ratio  # fp8core's speed over torch's: the inverse of the time ratio
                 rows.append(row)
                 t, m = row.get("torch eager_gbps"), row.get("ml_dtypes_gbps")
-                print(f"{op:<15} {dtype:<9} {kib:>6} {row['gbps']:>13.2f} "
-                      f"{row['gbps_p20']:>6.2f}-{row['gbps_p80']:<6.2f} "
-                      f"{t if t else float('nan'):>11.2f} {row.get('x_torch', float('nan')):>8.2f} "
-                      f"{m if m else float('nan'):>15.2f} {row['gbps'] / m if m else float('nan'):>11.2f}", flush=True)
+                print(f"{op:<16} {dtype:<9} {kib:>6} {row['gbps']:>13.2f} "
+                      f"{row['gbps_p20']:>6.2f}-{row['gbps_p80']:<6.2f} {_fixed(t, 11)} {_fixed(row.get('x_torch'), 8)} "
+                      f"{_fixed(m, 15)} {_fixed(row['gbps'] / m if m else None, 11)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

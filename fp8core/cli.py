@@ -23,6 +23,7 @@ import numpy as np
 
 import fp8core
 from fp8core import Format
+from fp8core.extras import install_hint
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -85,7 +86,7 @@ def gpu_unavailable_reason() -> str | None:
     try:
         import cupy
     except ImportError:
-        return "cupy is not installed (pip install 'fp8core[cuda13]')"
+        return f"cupy is not installed ({install_hint('cuda13', 'cuda12')})"
     except Exception as e:
         return f"cupy cannot be imported ({_one_line(e)})"
     try:
@@ -116,21 +117,9 @@ def gpu_report() -> dict[str, Any]:
     gemm = cc >= 89
     why = "" if gemm else "needs compute capability 8.9+"
     if gemm and _version("nvmath") is None:
-        gemm, why = False, "nvmath-python is not installed (pip install 'fp8core[gemm]')"
+        gemm, why = False, f"nvmath-python is not installed ({install_hint('gemm')})"
     return {"backend": "cuda", "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
             "compute_capability": f"{cc // 10}.{cc % 10}", "devices": n, "fp8_gemm": gemm, "fp8_gemm_why": why}
-
-
-def _stamp_status() -> str:
-    from fp8core._kernels import cuda_sha256
-
-    sha = cuda_sha256()
-    stamp = Path(fp8core.__file__).resolve().parent.parent / "bench" / "results" / "gpu-verified.json"
-    if not stamp.is_file():
-        return f"no GPU-verified stamp found; installed kernels are cuda/ {sha[:12]}"
-    verified = json.loads(stamp.read_text()).get("cuda_sha256")
-    return f"installed kernels {'MATCH' if verified == sha else 'DO NOT MATCH'} the GPU-verified stamp " \
-           f"({sha[:12]} vs {str(verified)[:12]})"
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -142,14 +131,17 @@ def cmd_info(args: argparse.Namespace) -> None:
     try:
         import cupy
 
-        report["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+        version = cupy.cuda.runtime.runtimeGetVersion()  # 1000 * major + 10 * minor: 13020 is CUDA 13.2
+        report["cuda_runtime"] = f"{version // 1000}.{version % 1000 // 10}"
     except Exception:
         report["cuda_runtime"] = "unavailable"
     report.update(gpu_report())
     cache = Path(cache_dir())
     entries = len(list(cache.glob("*"))) if cache.is_dir() else 0
     report["kernel_cache"] = f"{cache} ({entries} compiled kernel files)" if cache.is_dir() else f"{cache} (empty)"
-    report["gpu_verified"] = _stamp_status()
+    from fp8core import verified
+
+    report["gpu_verified"] = verified.status()[1]
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -687,7 +679,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     try:
         import torch
     except ImportError:
-        raise CliError("demo needs torch (pip install 'fp8core[torch]')") from None
+        raise CliError(f"demo needs torch ({install_hint('torch')})") from None
     import copy
 
     from fp8core.torch import autocast, convert_to_float8
@@ -741,16 +733,20 @@ def cmd_demo(args: argparse.Namespace) -> None:
 # ---- bench ---------------------------------------------------------------------------------------------------
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    bench = Path(fp8core.__file__).resolve().parent.parent / "bench"
+    from fp8core.verified import bench_dir
+
+    bench = bench_dir()
     on_gpu = gpu_report()["backend"] == "cuda"
     scripts = ["bench_gpu.py", "bench_gemm.py", "bench_mlp.py"] if on_gpu else ["bench_cpu.py"]
     missing = [s for s in scripts if not (bench / s).is_file()]
     if missing:
-        raise CliError(f"the benchmarks ({', '.join(missing)}) ship with the source checkout, not found in {bench}")
+        raise CliError(f"the benchmarks ({', '.join(missing)}) are not in {bench}: a broken install "
+                       "(reinstall fp8core)")
     sys.path.insert(0, str(bench))
     for script in scripts:
         print(f"== {script} on {'the GPU' if on_gpu else 'the CPU'}", flush=True)
-        sys.argv = [script] + (["--quick"] if args.quick else [])
+        sys.argv = [script] + (["--quick"] if args.quick else []) + \
+            (["--torch-threads", str(args.torch_threads)] if script == "bench_cpu.py" and args.torch_threads else [])
         runpy.run_path(str(bench / script), run_name="__main__")
 
 
@@ -790,9 +786,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when usable, else cpu")
     p.set_defaults(fn=cmd_demo)
-    p = sub.add_parser("bench", help="the benchmark suite on the device at hand")
+    p = sub.add_parser("bench", help="the benchmark suite on the device at hand",
+                       description="Without a usable GPU: the CPU backend's throughput per primitive against torch "
+                       "eager (its intra-op threads pinned and printed) and plain ml_dtypes, interleaved call by call "
+                       "so that a busy machine slows all alike; '—' where a peer lacks the primitive. With one: the "
+                       "GPU kernels, the FP8 GEMM and a small MLP against torch (and JAX where installed). "
+                       "Figures from a shared or loaded machine are not figures to quote.")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats: a smoke run in about a minute, "
                    "not figures to quote")
+    p.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                   help="on the CPU: torch's intra-op threads (default: as many as fp8core's CPU pool, all cores up "
+                        "to 8; 1 keeps torch's thread team from stalling on a loaded machine)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("selftest", help="check fp8core on this GPU against the CPU reference, bit for bit "
                        "(exit 0 pass, 1 fail, 3 no GPU)")
@@ -812,6 +816,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         if scale is not None and not (math.isfinite(scale) and 0 < scale <= float(np.finfo(np.float32).max)
                                       and np.float32(scale) > 0):
             raise CliError(f"--scale: expected a float32 number > 0, got {scale}")
+        if getattr(args, "torch_threads", 0) < 0:
+            raise CliError("--torch-threads: expected a number >= 0")
         if getattr(args, "max_bytes", 1) < 1:
             raise CliError("--max-bytes: expected a positive number")
         args.fn(args)

@@ -22,6 +22,7 @@ import json
 import subprocess
 import sys
 import threading
+import textwrap
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -35,12 +36,14 @@ import numpy as np
 import fp8core
 from fp8core import Format, _oracle
 from fp8core._tensor import Tensor, logical_numpy_dtype, storage_dtype
+from fp8core.extras import install_hint
 from fp8core.formats import dtype_name
 
 __all__ = ["run", "main", "configure_parser", "stamp_record", "versions", "commit_of_checkout", "EXIT_PASS",
            "EXIT_FAIL", "EXIT_USAGE", "EXIT_NO_GPU"]
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
+TABLE_COLUMNS = 100  # the widest line of the table: a terminal's or a log's
 EPILOG = """exit status:
   0  every check passed
   1  a check failed, or --stamp was refused (something failed or was skipped)
@@ -607,7 +610,7 @@ def _gemm_unavailable(t: Target) -> str:
     try:
         import nvmath.bindings.cublasLt  # noqa: F401
     except ImportError:
-        return "nvmath-python is not installed (pip install 'fp8core[gemm]')"
+        return f"nvmath-python is not installed ({install_hint('gemm')})"
     return ""
 
 
@@ -1139,16 +1142,15 @@ class _Coverage:
 # ---- running and reporting ---------------------------------------------------------------------------------
 
 def _gpu_reason(device_id: int) -> str | None:
-    try:
-        import cupy
-    except ImportError:
-        return "cupy is not installed (pip install 'fp8core[cuda13]' or 'fp8core[cuda12]')"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        return f"no CUDA driver or device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    if n < 1:
-        return "no CUDA device"
+    """None, or why there is nothing to check, in the words ``fp8core info`` uses (no cupy, no driver...)."""
+    from .cli import gpu_unavailable_reason
+
+    why = gpu_unavailable_reason()
+    if why is not None:
+        return why
+    import cupy
+
+    n = cupy.cuda.runtime.getDeviceCount()
     if not 0 <= device_id < n:
         return f"--device {device_id}: there are {n} CUDA devices (0..{n - 1})"
     return None
@@ -1193,18 +1195,25 @@ class Report:
                 "ok": self.ok, "seconds": round(self.seconds, 2), "verdict": self.verdict(),
                 "checks": [c.as_dict() for c in self.checks]}
 
-    def table(self) -> str:
-        width = max(len(c.name) for c in self.checks)
-        lines = [f"fp8core {fp8core.__version__} selftest on {self.target}", "",
-                 f"{'check':<{width}}  {'cases':>6} {'failed':>6} {'seconds':>8}  result"]
+    def table(self, columns: int = TABLE_COLUMNS) -> str:
+        """The report for a terminal, every line at most ``columns`` wide: long check names and reasons wrap."""
+        figures = 2 + 6 + 1 + 6 + 1 + 8 + 2 + len("skipped")  # the columns right of the name
+        width = max(20, min(max(len(c.name) for c in self.checks), columns - figures))
+        wrap = functools.partial(textwrap.wrap, width=columns, subsequent_indent="    ", break_on_hyphens=False)
+        lines = wrap(f"fp8core {fp8core.__version__} selftest on {self.target}") + [""]
+        lines.append(f"{'check':<{width}}  {'cases':>6} {'failed':>6} {'seconds':>8}  result")
         lines.append("-" * len(lines[-1]))
         for c in self.checks:
-            result = f"skipped: {c.skipped}" if c.skipped else ("ok" if not c.failed else "FAILED")
-            lines.append(f"{c.name:<{width}}  {c.cases:>6} {c.failed:>6} {c.seconds:>8.2f}  {result}")
+            result = "skipped" if c.skipped else ("ok" if not c.failed else "FAILED")
+            name = textwrap.wrap(c.name, width=width, subsequent_indent="  ", break_on_hyphens=False)
+            lines.append(f"{name[0]:<{width}}  {c.cases:>6} {c.failed:>6} {c.seconds:>8.2f}  {result}")
+            lines += name[1:]
+            if c.skipped:
+                lines += wrap(f"  skipped: {c.skipped}")
         for c in self.checks:
             for f in c.failures:
-                lines.append(f"  {c.name}: {f}")
-        lines += ["", self.verdict()]
+                lines += wrap(f"  {c.name}: {f}")
+        lines += [""] + wrap(self.verdict())
         return "\n".join(lines)
 
 

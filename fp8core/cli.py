@@ -372,7 +372,7 @@ def _read_torch(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
     try:
         import torch
     except ImportError:
-        raise CliError(f"{p}: reading .pt needs torch (pip install 'fp8core[torch]')") from None
+        raise CliError(f"{p}: reading .pt needs torch ({install_hint('torch')})") from None
     try:
         try:
             obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
@@ -544,7 +544,7 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CliError("--plot needs matplotlib (pip install 'fp8core[plot]')") from None
+        raise CliError(f"--plot needs matplotlib ({install_hint('plot')})") from None
     target = _plot_target(out)
     n = len(stats)
     fig, axes = plt.subplots(n, 1, figsize=(10, 2.6 * n), squeeze=False)

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _checks, backends
 from ._fpenv import ieee
+from .extras import install_hint
 from ._tensor import Tensor, wrap
 from .formats import Format, as_format
 from .ops import _contiguous, _epsilon, _margin, _same_device, quantize, reduce_amaxes
@@ -36,7 +37,7 @@ def _parse_device(device: Any) -> tuple:
     try:
         import cupy
     except ImportError as e:
-        raise RuntimeError(f"device: {text!r} needs CuPy (pip install 'fp8core[cuda13]', or [cuda12])") from e
+        raise RuntimeError(f"device: {text!r} needs CuPy ({install_hint('cuda13', 'cuda12')})") from e
     try:
         count = cupy.cuda.runtime.getDeviceCount()
         index = cupy.cuda.Device().id if text == "cuda" else int(text[5:])

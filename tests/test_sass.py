@@ -47,7 +47,7 @@ CUOBJDUMP, NVDISASM = _find("cuobjdump"), _find("nvdisasm")
 pytestmark = pytest.mark.skipif(
     CUOBJDUMP is None or NVDISASM is None,
     reason=f"cuobjdump ({CUOBJDUMP or 'not found'}) and nvdisasm ({NVDISASM or 'not found'}) are needed: "
-           "pip install 'fp8core[test]' (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+           "pip install -e '.[test]' in a checkout (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
 
 
 class Disassembly:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from fp8core.extras import install_hint
 from fp8core.scaling import check_state_values
 
 from . import ops
@@ -222,7 +223,7 @@ class Float8Linear(torch.nn.Linear):
                                "(module.to_empty(device=...), then initialise or load_state_dict)")
         if x.is_cuda and not _have_cupy():
             raise RuntimeError("Float8Linear: CUDA tensors need CuPy for fp8core's kernels "
-                               "(pip install 'fp8core[cuda13]', or [cuda12] to match the driver)")
+                               f"({install_hint('cuda13', 'cuda12')}, to match the driver)")
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         if isinstance(self.recipe, BLOCK_RECIPES):

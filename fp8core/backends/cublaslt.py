@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from .._tensor import Tensor, storage_dtype
+from ..extras import install_hint
 
 _CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14, "float8_e4m3fn": 28, "float8_e5m2": 29}
 _COMPUTE_32F = 68
@@ -68,7 +69,7 @@ def _lt() -> Any:
         from nvmath.bindings import cublasLt
     except ImportError as e:
         raise ImportError("fp8core.gemm on a GPU calls cuBLASLt through nvmath-python; install it with "
-                          "pip install 'fp8core[gemm]'") from e
+                          + install_hint("gemm")) from e
     return cublasLt
 
 

@@ -1,4 +1,4 @@
-// Block scaling (NUMERICS.md, "Block scaling"): MXFP8 rowwise and columnwise from one read of x, 1x128 and
+// Block scaling (docs/numerics.md, "Block scaling"): MXFP8 rowwise and columnwise from one read of x, 1x128 and
 // 128x128 blocks with fp32 scales, and the dequantization of both. Same bits as the CPU reference.
 //
 // E8M0 "rceil" is computed on bit patterns; on a family-specific Blackwell target (sm_100f, sm_120f, ...: the

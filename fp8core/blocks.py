@@ -2,7 +2,7 @@
 
 Every primitive works on the 2-D view ``[rows, cols]`` of its input (leading dimensions folded into rows, as
 ``cast_transpose`` does), validates like :mod:`fp8core.ops`, picks the backend by device and returns the
-caller's array type. The numerics are NUMERICS.md's "Block scaling"; both backends give the same bits.
+caller's array type. The numerics are docs/numerics.md's "Block scaling"; both backends give the same bits.
 
 A block-scaled result is a typed pair: :class:`MXTensor` ``(data, scale)`` with E8M0 scale bytes
 (``float8_e8m0fnu`` for NumPy, torch and JAX; uint8 storage for CuPy), or :class:`BlockScaledTensor`

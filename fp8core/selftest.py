@@ -708,7 +708,7 @@ def _block_amax(block: np.ndarray) -> float:
 
 
 def e8m0_oracle(amax: float, fmt: Format, mode: str) -> int:
-    """The scale byte of one block by NUMERICS.md, in Python floats: "rceil" rounds the exponent of
+    """The scale byte of one block by docs/numerics.md, in Python floats: "rceil" rounds the exponent of
     v = fp32(amax) *rn fp32(1/fp8_max) up, "floor" is OCP's floor(log2(amax)) - emax; 0..254, NaN 0xFF."""
     import math
 

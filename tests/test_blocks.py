@@ -1,4 +1,4 @@
-"""Block scaling on the CPU reference against a reference written here from NUMERICS.md ("Block scaling"),
+"""Block scaling on the CPU reference against a reference written here from docs/numerics.md ("Block scaling"),
 one element at a time in Python floats, plus the oracle's fp8 encoder (no fp8core arithmetic)."""
 
 import math

@@ -1,4 +1,4 @@
-"""The CPU reference backend: NUMERICS.md in NumPy + ml_dtypes, vectorized, in cache-sized chunks on all cores.
+"""The CPU reference backend: docs/numerics.md in NumPy + ml_dtypes, vectorized, in cache-sized chunks on all cores.
 
 Arrays here are NumPy arrays in their logical dtype (ml_dtypes for fp8 and bf16).
 """
@@ -556,7 +556,7 @@ def compute_scale(amax: np.ndarray, fp8_max: float, margin: int, power_of_2: boo
 @ieee
 def update(history: np.ndarray, scale: np.ndarray, scale_inv: np.ndarray, fp8_max: np.ndarray, margin: int,
            algo: str, power_of_2: bool, epsilon: float, update_scale: bool, flags: np.ndarray | None) -> None:
-    """The batched delayed-scaling update of NUMERICS.md, in place, all N columns at once."""
+    """The batched delayed-scaling update of docs/numerics.md, in place, all N columns at once."""
     L = history.shape[0]
     cur = history[0].copy()
     ran = (cur.view(np.uint32) & np.uint32(0x7FFFFFFF)) != 0  # on the bits: a subnormal or NaN amax did run

@@ -1,4 +1,4 @@
-"""The CPU reference for block scaling (NUMERICS.md, "Block scaling"), vectorised in NumPy.
+"""The CPU reference for block scaling (docs/numerics.md, "Block scaling"), vectorised in NumPy.
 
 Arrays are 2-D NumPy views ``[rows, cols]`` in their logical dtype; block amaxes are fp32 bit patterns
 (unsigned order is float order, NaN canonical above inf), so every step is an exact integer or single IEEE

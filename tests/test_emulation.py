@@ -23,15 +23,30 @@ sys.path.insert(0, str(HERE / "emulation"))
 import build  # noqa: E402
 
 
+def _suite_command(path: Path) -> list[str]:
+    # --capture=sys: a sanitizer writes its report to fd 2 and ends the process at once; pytest's default fd
+    # capture would lose the report with the test's captured output, leaving only an exit status.
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys",
+            f"--confcutdir={HERE / 'emulation'}", "--rootdir", str(HERE / "emulation"), str(path)]
+
+
+def test_a_report_written_as_the_child_dies_reaches_the_output(tmp_path):
+    """What a sanitizer does on a bad access (report to fd 2, then exit) shows in the suite's output."""
+    probe = tmp_path / "test_dies.py"
+    probe.write_text("import os\n\ndef test_dies():\n    os.write(2, b'fp8emu-probe: runtime error\\n')\n"
+                     "    os._exit(1)\n")
+    done = subprocess.run(_suite_command(probe), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "fp8emu-probe: runtime error" in done.stderr
+
+
 @pytest.mark.skipif(build.compiler() is None, reason="no host C++ compiler (g++ or clang++): the CUDA emulator "
                                                      "cannot build the kernels")
 def test_kernels_under_emulation(capsys):
     env = dict(os.environ, LD_PRELOAD=build.sanitizer_runtime(),
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:halt_on_error=1",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--confcutdir={HERE / 'emulation'}",
-           "--rootdir", str(HERE / "emulation"), str(HERE / "emulation")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    done = subprocess.run(_suite_command(HERE / "emulation"), env=env, capture_output=True, text=True, timeout=1500)
     out = done.stdout + done.stderr
     summary = [line for line in out.splitlines() if line.strip()][-1:] or ["(no output)"]
     with capsys.disabled():

@@ -172,9 +172,7 @@ def _cast_tile(x: np.ndarray, q: np.ndarray, tile: tuple[int, int, int, int], fa
     np.multiply(blocks, factor[:, None, :, None], out=blocks)
     fmax = np.float32(fmt.max)
     np.clip(t, -fmax, fmax, out=t)  # finite overflow and +-inf saturate; NaN passes
-    qt = t.astype(fmt.numpy_dtype)  # RTNE
-    _canonical_nan_fp8(qt.view(np.uint8), fmt)
-    q[r0:r1, c0:c1] = qt
+    q[r0:r1, c0:c1] = _cast(t, fmt)
 
 
 def _quantize(x: np.ndarray, br: int, bc: int, fmt: Format, rule: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -252,9 +252,15 @@ void run_block(Scheduler& s, BlockCtx& blk) {
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, trampoline, 0);
   }
-  for (;;) {
-    for (int i = 0; i < nthreads && s.error.empty(); ++i)
+  // Each round runs every runnable thread up to its next collective, in increasing thread order on even rounds
+  // and decreasing on odd ones, the first round's parity alternating from block to block: shared memory read
+  // with no barrier after another thread's write then reads stale data whichever way the data flows (in one
+  // fixed order, a reader that runs after its writer would see the data as if the barrier were there).
+  for (unsigned round = (blk.idx.x + blk.idx.y) & 1u;; ++round) {
+    for (int k = 0; k < nthreads && s.error.empty(); ++k) {
+      const int i = (round & 1u) ? nthreads - 1 - k : k;
       if (s.fibers[i].st == State::Run) run_fiber(s, i);
+    }
     if (!s.error.empty()) break;
     bool all_done = true;
     for (int i = 0; i < nthreads; ++i) all_done = all_done && s.fibers[i].st == State::Done;

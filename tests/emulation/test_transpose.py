@@ -8,7 +8,10 @@ import device
 import fp8core
 from arrays import DTYPES, bits, data, upload
 
-SHAPES = [(1, 1), (1, 70), (70, 1), (64, 64), (48, 80), (65, 63), (128, 256), (100, 200), (129, 67), (0, 5)]
+# Full tiles with every pairing of the stores' vector conditions: (72, 64) stores q by 16 bytes and q_t byte by
+# byte, (64, 72) the other way round; (64, 64) both vectorised, (100, 200) neither.
+SHAPES = [(1, 1), (1, 70), (70, 1), (64, 64), (48, 80), (65, 63), (128, 256), (100, 200), (129, 67), (0, 5),
+          (72, 64), (64, 72)]
 
 
 def f32(*v):

@@ -99,7 +99,7 @@ def test_te_linear_refuses_bad_arguments_by_name():
         te.Linear(32, 16, tp_group=None, sequence_parallel=True)
     with pytest.raises(TypeError, match="unexpected keyword argument.*bogus"):
         te.Linear(32, 16, bogus=1)
-    with pytest.raises(ValueError, match="in_features: 20 is not a multiple of 16"):
+    with pytest.raises(ValueError, match="in_features: 20 is not a positive multiple of 16"):
         te.Linear(20, 16)
 
 
@@ -119,7 +119,7 @@ def test_te_linear_keeps_the_recipe_of_its_first_autocast():
 
 def test_te_linear_adopts_a_block_recipe_only_where_its_features_allow():
     layer = te.Linear(48, 32)  # 48: a multiple of 16, not of 32
-    with pytest.raises(ValueError, match="in_features: 48 is not a multiple of 32 under MXFP8BlockScaling"):
+    with pytest.raises(ValueError, match="in_features: 48 is not a positive multiple of 32 under MXFP8BlockScaling"):
         with te.autocast(recipe=te.recipe.MXFP8BlockScaling()):
             layer(torch.randn(4, 48))
     assert layer.recipe == fp8core.DelayedScaling()  # refused: nothing adopted

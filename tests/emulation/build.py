@@ -91,6 +91,8 @@ def defines(options: tuple[str, ...], compute_capability: int) -> list[str]:
     unknown = [o for o in options if not o.startswith(("-D", "-I", "--std=", "-arch=")) and o != "-ftz=true"]
     if unknown:
         raise ValueError(f"NVRTC options the emulator does not model: {unknown}")
+    if "-ftz=true" in options:  # plain fp32 arithmetic flushes subnormals (runtime.cpp sets the host's FTZ and DAZ)
+        flags.append("-DFP8EMU_FTZ=1")
     return [f"-D__CUDA_ARCH__={arch}", *flags]
 
 

@@ -379,8 +379,9 @@ class RawModule:
         filename = next((p.name for d in include for p in sorted(d.glob("*.cu")) if p.read_text() == self.code),
                         "module.cu")
         try:
-            path = build.build_module(self.code, headers, tuple(o for o in self.options if not o.startswith("-I")),
-                                      DEVICES[self.device].cc, self.names, filename)
+            # CuPy appends -ftz=true to every NVRTC compile (DESIGN.md): so does the stand-in
+            options = tuple(o for o in self.options if not o.startswith("-I")) + ("-ftz=true",)
+            path = build.build_module(self.code, headers, options, DEVICES[self.device].cc, self.names, filename)
         except RuntimeError as e:
             raise CompileException(str(e)) from None
         self.lib = ctypes.CDLL(str(path))

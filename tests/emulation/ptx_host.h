@@ -21,6 +21,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <xmmintrin.h>
 
 namespace fp8emu {
 
@@ -52,8 +53,20 @@ inline T in(const T& x) {
 
 template <unsigned long long OP>
 struct Ptx;  // an instruction without a specialisation here is not emulated: compile error at its call
+// The threads run with the host's flush-to-zero and denormals-are-zero modes where the module was compiled with
+// -ftz=true (runtime.cpp), as plain fp32 arithmetic flushes on the GPU; an instruction written without .ftz does
+// not flush, so each runs in IEEE mode. (The host's modes flush fp64 too, which the GPU's -ftz does not: stricter.)
+struct IeeeMode {
+#if defined(FP8EMU_FTZ)
+  unsigned saved = _mm_getcsr();
+  IeeeMode() { _mm_setcsr(0x1f80u); }
+  ~IeeeMode() { _mm_setcsr(saved); }
+#endif
+};
+
 template <unsigned long long OP, typename... A>
 inline void ptx(A&&... a) {
+  IeeeMode ieee;
   Ptx<OP>::run(std::forward<A>(a)...);
 }
 

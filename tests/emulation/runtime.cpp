@@ -311,7 +311,11 @@ std::string run_grid(const Launch& l, const std::function<void()>& body) {
   std::vector<std::thread> pool;
   for (int w = 0; w < workers; ++w) {
     pool.emplace_back([&] {
-      _mm_setcsr(0x1f80);  // IEEE: no flush-to-zero, no denormals-are-zero, whatever the launching thread had
+#if defined(FP8EMU_FTZ)
+      _mm_setcsr(0x9fc0u);  // -ftz=true: fp32 results and inputs flushed (FTZ, DAZ); PTX instructions restore IEEE
+#else
+      _mm_setcsr(0x1f80u);  // IEEE, whatever the launching thread had
+#endif
       Scheduler s;
       s.body = &body;
       s.progress = &progress;

@@ -4,12 +4,12 @@ in a child process with AddressSanitizer and UndefinedBehaviorSanitizer, and com
 What it sees: indexing, tails, misaligned heads and vector accesses (UBSan's alignment check on uint2/uint4/float4),
 out-of-bounds reads and writes of device memory (ASan, exact-size allocations), barrier and shuffle protocol
 errors, grid-barrier deadlock when too few blocks are resident, the argument layouts the launch layer packs, and
-the exact numerics of both conversion paths (the hardware instructions as the PTX ISA defines them).
+the exact numerics of both conversion paths (the hardware instructions as the PTX ISA defines them), and the
+-ftz=true flush of plain fp32 arithmetic (the host's FTZ/DAZ modes, stricter: they flush fp64 too).
 What it cannot see (the GPU verification's to settle): the hardware's own conversion results, the weak memory
-model and independent thread scheduling (fibers of a block run one at a time, to their next barrier or shuffle),
-reads of uninitialised shared memory, the -ftz flush of plain fp32 arithmetic (the host computes in IEEE; the
-SASS tests check no .FTZ instruction is emitted), the driver (cooperative launch limits, graph capture), cuBLASLt,
-and speed."""
+model and independent thread scheduling (fibers of a block run one at a time to their next barrier or shuffle,
+in alternating order), reads of uninitialised shared memory, streams (launches run synchronously), the driver
+(cooperative launch limits, graph capture), cuBLASLt, and speed."""
 
 import os
 import subprocess

@@ -15,7 +15,7 @@ from ._tensor import Tensor, export, wrap
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
 from .ops import _contiguous, _fp8, _same_device, _scalar
 
-__all__ = ["gemm", "GemmSpec", "ALIGNMENT"]
+__all__ = ["gemm", "GemmSpec", "ALIGNMENT", "check_shapes"]
 
 Array = Any
 ALIGNMENT = 16  # bytes: cuBLASLt's requirement for FP8 operands and outputs
@@ -64,6 +64,27 @@ def _aligned(t: Tensor, arg: str) -> None:
     if t.size and ptr % ALIGNMENT:
         raise ValueError(f"{arg}: its data pointer must be {ALIGNMENT}-byte aligned (cuBLASLt's FP8 limit), "
                          f"got an address {ptr % ALIGNMENT} bytes past a boundary; pass a fresh contiguous copy")
+
+
+def check_shapes(a_shape: tuple[int, ...], b_shape: tuple[int, ...], fa: Format | None = None,
+                 fb: Format | None = None) -> tuple[int, int, int]:
+    """(M, K, N) of ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's FP8 limits, from shapes (and the operands' formats,
+    when known) alone: the one statement of the rule, for the core and for the front-ends that check it while
+    tracing (the torch custom ops' fakes, fp8core.jax)."""
+    for arg, shape, dims in (("a", a_shape, "[M, K]"), ("b", b_shape, "[N, K]")):
+        if len(shape) != 2:
+            raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {tuple(shape)}")
+    (m, k), (n, kb) = a_shape, b_shape
+    if kb != k:
+        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a_shape)}, got shape "
+                         f"{tuple(b_shape)}")
+    if k == 0 or k % 16:
+        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
+    if n == 0 or n % 16:
+        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
+    if fa is Format.E5M2 and fb is Format.E5M2:
+        raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
+    return m, k, n
 
 
 def _operand(obj: Any, arg: str, fmt: Any, dims: str) -> tuple[Tensor, Format]:
@@ -147,15 +168,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     ta, fa = _operand(a, "a", a_fmt, "[M, K]")
     tb, fb = _operand(b, "b", b_fmt, "[N, K]")
     _same_device(tb, ta, "b", "a")
-    (m, k), (n, kb) = ta.shape, tb.shape
-    if kb != k:
-        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {ta.shape}, got shape {tb.shape}")
-    if k == 0 or k % 16:
-        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
-    if n == 0 or n % 16:
-        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
-    if fa is Format.E5M2 and fb is Format.E5M2:
-        raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
+    m, k, n = check_shapes(ta.shape, tb.shape, fa, fb)
     out_name = _parse_out_dtype(out_dtype)
     if out_name == "float8_e5m2" and Format.E5M2 not in (fa, fb):
         raise ValueError("out_dtype: E5M2 output needs an E5M2 operand (cuBLASLt); use E4M3 for E4M3 x E4M3")

@@ -20,6 +20,7 @@ import fp8core
 from fp8core import _checks
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor, block_layout, mx_layout
 from fp8core.formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
+from fp8core.gemm import check_shapes
 
 # cuBLASLt's FP8 table (fp8core.gemm): the bias dtype each high-precision output takes
 _BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",)}
@@ -133,19 +134,7 @@ def block_tensor(t: Any, arg: str = "t") -> tuple[Format, int]:
 def gemm_operands(a: Any, b: Any) -> tuple[Format, Format, int, int]:
     """(a's format, b's format, K, N) of fp8 a [M, K] and b [N, K], by cuBLASLt's FP8 limits (fp8core.gemm)."""
     fa, fb = fp8(a, "a"), fp8(b, "b")
-    for arg, t, dims in (("a", a, "[M, K]"), ("b", b, "[N, K]")):
-        if len(t.shape) != 2:
-            raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {tuple(t.shape)}")
-    (_, k), (n, kb) = a.shape, b.shape
-    if kb != k:
-        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a.shape)}, got shape "
-                         f"{tuple(b.shape)}")
-    if k == 0 or k % 16:
-        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
-    if n == 0 or n % 16:
-        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
-    if fa is Format.E5M2 and fb is Format.E5M2:
-        raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
+    _, k, n = check_shapes(tuple(a.shape), tuple(b.shape), fa, fb)
     return fa, fb, k, n
 
 

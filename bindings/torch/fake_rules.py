@@ -15,11 +15,10 @@ from typing import Optional
 import torch
 
 from fp8core import _checks
+from fp8core.gemm import check_shapes
 from fp8core.scaling import ALGOS
 
 __all__ = ["refuse_meta", "matrix", "gemm_shape", "update_args"]
-
-_GEMM_MULTIPLE = 16
 
 
 def refuse_meta(*named: tuple[str, Optional[torch.Tensor]]) -> None:
@@ -41,17 +40,7 @@ def matrix(t: torch.Tensor, arg: str) -> tuple[int, int]:
 
 def gemm_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
     """(M, N) of fp8core.gemm(a [M, K], b [N, K]) by the core's shape rules (fp8core.gemm)."""
-    for arg, t, dims in (("a", a, "[M, K]"), ("b", b, "[N, K]")):
-        if t.dim() != 2:
-            raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {tuple(t.shape)}")
-    (m, k), (n, kb) = a.shape, b.shape
-    if kb != k:
-        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a.shape)}, got shape "
-                         f"{tuple(b.shape)}")
-    if k == 0 or k % _GEMM_MULTIPLE:
-        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
-    if n == 0 or n % _GEMM_MULTIPLE:
-        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
+    m, _, n = check_shapes(tuple(a.shape), tuple(b.shape))
     return m, n
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import fp8core
 from fp8core import _checks
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor, block_layout, mx_layout
+from fp8core.blocks import gemm_operands as split_block_operands
 from fp8core.formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
 from fp8core.gemm import check_shapes
 
@@ -152,13 +153,7 @@ def bias(b: Any, n: int, out_name: str) -> None:
 def block_gemm_operands(a: Any, b: Any) -> None:
     """Block-scaled GEMM operands by fp8core.blocks' rules: both MXTensor (rowwise, K a multiple of 32) or
     both BlockScaledTensor (K a multiple of 128, not both 128x128)."""
-    for arg, t in (("a", a), ("b", b)):
-        if not isinstance(t, (MXTensor, BlockScaledTensor)):
-            raise TypeError(f"{arg}: with a block-scaled operand, expected an MXTensor or a BlockScaledTensor, "
-                            f"got {type(t).__name__}; quantize both operands with the same scheme")
-    if type(a) is not type(b):
-        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__}; a block-scaled GEMM takes "
-                         "MXFP8 x MXFP8 or fp32 blocks x fp32 blocks")
+    split_block_operands(a, b, None, None)  # both MXTensor or both BlockScaledTensor: the core's rule
     fa, fb, k, _ = gemm_operands(a[0], b[0])
     if isinstance(a, MXTensor):
         if k % MX_BLOCK:

@@ -57,13 +57,11 @@ class _ManagedVersioned(ctypes.Structure):
 
 
 def _api(name: str, restype: Any, *argtypes: Any) -> Any:
-    fn = ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
-    return fn
+    return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
 
 
 _get_pointer = _api("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)
 _set_name = _api("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
-_is_valid = _api("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
 _capsule_name = _api("PyCapsule_GetName", ctypes.c_char_p, ctypes.py_object)
 # Raw variants for the capsule destructor, which runs while the capsule's refcount is zero.
 _is_valid_raw = _api("PyCapsule_IsValid", ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)
@@ -85,26 +83,10 @@ class DLView:
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements, C-contiguous when the producer gave none
     dtype: str
-    itemsize: int
     device_type: int
     device_id: int
     readonly: bool
     owner: Any
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.itemsize
-
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
 
 
 class _CapsuleOwner:
@@ -160,7 +142,7 @@ def import_dlpack(obj: Any, *, stream: int | None = None, arg: str = "x") -> DLV
     else:
         strides = _contiguous_strides(shape)
     return DLView(ptr=(tensor.data or 0) + tensor.byte_offset, shape=shape, strides=strides, dtype=dtype,
-                  itemsize=max(1, tensor.dtype.bits // 8), device_type=tensor.device.device_type,
+                  device_type=tensor.device.device_type,
                   device_id=tensor.device.device_id, readonly=readonly, owner=owner)
 
 

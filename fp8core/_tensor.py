@@ -4,9 +4,9 @@ A :class:`Tensor` is a zero-copy view of the caller's memory. On the CPU its ``d
 logical dtype (ml_dtypes for fp8 and bf16); on a CUDA device it is a CuPy array in storage dtype (uint8 for
 fp8, uint16 for bf16), because CuPy has neither type.
 
-Each array type fp8core knows (NumPy, torch, CuPy, JAX) has a fast path that reads the array's own
-attributes; DLPack capsules are parsed only for other producers. The fast paths and the DLPack path give the
-same views and the same errors (tests/test_fastpath.py runs both).
+Each array type fp8core knows (NumPy, torch, CuPy, JAX) is read through its own attributes; every other
+producer through DLPack (or the array interfaces). The reader is picked once per type (:func:`wrap`), and both
+readers give the same views and the same errors (tests/test_fastpath.py reads the same data through each).
 
 JAX placement. Results of a call on a jax.Array follow JAX's own rule for an operation on that array: an array
 committed to a device (``jax.device_put(x, device)``, or the result of a computation on committed arrays) gives
@@ -190,27 +190,10 @@ def _contiguous_view(t: Any, dtype: np.dtype, shape: Any, nbytes: int) -> np.nda
     return arr if len(shape) == 1 else arr.reshape(shape)
 
 
-def _check_torch(t: Any, arg: str) -> None:
-    """Refusals shared by the torch fast path and the DLPack path: lazy negation and conjugation views carry
-    a bit that DLPack cannot express, and a tensor read without it would be read as its opposite."""
-    if t.is_neg():
+def _from_torch(t: Any, arg: str) -> Tensor:
+    if t.is_neg():  # a lazy negation view (torch._neg_view(t), t.conj().imag): read as memory, its opposite
         raise ValueError(f"{arg}: the tensor carries torch's negative bit (a lazy negation view such as "
                          "torch._neg_view(t) or t.conj().imag); call .resolve_neg() on it first")
-    if t.is_complex():
-        raise TypeError(f"{arg}: complex data ({str(t.dtype)[len('torch.'):]}) is not supported; pass a real "
-                        "tensor")
-    _check_layout(t, arg)
-
-
-def _check_layout(t: Any, arg: str) -> None:
-    if t.layout is not _torch_module().strided:
-        raise TypeError(f"{arg}: a {str(t.layout)[len('torch.'):]} torch tensor is not supported; pass a dense "
-                        "(strided) tensor, e.g. .to_dense()")
-
-
-def _from_torch(t: Any, arg: str) -> Tensor:
-    if t.is_neg():
-        _check_torch(t, arg)
     name, typestr, logical = _torch_info(t.dtype, arg)  # refuses complex dtypes
     if t.is_cuda:
         return _torch_cuda(t, name, arg)
@@ -219,7 +202,9 @@ def _from_torch(t: Any, arg: str) -> Tensor:
     try:
         arr = _torch_cpu_array(t, typestr, logical)
     except RuntimeError as e:  # tensor subclasses without storage (DTensor, fake tensors), sparse layouts
-        _check_layout(t, arg)
+        if t.layout is not _torch_module().strided:
+            raise TypeError(f"{arg}: a {str(t.layout)[len('torch.'):]} torch tensor is not supported; pass a "
+                            "dense (strided) tensor, e.g. .to_dense()")
         raise TypeError(f"{arg}: could not read the torch tensor's memory: {e}") from e
     return Tensor(arr, name, _CPU, "torch")
 
@@ -366,13 +351,6 @@ def _cupy_from_view(view: DLView) -> Any:
                         strides=tuple(s * storage.itemsize for s in view.strides))
 
 
-def _torch_stream(obj: Any) -> int | None:
-    if not obj.is_cuda:
-        return None
-    handle = _torch_module().cuda.current_stream(obj.device).cuda_stream
-    return handle or 1  # DLPack forbids 0 for CUDA: 1 names the legacy default stream
-
-
 def _consumer_stream(obj: Any) -> int | None:
     """For an array on a CUDA device, the stream fp8core's kernels will read it on, so that its producer orders
     its pending work before them on the GPU. With no stream named, the DLPack convention is a producer that
@@ -384,28 +362,22 @@ def _consumer_stream(obj: Any) -> int | None:
         return None
     if device_type not in (CUDA, CUDA_MANAGED):
         return None
-    from .backends import cuda
-
-    if cuda.cupy is None:  # CuPy is not installed: no stream to name (the import goes on to the general error)
-        return None
     try:
-        return cuda.consumer_stream(device) or 1  # DLPack forbids 0 for CUDA: 1 names the legacy default stream
-    except cuda.cupy.cuda.runtime.CUDARuntimeError:  # no usable driver: no kernel will read it; the call fails
-        return None                                  # later with the backend's own error (or a device check's)
+        cupy = _cupy_module()
+    except ImportError:  # no CuPy, no stream to name: the import goes on to the general error
+        return None
+    # CuPy's current stream is the one the CUDA backend launches on for non-torch arrays; the front-ends that
+    # name another (launch_stream) make it CuPy's current stream too.
+    try:
+        return cupy.cuda.get_current_stream(device).ptr or 1  # DLPack forbids 0 for CUDA: 1, the legacy default
+    except cupy.cuda.runtime.CUDARuntimeError:  # no usable driver: no kernel will read it; the call fails later
+        return None                             # with the backend's own error (or a device check's)
 
 
 def _from_dlpack(obj: Any, arg: str, consumer: bool = True) -> Tensor:
     """``consumer``: name fp8core's stream to a CUDA producer (see _consumer_stream)."""
     origin = _origin(obj)
-    stream = None
-    if origin == "torch":
-        _check_torch(obj, arg)
-        obj = obj.detach()
-        stream = _torch_stream(obj)
-    elif isinstance(obj, np.ndarray):
-        _numpy_dtype_name(obj.dtype, arg)  # byte order: NumPy's exporter refuses it with a vaguer message
-    elif consumer:
-        stream = _consumer_stream(obj)
+    stream = _consumer_stream(obj) if consumer else None
     try:
         view = import_dlpack(obj, stream=stream, arg=arg)
     except (BufferError, RuntimeError) as e:
@@ -419,8 +391,6 @@ def _from_dlpack(obj: Any, arg: str, consumer: bool = True) -> Tensor:
 
 
 def _generic(obj: Any, arg: str) -> Tensor:
-    if isinstance(obj, np.ndarray) and type(obj) is not np.ndarray:
-        obj = _plain_ndarray(obj)  # np.matrix's DLPack export would keep its 2-D reshapes
     if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
         cupy = _cupy_module()
         arr = cupy.asarray(obj)
@@ -437,8 +407,6 @@ def _generic(obj: Any, arg: str) -> Tensor:
 
 Handler = Callable[[Any, str], Tensor]
 _HANDLERS: dict[type, Handler] = {np.ndarray: _from_numpy, Tensor: lambda t, arg: t}
-# tests/test_fastpath.py turns this off to send every known type through DLPack.
-FAST_PATHS = True
 
 
 def _handler_for(tp: type) -> Handler:
@@ -476,10 +444,6 @@ def wrap(obj: Any, arg: str = "x") -> Tensor:
         name = _NP_NAMES.get(dt.num) if dt.isnative else None
         if name is not None:
             return Tensor(obj, name, _CPU, "numpy", not obj.flags.writeable)
-    if not FAST_PATHS and tp is not Tensor:
-        if _handler_for(tp) is _jax_tracer:
-            return _jax_tracer(obj, arg)
-        return _generic(obj, arg)
     handler = _HANDLERS.get(tp)
     if handler is None:
         handler = _handler_for(tp)
@@ -560,16 +524,15 @@ def _to_torch(data: Any, dtype: str, like: Tensor) -> Any:
                             "float8_e8m0fnu": np.uint8}.get(dtype, dtype))
         spec = _TORCH_OUT[dtype] = (getattr(torch, dtype), storage)
     target, storage = spec
-    if FAST_PATHS:
-        owner = _torch_owner(data)
-        if owner is not None:
-            out = owner if owner.dtype == target else owner.view(target)
-            return out if out.shape == data.shape else out.view(data.shape)
-        if type(data) is np.ndarray:
-            flags = data.flags
-            if flags.writeable and flags.c_contiguous:
-                t = _torch.from_numpy(data if data.dtype == storage else data.view(storage))
-                return t if t.dtype == target else t.view(target)
+    owner = _torch_owner(data)
+    if owner is not None:
+        out = owner if owner.dtype == target else owner.view(target)
+        return out if out.shape == data.shape else out.view(data.shape)
+    if type(data) is np.ndarray:
+        flags = data.flags
+        if flags.writeable and flags.c_contiguous:
+            t = _torch.from_numpy(data if data.dtype == storage else data.view(storage))
+            return t if t.dtype == target else t.view(target)
     return _torch_module().from_dlpack(_exporter(data, dtype, like))
 
 
@@ -581,13 +544,13 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
     if origin == "torch":
         return _to_torch(data, dtype, like)
     place = like.place
-    if FAST_PATHS and type(data) is np.ndarray:
+    if type(data) is np.ndarray:
         if data.nbytes <= _JAX_COPY_MAX:
             return _jax_put(place)(data)[0]
         import jax
 
         # Not DLPack's import: that commits its result to the first CPU device (another device takes a second
-        # copy), and it is no faster (512 KiB to 16 MiB: device_put 160-480 us, DLPack 200-530 us, min of 30).
+        # copy), and it is no faster (bench/bench_overhead.py --jax-export).
         return jax.device_put(data, place)
     import jax.dlpack
 
@@ -599,9 +562,8 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
 
 
 # Up to this many bytes a NumPy result goes to JAX as an argument of a jitted identity, copied by jit's C++
-# argument path (~20 us; jax.numpy.asarray and jax.device_put run ~50-100 us of Python); above it, the copy
-# costs more than DLPack's import or jax.device_put (~150 us and up). On 2 cores they meet near 1 MiB
-# (bench/bench_overhead.py --jax-export measures it: 512 KiB ~70 vs ~170 us, 1 MiB ~160-200 vs ~200 us).
+# argument path (jax.numpy.asarray and jax.device_put run far more Python); above it, the copy costs more than
+# jax.device_put. bench/bench_overhead.py --jax-export measures where they meet.
 _JAX_COPY_MAX = 1 << 19
 _jax_identity: Any = None
 # Tensor.place -> the jitted identity whose results are committed to it
@@ -631,7 +593,7 @@ def _jax_put(place: Any = None) -> Any:
 def export_all(results: Any, like: Tensor) -> tuple:
     """:func:`export` of several ``(data, dtype)`` results of one call; JAX's small ones in one jitted copy (one
     dispatch instead of one per result)."""
-    if like.origin == "jax" and FAST_PATHS and all(type(d) is np.ndarray for d, _ in results) \
+    if like.origin == "jax" and all(type(d) is np.ndarray for d, _ in results) \
             and sum(d.nbytes for d, _ in results) <= _JAX_COPY_MAX:
         return _jax_put(like.place)(*(d for d, _ in results))
     return tuple(export(d, name, like) for d, name in results)

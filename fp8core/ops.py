@@ -112,7 +112,7 @@ def _scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x", copy: bool = False) 
     if tp is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu":
         return obj if obj.ndim == 1 else obj.reshape(-1)  # a native fp32 element: nothing the checks would refuse
     torch = _tensor._torch
-    if copy and torch is not None and tp is torch.Tensor and _tensor.FAST_PATHS and x.device[0] == "cpu" \
+    if copy and torch is not None and tp is torch.Tensor and x.device[0] == "cpu" \
             and obj.is_cpu and obj.dtype is torch.float32 and obj.numel() == 1 and not obj.is_neg():
         try:
             ptr = obj.data_ptr()

@@ -1,6 +1,6 @@
-"""The bridge's fast paths (NumPy, torch, JAX read through their own attributes; torch outputs allocated by
-torch) against the DLPack path they replace: identical bits, identical errors. No host synchronisation on the
-GPU path, checked in the source. The CPU thread pool survives fork."""
+"""The readers of the array types fp8core knows (NumPy, torch, JAX, through their own attributes; torch outputs
+allocated by torch) against its DLPack reader on the same memory (tests/producers.py): identical bits, identical
+errors. No host synchronisation on the GPU path, checked in the source. The CPU thread pool survives fork."""
 
 import ast
 import gc
@@ -14,6 +14,7 @@ import pytest
 import fp8core
 from fp8core import _tensor
 from fp8core._tensor import wrap
+from producers import DLPackOnly
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -22,10 +23,11 @@ jnp = jax.numpy
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(params=["fast", "dlpack"])
-def path(request, monkeypatch):
-    monkeypatch.setattr(_tensor, "FAST_PATHS", request.param == "fast")
-    return request.param
+def _own(a):
+    return a
+
+
+READERS = {"own": _own, "dlpack": DLPackOnly}  # how fp8core is made to read an array: its own reader, DLPack
 
 
 def _values(n=48, seed=0):
@@ -52,7 +54,8 @@ def _bits(a):
     return arr.dtype.name, arr.shape, arr.tobytes()
 
 
-def _ops(kind, dtype):
+def _ops(kind, dtype, read):
+    """Each primitive on `kind` arrays, every array argument passed through `read`."""
     v = _values()
     x = _make(kind, v, dtype)
     x2 = x.reshape(6, 8)
@@ -61,14 +64,14 @@ def _ops(kind, dtype):
     scale = {"numpy": np.array([0.25], np.float32), "torch": torch.tensor([0.25]),
              "jax": jnp.array([0.25], jnp.float32)}[kind]
     return {
-        "amax": lambda: fp8core.amax(x),
-        "quantize": lambda: fp8core.quantize(x, scale, "e4m3"),
-        "quantize_amax_out": lambda: (fp8core.quantize(x, 2.0, "e5m2", amax_out=slot), slot + 0),
-        "quantize_dynamic": lambda: fp8core.quantize_dynamic(x, "e4m3", margin=1),
-        "dequantize": lambda: fp8core.dequantize(q, scale, "bfloat16"),
-        "transpose": lambda: fp8core.transpose(q.reshape(6, 8)),
-        "cast_transpose": lambda: fp8core.cast_transpose(x2, scale, "e4m3"),
-        "compute_scale": lambda: fp8core.compute_scale(fp8core.amax(x), "e4m3", previous=2.0),
+        "amax": lambda: fp8core.amax(read(x)),
+        "quantize": lambda: fp8core.quantize(read(x), read(scale), "e4m3"),
+        "quantize_amax_out": lambda: (fp8core.quantize(read(x), 2.0, "e5m2", amax_out=read(slot)), slot + 0),
+        "quantize_dynamic": lambda: fp8core.quantize_dynamic(read(x), "e4m3", margin=1),
+        "dequantize": lambda: fp8core.dequantize(read(q), read(scale), "bfloat16"),
+        "transpose": lambda: fp8core.transpose(read(q.reshape(6, 8))),
+        "cast_transpose": lambda: fp8core.cast_transpose(read(x2), read(scale), "e4m3"),
+        "compute_scale": lambda: fp8core.compute_scale(fp8core.amax(read(x)), "e4m3", previous=2.0),
     }
 
 
@@ -79,40 +82,39 @@ OPS = ["amax", "quantize", "quantize_amax_out", "quantize_dynamic", "dequantize"
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["numpy", "torch", "jax"])
 @pytest.mark.parametrize("op", OPS)
-def test_fast_paths_and_dlpack_give_identical_bits(op, kind, dtype, monkeypatch):
+def test_own_readers_and_dlpack_give_identical_bits(op, kind, dtype):
     results = {}
-    for mode in ("fast", "dlpack"):
-        monkeypatch.setattr(_tensor, "FAST_PATHS", mode == "fast")
-        out = _ops(kind, dtype)[op]()
+    for reader, read in READERS.items():
+        out = _ops(kind, dtype, read)[op]()
         outs = out if isinstance(out, tuple) else (out,)
-        types = {type(o).__module__.split(".")[0].replace("jaxlib", "jax") for o in outs[:1]}
-        results[mode] = ([_bits(o) for o in outs], types)
-    assert results["fast"] == results["dlpack"]
-    assert results["fast"][1] == {"numpy": {"numpy"}, "torch": {"torch"}, "jax": {"jax"}}[kind]
+        results[reader] = [_bits(o) for o in outs]
+        if reader == "own":  # a producer fp8core does not know gets NumPy arrays back
+            assert type(outs[0]).__module__.split(".")[0].replace("jaxlib", "jax") == kind
+    assert results["own"] == results["dlpack"]
 
 
-# A torch CPU scale is read by its 4 bytes on the fast path: every kind of fp32 value, any offset into its
-# storage, and a caller with flush-to-zero/denormals-are-zero set (a float read would see a subnormal as 0).
+# A torch CPU scale is read by its 4 bytes: every kind of fp32 value, any offset into its storage, and a caller
+# with flush-to-zero/denormals-are-zero set (a float read would see a subnormal as 0).
 SCALES = [0.25, -0.0, 1e-40, -3e-39, float("nan"), float("inf"), 3.0e38, 2.0 ** -126]
 
 
 @pytest.mark.parametrize("flush", [False, True], ids=["ieee", "ftz"])
 @pytest.mark.parametrize("scale", SCALES, ids=[repr(s) for s in SCALES])
-def test_a_torch_scale_reads_the_same_on_both_paths(scale, flush, monkeypatch):
+def test_a_torch_scale_reads_the_same_as_through_dlpack(scale, flush):
     x = torch.from_numpy(_values()).to(torch.bfloat16)
     s = torch.tensor([7.0, scale])[1:]  # an offset view of a 1-element scale
     results = {}
     try:
         torch.set_flush_denormal(flush)
-        for mode in ("fast", "dlpack"):
-            monkeypatch.setattr(_tensor, "FAST_PATHS", mode == "fast")
-            results[mode] = [_bits(fp8core.quantize(x, s, "e4m3")), _bits(fp8core.dequantize(
-                fp8core.quantize(x, 1.0, "e5m2"), s, "float32")), _bits(fp8core.cast_transpose(x.reshape(6, 8), s)[1])]
+        for reader, read in READERS.items():
+            results[reader] = [_bits(fp8core.quantize(x, read(s), "e4m3")), _bits(fp8core.dequantize(
+                fp8core.quantize(x, 1.0, "e5m2"), read(s), "float32")),
+                _bits(fp8core.cast_transpose(x.reshape(6, 8), read(s))[1])]
     finally:
         torch.set_flush_denormal(False)
-    assert results["fast"] == results["dlpack"]
+    assert results["own"] == results["dlpack"]
     ref = fp8core.quantize(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16), s.numpy().copy(), "e4m3")
-    assert results["fast"][0][2] == ref.tobytes()
+    assert results["own"][0][2] == ref.tobytes()
 
 
 @pytest.mark.parametrize("make", [lambda v: np.array(v, np.float32), lambda v: np.array([v], np.float32),
@@ -143,7 +145,22 @@ def _neg_view():
     return torch._neg_view(torch.ones(4))
 
 
+# Faults in the data itself: the DLPack reader of the same memory sees them and says the same.
 BAD = [
+    ("torch int", lambda r: fp8core.quantize(r(torch.arange(4)), 1.0), TypeError, r"x: expected float32"),
+    ("torch non-contiguous", lambda r: fp8core.quantize(r(torch.ones(4, 4).t()), 1.0), ValueError,
+     r"x: .*contiguous"),
+    ("jax fp8 where high precision", lambda r: fp8core.amax(r(jnp.zeros(4, jnp.float8_e4m3fn))), TypeError,
+     r"x: .*fp8"),
+    ("torch fp8 scale", lambda r: fp8core.quantize(torch.ones(4), r(torch.ones(1, dtype=torch.float8_e4m3fn))),
+     TypeError, r"scale: expected float32"),
+    ("numpy scale of 2 elements", lambda r: fp8core.quantize(np.ones(4, np.float32), r(np.ones(2, np.float32))),
+     ValueError, r"scale: expected 1 element"),
+    ("numpy bool x", lambda r: fp8core.amax(r(np.ones(4, bool))), TypeError, r"x: expected float32"),
+]
+# Faults only the framework's own reader can see (DLPack has no field for them, or the producer refuses to
+# export them): refused there with the framework's terms.
+OWN_ONLY = [
     ("torch negative bit", lambda: fp8core.quantize(_neg_view(), 1.0), ValueError, r"x: .*negative bit.*resolve_neg"),
     ("torch conj().imag", lambda: fp8core.amax(torch.ones(3, dtype=torch.complex64).conj().imag), ValueError,
      r"x: .*negative bit"),
@@ -151,12 +168,7 @@ BAD = [
      r"scale: .*resolve_neg"),
     ("torch complex", lambda: fp8core.amax(torch.ones(3, dtype=torch.complex64)), TypeError, r"x: complex"),
     ("numpy big-endian", lambda: fp8core.amax(np.ones(3, ">f4")), TypeError, r"x: big-endian"),
-    ("torch int", lambda: fp8core.quantize(torch.arange(4), 1.0), TypeError, r"x: expected float32"),
-    ("torch non-contiguous", lambda: fp8core.quantize(torch.ones(4, 4).t(), 1.0), ValueError, r"x: .*contiguous"),
-    ("jax fp8 where high precision", lambda: fp8core.amax(jnp.zeros(4, jnp.float8_e4m3fn)), TypeError, r"x: .*fp8"),
     ("jax tracer", lambda: jax.jit(lambda v: fp8core.amax(v))(jnp.ones(4)), TypeError, r"x: .*tracer.*fp8core\.jax"),
-    ("torch fp8 scale", lambda: fp8core.quantize(torch.ones(4), torch.ones(1, dtype=torch.float8_e4m3fn)),
-     TypeError, r"scale: expected float32"),
     ("torch sparse x", lambda: fp8core.amax(torch.ones(4).to_sparse()), TypeError, r"x: a sparse_coo torch tensor"),
     ("torch sparse scale", lambda: fp8core.quantize(torch.ones(4), torch.tensor([2.0]).to_sparse()), TypeError,
      r"scale: a sparse_coo torch tensor .*to_dense"),
@@ -164,14 +176,19 @@ BAD = [
 
 
 @pytest.mark.parametrize("case,call,exc,pattern", BAD, ids=[b[0] for b in BAD])
-def test_fast_paths_and_dlpack_give_identical_errors(case, call, exc, pattern, monkeypatch):
+def test_own_readers_and_dlpack_give_identical_errors(case, call, exc, pattern):
     messages = []
-    for mode in ("fast", "dlpack"):
-        monkeypatch.setattr(_tensor, "FAST_PATHS", mode == "fast")
+    for read in READERS.values():
         with pytest.raises(exc, match=pattern) as info:
-            call()
+            call(read)
         messages.append(str(info.value))
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("case,call,exc,pattern", OWN_ONLY, ids=[b[0] for b in OWN_ONLY])
+def test_faults_only_the_own_reader_can_see(case, call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
 
 
 @pytest.mark.parametrize("make", [
@@ -182,10 +199,11 @@ def test_fast_paths_and_dlpack_give_identical_errors(case, call, exc, pattern, m
     lambda: torch.randn(8, requires_grad=True),
     lambda: torch.randn(4, dtype=torch.float16),
 ], ids=["bf16", "offset", "fp8", "transposed", "requires_grad", "fp16"])
-def test_torch_fast_path_is_a_zero_copy_view(make, path):
+@pytest.mark.parametrize("reader", list(READERS))
+def test_a_torch_tensor_is_read_as_a_zero_copy_view(make, reader):
     t = make()
-    w = wrap(t)
-    assert w.origin == "torch" and w.dtype == str(t.dtype)[6:]
+    w = wrap(READERS[reader](t.detach() if reader == "dlpack" else t))  # torch exports no tensor needing grad
+    assert w.origin == ("torch" if reader == "own" else "dlpack") and w.dtype == str(t.dtype)[6:]
     assert w.data.ctypes.data == t.data_ptr() and w.data.shape == tuple(t.shape)
     assert w.data.strides == tuple(s * t.element_size() for s in t.stride())
     np.testing.assert_array_equal(w.data.view(f"u{t.element_size()}"),
@@ -202,7 +220,7 @@ def test_empty_torch_tensors_and_numpy_subclasses():
 
 def test_torch_outputs_are_allocated_by_torch_without_dlpack(monkeypatch):
     def refuse(*a, **k):
-        raise AssertionError("DLPack export on the torch fast path")
+        raise AssertionError("a torch CPU result exported through DLPack")
 
     monkeypatch.setattr(_tensor, "Exporter", refuse)
     x = torch.randn(4, 6, dtype=torch.bfloat16)
@@ -229,7 +247,7 @@ def test_a_torch_view_holds_its_tensor(shape):
     del junk
 
 
-def test_fast_path_outputs_outlive_everything_else():
+def test_torch_outputs_outlive_everything_else():
     q = fp8core.quantize(torch.full((1000,), 3.0, dtype=torch.bfloat16), 1.0)
     y = fp8core.dequantize(q, 1.0, torch.float32)
     del q

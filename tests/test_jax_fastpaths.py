@@ -1,11 +1,12 @@
-"""JAX's shortcuts against the paths they shortcut: identical bits and identical errors.
+"""JAX at the boundary, each way in against a twin that does not take it: identical bits and identical errors.
 
-- jax CPU arrays read by ``_from_jax`` without asking DLPack for the device (against the general path);
+- jax CPU arrays on one device read without asking DLPack for the device (against an array placed by a
+  one-device NamedSharding, which asks, and against fp8core's DLPack reader of the same memory);
 - NumPy results handed back to JAX through a jitted identity, or jax.device_put above the size where export
-  switches (against the DLPack import), with every fp8/16-bit code and float32 NaN payloads; outliving the NumPy result;
-- eager ``fp8core.jax`` primitives through their cached jit (against the untraced primitive they wrap);
-- fp8core.jax's callbacks handing XLA's buffers straight to the backend (against the public primitives with
-  ``out=``, ``fp8core.jax.TRUSTED_OUTS = False``).
+  switches, with every fp8/16-bit code and float32 NaN payloads (against the bytes and DLPack's import of
+  them); outliving the NumPy result;
+- eager ``fp8core.jax`` primitives through their cached jit and untraced, under jit and vmap (against the core
+  API on NumPy arrays).
 """
 
 import gc
@@ -20,19 +21,20 @@ jnp = jax.numpy
 import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
 from fp8core import _tensor  # noqa: E402
+from fp8core._dlpack import CPU, Exporter  # noqa: E402
+from producers import DLPackOnly  # noqa: E402
 
 
-def _general_read(monkeypatch):
-    """Every jax.Array read through DLPack's device query, as if its sharding were not one CPU device."""
-    sharding = _tensor._jax_sharding
-    monkeypatch.setattr(_tensor, "_jax_sharding", lambda s: (False, sharding(s)[1]))
+def _named(x):
+    """x placed by a one-device NamedSharding: fp8core asks DLPack where it lives (a SingleDeviceSharding
+    tells it without asking)."""
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
-@pytest.fixture(params=["shortcut", "general"])
-def jax_read(request, monkeypatch):
-    if request.param == "general":
-        _general_read(monkeypatch)
-    return request.param
+@pytest.fixture(params=["single-device sharding", "named sharding"])
+def place(request):
+    return (lambda x: x) if request.param == "single-device sharding" else _named
 
 
 def _every_code(dtype):
@@ -67,8 +69,8 @@ READS = [
 
 
 @pytest.mark.parametrize("case,make", READS, ids=[r[0] for r in READS])
-def test_jax_cpu_read_gives_the_general_paths_view(case, make, jax_read):
-    x = make()
+def test_jax_cpu_read_gives_the_general_paths_view(case, make, place):
+    x = place(make())
     t = _tensor.wrap(x, "x")
     assert t.origin == "jax" and t.device == ("cpu", 0) and t.readonly
     assert t.dtype == np.dtype(x.dtype).name and t.data.shape == x.shape
@@ -76,39 +78,35 @@ def test_jax_cpu_read_gives_the_general_paths_view(case, make, jax_read):
     assert t.data.tobytes() == np.asarray(x).tobytes()
 
 
+# Each primitive, every array argument passed through `r` (how fp8core is made to read it).
 OPS = {
-    "amax": lambda x, s: fp8core.amax(x),
-    "quantize": lambda x, s: fp8core.quantize(x, s, "e4m3"),
-    "quantize_dynamic": lambda x, s: fp8core.quantize_dynamic(x, "e5m2", margin=1),
-    "dequantize": lambda x, s: fp8core.dequantize(fp8core.quantize(x, s, "e4m3"), s, "bfloat16"),
-    "cast_transpose": lambda x, s: fp8core.cast_transpose(x.reshape(4, -1), s, "e4m3"),
-    "transpose": lambda x, s: fp8core.transpose(fp8core.quantize(x, 1.0, "e5m2").reshape(-1, 4)),
+    "amax": lambda x, s, r: fp8core.amax(r(x)),
+    "quantize": lambda x, s, r: fp8core.quantize(r(x), r(s), "e4m3"),
+    "quantize_dynamic": lambda x, s, r: fp8core.quantize_dynamic(r(x), "e5m2", margin=1),
+    "dequantize": lambda x, s, r: fp8core.dequantize(r(fp8core.quantize(r(x), r(s), "e4m3")), r(s), "bfloat16"),
+    "cast_transpose": lambda x, s, r: fp8core.cast_transpose(r(x.reshape(4, -1)), r(s), "e4m3"),
+    "transpose": lambda x, s, r: fp8core.transpose(r(fp8core.quantize(r(x), 1.0, "e5m2").reshape(-1, 4))),
 }
 
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_generic_api_on_jax_arrays_same_bits_both_ways(op, monkeypatch):
+def test_generic_api_on_jax_arrays_same_bits_every_way_in(op):
     v = _every_code(ml_dtypes.bfloat16)[::7][:9360].copy()  # every exponent, NaNs, infs, subnormals, -0
     x, s = jnp.asarray(v), jnp.asarray([0.25], jnp.float32)
     got = {}
-    for mode in ("shortcut", "general"):
-        if mode == "general":
-            _general_read(monkeypatch)
-            monkeypatch.setattr(_tensor, "FAST_PATHS", False)
-        out = OPS[op](x, s)
+    for way, read in (("single", lambda a: a), ("named", _named), ("dlpack", DLPackOnly)):
+        out = OPS[op](x, s, read)
         outs = out if isinstance(out, tuple) else (out,)
-        assert all(isinstance(o, jax.Array) for o in outs)
-        got[mode] = [_bits(o) for o in outs]
-    assert got["shortcut"] == got["general"]
+        assert all(isinstance(o, jax.Array if way != "dlpack" else np.ndarray) for o in outs)
+        got[way] = [_bits(o) for o in outs]
+    assert got["single"] == got["named"] == got["dlpack"]
 
 
-def test_deleted_and_sharded_arrays_keep_the_general_paths_errors(monkeypatch):
-    x = jnp.ones(4)
-    x.delete()
+def test_deleted_arrays_give_the_same_error_however_placed():
     messages = []
-    for mode in ("shortcut", "general"):
-        if mode == "general":
-            _general_read(monkeypatch)
+    for place in (lambda x: x, _named):
+        x = place(jnp.ones(4))
+        x.delete()
         with pytest.raises(Exception) as info:
             fp8core.amax(x)
         messages.append((type(info.value), str(info.value)))
@@ -121,20 +119,16 @@ SIZES = [0, 1, 16, _tensor._JAX_COPY_MAX, _tensor._JAX_COPY_MAX + 1]
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("nbytes", SIZES)
-def test_export_to_jax_same_bits_as_dlpack(dtype, nbytes, monkeypatch):
+def test_export_to_jax_keeps_every_bit(dtype, nbytes):
     np_dtype = _tensor.logical_numpy_dtype(dtype)
     codes = _every_code(np_dtype)
     n = nbytes // np_dtype.itemsize
     data = np.resize(codes, n) if n else codes[:0]
-    like = _tensor.wrap(jnp.zeros(1))
-    got = {}
-    for mode in ("fast", "dlpack"):
-        monkeypatch.setattr(_tensor, "FAST_PATHS", mode == "fast")
-        out = _tensor.export(data.copy(), dtype, like)
-        assert isinstance(out, jax.Array) and not out.weak_type
-        assert out.devices() == {jax.devices()[0]}
-        got[mode] = _bits(out)
-    assert got["fast"] == got["dlpack"] == (np_dtype.name, (n,), data.tobytes())
+    out = _tensor.export(data.copy(), dtype, _tensor.wrap(jnp.zeros(1)))
+    assert isinstance(out, jax.Array) and not out.weak_type
+    assert out.devices() == {jax.devices()[0]}
+    twin = jax.dlpack.from_dlpack(Exporter(data.ctypes.data if n else 0, data.shape, dtype, CPU, 0, owner=data))
+    assert _bits(out) == _bits(twin) == (np_dtype.name, (n,), data.tobytes())
 
 
 @pytest.mark.parametrize("nbytes", [16, 4096, _tensor._JAX_COPY_MAX, 4 * _tensor._JAX_COPY_MAX])
@@ -148,7 +142,7 @@ def test_export_to_jax_outlives_the_numpy_result(nbytes):
     np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.arange(nbytes) % 256)
 
 
-# ---- eager fp8core.jax: the cached jit against the untraced primitive -----------------------------------
+# ---- eager fp8core.jax: the cached jit and the untraced primitive against the core on NumPy arrays -----------
 
 def _x():
     v = _every_code(ml_dtypes.bfloat16)[::64].copy()  # 1024 values: every exponent, NaN, inf, -0
@@ -169,43 +163,59 @@ PRIMS = {
     "gemm": lambda x, s, p: p["gemm"](fj.quantize(x, 0.01)[0], fj.quantize(x[:16], 0.02)[0], s, 2.0, None,
                                       out_dtype=jnp.float32),
 }
+# The same on NumPy arrays through the core API: x NumPy, s a float32 [1] NumPy scale.
+TWINS = {
+    "amax": lambda x, s: fp8core.amax(x),
+    "quantize": lambda x, s: (fp8core.quantize(x, s, "e4m3"), fp8core.amax(x)),
+    "quantize_dynamic": lambda x, s: fp8core.quantize_dynamic(x, "e5m2", margin=1, power_of_2=True),
+    "dequantize": lambda x, s: fp8core.dequantize(fp8core.quantize(x, 1.0), s, "bfloat16"),
+    "transpose": lambda x, s: fp8core.transpose(fp8core.quantize(x, 1.0, "e5m2")),
+    "cast_transpose": lambda x, s: (*fp8core.cast_transpose(x, s, "e5m2"), fp8core.amax(x)),
+    "gemm": lambda x, s: fp8core.gemm(fp8core.quantize(x, 0.01), fp8core.quantize(x[:16], 0.02), s, 2.0,
+                                      out_dtype="float32"),
+}
 
 
-# (jitted or untraced, TRUSTED_OUTS): the last is the path before the shortcuts
-MODES = [("jitted", True), ("untraced", True), ("jitted", False)]
-
-
-def _prims(mode, monkeypatch):
-    path, trusted = mode
-    monkeypatch.setattr(fj, "TRUSTED_OUTS", trusted)
+def _prims(path):
     jitted = {name: getattr(fj, "_" + name) for name in PRIMS}
     return jitted if path == "jitted" else {name: f.untraced for name, f in jitted.items()}
 
 
+def _leaves(out):
+    return [_bits(o) for o in jax.tree.leaves(out)]
+
+
 @pytest.mark.parametrize("scale", SCALES, ids=[repr(s)[:20] for s in SCALES])
 @pytest.mark.parametrize("op", list(PRIMS))
-def test_eager_primitives_same_bits_on_every_path(op, scale, monkeypatch):
+def test_eager_primitives_same_bits_as_the_core(op, scale):
     x = _x()
-    got = []
-    for mode in MODES:
-        s = fj._scale_arg(scale) if mode[0] == "jitted" else scale
-        got.append([_bits(o) for o in jax.tree.leaves(PRIMS[op](x, s, _prims(mode, monkeypatch)))])
-    assert got[0] == got[1] == got[2]
+    twin = _leaves(TWINS[op](np.asarray(x), np.asarray(scale, np.float32).reshape(1)))
+    for path in ("jitted", "untraced"):
+        s = fj._scale_arg(scale) if path == "jitted" else scale
+        assert _leaves(PRIMS[op](x, s, _prims(path))) == twin
 
 
 @pytest.mark.parametrize("op", ["quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose"])
-def test_trusted_outputs_under_jit_and_vmap_same_bits_as_the_public_primitives(op, monkeypatch):
+def test_primitives_under_jit_and_vmap_same_bits_as_the_core(op):
     x = _x().reshape(4, -1, 16)
     fn = {"quantize": lambda v: fj.quantize(v, 0.5, "e5m2"),
           "quantize_dynamic": lambda v: fj.quantize_dynamic(v, margin=2, epsilon=1e-3),
           "dequantize": lambda v: fj.dequantize(fj.quantize(v, 1.0)[0], 2.0, jnp.float16),
           "transpose": lambda v: fj.transpose(fj.quantize(v, 1.0)[0]),
           "cast_transpose": lambda v: fj.cast_transpose(v, 0.125)}[op]
-    got = []
-    for trusted in (True, False):
-        monkeypatch.setattr(fj, "TRUSTED_OUTS", trusted)
-        got.append([_bits(o) for o in jax.tree.leaves((jax.jit(fn)(x), jax.jit(jax.vmap(fn))(x)))])
-    assert got[0] == got[1]
+    twin = {"quantize": lambda v: (fp8core.quantize(v, 0.5, "e5m2"), fp8core.amax(v)),
+            "quantize_dynamic": lambda v: fp8core.quantize_dynamic(v, margin=2, epsilon=1e-3),
+            "dequantize": lambda v: fp8core.dequantize(fp8core.quantize(v, 1.0), 2.0, "float16"),
+            "transpose": lambda v: fp8core.transpose(fp8core.quantize(v, 1.0)),
+            "cast_transpose": lambda v: (*fp8core.cast_transpose(v, 0.125), fp8core.amax(v))}[op]
+    xn = np.asarray(x)
+    per_element = [twin(xn[i]) for i in range(len(xn))]
+    batched = per_element[0] if not isinstance(per_element[0], tuple) else \
+        tuple(np.stack([r[k] for r in per_element]) for k in range(len(per_element[0])))
+    if not isinstance(batched, tuple):
+        batched = np.stack(per_element)
+    assert _leaves(jax.jit(fn)(x)) == _leaves(twin(xn))
+    assert _leaves(jax.jit(jax.vmap(fn))(x)) == _leaves(batched)
 
 
 BAD = [
@@ -234,15 +244,15 @@ def test_eager_primitives_same_errors_as_untraced(case, call, monkeypatch):
         return type(e), str(e).strip().splitlines()[-1]
 
     errors = []
-    for mode in MODES:
-        prims = _prims(mode, monkeypatch)
+    for path in ("jitted", "untraced"):
+        prims = _prims(path)
         with monkeypatch.context() as m:
             for name, f in prims.items():
                 m.setattr(fj, "_" + name, f)
             with pytest.raises(Exception) as info:
                 jax.block_until_ready(call())
         errors.append(first_line(info.value))
-    assert errors[0] == errors[1] == errors[2]
+    assert errors[0] == errors[1]
 
 
 def _jitted_and_untraced(module, name):

@@ -270,3 +270,17 @@ def test_bad_out_is_refused_before_anything_is_written(env, build, exc, msg):
         call()
     for a, b in zip(arrays, before):
         np.testing.assert_array_equal(env.bits(a), b)
+
+
+@pytest.mark.parametrize("env", BACKENDS)
+def test_overlap_is_by_byte_ranges(env):
+    """An out that ends where x begins shares no memory with it and is written; one byte further is refused."""
+    buf = env.raw(160)
+    x = buf[32:160].view(np.float32).reshape(4, 8)
+    x[...] = 1.5
+    ref = env.bits(fp8core.quantize(env.put(np.full((4, 8), 1.5, np.float32)), 1.0, "e4m3"))
+    out = buf[:32].reshape(4, 8)
+    assert fp8core.quantize(x, 1.0, "e4m3", out=out) is out
+    assert (env.bits(out) == ref).all()
+    with pytest.raises(ValueError, match=r"^out: overlaps x in memory"):
+        fp8core.quantize(x, 1.0, "e4m3", out=buf[1:33].reshape(4, 8))

@@ -28,16 +28,13 @@ from fp8core._fpenv import ieee
 from fp8core._tensor import Tensor, wrap
 from fp8core.backends import for_device
 
-from . import _args, _direct
+from . import _args
 
 __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose", "gemm",
            "compute_scale", "update", "reduce_amax"]
 
 Array = jax.Array
 _F32_1 = jax.ShapeDtypeStruct((1,), jnp.float32)
-# Callbacks hand XLA's output buffers straight to the backend, without the public primitives' out= checks
-# (bindings/jax/_direct.py says why they cannot fail there). False: through the public primitives.
-TRUSTED_OUTS = True
 
 
 def _raw(buf: Any) -> Tensor:
@@ -75,10 +72,11 @@ def _primitive(fn: Callable[..., None], shapes: Any) -> Callable[..., Any]:
     return buffer_callback(callback, shapes, vmap_method="sequential")
 
 
-def _zero(t: Tensor) -> Tensor:
-    """An amax slot zeroed before the core accumulates into it (on a GPU, on XLA's stream: CuPy's current)."""
+def _zero(t: Tensor) -> Any:
+    """An amax slot's array, zeroed before the core accumulates into it (on a GPU, on XLA's stream: CuPy's
+    current)."""
     t.data.fill(0)
-    return t
+    return t.data
 
 
 def _f32(v: Any) -> Array:
@@ -109,8 +107,8 @@ def numbers_static() -> bool:
 
 def _jitted(*static: str, numbers: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The primitive traced once per shapes and ``static`` arguments (keyword-only in the decorated function):
-    an eager call then reuses its trace, compiled program and callback (jit's C++ dispatch, ~10 us) instead of
-    building all three again (~20 ms); inside an outer jit it inlines. Static values that cannot be hashed
+    an eager call then reuses its trace, compiled program and callback (jit's C++ dispatch) instead of building
+    all three again (milliseconds); inside an outer jit it inlines. Static values that cannot be hashed
     (arrays) take the untraced path, which treats them as before.
 
     ``numbers`` (margin, epsilon): data, not program. They are checked by the core's rules here and reach the
@@ -179,8 +177,6 @@ def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, 
 @_jitted("fmt")
 def _quantize(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array]:
     def run(outs, t, s):
-        if TRUSTED_OUTS:
-            return _direct.quantize((outs[0], _zero(outs[1])), t, s, fmt)
         fp8core.quantize(t, s.data, fmt, amax_out=_zero(outs[1]), out=outs[0])
 
     return _primitive(run, (_fp8_shape(x, fmt), _F32_1))(x, _f32(scale))
@@ -199,10 +195,7 @@ def _quantize_dynamic(x: Array, *, fmt: Any, power_of_2: Any, numbers: Any,
                       host_numbers: Any) -> tuple[Array, ...]:
     def run(outs, t, nums=None):
         m, epsilon = _numbers(nums, host_numbers)
-        margin = int(m)
-        if TRUSTED_OUTS:
-            return _direct.quantize_dynamic(outs, t, fmt, margin, power_of_2, epsilon)
-        fp8core.quantize_dynamic(t, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon, out=tuple(outs))
+        fp8core.quantize_dynamic(t, fmt, margin=int(m), power_of_2=power_of_2, epsilon=epsilon, out=tuple(outs))
 
     return _primitive(run, (_fp8_shape(x, fmt), _F32_1, _F32_1))(x, *_operands(numbers))
 
@@ -219,8 +212,6 @@ def _dequantize(q: Array, scale_inv: Any, *, out_dtype: Any) -> Array:
     name = jnp.dtype(out_dtype).name
 
     def run(outs, t, s):
-        if TRUSTED_OUTS:
-            return _direct.dequantize(outs, t, s, name, fmt)
         fp8core.dequantize(t, s.data, name, fmt=fmt, out=outs[0])
 
     return _primitive(run, jax.ShapeDtypeStruct(q.shape, out_dtype))(q, _f32(scale_inv))
@@ -237,8 +228,6 @@ def _transpose(q: Array) -> Array:
     fmt = fp8core.as_format(q.dtype)
 
     def run(outs, t):
-        if TRUSTED_OUTS:
-            return _direct.transpose(outs, t, fmt)
         fp8core.transpose(t, fmt=fmt, out=outs[0])
 
     return _primitive(run, _fp8_shape(q, fmt, (q.shape[-1], _rows(q))))(q)
@@ -252,8 +241,6 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[A
 @_jitted("fmt")
 def _cast_transpose(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array, Array]:
     def run(outs, t, s):
-        if TRUSTED_OUTS:
-            return _direct.cast_transpose((outs[0], outs[1], _zero(outs[2])), t, s, fmt)
         fp8core.cast_transpose(t, s.data, fmt, amax_out=_zero(outs[2]), out=(outs[0], outs[1]))
 
     return _primitive(run, (_fp8_shape(x, fmt), _fp8_shape(x, fmt, (x.shape[-1], _rows(x))), _F32_1))(

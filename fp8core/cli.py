@@ -24,20 +24,11 @@ import numpy as np
 import fp8core
 from fp8core import Format
 from fp8core.extras import install_hint
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+from fp8core.selftest.gpu import ANSI as _ANSI, gpu_unavailable_reason, one_line as _one_line
 
 
 class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 2."""
-
-
-def _one_line(e: BaseException, kind: bool = True) -> str:
-    """The first line of an exception's message, terminal escape codes removed, after its type when asked."""
-    text = _ANSI.sub("", str(e)).strip()
-    first = text.splitlines()[0] if text else ""
-    return (f"{type(e).__name__}: {first}" if first else type(e).__name__) if kind else first or type(e).__name__
 
 
 def _progress(done: int, total: int, text: str = "") -> None:
@@ -62,43 +53,6 @@ def _version(module: str) -> str | None:
     except Exception:
         return None
     return getattr(mod, "__version__", "installed")
-
-
-def _driver_missing(cupy: Any) -> str | None:
-    """Why the CUDA driver cannot serve CuPy's runtime, told apart: no driver at all, or one too old."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-    except OSError:
-        return "no CUDA driver (libcuda cannot be loaded)"
-    driver, runtime = cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.runtimeGetVersion()
-    if driver == 0:
-        return "no CUDA driver"
-    if driver < runtime:
-        return (f"the CUDA driver supports CUDA {driver // 1000}.{driver % 1000 // 10}, older than this CuPy's "
-                f"runtime {runtime // 1000}.{runtime % 1000 // 10}; update the driver or install the cupy for it")
-    return None
-
-
-def gpu_unavailable_reason() -> str | None:
-    """None when CuPy sees a CUDA device; else why not, in words (no cupy, no driver, old driver, no device)."""
-    try:
-        import cupy
-    except ImportError:
-        return f"cupy is not installed ({install_hint('cuda13', 'cuda12')})"
-    except Exception as e:
-        return f"cupy cannot be imported ({_one_line(e)})"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-        return None
-    except Exception as e:
-        try:
-            missing = _driver_missing(cupy)
-        except Exception:
-            missing = None
-        return missing or _one_line(e)
 
 
 def gpu_report() -> dict[str, Any]:

@@ -390,5 +390,3 @@ def _block_gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -
                 got64 = t.bits(got).view(logical_numpy_dtype(out)).astype(np.float64).reshape(exact.shape)
                 r.close(f"{label}: vs float64", exact, got64, atol, rtol)
                 r.close(f"{label}: vs the emulation", emu64, got64, 2 * atol, 2 * rtol)
-
-

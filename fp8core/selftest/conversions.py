@@ -11,7 +11,6 @@ from fp8core._tensor import logical_numpy_dtype
 from .harness import BF16, F16, FORMATS, HIGH, ORACLE_MAX, UINT, Recorder, Target, check, f32, name_of, sample
 
 
-
 def _patterns(dtype: np.dtype) -> np.ndarray:
     return np.arange(65536, dtype=np.uint16).view(dtype)
 
@@ -164,5 +163,3 @@ def _transposes(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -
                 r.equal(label, q_ref, q, x)
                 r.equal(f"{label} (q_t)", qt_ref, qt)
                 r.equal(f"{label} fused amax", slot_ref, slot)
-
-

@@ -99,5 +99,3 @@ class Coverage:
         from fp8core._kernels import KERNELS
 
         return [f"{f}: {e}" for f, exprs in KERNELS.items() for e in exprs if (f, e) not in self.kernels]
-
-

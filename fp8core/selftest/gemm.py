@@ -11,6 +11,7 @@ from fp8core.extras import install_hint
 
 from .harness import CudaTarget, Recorder, Target, check, f32
 
+
 def gemm_unavailable(t: Target) -> str:
     if not isinstance(t, CudaTarget):
         return ""
@@ -77,5 +78,3 @@ def _gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None
                         got_amax = t.bits(amax_d).view(np.float32).astype(np.float64)
                         r.close(f"{label_fast}: out_amax", amax_ref.astype(np.float64), got_amax,
                                 2 * atol.max() + 2.0 ** -22 * np.abs(ref64).max(), 0.0)
-
-

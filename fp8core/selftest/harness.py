@@ -228,4 +228,3 @@ def f32(v: Any) -> np.ndarray:
 
 def name_of(x: Any) -> str:
     return np.dtype(x).name
-

@@ -12,6 +12,7 @@ from fp8core import Format, _oracle
 
 from .harness import BF16, F16, FORMATS, HIGH, ORACLE_MAX, Recorder, Target, check, f32, name_of, sample
 
+
 @check("quantize_dynamic: current scaling, both algorithms of the grid", covers=("quantize_dynamic",))
 def _dynamic(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
     sizes = (0, 1, 37, 4099, 1 << 17) + (() if quick else (1 << 22, (1 << 22) + 5))
@@ -188,5 +189,3 @@ def _multi(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> Non
             r.equal(f"multi_quantize {label}: tensor {i} ({sizes[i]} {name_of(dtypes[i])} -> {fmts[i].name})", e, g,
                     xs[i])
         r.equal(f"multi_quantize {label} amax_out", amax_ref, amax_out)
-
-

@@ -63,7 +63,6 @@ class Report:
     quick: bool
     checks: list[CheckResult]
     seconds: float
-    device_id: int = 0
 
     @property
     def cases(self) -> int:
@@ -171,7 +170,7 @@ def run(backend: str = "cuda", quick: bool = False, device_id: int = 0, seed: in
         cover.failed += len(lost)
         cover.failures += [f"kernel {k} was never launched by any check" for k in lost][:8]
     results.append(cover)
-    return Report(target.name, target.backend_name, quick, results, time.perf_counter() - start, device_id)
+    return Report(target.name, target.backend_name, quick, results, time.perf_counter() - start)
 
 
 def commit_of_checkout() -> str | None:

@@ -75,7 +75,7 @@ class CudaTarget(Target):
         props = cupy.cuda.runtime.getDeviceProperties(device_id)
         gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         cc = cupy.cuda.Device(device_id).compute_capability
-        self.gpu, self.cc = gpu, int(cc)
+        self.cc = int(cc)
         self.name = f"cuda:{device_id} ({gpu}, sm_{cc})"
 
     def put(self, x: np.ndarray, offset: int = 0) -> Any:

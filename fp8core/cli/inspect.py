@@ -40,19 +40,15 @@ def _raw_bytes_dtype(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray, str | Non
     return x, None
 
 
-def _finite_float(v: float) -> Any:
-    """JSON has no inf or NaN: infinities become the strings "inf"/"-inf", NaN the string "nan"."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
-
-
 def _strict(obj: Any) -> Any:
+    """JSON has no inf or NaN: infinities become the strings "inf"/"-inf", NaN the string "nan"."""
     if isinstance(obj, dict):
         return {k: _strict(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_strict(v) for v in obj]
-    return _finite_float(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj
 
 
 def _measurable(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray | None, str | None]:

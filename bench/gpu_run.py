@@ -218,9 +218,9 @@ def environment(run: Run) -> dict[str, Any]:
 
 
 def gpu_reason() -> str | None:
-    from fp8core.selftest import _gpu_reason
+    from fp8core.selftest.gpu import gpu_reason as reason
 
-    return _gpu_reason(0)
+    return reason(0)
 
 
 # ---- phase 1 -----------------------------------------------------------------------------------------------

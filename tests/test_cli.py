@@ -373,7 +373,7 @@ class _FakeCupy:
 def test_the_driver_diagnosis_tells_the_cases_apart(monkeypatch, loadable, driver, runtime, expect):
     import ctypes
 
-    from fp8core import cli
+    from fp8core.selftest.gpu import driver_missing
 
     def cdll(name):
         if not loadable:
@@ -381,7 +381,7 @@ def test_the_driver_diagnosis_tells_the_cases_apart(monkeypatch, loadable, drive
         return object()
 
     monkeypatch.setattr(ctypes, "CDLL", cdll)
-    got = cli._driver_missing(_FakeCupy(driver, runtime))
+    got = driver_missing(_FakeCupy(driver, runtime))
     assert got == expect if expect is None or "older" not in expect else got.startswith(expect)
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import GPU_REASON
 from fp8core import cli
+from fp8core.cli import files
 
 ESC = "\x1b[31mred\x1b[0m"
 
@@ -150,7 +151,7 @@ PROBES: list[Any] = [
                  id="shared-nesting-2^26-paths"),
     pytest.param(lambda p: [torch_save(p / "n.pt", deep_nest(100)), "--json"],
                  lambda code, out, err: code == 0 and list(strict(out)) == ["top"]
-                 and f"nested more than {cli.MAX_DEPTH} levels down" in err,
+                 and f"nested more than {files.MAX_DEPTH} levels down" in err,
                  id="nesting-deeper-than-the-bound"),
     pytest.param(lambda p: [torch_save(p / "n.pt", {str(i): __import__("torch").ones(1) for i in range(20)}),
                             "--json", "MAX_ENTRIES=10"],
@@ -196,7 +197,7 @@ def test_probe(tmp_path, capsys, monkeypatch, build, check):
     args, check = made if check is None else (made, check)
     for a in [a for a in args if isinstance(a, str) and a.startswith("MAX_")]:
         name, value = a.split("=")
-        monkeypatch.setattr(cli, name, int(value))
+        monkeypatch.setattr(files, name, int(value))
         args.remove(a)
     code = cli.main(["inspect", *map(str, args)])
     out, err = capsys.readouterr()

@@ -35,7 +35,7 @@ def test_the_run_leaves_the_backend_as_it_found_it(cpu_report):
     from fp8core.backends import cpu_blocks
 
     for mod in (cpu, cpu_blocks):  # the coverage's wrappers are gone: every function is the module's own again
-        for name in selftest._public(mod):
+        for name in selftest.coverage.primitives(mod):
             assert getattr(mod, name) is _FUNCTIONS[mod.__name__][name], f"{mod.__name__}.{name}"
 
 
@@ -67,7 +67,7 @@ def test_a_backend_function_no_check_calls_fails_the_coverage(monkeypatch):
 
 
 def test_a_kernel_instantiation_no_check_launches_is_listed():
-    cov = selftest._Coverage(selftest.CpuTarget())
+    cov = selftest.Coverage(selftest.CpuTarget())
     every = {(f, e) for f, exprs in _kernels.KERNELS.items() for e in exprs}
     cov.kernels = set(every)
     assert cov.missing_kernels() == []
@@ -187,7 +187,7 @@ def test_the_block_gemm_refusal_is_what_fp8core_documents():
         def __init__(self, cc):
             self.cc, self.name = cc, f"sm_{cc}"
 
-    assert selftest._block_gemm_refusal(Ada(89), "mx") == "compute capability 10.0"
-    assert selftest._block_gemm_refusal(Ada(89), "1x128,1x128") == "compute capability 9.0"
-    assert selftest._block_gemm_refusal(Ada(100), "mx") == ""
-    assert selftest._block_gemm_refusal(selftest.CpuTarget(), "mx") == ""
+    assert selftest.blocks.block_gemm_refusal(Ada(89), "mx") == "compute capability 10.0"
+    assert selftest.blocks.block_gemm_refusal(Ada(89), "1x128,1x128") == "compute capability 9.0"
+    assert selftest.blocks.block_gemm_refusal(Ada(100), "mx") == ""
+    assert selftest.blocks.block_gemm_refusal(selftest.CpuTarget(), "mx") == ""

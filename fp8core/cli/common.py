@@ -1,0 +1,38 @@
+"""What the commands share: the one-line error, the progress bar, versions of what is installed, text made safe
+to print."""
+
+from __future__ import annotations
+
+import sys
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 2."""
+
+
+def progress(done: int, total: int, text: str = "") -> None:
+    """A bar redrawn in place on a terminal; in a log (stderr not a terminal), plain lines, every tenth step."""
+    width = 30
+    filled = width * done // max(total, 1)
+    bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}"
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r{bar}" + ("\n" if done == total else ""))
+    elif done == total or done % max(1, total // 10) == 0:
+        sys.stderr.write(bar.rstrip() + "\n")
+    else:
+        return
+    sys.stderr.flush()
+
+
+def installed_version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except Exception:
+        return None
+    return getattr(mod, "__version__", "installed")
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character (terminal escapes, carriage returns, bidi overrides) written
+    as its Python escape: names come from the files, and a terminal would act on them."""
+    return text if text.isprintable() else "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)

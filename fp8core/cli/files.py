@@ -1,0 +1,245 @@
+"""Reading tensor files for ``fp8core inspect``: .npy, .npz, .safetensors and .pt.
+
+Files are hostile until read: nothing is unpickled, an .npz member's declared size is checked against a cap
+before it is inflated, a header's shape against the bytes really there, and tensors are read one at a time.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import pickle
+import re
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from fp8core.extras import install_hint
+from fp8core.selftest.gpu import ANSI, one_line
+
+from .common import CliError, installed_version, printable
+
+DEFAULT_MAX_BYTES = 1 << 30  # what a compressed .npz may inflate to, all members together; --max-bytes raises it
+MAX_DEPTH = 64  # nesting levels of a .pt checkpoint's containers that are walked
+MAX_ENTRIES = 1_000_000  # container entries walked in a .pt checkpoint
+
+
+def _as_numpy(t: Any) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            import ml_dtypes
+
+            name = "float8_e4m3fn" if t.dtype == torch.float8_e4m3fn else "float8_e5m2"
+            return t.view(torch.uint8).numpy().view(getattr(ml_dtypes, name))
+        try:
+            return t.numpy()
+        except TypeError:  # a dtype NumPy has no counterpart for (complex32, quantized, ...)
+            return np.empty(tuple(t.shape), dtype=np.dtype([("unsupported " + str(t.dtype), "V1")]))
+    raise CliError(f"unsupported tensor type {type(t).__name__}")
+
+
+def _check_path(path: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{path}: is a directory; name the tensor files in it")
+    if not p.exists():
+        raise CliError(f"{path}: no such file")
+    if not p.is_file():
+        raise CliError(f"{path}: not a regular file")
+    return p
+
+
+def iter_tensors(path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for each tensor of a .npy, .npz, .safetensors or .pt file, read one at a time.
+
+    Errors are :class:`CliError` with one line naming the file; .npy arrays come back memory-mapped."""
+    p = _check_path(path)
+    suffix = p.suffix.lower()
+    readers = {".npy": _read_npy, ".npz": _read_npz, ".safetensors": _read_safetensors, ".pt": _read_torch,
+               ".pth": _read_torch}
+    if suffix not in readers:
+        raise CliError(f"{path}: unknown format {suffix or '(no suffix)'}; expected .npy, .npz, .safetensors or .pt")
+    try:
+        yield from readers[suffix](p, max_bytes)
+    except CliError:
+        raise
+    except MemoryError:
+        raise CliError(f"{path}: not enough memory to read it") from None
+    except Exception as e:
+        raise CliError(f"{path}: could not be read as {suffix[1:]} ({one_line(e)})") from None
+
+
+def _npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) from an .npy header, read with ``ast.literal_eval`` (no code runs).
+
+    NumPy's own reader refuses ``'<f1'``, which is how ml_dtypes' float8_e5m2 is saved: read here as E5M2.
+    """
+    magic = f.read(8)
+    if len(magic) < 8 or magic[:6] != b"\x93NUMPY":
+        raise CliError(f"{where}: not an .npy array (no NUMPY magic)")
+    if magic[6] == 1:
+        size = int.from_bytes(f.read(2), "little")
+    elif magic[6] in (2, 3):
+        size = int.from_bytes(f.read(4), "little")
+    else:
+        raise CliError(f"{where}: .npy format version {magic[6]}.{magic[7]} is not supported")
+    if size > 1 << 16:
+        raise CliError(f"{where}: an .npy header of {size} bytes is not plausible")
+    try:
+        header = ast.literal_eval(f.read(size).decode("latin1" if magic[6] < 3 else "utf8"))
+        shape, fortran, descr = header["shape"], header["fortran_order"], header["descr"]
+    except Exception:
+        raise CliError(f"{where}: unreadable .npy header") from None
+    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise CliError(f"{where}: .npy header has an invalid shape {shape!r}")
+    if isinstance(descr, str) and descr[1:] == "f1":
+        import ml_dtypes
+
+        dtype = np.dtype(ml_dtypes.float8_e5m2)
+    else:
+        try:
+            dtype = np.lib.format.descr_to_dtype(descr)
+        except Exception:
+            raise CliError(f"{where}: .npy header has an unknown dtype {descr!r}") from None
+    if dtype.hasobject:
+        raise CliError(f"{where}: holds Python objects, which are not unpickled")
+    return shape, bool(fortran), dtype
+
+
+def _read_npy(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
+    # A memory map: nothing is read before it is measured, and the header's shape is checked against the file.
+    with open(p, "rb") as f:
+        shape, fortran, dtype = _npy_header(f, str(p))
+        offset = f.tell()
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offset + nbytes > p.stat().st_size:
+        raise CliError(f"{p}: its header claims {nbytes} bytes of data but the file holds "
+                       f"{p.stat().st_size - offset}: truncated or crafted")
+    if nbytes == 0:
+        yield p.stem, np.empty(shape, dtype)
+        return
+    yield p.stem, np.memmap(p, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+
+
+def _npy_member(f: Any, name: str, declared: int) -> np.ndarray:
+    shape, fortran, dtype = _npy_header(f, f"member {name}")
+    count = math.prod(shape)
+    if count * dtype.itemsize > declared:
+        raise CliError(f"member {name}: its header claims {count * dtype.itemsize} bytes of data but the member "
+                       f"holds {declared}: corrupt or crafted")
+    data = f.read(count * dtype.itemsize)
+    if len(data) != count * dtype.itemsize:
+        raise CliError(f"member {name}: truncated")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+
+
+def _read_npz(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
+    with zipfile.ZipFile(p) as z:
+        members = [info for info in z.infolist() if not info.is_dir()]
+        for info in members:
+            if not info.filename.endswith(".npy"):
+                raise CliError(f"{p}: member {info.filename} is not a .npy array")
+        # Every member's declared size before any is read: a cap per member lets many members add up.
+        total = sum(info.file_size for info in members)
+        if total > max_bytes:
+            raise CliError(f"{p}: its {len(members)} member(s) would inflate to {total} bytes in all, above the limit "
+                           f"of {max_bytes} (--max-bytes raises it)")
+        for info in members:
+            name = info.filename[:-4]
+            with z.open(info) as f:
+                try:
+                    yield name, _npy_member(f, info.filename, info.file_size)
+                except CliError as e:
+                    raise CliError(f"{p}: {e}") from None
+
+
+def _read_safetensors(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CliError(f"{p}: reading .safetensors needs the safetensors package (pip install safetensors)") from None
+    framework = "pt" if installed_version("torch") else "np"
+    with safe_open(str(p), framework=framework) as f:
+        for k in f.keys():
+            yield k, _as_numpy(f.get_tensor(k))
+
+
+def _tensors_in(obj: Any, prefix: str, skipped: dict[str, int]) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for the tensors in nested dicts, lists and tuples, depth first in order.
+
+    Each container is walked once: a checkpoint can share one list under two entries at every level
+    (1.7 KB that would otherwise be 2^26 paths). The walk stops MAX_DEPTH levels down and after MAX_ENTRIES
+    entries; ``skipped`` counts what was not walked: "shared" containers, entries "too deep", entries
+    "over the limit"."""
+    import torch
+
+    seen: set[int] = set()
+    entries = 0
+    stack: list[tuple[str, Any, int]] = [(prefix, obj, 0)]
+    while stack:
+        name, o, depth = stack.pop()
+        if isinstance(o, torch.Tensor):
+            yield name, o
+            continue
+        if not isinstance(o, (dict, list, tuple)):
+            continue
+        if id(o) in seen:
+            skipped["shared"] = skipped.get("shared", 0) + 1
+            continue
+        seen.add(id(o))
+        items = list(o.items()) if isinstance(o, dict) else list(enumerate(o))
+        if depth >= MAX_DEPTH:
+            skipped["too deep"] = skipped.get("too deep", 0) + len(items)
+            continue
+        if entries + len(items) > MAX_ENTRIES:
+            skipped["over the limit"] = skipped.get("over the limit", 0) + len(items)
+            continue
+        entries += len(items)
+        stack.extend((f"{name}.{k}" if name else str(k), v, depth + 1) for k, v in reversed(items))
+
+
+def _read_torch(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
+    try:
+        import torch
+    except ImportError:
+        raise CliError(f"{p}: reading .pt needs torch ({install_hint('torch')})") from None
+    try:
+        try:
+            obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            obj = torch.load(p, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        text = ANSI.sub("", str(e))
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
+            raise CliError(f"{p}: holds pickled Python objects ({found.group(1)}: a whole nn.Module, say), which "
+                           "fp8core does not unpickle; save a state_dict (torch.save(model.state_dict(), path)) and "
+                           "inspect that") from None
+        why = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+        raise CliError(f"{p}: could not be read as pt (not a tensor checkpoint: "
+                       f"{why.group(1) if why else one_line(e)})") from None
+    skipped: dict[str, int] = {}
+    found = list(_tensors_in(obj, "" if isinstance(obj, (dict, list, tuple)) else p.stem, skipped))
+    if not found and not isinstance(obj, (dict, list, tuple)):
+        raise CliError(f"{p}: holds a {type(obj).__name__}, not a tensor or a dict of tensors")
+    what = {"shared": "references to a dict/list/tuple already walked (walked once)",
+            "too deep": f"entries nested more than {MAX_DEPTH} levels down",
+            "over the limit": f"entries beyond the first {MAX_ENTRIES:,}"}
+    for kind, n in skipped.items():
+        print(f"fp8core: note: {printable(str(p))}: skipped {n} {what[kind]}", file=sys.stderr)
+    for name, t in found:
+        yield name, _as_numpy(t)

@@ -1,0 +1,293 @@
+"""``fp8core inspect``: per tensor, its amax and how it fares in E4M3 and E5M2, as a table, JSON or a plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import textwrap
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+import fp8core
+from fp8core import Format
+from fp8core.extras import install_hint
+from fp8core.selftest.gpu import one_line
+
+from .common import CliError, printable, progress
+from .files import iter_tensors
+
+_CHUNK = 1 << 20  # elements per step of the statistics
+RAW_FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+_HIST_BINS = np.linspace(-152.0, 130.0, 565)  # log2|x| of every finite fp32/fp64-in-fp32-range value, 0.5 wide
+
+
+def _raw_bytes_dtype(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray, str | None]:
+    """ml_dtypes arrays saved to .npy come back as raw bytes (|V1, |V2): the header names no float type."""
+    if x.dtype.kind != "V" or x.dtype.fields is not None:
+        return x, None
+    import ml_dtypes
+
+    if x.dtype.itemsize == 1:
+        name = RAW_FP8[raw_fp8]
+        other = "e5m2" if raw_fp8 == "e4m3" else "e4m3"
+        note = f"raw 1-byte data (|V1) read as {name}; --raw-fp8 {other} for the other"
+        return x.view(getattr(ml_dtypes, name)), note
+    if x.dtype.itemsize == 2:
+        return x.view(ml_dtypes.bfloat16), "raw 2-byte data (|V2) read as bfloat16 (how ml_dtypes saves it)"
+    return x, None
+
+
+def _strict(obj: Any) -> Any:
+    """JSON has no inf or NaN: infinities become the strings "inf"/"-inf", NaN the string "nan"."""
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strict(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj
+
+
+def _measurable(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray | None, str | None]:
+    """The data in a dtype fp8core's amax and quantize take, or None; and a note on what was done to it."""
+    x, note = _raw_bytes_dtype(x, raw_fp8)
+    name = x.dtype.name
+    if not x.dtype.isnative and x.dtype.itemsize > 1:  # converted chunk by chunk (_chunk_f32)
+        note = f"big-endian {name} data: read in native byte order"
+    if name in ("float32", "bfloat16", "float16"):
+        return x, note
+    if name in ("float8_e4m3fn", "float8_e5m2"):
+        return x, note or f"{name} data: statistics of re-quantizing its values"
+    if x.dtype.kind == "f":
+        return x, f"{name} data: rounded to float32 first" + (f" ({note})" if note else "")
+    if x.dtype.kind in "iub":
+        return x, f"integer data ({name}): statistics of its float32 conversion" + (f" ({note})" if note else "")
+    return None, None
+
+
+def _chunk_f32(x: np.ndarray, a: int, b: int) -> np.ndarray:
+    c = x[a:b]
+    if not c.dtype.isnative:  # a file's byte order is the file's business: read it in ours
+        c = c.astype(c.dtype.newbyteorder("="))
+    if c.dtype.name in ("float32", "bfloat16", "float16"):
+        return np.ascontiguousarray(c)
+    with np.errstate(over="ignore"):
+        return c.astype(np.float32)
+
+
+def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None = None,
+                 scale: float | None = None) -> dict[str, Any]:
+    """How x fares in E4M3 and E5M2 under current scaling with a power-of-2 scale.
+
+    Per format: scale (from the amax of the finite values), sqnr_db (over the finite values; inf when exact,
+    None when there is no signal), underflow (nonzero values that become 0), clipped (values with
+    |x * scale| > max before the cast, which saturate), at_max (values that land on +-max, clipped ones
+    included), max_rel_error. Fractions are of the finite values. nan and inf count the non-finite inputs.
+    ``scale``, when given, replaces the per-format scale. ``hist``, when given, accumulates a histogram of
+    log2|x| over :data:`_HIST_BINS`.
+    """
+    row: dict[str, Any] = {"shape": list(x.shape), "dtype": str(x.dtype)}
+    data, note = _measurable(x, raw_fp8)
+    if note:
+        row["note"] = note
+    if data is None:
+        row["skipped"] = f"not real-valued numbers ({x.dtype})"
+        return row
+    row["dtype"] = str(data.dtype if data.dtype.isnative else data.dtype.newbyteorder("="))
+    flat = data.reshape(-1, order="A") if data.flags.f_contiguous else data.reshape(-1)
+    n = flat.size
+    bounds = [(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
+    amax_bits, finite_amax, nans, infs = 0, 0.0, 0, 0
+    for a, b in bounds:
+        c = _chunk_f32(flat, a, b)
+        amax_bits = max(amax_bits, int(fp8core.amax(c).view(np.uint32)[0]))
+        v = c.astype(np.float64)
+        fin = np.isfinite(v)
+        nans += int(np.isnan(v).sum())
+        infs += int((~fin).sum()) - int(np.isnan(v).sum())
+        if fin.any():
+            av = np.abs(v[fin])
+            finite_amax = max(finite_amax, float(av.max()))
+            if hist is not None:
+                nz = av[av > 0]
+                hist += np.histogram(np.log2(nz), bins=_HIST_BINS)[0]
+    row["amax"] = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
+    row["elements"], row["nan"], row["inf"] = n, nans, infs
+    amax = np.array([finite_amax], np.float32)
+    for fmt in (Format.E4M3, Format.E5M2):
+        if scale is None:
+            scales = fp8core.compute_scale(amax, fmt, power_of_2=True)
+        else:
+            scales = (np.array([scale], np.float32), np.array([1 / np.float32(scale)], np.float32))
+        s32 = np.float32(scales[0][0])
+        max_code = 0x7E if fmt is Format.E4M3 else 0x7B
+        signal = noise = 0.0
+        finite = nonzero = under = clipped = at_max = 0
+        max_rel = 0.0
+        for a, b in bounds:
+            c = _chunk_f32(flat, a, b)
+            q = fp8core.quantize(c, scales[0], fmt)
+            y = fp8core.dequantize(q, scales[1], "float32").astype(np.float64)
+            v = c.astype(np.float64)
+            fin = np.isfinite(v)
+            err = y[fin] - v[fin]
+            signal += float(np.sum(v[fin] ** 2))
+            noise += float(np.sum(err ** 2))
+            finite += int(fin.sum())
+            nz = fin & (v != 0)
+            nonzero += int(nz.sum())
+            under += int((nz & (y == 0)).sum())
+            with np.errstate(over="ignore", invalid="ignore"):
+                scaled = np.abs(c.astype(np.float32) * s32)  # the contract's one fp32 multiply
+            clipped += int((fin & (scaled > np.float32(fmt.max))).sum())
+            at_max += int((fin & ((q.view(np.uint8) & 0x7F) == max_code)).sum())
+            if nz.any():
+                max_rel = max(max_rel, float(np.max(np.abs((y[nz] - v[nz]) / v[nz]))))
+        if signal > 0:
+            sqnr: float | None = math.inf if noise == 0 else 10 * math.log10(signal / noise)
+        else:
+            sqnr = None
+        row[fmt.name] = {
+            "scale": float(s32), "sqnr_db": sqnr,
+            "underflow": under / nonzero if nonzero else 0.0,
+            "clipped": clipped / finite if finite else 0.0,
+            "at_max": at_max / finite if finite else 0.0,
+            "max_rel_error": max_rel,
+        }
+    return row
+
+
+def _plot_target(out: str) -> Path:
+    """The file matplotlib will write: it adds ".png" to a name without a known image extension."""
+    import matplotlib.pyplot as plt
+
+    p = Path(out)
+    known = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    return p if p.suffix[1:].lower() in known else p.with_name(p.name + ".png")
+
+
+def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CliError(f"--plot needs matplotlib ({install_hint('plot')})") from None
+    target = _plot_target(out)
+    n = len(stats)
+    fig, axes = plt.subplots(n, 1, figsize=(10, 2.6 * n), squeeze=False)
+    # Each format's range is its own opaque strip along the top, so no colour is a blend of two and the
+    # legend's swatches are what is drawn; dashed lines carry the range edges down over the histogram.
+    ranges = {Format.E4M3: (2.0 ** -9, 448.0, "tab:blue", (0.93, 1.0)),
+              Format.E5M2: (2.0 ** -16, 57344.0, "tab:orange", (0.86, 0.93))}
+    centers = (_HIST_BINS[:-1] + _HIST_BINS[1:]) / 2
+    for ax, (name, (hist, row)) in zip(axes[:, 0], stats.items()):
+        if hist.any():
+            used = np.nonzero(hist)[0]
+            lo, hi = used[0], used[-1] + 1
+            ax.bar(centers[lo:hi], hist[lo:hi], width=_HIST_BINS[1] - _HIST_BINS[0], color="0.3")
+        ax.set_ylim(0, max(1, int(hist.max())) * 1.25)  # headroom: the strips cover no bar
+        for fmt, (lo_v, hi_v, color, (y0, y1)) in ranges.items():
+            s = row[fmt.name]["scale"]
+            edges = (math.log2(lo_v / s), math.log2(hi_v / s))
+            ax.axvspan(*edges, ymin=y0, ymax=y1, color=color, label=f"{fmt.name} range (scale {s:.4g})")
+            for edge in edges:
+                ax.axvline(edge, ymax=y1, color=color, linestyle="--", linewidth=0.8)
+        # mathtext would read "$" in a name: escape it, and control characters, which no font draws
+        title = printable(f"{name}  {row['dtype']} {tuple(row['shape'])}  amax {row['amax']:.4g}")
+        ax.set_title(title.replace("$", r"\$"), fontsize=9)
+        ax.set_xlabel("log2 |x|")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the plot: covers no bar
+    fig.tight_layout()
+    fig.savefig(target, dpi=90)
+    plt.close(fig)
+    return target
+
+
+def _cell(v: Any, spec: str, width: int) -> str:
+    if v is None:
+        return f"{'n/a':>{width}}"
+    return f"{v:>{width}{spec}}"
+
+
+TABLE_WIDTH = 100
+
+
+def _fit(text: str, width: int = TABLE_WIDTH) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _table(rows: dict[str, dict]) -> Iterator[str]:
+    """The inspect table, TABLE_WIDTH columns at most: a line naming each tensor, then a line per format."""
+    fields = f"{'scale':>10} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
+    yield "tensor  shape  dtype  amax"
+    yield f"  {'fmt':<4} {fields}"
+    yield "-" * (7 + len(fields))
+    for key, r in rows.items():
+        shape = str(tuple(r["shape"]))
+        rest = f"  {shape} {r['dtype']}  " + (f"skipped: {r['skipped']}" if "skipped" in r else f"amax {r['amax']:.4g}")
+        name = printable(key)
+        if len(name) + len(rest) <= TABLE_WIDTH:
+            yield name + rest
+        else:  # a long name whole, on lines of its own: any part of it may be what tells tensors apart
+            yield from (name[i:i + TABLE_WIDTH] for i in range(0, len(name), TABLE_WIDTH))
+            yield _fit(rest)
+        if "skipped" in r:
+            continue
+        for fmt in ("E4M3", "E5M2"):
+            f = r[fmt]
+            yield (f"  {fmt:<4} {f['scale']:>10.4g} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
+                   f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
+        notes = [r["note"]] if "note" in r else []
+        if r["nan"] or r["inf"]:
+            notes.append(f"{r['nan']} NaN and {r['inf']} inf of {r['elements']} values: the statistics are of the "
+                         "finite values")
+        for note in notes:
+            yield from textwrap.wrap(printable(note), TABLE_WIDTH, initial_indent="  note: ",
+                                     subsequent_indent=" " * 8)
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    try:
+        _inspect(args)
+    except CliError as e:  # messages name members and keys from the files
+        raise CliError(printable(str(e))) from None
+    except (ValueError, TypeError, OSError) as e:  # main's own handler, but the text escaped (paths, names)
+        raise CliError(printable(one_line(e, kind=False))) from None
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    rows: dict[str, dict] = {}
+    hists: dict[str, np.ndarray] = {}
+    files = list(args.files)
+    for i, path in enumerate(files):
+        count = 0
+        try:
+            for name, x in iter_tensors(path, args.max_bytes):
+                key = f"{path}:{name}" if len(files) > 1 else name
+                hist = np.zeros(len(_HIST_BINS) - 1, np.int64) if args.plot else None
+                rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale)
+                if hist is not None and "skipped" not in rows[key]:
+                    hists[key] = hist
+                count += 1
+                del x  # one tensor at a time
+        except CliError:
+            raise
+        except MemoryError:
+            raise CliError(f"{path}: not enough memory to measure it") from None
+        if not count:
+            raise CliError(f"{path}: holds no tensors")
+        progress(i + 1, len(files), "files")
+    written = _plot({k: (hists[k], rows[k]) for k in hists}, args.plot) if args.plot and hists else None
+    if args.json:  # json escapes control characters itself: strict JSON, names intact
+        print(json.dumps(_strict(rows), indent=1, allow_nan=False))
+        return
+    for line in _table(rows):
+        print(line)
+    if written is not None:
+        print(f"plot written to {printable(str(written))}")

@@ -22,6 +22,7 @@ inside ``shard_map``.
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -410,14 +411,16 @@ _HANDLERS: dict[type, Handler] = {np.ndarray: _from_numpy, Tensor: lambda t, arg
 
 
 def _handler_for(tp: type) -> Handler:
-    """The reader for an array type, decided once per type from its module and base classes."""
+    """The reader for an array type, decided once per type from its base classes (a subclass of torch.Tensor
+    defined anywhere is torch's: DLPack would drop its negative bit) and, for JAX, its module."""
     module = tp.__module__.split(".")[0]
+    torch, cupy = sys.modules.get("torch"), sys.modules.get("cupy")  # an object of theirs means they are imported
     handler: Handler = _generic
     if issubclass(tp, np.ndarray):
         handler = _from_numpy
-    elif module == "torch" and issubclass(tp, _torch_module().Tensor):
+    elif torch is not None and issubclass(tp, torch.Tensor):
         handler = _from_torch
-    elif module == "cupy" and issubclass(tp, _cupy_module().ndarray):
+    elif cupy is not None and issubclass(tp, cupy.ndarray):
         handler = _from_cupy
     elif module in ("jax", "jaxlib"):
         import jax

@@ -351,3 +351,17 @@ def test_inputs_stay_resizable():
     for x in xs:
         assert x.untyped_storage().resizable()
         x.resize_(16)
+
+
+class _UserTensor(torch.Tensor):
+    """A torch.Tensor subclass defined outside torch, as a user's or a library's own."""
+
+
+def test_a_torch_subclass_defined_elsewhere_is_read_by_torchs_reader() -> None:
+    """Read through DLPack, its negative bit would be dropped and its values read negated without a word."""
+    with pytest.raises(ValueError, match=r"x: .*negative bit"):
+        fp8core.amax(_neg_view().as_subclass(_UserTensor))
+    x = torch.tensor([1.0, -3.0, 2.0]).as_subclass(_UserTensor)
+    q = fp8core.quantize(x, 1.0)
+    assert isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.view(torch.uint8), fp8core.quantize(torch.tensor([1.0, -3.0, 2.0]), 1.0).view(torch.uint8))

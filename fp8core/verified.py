@@ -25,9 +25,7 @@ def bench_dir() -> Path:
     try:
         import fp8core.bench as bench
     except ImportError:
-        import fp8core
-
-        return Path(fp8core.__file__).resolve().parent.parent / "bench"
+        return Path(__file__).resolve().parent.parent / "bench"
     return Path(next(iter(bench.__path__)))
 
 

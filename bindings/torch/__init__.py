@@ -12,8 +12,7 @@ CUDA tensors alike.
 
 from . import ops
 from . import block_ops  # noqa: F401  (block scaling: torch.ops.fp8core.quantize_mxfp8, ...)
-from .fsdp import enable_fsdp_float8_all_gather
-from .linear import Float8Linear, convert_to_float8
+from .linear import Float8Linear, convert_to_float8, enable_fsdp_float8_all_gather
 from .scaling import SharedScaling, autocast
 from .te import Linear
 from fp8core import recipe  # noqa: E402  (TE's transformer_engine.common.recipe: te.recipe.DelayedScaling, ...)

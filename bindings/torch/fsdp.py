@@ -30,8 +30,7 @@ from torch.utils._pytree import tree_map
 
 from . import ops
 
-__all__ = ["enable_fsdp_float8_all_gather", "Float8AllGatherWeight", "Float8GatheredWeight", "plain_weight",
-           "wrap_weight"]
+__all__ = ["Float8AllGatherWeight", "Float8GatheredWeight", "plain_weight", "wrap_weight"]
 
 _aten = torch.ops.aten
 # what FSDP2 does to a parameter to shard, pad and copy it: the result stays a Float8AllGatherWeight
@@ -153,22 +152,6 @@ def plain_weight(t: torch.Tensor) -> torch.Tensor:
 
 def _unwrap(t: Any) -> Any:
     return t._tensor if isinstance(t, Float8AllGatherWeight) else t
-
-
-def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:
-    """Make FSDP2 all-gather every Float8Linear weight of ``module`` in fp8 (call before ``fully_shard``).
-    In place; returns ``module``. Per-tensor recipes only: a block-scaled weight is gathered in high precision."""
-    from .block_linear import BLOCK_RECIPES
-    from .linear import Float8Linear
-
-    for name, m in module.named_modules():
-        if isinstance(m, Float8Linear) and isinstance(m.recipe, BLOCK_RECIPES):
-            raise TypeError(f"module: {name or 'the module'} uses {type(m.recipe).__name__}; fp8 all-gather takes "
-                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling")
-    for m in module.modules():
-        if isinstance(m, Float8Linear):
-            wrap_weight(m)
-    return module
 
 
 def wrap_weight(m: torch.nn.Module) -> None:

@@ -32,7 +32,7 @@ from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
 from .scaling import SLOTS, STATE, SharedScaling, check_recipe, current_context, initial_state
 
-__all__ = ["Float8Linear", "convert_to_float8"]
+__all__ = ["Float8Linear", "convert_to_float8", "enable_fsdp_float8_all_gather"]
 
 _GEMM_MULTIPLE = 16
 _BIAS_EPILOGUE = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}  # else added after the GEMM
@@ -468,4 +468,17 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
             parts = fqn.split(".")
             for i in range(len(parts)):
                 watch_loads(module.get_submodule(".".join(parts[:i])))
+    return module
+
+
+def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:
+    """Make FSDP2 all-gather every Float8Linear weight of ``module`` in fp8 (call before ``fully_shard``).
+    In place; returns ``module``. Per-tensor recipes only: a block-scaled weight is gathered in high precision."""
+    for name, m in module.named_modules():
+        if isinstance(m, Float8Linear) and isinstance(m.recipe, BLOCK_RECIPES):
+            raise TypeError(f"module: {name or 'the module'} uses {type(m.recipe).__name__}; fp8 all-gather takes "
+                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling")
+    for m in module.modules():
+        if isinstance(m, Float8Linear):
+            wrap_weight(m)
     return module

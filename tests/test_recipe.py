@@ -10,7 +10,7 @@ import pytest
 
 import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling, Format
-from fp8core.ops import MAX_MARGIN
+from fp8core.args import MAX_MARGIN
 
 NAN, INF = float("nan"), float("inf")
 

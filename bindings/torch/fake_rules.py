@@ -14,9 +14,8 @@ from typing import Optional
 
 import torch
 
-from fp8core import _checks
+from fp8core import args
 from fp8core.gemm import check_shapes
-from fp8core.scaling import ALGOS
 
 __all__ = ["refuse_meta", "matrix", "gemm_shape", "update_args"]
 
@@ -64,7 +63,6 @@ def update_args(history: torch.Tensor, vectors: tuple[tuple[str, Optional[torch.
             raise TypeError(f"{arg}: expected {dtype}, got {_dtype(t)}")
         if tuple(t.shape) != (n,):
             raise ValueError(f"{arg}: expected shape ({n},) to match history [L, {n}], got {tuple(t.shape)}")
-    if not isinstance(algo, str) or algo not in ALGOS:
-        raise ValueError(f"algo: expected one of {ALGOS}, got {algo!r}")
-    _checks.margin(margin)
-    _checks.epsilon(epsilon)
+    args.amax_algo(algo)
+    args.margin(margin)
+    args.epsilon(epsilon)

@@ -390,8 +390,6 @@ class ScalingState:
         """Validate everything (keys, dtypes, shapes, values: see :func:`check_state_values`), then write."""
         if not isinstance(state, Mapping):
             raise TypeError(f"state: expected a mapping, got {type(state).__name__}")
-        if "buffer" in state and "amax_history" not in state:  # the earlier format: the flat buffer
-            state = _split_buffer(state, self.num_tensors, self.history_len)
         for key in ("amax_history", "scale", "scale_inv", "steps"):
             if key not in state:
                 raise KeyError(f"state: missing key {key!r} (expected amax_history, scale, scale_inv, steps)")
@@ -421,17 +419,6 @@ def _allocate(xp: Any, size: int, n: int, L: int, device: tuple) -> Any:
     raise MemoryError(f"num_tensors, amax_history_len: a state of {n} tensors x {L} history rows needs "
                       f"{size * 4} bytes of float32 on {_device_str(device)}, which could not be allocated "
                       f"({type(oom).__name__}); use fewer tensors or a shorter history") from oom
-
-
-def _split_buffer(state: Mapping[str, Any], n: int, L: int) -> dict[str, Any]:
-    flat, dtype, shape = _host(state["buffer"], "buffer")
-    if dtype != "float32":
-        raise TypeError(f"buffer: expected float32, got {dtype}")
-    if tuple(shape) != (L * n + 2 * n,):
-        raise ValueError(f"buffer: expected shape ({L * n + 2 * n},) for {n} tensors and amax_history_len {L}, "
-                         f"got {tuple(shape)}")
-    return {"amax_history": flat[: L * n].reshape(L, n), "scale": flat[L * n: L * n + n],
-            "scale_inv": flat[L * n + n:], "steps": state.get("steps")}
 
 
 def _np(value: Any) -> np.ndarray:

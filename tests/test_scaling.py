@@ -133,9 +133,6 @@ def test_state_dict_round_trip():
     other.load_state_dict(st.state_dict())
     np.testing.assert_array_equal(other.buffer, st.buffer)
     assert other.steps == 1
-    earlier = history_state()
-    earlier.load_state_dict({"buffer": st.buffer.copy(), "steps": 1})  # the format before issue 12
-    np.testing.assert_array_equal(earlier.buffer, st.buffer)
 
 
 @pytest.mark.parametrize("kw,arg", [({"amax_history_len": 0}, "amax_history_len"),

@@ -375,9 +375,7 @@ class ScalingState:
             s, s_inv, ok = new
             scale[ok] = s[ok]
             scale_inv[ok] = s_inv[ok]
-        from .backends.cpu import roll
-
-        roll(H, ran, cur, H.shape[0])
+        _roll(H, ran, cur)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
@@ -419,6 +417,14 @@ def _allocate(xp: Any, size: int, n: int, L: int, device: tuple) -> Any:
     raise MemoryError(f"num_tensors, amax_history_len: a state of {n} tensors x {L} history rows needs "
                       f"{size * 4} bytes of float32 on {_device_str(device)}, which could not be allocated "
                       f"({type(oom).__name__}); use fewer tensors or a shorter history") from oom
+
+
+def _roll(history: Any, ran: Any, cur: Any) -> None:
+    """[cur, h1, ..., h_{L-1}] -> [0, h2, ..., h_{L-1}, cur] in the columns that ran (NumPy or CuPy)."""
+    cols = ran.nonzero()[0]
+    history[1:-1, cols] = history[2:, cols]
+    history[-1, cols] = cur[cols]
+    history[0, cols] = 0
 
 
 def _np(value: Any) -> np.ndarray:

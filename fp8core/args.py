@@ -16,7 +16,7 @@ import numpy as np
 
 from ._fpenv import ieee
 from ._tensor import Tensor, logical_numpy_dtype, storage_dtype, wrap
-from .formats import FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
+from .formats import ENCODINGS, FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
 
 MAX_MARGIN = 512
 # A delayed-scaling state's dimensions: the update kernel takes the history length as a 32-bit int, and a count
@@ -148,7 +148,7 @@ def as_format(fmt: Any, *, arg: str = "fmt", allow_hybrid: bool = False) -> Form
 
 
 # Format lookups without as_format's parsing: every spelling seen once is remembered.
-_FORMATS: dict[Any, Format] = {Format.E4M3: Format.E4M3, Format.E5M2: Format.E5M2}
+_FORMATS: dict[Any, Format] = {f: f for f in ENCODINGS}
 
 
 def fmt(value: Any, arg: str = "fmt") -> Format:

@@ -106,6 +106,13 @@ def amax_algo(value: Any, arg: str = "algo") -> str:
     return value
 
 
+def gemm_recipe_format(recipe: Any, arg: str = "recipe") -> None:
+    """A recipe that feeds fp8 GEMMs (a Linear, fp8core.jax.dense) has a GEMM for its formats' pairs."""
+    if recipe.fp8_format is Format.E5M2:
+        raise ValueError(f"{arg}: fp8_format E5M2 would make E5M2 x E5M2 GEMMs, which have no FP8 kernel; "
+                         "use Format.HYBRID (E4M3 forward, E5M2 backward) or Format.E4M3")
+
+
 def scale_mode(mode: Any) -> str:
     """'rceil' or 'floor': how an MXFP8 block's E8M0 scale is rounded."""
     if not isinstance(mode, str) or mode not in SCALE_MODES:

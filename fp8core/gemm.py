@@ -15,10 +15,11 @@ from ._tensor import Tensor, export, wrap
 from .args import as_format
 from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
 
-__all__ = ["gemm", "GemmSpec", "ALIGNMENT", "check_shapes", "check_bias"]
+__all__ = ["gemm", "GemmSpec", "ALIGNMENT", "MULTIPLE", "check_shapes", "check_bias"]
 
 Array = Any
 ALIGNMENT = 16  # bytes: cuBLASLt's requirement for FP8 operands and outputs
+MULTIPLE = 16  # K and N: cuBLASLt's FP8 GEMM takes positive multiples of it
 
 # cuBLASLt's FP8 table: the bias type each output takes (fp8 outputs take the type of C, bf16 or fp16).
 _BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",),
@@ -78,10 +79,10 @@ def check_shapes(a_shape: tuple[int, ...], b_shape: tuple[int, ...], fa: Format 
     if kb != k:
         raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a_shape)}, got shape "
                          f"{tuple(b_shape)}")
-    if k == 0 or k % 16:
-        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
-    if n == 0 or n % 16:
-        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
+    if k == 0 or k % MULTIPLE:
+        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of {MULTIPLE}")
+    if n == 0 or n % MULTIPLE:
+        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of {MULTIPLE}")
     if fa is Format.E5M2 and fb is Format.E5M2:
         raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
     return m, k, n

@@ -206,8 +206,7 @@ def dense_recipe(recipe: Any, arg: str = "recipe") -> Any:
     """DelayedScaling or Float8CurrentScaling whose GEMMs exist (no E5M2 x E5M2)."""
     if not isinstance(recipe, (fp8core.DelayedScaling, fp8core.Float8CurrentScaling)):
         raise TypeError(f"{arg}: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
-    if recipe.fp8_format is Format.E5M2:
-        raise ValueError(f"{arg}: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    args.gemm_recipe_format(recipe, arg)
     return recipe
 
 

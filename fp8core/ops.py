@@ -18,8 +18,12 @@ __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "c
 Array = Any
 
 
+_BACKENDS: dict[tuple, Any] = {}  # for_device's answers: its import statement is most of a 16-element call
+
+
 def _backend(t: Tensor) -> Any:
-    return backends.for_device(t.device)
+    b = _BACKENDS.get(t.device)
+    return b if b is not None else _BACKENDS.setdefault(t.device, backends.for_device(t.device))
 
 
 # ---- the primitives ---------------------------------------------------------------------------------------

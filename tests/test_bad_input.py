@@ -78,7 +78,7 @@ CASES = [
      "previous", "finite scale > 0"),
     ("previous bool", lambda d: fp8core.compute_scale(T(d, [0.0]), "e4m3", previous=True), TypeError,
      "previous", "expected"),
-    # scalar arguments: one set of rules (fp8core._checks)
+    # scalar arguments: one set of rules (fp8core.args)
     ("margin too large", lambda d: fp8core.quantize_dynamic(T(d, [1.0]), margin=10 ** 6), ValueError, "margin",
      "<= 512"),
     ("margin float", lambda d: fp8core.compute_scale(T(d, [1.0]), "e4m3", margin=1.5), TypeError, "margin",

@@ -24,7 +24,7 @@ from .formats import Format
 from .ops import quantize
 from .recipe import DelayedScaling
 
-__all__ = ["ScalingState", "check_update_args", "check_state_values"]
+__all__ = ["ScalingState", "check_update_args", "check_update_shapes", "check_state_values"]
 
 
 def _parse_device(device: Any) -> tuple:
@@ -54,12 +54,28 @@ def _device_str(device: tuple) -> str:
 
 # ---- checks shared by ScalingState, torch.ops.fp8core.update and the front-ends -----------------------------
 
+def check_update_shapes(history: tuple[str, tuple[int, ...]], vectors: Sequence[tuple[str, str, tuple[int, ...],
+                        str]], history_arg: str = "history") -> int:
+    """The batched update's dtype and shape rules, from dtype names and shapes alone (the front-ends check them
+    while tracing): history float32 [L, N], L and N >= 1; each (arg, dtype, shape, expected dtype) of
+    ``vectors`` [N]. Returns N."""
+    dtype, shape = history
+    if dtype != "float32":
+        raise TypeError(f"{history_arg}: expected float32, got {dtype}")
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"{history_arg}: expected shape [L, N] with L, N >= 1, got {tuple(shape)}")
+    n = shape[1]
+    for arg, dtype, shape, want in vectors:
+        if dtype != want:
+            raise TypeError(f"{arg}: expected {want}, got {dtype}")
+        if tuple(shape) != (n,):
+            raise ValueError(f"{arg}: expected shape ({n},) to match {history_arg} [L, {n}], got {tuple(shape)}")
+    return n
+
+
 def _vector(obj: Any, arg: str, dtype: str, n: int, like: Tensor) -> Any:
     t = args.contiguous(wrap(obj, arg), arg)
-    if t.dtype != dtype:
-        raise TypeError(f"{arg}: expected {dtype}, got {t.dtype}")
-    if t.shape != (n,):
-        raise ValueError(f"{arg}: expected shape ({n},) to match history [L, {n}], got {t.shape}")
+    check_update_shapes(("float32", like.shape), [(arg, t.dtype, t.shape, dtype)])
     args.same_device(t, like, arg, "history")
     if t.readonly:
         raise ValueError(f"{arg}: is read-only")
@@ -76,13 +92,9 @@ def check_update_args(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, no
     epsilon) as backend arrays.
     """
     h = args.contiguous(wrap(history, "history"), "history")
-    if h.dtype != "float32":
-        raise TypeError(f"history: expected float32, got {h.dtype}")
-    if len(h.shape) != 2 or h.shape[0] < 1 or h.shape[1] < 1:
-        raise ValueError(f"history: expected shape [L, N] with L, N >= 1, got {h.shape}")
+    n = check_update_shapes((h.dtype, h.shape), [])
     if h.readonly:
         raise ValueError("history: is read-only")
-    n = h.shape[1]
     s = _vector(scale, "scale", "float32", n, h)
     si = _vector(scale_inv, "scale_inv", "float32", n, h)
     fm = _vector(fp8_max, "fp8_max", "float32", n, h)

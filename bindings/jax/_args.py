@@ -23,6 +23,7 @@ from fp8core.blocks import E8M0, BlockScaledTensor, MXTensor, block_layout, gemm
 from fp8core.blocks import gemm_operands as split_block_operands
 from fp8core.formats import Format
 from fp8core.gemm import check_bias, check_shapes
+from fp8core.scaling import check_update_shapes
 
 
 def _name(x: Any) -> str:
@@ -161,18 +162,10 @@ def update_args(history: Any, scale_: Any, scale_inv: Any, recipe: Any, formats:
     column of history."""
     delayed(recipe)
     args.flag(update_scale, "update_scale")
-    name = _name(array(history, "amax_history"))
-    if name != "float32":
-        raise TypeError(f"amax_history: expected float32, got {name}")
-    if len(history.shape) != 2 or history.shape[0] < 1 or history.shape[1] < 1:
-        raise ValueError(f"amax_history: expected shape [L, N] with L, N >= 1, got {tuple(history.shape)}")
-    n = history.shape[1]
-    for arg, v in (("scale", scale_), ("scale_inv", scale_inv)):
-        name = _name(array(v, arg))
-        if name != "float32":
-            raise TypeError(f"{arg}: expected float32, got {name}")
-        if tuple(v.shape) != (n,):
-            raise ValueError(f"{arg}: expected shape ({n},) to match amax_history [L, {n}], got {tuple(v.shape)}")
+    h = (_name(array(history, "amax_history")), tuple(history.shape))
+    n = check_update_shapes(h, [], "amax_history")
+    for arg, v in (("scale", scale_), ("scale_inv", scale_inv)):  # one by one, in the core's order
+        check_update_shapes(h, [(arg, _name(array(v, arg)), tuple(v.shape), "float32")], "amax_history")
     return format_list(formats, n)
 
 

@@ -26,6 +26,7 @@ AMAX_ALGOS = ("max", "most_recent")  # the batched update's built-in rules
 SCALE_MODES = ("rceil", "floor")  # MXFP8's E8M0 scale rules
 _HP = frozenset(HIGH_PRECISION_DTYPES)
 _FP8_TEXT = ", ".join(FP8_DTYPES)
+_FORMATS_TEXT = ", ".join([f"Format.{f.name}" for f in ENCODINGS] + [repr(f.value) for f in ENCODINGS])
 # The largest double that rounds (to nearest) to a finite float32: 2**128 - 2**103, exclusive. Above it an
 # epsilon becomes inf in float32 and every amax is floored to inf (no scale at all, silently).
 _F32_ROUNDS_TO_INF = 3.4028235677973366e38
@@ -146,8 +147,7 @@ def as_format(fmt: Any, *, arg: str = "fmt", allow_hybrid: bool = False) -> Form
     else:
         name = dtype_name(fmt)
         if name not in FP8_DTYPES:
-            raise ValueError(f"{arg}: unknown FP8 format {fmt!r}; expected Format.E4M3, Format.E5M2, "
-                             "'e4m3', 'e5m2' or an fp8 dtype")
+            raise ValueError(f"{arg}: unknown FP8 format {fmt!r}; expected {_FORMATS_TEXT} or an fp8 dtype")
         result = FORMAT_NAMES[name]
     if not flag(allow_hybrid, "allow_hybrid") and result is Format.HYBRID:
         raise ValueError(f"{arg}: HYBRID is a recipe, not an encoding; pass Format.HYBRID.fwd or .bwd")

@@ -13,7 +13,7 @@ from typing import Any
 from . import args, backends
 from ._tensor import Tensor, export, wrap
 from .args import as_format
-from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
+from .formats import ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
 
 __all__ = ["gemm", "GemmSpec", "ALIGNMENT", "MULTIPLE", "check_shapes", "check_bias"]
 
@@ -55,8 +55,8 @@ def _parse_out_dtype(out_dtype: Any) -> str:
     try:
         return as_format(name, arg="out_dtype").dtype_name
     except ValueError:
-        raise ValueError(f"out_dtype: expected float32, bfloat16, float16, or an fp8 format (E4M3, E5M2), "
-                         f"got {out_dtype!r}") from None
+        raise ValueError(f"out_dtype: expected float32, bfloat16, float16, or an fp8 format "
+                         f"({', '.join(f.name for f in ENCODINGS)}), got {out_dtype!r}") from None
 
 
 def _aligned(t: Tensor, arg: str) -> None:

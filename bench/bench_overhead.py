@@ -63,7 +63,7 @@ def _fp8_cases(x: Any, s: Any, slot: Any, q: Any, x2: Any) -> dict[str, Case]:
 def _backend_cases(x: Any, s: Any, slot: Any, q: Any, x2: Any) -> dict[str, Case]:
     """The same work handed straight to the backend: the floor that fp8core's Python adds to."""
     tx, tx2 = _tensor.wrap(x), _tensor.wrap(x2)
-    tq = fp8core.ops._fp8(q, "q", "e4m3")[0]
+    tq = fp8core.args.fp8(q, "q", "e4m3")[0]
     be = for_device(tx.device)
     st, ss = _tensor.wrap(s).data.reshape(-1), _tensor.wrap(slot).data.reshape(-1)
     e4m3 = fp8core.Format.E4M3

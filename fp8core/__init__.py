@@ -4,7 +4,8 @@ CPU arrays run on the NumPy + ml_dtypes reference backend; CUDA arrays on kernel
 Both follow one numerics contract (docs/numerics.md) bit for bit.
 """
 
-from .formats import Format, as_format
+from .args import as_format
+from .formats import Format
 from .gemm import gemm
 from .ops import (amax, cast_transpose, compute_scale, dequantize, multi_amax, multi_quantize, quantize,
                   quantize_dynamic, transpose)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from . import _checks
+from . import args, backends
 from ._tensor import Tensor, export, wrap
-from .formats import Format, as_format
-from .ops import _as_2d, _contiguous, _epsilon, _fp8, _high_precision, _out_dtype, _same_device
-from .recipe import _scale_mode
+from .args import cdiv
+from .formats import FP8_DTYPES, Format
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
-           "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "MX_BLOCK", "FP32_BLOCK"]
+           "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "MX_BLOCK", "FP32_BLOCK", "E8M0",
+           "mx_scale_shape", "mx_layout", "block_scale_shape", "block_layout", "gemm_operands", "gemm_blocks"]
 
 Array = Any
 MX_BLOCK = 32
@@ -49,6 +49,7 @@ class BlockScaledTensor(NamedTuple):
 
 
 def _backend(t: Tensor) -> Any:
+    # the block kernels are modules of their own beside backends.for_device's
     if t.is_cuda:
         from .backends import cuda_blocks
 
@@ -58,22 +59,9 @@ def _backend(t: Tensor) -> Any:
     return cpu_blocks
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _block_rows(block: Any) -> int:
-    """Rows of a fp32-scaled block: 1 for "1x128", 128 for "128x128"."""
-    table = {"1x128": 1, (1, 128): 1, "128x128": 128, (128, 128): 128}
-    key = tuple(block) if isinstance(block, (tuple, list)) else block
-    if not isinstance(key, (str, tuple)) or key not in table:
-        raise ValueError(f"block: expected '1x128' or '128x128', got {block!r}")
-    return table[key]
-
-
 def _scale_tensor(obj: Any, arg: str, like: Tensor, dtypes: tuple[str, ...]) -> Tensor:
-    t = _contiguous(wrap(obj, arg), arg)
-    _same_device(t, like, arg, "data")
+    t = args.contiguous(wrap(obj, arg), arg)
+    args.same_device(t, like, arg, "data")
     if t.dtype not in dtypes:
         raise TypeError(f"{arg}: expected {' or '.join(dtypes)}, got {t.dtype}")
     return t
@@ -95,11 +83,11 @@ def quantize_mxfp8(x: Array, fmt: Format | str = Format.E4M3, *, scale_mode: str
     amax lands at or below fp8_max) or "floor" (OCP). Returns ``MXTensor(data, scale)``: data fp8 in x's
     shape; scale E8M0 [rows, ceil(cols/32)], or [ceil(rows/32), cols] when ``columnwise``.
     """
-    t = _high_precision(x, "x")
-    f = as_format(fmt)
-    mode = _scale_mode(scale_mode)
-    cw = _checks.flag(columnwise, "columnwise")
-    t2 = _as_2d(t, "x")
+    t = args.high_precision(x, "x")
+    f = args.fmt(fmt)
+    mode = args.scale_mode(scale_mode)
+    cw = args.flag(columnwise, "columnwise")
+    t2 = args.as_2d(t, "x")
     q, s = _backend(t).quantize_mxfp8(t2, f, mode, cw)
     return MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t))
 
@@ -108,31 +96,33 @@ def quantize_mxfp8_both(x: Array, fmt: Format | str = Format.E4M3, *,
                         scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
     """``(rowwise, columnwise)``: both MXFP8 quantizations of x from one read of it (a backward pass needs the
     columnwise one for the transposed GEMM operand). Each equals :func:`quantize_mxfp8` bit for bit."""
-    t = _high_precision(x, "x")
-    f = as_format(fmt)
-    mode = _scale_mode(scale_mode)
-    q, s, qc, sc = _backend(t).quantize_mxfp8_both(_as_2d(t, "x"), f, mode)
+    t = args.high_precision(x, "x")
+    f = args.fmt(fmt)
+    mode = args.scale_mode(scale_mode)
+    q, s, qc, sc = _backend(t).quantize_mxfp8_both(args.as_2d(t, "x"), f, mode)
     return (MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t)),
             MXTensor(export(qc.reshape(t.shape), f.dtype_name, t), export(sc, E8M0, t)))
+
+
+def mx_scale_shape(rows: int, cols: int, columnwise: bool) -> tuple[int, int]:
+    """The E8M0 scale's shape for data viewed as [rows, cols]: one byte per 32 of a row (or of a column)."""
+    return (cdiv(rows, MX_BLOCK), cols) if columnwise else (rows, cdiv(cols, MX_BLOCK))
 
 
 def mx_layout(shape: tuple[int, int], scale_shape: tuple[int, ...], arg: str = "scale") -> bool:
     """True for columnwise scales of a [rows, cols] tensor, False for rowwise; the two shapes coincide only
     where they mean the same blocks (rows <= 1 and cols <= 1)."""
-    rows, cols = shape
-    if tuple(scale_shape) == (rows, _cdiv(cols, MX_BLOCK)):
-        return False
-    if tuple(scale_shape) == (_cdiv(rows, MX_BLOCK), cols):
-        return True
-    raise ValueError(f"{arg}: expected shape {(rows, _cdiv(cols, MX_BLOCK))} (rowwise) or "
-                     f"{(_cdiv(rows, MX_BLOCK), cols)} (columnwise) for data viewed as {(rows, cols)}, "
-                     f"got {tuple(scale_shape)}")
+    row, col = mx_scale_shape(*shape, False), mx_scale_shape(*shape, True)
+    if tuple(scale_shape) in (row, col):
+        return tuple(scale_shape) != row
+    raise ValueError(f"{arg}: expected shape {row} (rowwise) or {col} (columnwise) for data viewed as "
+                     f"{tuple(shape)}, got {tuple(scale_shape)}")
 
 
 def _mx_parts(t: Any, arg: str, fmt: Any) -> tuple[Tensor, Tensor, Format, bool]:
     data, scale = _pair(t, MXTensor, arg)
-    tq, f = _fp8(data, f"{arg}.data", fmt)
-    t2 = _as_2d(tq, f"{arg}.data")
+    tq, f = args.fp8(data, f"{arg}.data", fmt)
+    t2 = args.as_2d(tq, f"{arg}.data")
     ts = _scale_tensor(scale, f"{arg}.scale", tq, (E8M0, "uint8"))
     return t2, ts, f, mx_layout(t2.shape, ts.shape, f"{arg}.scale")
 
@@ -144,7 +134,7 @@ def dequantize_mxfp8(t: MXTensor, out_dtype: Any = "float32", *, fmt: Format | s
     bfloat16 or float16. fmt names the format of uint8 data (CuPy).
     """
     tq, ts, f, columnwise = _mx_parts(t, "t", fmt)
-    name = _out_dtype(out_dtype)
+    name = args.out_dtype(out_dtype)
     y = _backend(tq).dequantize_mxfp8(tq, ts, f, columnwise, name)
     shape = wrap(t[0]).shape
     return export(y.reshape(shape), name, tq)
@@ -161,31 +151,33 @@ def quantize_blockwise(x: Array, fmt: Format | str = Format.E4M3, *, block: Any 
     scale_inv)``: data fp8 in x's shape, scale_inv float32 [rows, ceil(cols/128)] ("1x128") or
     [ceil(rows/128), ceil(cols/128)] ("128x128").
     """
-    t = _high_precision(x, "x")
-    f = as_format(fmt)
-    br = _block_rows(block)
-    pow2 = _checks.flag(power_of_2, "power_of_2")
-    q, s_inv = _backend(t).quantize_blockwise(_as_2d(t, "x"), f, br, pow2, _epsilon(epsilon))
+    t = args.high_precision(x, "x")
+    f = args.fmt(fmt)
+    br = args.block_rows(block)
+    pow2 = args.flag(power_of_2, "power_of_2")
+    q, s_inv = _backend(t).quantize_blockwise(args.as_2d(t, "x"), f, br, pow2, args.epsilon(epsilon))
     return BlockScaledTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s_inv, "float32", t))
+
+
+def block_scale_shape(rows: int, cols: int, block_rows: int) -> tuple[int, int]:
+    """The fp32 scale_inv's shape for data viewed as [rows, cols] in blocks of ``block_rows`` x 128."""
+    return cdiv(rows, block_rows), cdiv(cols, FP32_BLOCK)
 
 
 def block_layout(shape: tuple[int, int], scale_shape: tuple[int, ...], arg: str = "scale_inv") -> int:
     """Block rows (1 or 128) that a scale_inv of ``scale_shape`` means for data viewed as ``shape``; the two
     layouts coincide only for rows <= 1, where a 128x128 tile is a 1x128 block."""
-    rows, cols = shape
-    kb = _cdiv(cols, FP32_BLOCK)
-    if tuple(scale_shape) == (rows, kb):
-        return 1
-    if tuple(scale_shape) == (_cdiv(rows, FP32_BLOCK), kb):
-        return FP32_BLOCK
-    raise ValueError(f"{arg}: expected shape {(rows, kb)} (1x128 blocks) or {(_cdiv(rows, FP32_BLOCK), kb)} "
-                     f"(128x128 tiles) for data viewed as {(rows, cols)}, got {tuple(scale_shape)}")
+    blocks, tiles = block_scale_shape(*shape, 1), block_scale_shape(*shape, FP32_BLOCK)
+    if tuple(scale_shape) in (blocks, tiles):
+        return 1 if tuple(scale_shape) == blocks else FP32_BLOCK
+    raise ValueError(f"{arg}: expected shape {blocks} (1x128 blocks) or {tiles} (128x128 tiles) for data viewed "
+                     f"as {tuple(shape)}, got {tuple(scale_shape)}")
 
 
 def _block_parts(t: Any, arg: str, fmt: Any) -> tuple[Tensor, Tensor, Format, int]:
     data, scale_inv = _pair(t, BlockScaledTensor, arg)
-    tq, f = _fp8(data, f"{arg}.data", fmt)
-    t2 = _as_2d(tq, f"{arg}.data")
+    tq, f = args.fp8(data, f"{arg}.data", fmt)
+    t2 = args.as_2d(tq, f"{arg}.data")
     ts = _scale_tensor(scale_inv, f"{arg}.scale_inv", tq, ("float32",))
     return t2, ts, f, block_layout(t2.shape, ts.shape, f"{arg}.scale_inv")
 
@@ -197,7 +189,7 @@ def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = "float32", *,
     t: a :class:`BlockScaledTensor` (1x128 or 128x128, told apart by the scale_inv's shape).
     """
     tq, ts, f, br = _block_parts(t, "t", fmt)
-    name = _out_dtype(out_dtype)
+    name = args.out_dtype(out_dtype)
     y = _backend(tq).dequantize_blockwise(tq, ts, f, br, name)
     return export(y.reshape(wrap(t[0]).shape), name, tq)
 
@@ -219,11 +211,8 @@ def transpose_blocks(t: MXTensor | BlockScaledTensor, *, fmt: Format | str | Non
         if br == 1 and tq.shape[0] > 1:
             raise ValueError("t: 1x128 blocks lie along rows and have no transpose; quantize the transposed "
                              "tensor instead")
-    backend = _backend(tq)
-    from . import backends
-
     q_t = backends.for_device(tq.device).transpose(tq)
-    s_t = backend.transpose_scale(ts)
+    s_t = _backend(tq).transpose_scale(ts)
     return type(t)(export(q_t, f.dtype_name, tq), export(s_t, ts.dtype, tq))
 
 
@@ -257,30 +246,35 @@ def gemm_operands(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any) -> GemmBlo
     return GemmBlocks(a[0], b[0], a[1], b[1], type(a))
 
 
-def gemm_scales(blocks: GemmBlocks, ta: Tensor, tb: Tensor, k: int, out_name: str) -> tuple[Any, Any, str, str]:
-    """(a_scale, b_scale, a_block, b_block): the scales as backend arrays, after the checks cuBLASLt imposes."""
-    from .formats import FP8_DTYPES
-
-    if out_name in FP8_DTYPES:
-        raise ValueError(f"out_dtype: a block-scaled GEMM writes float32, bfloat16 or float16, got {out_name}")
-    (m, _), (n, _) = ta.shape, tb.shape
-    if blocks.kind is MXTensor:
+def gemm_blocks(mx: bool, m: int, n: int, k: int, a_scale_shape: tuple[int, ...],
+                b_scale_shape: tuple[int, ...]) -> tuple[str, str]:
+    """(a_block, b_block) of a block-scaled ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's limits, from shapes alone:
+    the one statement of the rule, for the core and the front-ends that check it while tracing."""
+    if mx:
         if k % MX_BLOCK:
             raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
-        sa = _scale_tensor(blocks.a_scale, "a.scale", ta, (E8M0, "uint8"))
-        sb = _scale_tensor(blocks.b_scale, "b.scale", ta, (E8M0, "uint8"))
-        for arg, t, rows in (("a.scale", sa, m), ("b.scale", sb, n)):
-            if t.shape != (rows, k // MX_BLOCK):
+        for arg, shape, rows in (("a.scale", a_scale_shape, m), ("b.scale", b_scale_shape, n)):
+            if tuple(shape) != (rows, k // MX_BLOCK):
                 raise ValueError(f"{arg}: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
-                                 f"{(rows, k // MX_BLOCK)}, got {t.shape}")
-        return sa.data, sb.data, "1x32", "1x32"
+                                 f"{(rows, k // MX_BLOCK)}, got {tuple(shape)}")
+        return "1x32", "1x32"
     if k % FP32_BLOCK:
         raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole blocks)")
-    sa = _scale_tensor(blocks.a_scale, "a.scale_inv", ta, ("float32",))
-    sb = _scale_tensor(blocks.b_scale, "b.scale_inv", ta, ("float32",))
-    ka = "1x128" if block_layout((m, k), sa.shape, "a.scale_inv") == 1 else "128x128"
-    kb = "1x128" if block_layout((n, k), sb.shape, "b.scale_inv") == 1 else "128x128"
+    ka = "1x128" if block_layout((m, k), a_scale_shape, "a.scale_inv") == 1 else "128x128"
+    kb = "1x128" if block_layout((n, k), b_scale_shape, "b.scale_inv") == 1 else "128x128"
     if ka == kb == "128x128":
         raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) in "
                          "1x128 blocks")
-    return sa.data, sb.data, ka, kb
+    return ka, kb
+
+
+def gemm_scales(blocks: GemmBlocks, ta: Tensor, tb: Tensor, k: int, out_name: str) -> tuple[Any, Any, str, str]:
+    """(a_scale, b_scale, a_block, b_block): the scales as backend arrays, after the checks cuBLASLt imposes."""
+    if out_name in FP8_DTYPES:
+        raise ValueError(f"out_dtype: a block-scaled GEMM writes float32, bfloat16 or float16, got {out_name}")
+    mx = blocks.kind is MXTensor
+    names, dtypes = (("a.scale", "b.scale"), (E8M0, "uint8")) if mx else (("a.scale_inv", "b.scale_inv"), ("float32",))
+    sa = _scale_tensor(blocks.a_scale, names[0], ta, dtypes)
+    sb = _scale_tensor(blocks.b_scale, names[1], ta, dtypes)
+    a_block, b_block = gemm_blocks(mx, ta.shape[0], tb.shape[0], k, sa.shape, sb.shape)
+    return sa.data, sb.data, a_block, b_block

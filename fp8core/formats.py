@@ -1,18 +1,39 @@
-"""FP8 formats: the OCP E4M3 (``float8_e4m3fn``) and E5M2 encodings, and Transformer Engine's HYBRID."""
+"""FP8 formats: the OCP E4M3 (``float8_e4m3fn``) and E5M2 encodings, and Transformer Engine's HYBRID.
+
+Each encoding is one row of :data:`ENCODINGS`; every other table of fp8core (dtype names, kernel
+instantiations, DLPack and cuBLASLt type codes, the accepted spellings) is read from it.
+"""
 
 from __future__ import annotations
 
 import enum
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["Format", "as_format", "HIGH_PRECISION_DTYPES", "FP8_DTYPES", "dtype_name"]
+__all__ = ["Format", "Encoding", "ENCODINGS", "FORMAT_NAMES", "HIGH_PRECISION_DTYPES", "FP8_DTYPES", "dtype_name"]
 
 # Logical dtype names used across fp8core; storage on the GPU is uint8 (fp8) and uint16 (bf16).
 HIGH_PRECISION_DTYPES = ("float32", "bfloat16", "float16")
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One fp8 encoding: everything fp8core needs to know of it."""
+
+    max: float            # largest finite value
+    dtype_name: str       # ml_dtypes' (and torch's, JAX's) name
+    index: int            # the CUDA kernels' template parameter
+    dlpack_code: int      # DLPack 1.1 type code (8-bit float)
+    cuda_data_type: int   # cudaDataType (cuBLASLt): CUDA_R_8F_E4M3 = 28, CUDA_R_8F_E5M2 = 29
+    aliases: tuple[str, ...]  # further spellings as_format accepts (besides the value and dtype_name)
+    numpy_dtype: np.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numpy_dtype", np.dtype(getattr(ml_dtypes, self.dtype_name)))
 
 
 class Format(enum.Enum):
@@ -32,40 +53,23 @@ class Format(enum.Enum):
         """The encoding used for backward tensors (grad_output, grad_input)."""
         return Format.E5M2 if self is Format.HYBRID else self
 
-    def _encoding(self) -> "Format":
-        if self is Format.HYBRID:
+    # An encoding's constants (its row of ENCODINGS, below) are attributes of the member, read on every
+    # primitive call; HYBRID has none, and reading one from it says why.
+    max: float
+    dtype_name: str
+    index: int
+    dlpack_code: int
+    numpy_dtype: np.dtype
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Encoding.__dataclass_fields__ or name == "encoding":
             raise ValueError("fmt: HYBRID is a recipe, not an encoding; use Format.HYBRID.fwd or .bwd")
-        return self
-
-    # The encodings' constants are read on every primitive call: each is one attribute of the member (set
-    # below, after the class); HYBRID has none, and reading one from it raises _encoding's error.
+        raise AttributeError(name)
 
     @property
-    def max(self) -> float:
-        """Largest finite value: 448 (E4M3), 57344 (E5M2)."""
-        try:
-            return self._max
-        except AttributeError:
-            raise self._no_encoding() from None
-
-    @property
-    def dlpack_code(self) -> int:
-        """DLPack 1.1 type code: kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12."""
-        return 10 if self._encoding() is Format.E4M3 else 12
-
-    @property
-    def dtype_name(self) -> str:
-        try:
-            return self._dtype_name
-        except AttributeError:
-            raise self._no_encoding() from None
-
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        try:
-            return self._numpy_dtype
-        except AttributeError:
-            raise self._no_encoding() from None
+    def emax(self) -> int:
+        """Exponent of the largest power of two <= max: 8 (E4M3), 15 (E5M2); MXFP8's E8M0 scales use it."""
+        return math.frexp(self.max)[1] - 1
 
     @property
     def torch_dtype(self) -> Any:
@@ -79,54 +83,19 @@ class Format(enum.Enum):
 
         return getattr(jnp, self.dtype_name)
 
-    @property
-    def index(self) -> int:
-        """The template parameter of the CUDA kernels: 0 = E4M3, 1 = E5M2."""
-        try:
-            return self._index
-        except AttributeError:
-            raise self._no_encoding() from None
 
-    def _no_encoding(self) -> Exception:
-        try:
-            self._encoding()
-        except ValueError as e:
-            return e
-        return AttributeError(self)  # pragma: no cover - every encoding has its constants
-
-
-for _fmt, _max, _name, _index in ((Format.E4M3, 448.0, "float8_e4m3fn", 0), (Format.E5M2, 57344.0, "float8_e5m2", 1)):
-    _fmt._max, _fmt._dtype_name, _fmt._index = _max, _name, _index
-    _fmt._numpy_dtype = np.dtype(getattr(ml_dtypes, _name))
-del _fmt, _max, _name, _index
-
-
-_ALIASES = {
-    "e4m3": Format.E4M3, "e4m3fn": Format.E4M3, "float8_e4m3fn": Format.E4M3, "fp8_e4m3": Format.E4M3,
-    "e5m2": Format.E5M2, "float8_e5m2": Format.E5M2, "fp8_e5m2": Format.E5M2,
-    "hybrid": Format.HYBRID,
+ENCODINGS = {
+    Format.E4M3: Encoding(448.0, "float8_e4m3fn", 0, 10, 28, ("e4m3fn", "fp8_e4m3")),
+    Format.E5M2: Encoding(57344.0, "float8_e5m2", 1, 12, 29, ("fp8_e5m2",)),
 }
+for _fmt, _row in ENCODINGS.items():
+    _fmt.__dict__.update(vars(_row), encoding=_row)
+del _fmt, _row
 
-
-def as_format(fmt: Any, *, arg: str = "fmt", allow_hybrid: bool = False) -> Format:
-    """A :class:`Format` from a Format, a string (``"e4m3"``), or an fp8 dtype of numpy, torch or jax."""
-    if isinstance(fmt, Format):
-        result = fmt
-    elif isinstance(fmt, str) and fmt.lower() in _ALIASES:
-        result = _ALIASES[fmt.lower()]
-    else:
-        name = dtype_name(fmt)
-        if name not in FP8_DTYPES:
-            raise ValueError(f"{arg}: unknown FP8 format {fmt!r}; expected Format.E4M3, Format.E5M2, "
-                             "'e4m3', 'e5m2' or an fp8 dtype")
-        result = _ALIASES[name]
-    if allow_hybrid is not False and allow_hybrid is not True:
-        from ._checks import flag  # _checks imports this module
-
-        allow_hybrid = flag(allow_hybrid, "allow_hybrid")
-    if result is Format.HYBRID and not allow_hybrid:
-        raise ValueError(f"{arg}: HYBRID is a recipe, not an encoding; pass Format.HYBRID.fwd or .bwd")
-    return result
+FP8_DTYPES = tuple(row.dtype_name for row in ENCODINGS.values())
+# Every spelling of a format as_format accepts, lower case.
+FORMAT_NAMES = {name: f for f, row in ENCODINGS.items() for name in (f.value, row.dtype_name, *row.aliases)}
+FORMAT_NAMES["hybrid"] = Format.HYBRID
 
 
 def dtype_name(dtype: Any) -> str:

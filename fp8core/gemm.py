@@ -10,19 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import _checks, backends
+from . import args, backends
 from ._tensor import Tensor, export, wrap
-from .formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format, dtype_name
-from .ops import _contiguous, _fp8, _same_device, _scalar
+from .args import as_format
+from .formats import ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
 
-__all__ = ["gemm", "GemmSpec", "ALIGNMENT", "check_shapes"]
+__all__ = ["gemm", "GemmSpec", "ALIGNMENT", "MULTIPLE", "check_shapes", "check_bias"]
 
 Array = Any
 ALIGNMENT = 16  # bytes: cuBLASLt's requirement for FP8 operands and outputs
+MULTIPLE = 16  # K and N: cuBLASLt's FP8 GEMM takes positive multiples of it
 
 # cuBLASLt's FP8 table: the bias type each output takes (fp8 outputs take the type of C, bf16 or fp16).
 _BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",),
-                "float8_e4m3fn": ("bfloat16", "float16"), "float8_e5m2": ("bfloat16", "float16")}
+                **{name: ("bfloat16", "float16") for name in FP8_DTYPES}}
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ def _parse_out_dtype(out_dtype: Any) -> str:
     try:
         return as_format(name, arg="out_dtype").dtype_name
     except ValueError:
-        raise ValueError(f"out_dtype: expected float32, bfloat16, float16, or an fp8 format (E4M3, E5M2), "
-                         f"got {out_dtype!r}") from None
+        raise ValueError(f"out_dtype: expected float32, bfloat16, float16, or an fp8 format "
+                         f"({', '.join(f.name for f in ENCODINGS)}), got {out_dtype!r}") from None
 
 
 def _aligned(t: Tensor, arg: str) -> None:
@@ -78,51 +79,44 @@ def check_shapes(a_shape: tuple[int, ...], b_shape: tuple[int, ...], fa: Format 
     if kb != k:
         raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a_shape)}, got shape "
                          f"{tuple(b_shape)}")
-    if k == 0 or k % 16:
-        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of 16")
-    if n == 0 or n % 16:
-        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of 16")
+    if k == 0 or k % MULTIPLE:
+        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of {MULTIPLE}")
+    if n == 0 or n % MULTIPLE:
+        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of {MULTIPLE}")
     if fa is Format.E5M2 and fb is Format.E5M2:
         raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
     return m, k, n
 
 
 def _operand(obj: Any, arg: str, fmt: Any, dims: str) -> tuple[Tensor, Format]:
-    t, f = _fp8(obj, arg, fmt)
+    t, f = args.fp8(obj, arg, fmt)
     if len(t.shape) != 2:
         raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {t.shape}")
     _aligned(t, arg)
     return t, f
 
 
-def _bias(bias: Any, ta: Tensor, spec_n: int, out_name: str) -> Tensor | None:
+def check_bias(dtype: str, shape: tuple[int, ...], n: int, out_name: str) -> None:
+    """The bias rule by dtype name and shape: [N], of the type cuBLASLt pairs with the output."""
+    allowed = _BIAS_DTYPES[out_name]
+    if dtype not in allowed:
+        raise TypeError(f"bias: for out_dtype {out_name} expected {' or '.join(allowed)}, got {dtype}")
+    if tuple(shape) != (n,):
+        raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(shape)}")
+
+
+def _bias(bias: Any, ta: Tensor, n: int, out_name: str) -> Tensor | None:
     if bias is None:
         return None
-    t = _contiguous(wrap(bias, "bias"), "bias")
-    _same_device(t, ta, "bias", "a")
-    allowed = _BIAS_DTYPES[out_name]
-    if t.dtype not in allowed:
-        raise TypeError(f"bias: for out_dtype {out_name} expected {' or '.join(allowed)}, got {t.dtype}")
-    if t.shape != (spec_n,):
-        raise ValueError(f"bias: expected shape ({spec_n},) (N), got {t.shape}")
+    t = args.contiguous(wrap(bias, "bias"), "bias")
+    args.same_device(t, ta, "bias", "a")
+    check_bias(t.dtype, t.shape, n, out_name)
     return t
 
 
-def _out_amax(obj: Any, ta: Tensor) -> Any:
-    t = _contiguous(wrap(obj, "out_amax"), "out_amax")
-    if t.dtype != "float32":
-        raise TypeError(f"out_amax: expected float32, got {t.dtype}")
-    _same_device(t, ta, "out_amax", "a")
-    if t.size != 1:
-        raise ValueError(f"out_amax: expected 1 element, got shape {t.shape}")
-    if t.readonly:
-        raise ValueError("out_amax: is read-only")
-    return t.data.reshape(-1)
-
-
 def _out(obj: Any, ta: Tensor, m: int, n: int, out_name: str) -> Any:
-    t = _contiguous(wrap(obj, "out"), "out")
-    _same_device(t, ta, "out", "a")
+    t = args.contiguous(wrap(obj, "out"), "out")
+    args.same_device(t, ta, "out", "a")
     storage_ok = ta.is_cuda and out_name in FP8_DTYPES and t.dtype == "uint8"
     if t.dtype != out_name and not storage_ok:
         raise TypeError(f"out: expected {out_name}, got {t.dtype}")
@@ -155,7 +149,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     128x128; K a multiple of 128; cuBLASLt >= 12.9 on sm_90 only; no use_fast_accum). Their output is float32,
     bfloat16 or float16.
     """
-    fast_accum = _checks.flag(use_fast_accum, "use_fast_accum")
+    fast_accum = args.flag(use_fast_accum, "use_fast_accum")
     blocks = None
     if isinstance(a, tuple) or isinstance(b, tuple):
         from .blocks import gemm_operands
@@ -167,7 +161,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
                         "with per-tensor scales")
     ta, fa = _operand(a, "a", a_fmt, "[M, K]")
     tb, fb = _operand(b, "b", b_fmt, "[N, K]")
-    _same_device(tb, ta, "b", "a")
+    args.same_device(tb, ta, "b", "a")
     m, k, n = check_shapes(ta.shape, tb.shape, fa, fb)
     out_name = _parse_out_dtype(out_dtype)
     if out_name == "float8_e5m2" and Format.E5M2 not in (fa, fb):
@@ -183,16 +177,16 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
             raise ValueError("use_fast_accum: a 1x128/128x128 block GEMM accumulates in fp32 at every 128-wide "
                              "K-block (cuBLASLt has no fast accumulation for it); pass use_fast_accum=False")
     else:
-        sa = _scalar(a_scale_inv, ta, "a_scale_inv", "a")
-        sb = _scalar(b_scale_inv, ta, "b_scale_inv", "a")
+        sa = args.scalar(a_scale_inv, ta, "a_scale_inv", "a")
+        sb = args.scalar(b_scale_inv, ta, "b_scale_inv", "a")
     fp8_out = out_name in FP8_DTYPES
     if fp8_out and out_scale is None:
         raise ValueError(f"out_scale: an fp8 output ({out_name}) needs its scale")
     if not fp8_out and (out_scale is not None or out_amax is not None):
         raise ValueError(f"{'out_scale' if out_scale is not None else 'out_amax'}: only for an fp8 out_dtype, "
                          f"got out_dtype {out_name}")
-    so = _scalar(out_scale, ta, "out_scale", "a") if fp8_out else None
-    am = _out_amax(out_amax, ta) if out_amax is not None else None
+    so = args.scalar(out_scale, ta, "out_scale", "a") if fp8_out else None
+    am = args.f32_slots(out_amax, ta, "out_amax", "a") if out_amax is not None else None
     tbias = _bias(bias, ta, n, out_name)
     dst = _out(out, ta, m, n, out_name) if out is not None else None
     spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, fast_accum,

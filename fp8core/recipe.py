@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _checks
-from ._checks import MAX_HISTORY_LEN, MAX_MARGIN
-from .formats import Format, as_format
+from . import args
+from .args import AMAX_ALGOS, MAX_HISTORY_LEN
+from .formats import Format
 
 __all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling"]
-
-_ALGOS = ("max", "most_recent")
 
 
 # ---- field checks shared by every recipe: at construction, naming the field -------------------------------
@@ -22,27 +19,15 @@ def _set(recipe: Any, field: str, value: Any) -> None:
 
 
 def _int(recipe: Any, field: str, low: int | None = None, high: int | None = None) -> None:
-    """A true integer (not a bool, not a float, not a string) within [low, high], stored as a Python int."""
-    v = getattr(recipe, field)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{field}: expected an int, got {type(v).__name__} {v!r}")
-    v = int(v)
-    if low is not None and v < low:
-        raise ValueError(f"{field}: expected an int >= {low}, got {v}")
-    if high is not None and abs(v) > high:
-        bound = f"an int in [{low}, {high}]" if low is not None else f"|{field}| <= {high}"
-        raise ValueError(f"{field}: expected {bound}, got {v}")
-    _set(recipe, field, v)
+    _set(recipe, field, args.integer(getattr(recipe, field), field, low, high))
 
 
 def _bool(recipe: Any, field: str) -> None:
-    """True or False: the one rule of every boolean argument (fp8core._checks.flag)."""
-    _set(recipe, field, _checks.flag(getattr(recipe, field), field))
+    _set(recipe, field, args.flag(getattr(recipe, field), field))
 
 
 def _epsilon(recipe: Any, field: str) -> None:
-    """The amax floor, by the rule of every epsilon argument (fp8core._checks.epsilon), stored as a float."""
-    _set(recipe, field, _checks.epsilon(getattr(recipe, field), field))
+    _set(recipe, field, args.epsilon(getattr(recipe, field), field))
 
 
 def _repr(recipe: Any) -> str:
@@ -59,7 +44,7 @@ def _repr(recipe: Any) -> str:
 
 
 def _format(recipe: Any) -> None:
-    _set(recipe, "fp8_format", as_format(recipe.fp8_format, arg="fp8_format", allow_hybrid=True))
+    _set(recipe, "fp8_format", args.as_format(recipe.fp8_format, arg="fp8_format", allow_hybrid=True))
 
 
 @dataclass(frozen=True, repr=False)
@@ -85,11 +70,11 @@ class DelayedScaling:
 
     def __post_init__(self) -> None:
         _format(self)
-        _int(self, "margin", high=MAX_MARGIN)
+        _set(self, "margin", args.margin(self.margin))
         _int(self, "interval", low=1)
         _int(self, "amax_history_len", low=1, high=MAX_HISTORY_LEN)
         algo = self.amax_compute_algo
-        if not callable(algo) and not (isinstance(algo, str) and algo in _ALGOS):
+        if not callable(algo) and not (isinstance(algo, str) and algo in AMAX_ALGOS):
             raise ValueError(f"amax_compute_algo: expected 'max', 'most_recent' or a callable, "
                              f"got {self.amax_compute_algo!r}")
         if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
@@ -115,18 +100,9 @@ class Float8CurrentScaling:
         _format(self)
         _bool(self, "power_of_2")
         _epsilon(self, "amax_epsilon")
-        _int(self, "margin", high=MAX_MARGIN)
+        _set(self, "margin", args.margin(self.margin))
 
     __repr__ = _repr
-
-
-SCALE_MODES = ("rceil", "floor")
-
-
-def _scale_mode(mode: Any) -> str:
-    if not isinstance(mode, str) or mode not in SCALE_MODES:
-        raise ValueError(f"scale_mode: expected 'rceil' (NVIDIA, Transformer Engine) or 'floor' (OCP), got {mode!r}")
-    return mode
 
 
 @dataclass(frozen=True, repr=False)
@@ -142,7 +118,7 @@ class MXFP8BlockScaling:
 
     def __post_init__(self) -> None:
         _format(self)
-        _scale_mode(self.scale_mode)
+        args.scale_mode(self.scale_mode)
 
     __repr__ = _repr
 

@@ -15,17 +15,16 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import _checks, backends
+from . import args, backends
 from ._fpenv import ieee
-from .extras import install_hint
 from ._tensor import Tensor, wrap
-from .formats import Format, as_format
-from .ops import _contiguous, _epsilon, _margin, _same_device, quantize, reduce_amaxes
+from .args import as_format, reduce_amaxes
+from .extras import install_hint
+from .formats import Format
+from .ops import quantize
 from .recipe import DelayedScaling
 
-__all__ = ["ScalingState", "check_update_args", "check_state_values", "ALGOS"]
-
-ALGOS = ("max", "most_recent")
+__all__ = ["ScalingState", "check_update_args", "check_update_shapes", "check_state_values"]
 
 
 def _parse_device(device: Any) -> tuple:
@@ -55,13 +54,29 @@ def _device_str(device: tuple) -> str:
 
 # ---- checks shared by ScalingState, torch.ops.fp8core.update and the front-ends -----------------------------
 
+def check_update_shapes(history: tuple[str, tuple[int, ...]], vectors: Sequence[tuple[str, str, tuple[int, ...],
+                        str]], history_arg: str = "history") -> int:
+    """The batched update's dtype and shape rules, from dtype names and shapes alone (the front-ends check them
+    while tracing): history float32 [L, N], L and N >= 1; each (arg, dtype, shape, expected dtype) of
+    ``vectors`` [N]. Returns N."""
+    dtype, shape = history
+    if dtype != "float32":
+        raise TypeError(f"{history_arg}: expected float32, got {dtype}")
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"{history_arg}: expected shape [L, N] with L, N >= 1, got {tuple(shape)}")
+    n = shape[1]
+    for arg, dtype, shape, want in vectors:
+        if dtype != want:
+            raise TypeError(f"{arg}: expected {want}, got {dtype}")
+        if tuple(shape) != (n,):
+            raise ValueError(f"{arg}: expected shape ({n},) to match {history_arg} [L, {n}], got {tuple(shape)}")
+    return n
+
+
 def _vector(obj: Any, arg: str, dtype: str, n: int, like: Tensor) -> Any:
-    t = _contiguous(wrap(obj, arg), arg)
-    if t.dtype != dtype:
-        raise TypeError(f"{arg}: expected {dtype}, got {t.dtype}")
-    if t.shape != (n,):
-        raise ValueError(f"{arg}: expected shape ({n},) to match history [L, {n}], got {t.shape}")
-    _same_device(t, like, arg, "history")
+    t = args.contiguous(wrap(obj, arg), arg)
+    check_update_shapes(("float32", like.shape), [(arg, t.dtype, t.shape, dtype)])
+    args.same_device(t, like, arg, "history")
     if t.readonly:
         raise ValueError(f"{arg}: is read-only")
     return t.data
@@ -76,21 +91,16 @@ def check_update_args(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, no
     epsilon: finite >= 0. Returns (history Tensor, scale, scale_inv, fp8_max, non_finite data, margin, algo,
     epsilon) as backend arrays.
     """
-    h = _contiguous(wrap(history, "history"), "history")
-    if h.dtype != "float32":
-        raise TypeError(f"history: expected float32, got {h.dtype}")
-    if len(h.shape) != 2 or h.shape[0] < 1 or h.shape[1] < 1:
-        raise ValueError(f"history: expected shape [L, N] with L, N >= 1, got {h.shape}")
+    h = args.contiguous(wrap(history, "history"), "history")
+    n = check_update_shapes((h.dtype, h.shape), [])
     if h.readonly:
         raise ValueError("history: is read-only")
-    n = h.shape[1]
     s = _vector(scale, "scale", "float32", n, h)
     si = _vector(scale_inv, "scale_inv", "float32", n, h)
     fm = _vector(fp8_max, "fp8_max", "float32", n, h)
     nf = None if non_finite is None else _vector(non_finite, "non_finite", "bool", n, h)
-    if not isinstance(algo, str) or algo not in ALGOS:
-        raise ValueError(f"algo: expected one of {ALGOS}, got {algo!r}")
-    return h, s, si, fm, nf, _margin(margin), algo, _epsilon(epsilon)
+    algo = args.amax_algo(algo)
+    return h, s, si, fm, nf, args.margin(margin), algo, args.epsilon(epsilon)
 
 
 def _host(obj: Any, arg: str) -> tuple[np.ndarray, str, tuple]:
@@ -121,13 +131,13 @@ def check_state_values(history: Any, scale: Any, scale_inv: Any, steps: Any, num
             raise ValueError(f"{arg}: expected shape {shape}, got {tuple(got)}{hint}")
         flat = np.ascontiguousarray(data).reshape(-1)
         if arg.endswith("amax_history"):
-            bad = _checks.negative_amax_mask(flat)
+            bad = args.negative_amax_mask(flat)
             if bad.any():
-                raise ValueError(f"{arg}: holds a negative amax ({_checks.f32_text(flat[bad][0])}); amaxes are >= +0")
+                raise ValueError(f"{arg}: holds a negative amax ({args.f32_text(flat[bad][0])}); amaxes are >= +0")
         else:  # by bits: a subnormal scale is a scale in every floating-point mode
-            bad = ~_checks.scale_mask(flat)
+            bad = ~args.scale_mask(flat)
             if bad.any():
-                raise ValueError(f"{arg}: expected finite values > 0, got {_checks.f32_text(flat[bad][0])} at index "
+                raise ValueError(f"{arg}: expected finite values > 0, got {args.f32_text(flat[bad][0])} at index "
                                  f"{int(np.flatnonzero(bad)[0])}")
     return _steps(steps, f"{prefix}steps")
 
@@ -174,14 +184,12 @@ class ScalingState:
     def __init__(self, num_tensors: int, recipe: DelayedScaling | None = None,
                  formats: Sequence[Format | str] | None = None, device: Any = "cpu", buffer: Any = None) -> None:
         if isinstance(num_tensors, bool) or not isinstance(num_tensors, numbers.Integral) \
-                or not 1 <= num_tensors <= _checks.MAX_TENSORS:
-            raise ValueError(f"num_tensors: expected an int in [1, {_checks.MAX_TENSORS}], got {num_tensors!r}")
+                or not 1 <= num_tensors <= args.MAX_TENSORS:
+            raise ValueError(f"num_tensors: expected an int in [1, {args.MAX_TENSORS}], got {num_tensors!r}")
         num_tensors = int(num_tensors)
         self.recipe = recipe if recipe is not None else DelayedScaling()
         if not isinstance(self.recipe, DelayedScaling):
             raise TypeError(f"recipe: expected DelayedScaling, got {type(self.recipe).__name__}")
-        _margin(self.recipe.margin)  # refused now, not at the first update
-        _epsilon(self.recipe.epsilon)
         n, L = num_tensors, self.recipe.amax_history_len
         if formats is not None:
             self.formats = [as_format(f, arg="formats") for f in formats]
@@ -220,7 +228,7 @@ class ScalingState:
     def _check_buffer(self, buffer: Any, n: int | None = None) -> Tensor:
         n = len(self.formats) if n is None else n
         size = self.recipe.amax_history_len * n + 2 * n
-        t = _contiguous(wrap(buffer, "buffer"), "buffer")
+        t = args.contiguous(wrap(buffer, "buffer"), "buffer")
         if t.dtype != "float32" or t.size != size:
             raise ValueError(f"buffer: expected {size} float32 elements, got {t.size} {t.dtype}")
         if t.device != self.device:
@@ -303,7 +311,7 @@ class ScalingState:
         ``reduce`` receives row 0 [N] in the buffer's own array type (a torch tensor when the state lives in
         one, so ``functools.partial(torch.distributed.all_reduce, op=ReduceOp.MAX)`` works as it is) and
         reduces it in place, or returns the reduced row 0 (N float32), which is taken; a returned async handle
-        with ``wait()`` is waited on. The rule of :func:`fp8core.ops.reduce_amaxes`, as quantize_dynamic's:
+        with ``wait()`` is waited on. The rule of :func:`fp8core.args.reduce_amaxes`, as quantize_dynamic's:
         a negative reduced amax is refused (in host memory) and row 0 is left as it was.
         """
         r = self.recipe
@@ -352,7 +360,7 @@ class ScalingState:
         if update_scale:
             if callable(r.amax_compute_algo):
                 a = _callable_result(r.amax_compute_algo(H), "amax_compute_algo", n, xp, self.device)
-                neg = _checks.negative_amax_mask(a, xp) & ((a.view(xp.uint32) & xp.uint32(0x7FFFFFFF)) != 0)
+                neg = args.negative_amax_mask(a, xp) & ((a.view(xp.uint32) & xp.uint32(0x7FFFFFFF)) != 0)
                 if bool(neg.any()):
                     raise ValueError(f"amax_compute_algo: returned a negative amax for tensor "
                                      f"{int(xp.flatnonzero(neg)[0])}; amaxes are >= 0")
@@ -363,16 +371,15 @@ class ScalingState:
                                      "scaling_factor_compute_algo", n, xp, self.device)
                 a_mag = a.view(xp.uint32) & xp.uint32(0x7FFFFFFF)  # bits: a subnormal amax has a scale
                 ok = ran & (a_mag != 0) & (a_mag < xp.uint32(0x7F800000))
-                bad = ok & ~_checks.scale_mask(s, xp)
+                bad = ok & ~args.scale_mask(s, xp)
                 if bool(bad.any()):
                     i = int(xp.flatnonzero(bad)[0])
-                    raise ValueError(f"scaling_factor_compute_algo: returned scale {_checks.f32_text(_np(s[i]))} "
-                                     f"for tensor {i} (amax {_checks.f32_text(_np(a[i]))}); expected a finite "
+                    raise ValueError(f"scaling_factor_compute_algo: returned scale {args.f32_text(_np(s[i]))} "
+                                     f"for tensor {i} (amax {args.f32_text(_np(a[i]))}); expected a finite "
                                      f"scale > 0")
                 s_inv = xp.float32(1) / xp.where(ok, s, xp.float32(1))
             else:
-                s, s_inv, ok = backend.scale_rule(a, self.fp8_max, _margin(r.margin), r.power_of_2,
-                                                  _epsilon(r.epsilon))
+                s, s_inv, ok = backend.scale_rule(a, self.fp8_max, r.margin, r.power_of_2, r.epsilon)
                 ok = ran & ok
             new = (s, s_inv, ok)
         self.non_finite[...] = ~xp.isfinite(cur)
@@ -380,9 +387,7 @@ class ScalingState:
             s, s_inv, ok = new
             scale[ok] = s[ok]
             scale_inv[ok] = s_inv[ok]
-        from .backends.cpu import roll
-
-        roll(H, ran, cur, H.shape[0])
+        _roll(H, ran, cur)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
@@ -395,8 +400,6 @@ class ScalingState:
         """Validate everything (keys, dtypes, shapes, values: see :func:`check_state_values`), then write."""
         if not isinstance(state, Mapping):
             raise TypeError(f"state: expected a mapping, got {type(state).__name__}")
-        if "buffer" in state and "amax_history" not in state:  # the earlier format: the flat buffer
-            state = _split_buffer(state, self.num_tensors, self.history_len)
         for key in ("amax_history", "scale", "scale_inv", "steps"):
             if key not in state:
                 raise KeyError(f"state: missing key {key!r} (expected amax_history, scale, scale_inv, steps)")
@@ -428,15 +431,12 @@ def _allocate(xp: Any, size: int, n: int, L: int, device: tuple) -> Any:
                       f"({type(oom).__name__}); use fewer tensors or a shorter history") from oom
 
 
-def _split_buffer(state: Mapping[str, Any], n: int, L: int) -> dict[str, Any]:
-    flat, dtype, shape = _host(state["buffer"], "buffer")
-    if dtype != "float32":
-        raise TypeError(f"buffer: expected float32, got {dtype}")
-    if tuple(shape) != (L * n + 2 * n,):
-        raise ValueError(f"buffer: expected shape ({L * n + 2 * n},) for {n} tensors and amax_history_len {L}, "
-                         f"got {tuple(shape)}")
-    return {"amax_history": flat[: L * n].reshape(L, n), "scale": flat[L * n: L * n + n],
-            "scale_inv": flat[L * n + n:], "steps": state.get("steps")}
+def _roll(history: Any, ran: Any, cur: Any) -> None:
+    """[cur, h1, ..., h_{L-1}] -> [0, h2, ..., h_{L-1}, cur] in the columns that ran (NumPy or CuPy)."""
+    cols = ran.nonzero()[0]
+    history[1:-1, cols] = history[2:, cols]
+    history[-1, cols] = cur[cols]
+    history[0, cols] = 0
 
 
 def _np(value: Any) -> np.ndarray:

@@ -114,3 +114,38 @@ def test_gpu_slots_follow_the_same_signed_rule(slot_bits):
     want2 = np.concatenate([_f32(slot_bits), _f32(slot_bits)])
     fp8core.multi_amax([x, x[:1]], want2)
     assert out.view(cupy.uint32).get().tolist() == want2.view(np.uint32).tolist()
+
+
+def _slot_doors():
+    """(door, run(slot)) for every argument a call accumulates an amax into: one rule, fp8core.args.f32_slots."""
+    x = np.array([1.5, -3.0, 0.25, 2.0], np.float32)
+    q = fp8core.quantize(np.ones((16, 16), np.float32), 1.0, Format.E4M3)
+    return [
+        ("quantize amax_out", 1, lambda s: fp8core.quantize(x, 1.0, Format.E4M3, amax_out=s), "amax_out"),
+        ("cast_transpose amax_out", 1, lambda s: fp8core.cast_transpose(x.reshape(2, 2), 1.0, amax_out=s),
+         "amax_out"),
+        ("gemm out_amax", 1, lambda s: fp8core.gemm(q, q, 1.0, 1.0, out_dtype=Format.E4M3, out_scale=1.0,
+                                                    out_amax=s), "out_amax"),
+        ("multi_amax out", 2, lambda s: fp8core.multi_amax([x, x], s), "out"),
+        ("multi_quantize amax_out", 2, lambda s: fp8core.multi_quantize([x, x], np.ones(2, np.float32), "e4m3",
+                                                                         amax_out=s), "amax_out"),
+    ]
+
+
+@pytest.mark.parametrize("door,n,run,arg", _slot_doors(), ids=[d[0] for d in _slot_doors()])
+def test_every_amax_slot_is_checked_by_one_rule(door, n, run, arg):
+    """float64, the wrong element count and read-only memory are refused naming the argument, nothing written;
+    the good slot takes the amax."""
+    size = r"1 element, got shape \(2,\)" if n == 1 else f"{n} elements, got 3"
+    readonly = np.zeros(n, np.float32)
+    readonly.flags.writeable = False
+    for bad, exc, match in ((np.zeros(n), TypeError, f"^{arg}: expected float32, got float64"),
+                            (np.zeros(n + 1 if n > 1 else 2, np.float32), ValueError, f"^{arg}: expected {size}"),
+                            (readonly, ValueError, f"^{arg}: is read-only")):
+        before = bad.copy()
+        with pytest.raises(exc, match=match):
+            run(bad)
+        np.testing.assert_array_equal(bad, before)
+    good = np.zeros(n, np.float32)
+    run(good)
+    assert good.max() > 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fp8core
-from fp8core import _checks
+from fp8core import args
 from conftest import requires_gpu
 
 torch = pytest.importorskip("torch")
@@ -78,7 +78,7 @@ CASES = [
      "previous", "finite scale > 0"),
     ("previous bool", lambda d: fp8core.compute_scale(T(d, [0.0]), "e4m3", previous=True), TypeError,
      "previous", "expected"),
-    # scalar arguments: one set of rules (fp8core._checks)
+    # scalar arguments: one set of rules (fp8core.args)
     ("margin too large", lambda d: fp8core.quantize_dynamic(T(d, [1.0]), margin=10 ** 6), ValueError, "margin",
      "<= 512"),
     ("margin float", lambda d: fp8core.compute_scale(T(d, [1.0]), "e4m3", margin=1.5), TypeError, "margin",
@@ -150,18 +150,23 @@ def test_native_and_little_endian_arrays_still_pass():
     assert fp8core.amax(np.array([1, -3], ">f4").astype("<f4"))[0] == 3.0
 
 
-# The scalar rules, as the torch custom ops and fp8core.jax call them (fp8core._checks).
+# The scalar rules, as the torch custom ops and fp8core.jax call them (fp8core.args).
 RULES = [
-    ("amax_algo mean", lambda: _checks.amax_algo("mean"), ValueError, "amax_compute_algo"),
-    ("amax_algo None", lambda: _checks.amax_algo(None), ValueError, "amax_compute_algo"),
-    ("flag int", lambda: _checks.flag(1, "update_scale"), TypeError, "update_scale"),
-    ("margin bool", lambda: _checks.margin(True), TypeError, "margin"),
-    ("margin 10000", lambda: _checks.margin(10000), ValueError, "margin"),
-    ("epsilon NaN", lambda: _checks.epsilon(math.nan), ValueError, "epsilon"),
-    ("scale 0", lambda: _checks.scale_value(0.0, "scale"), ValueError, "scale"),
-    ("scale string", lambda: _checks.scale_value("1", "scale"), TypeError, "scale"),
-    ("out_dtype float64", lambda: _checks.out_dtype(np.float64), ValueError, "out_dtype"),
-    ("fmt hybrid", lambda: _checks.fmt("hybrid"), ValueError, "fmt"),
+    ("amax_algo mean", lambda: args.amax_algo("mean"), ValueError, "algo"),
+    ("amax_algo None", lambda: args.amax_algo(None), ValueError, "algo"),
+    ("amax_algo named", lambda: args.amax_algo("mean", "amax_compute_algo"), ValueError, "amax_compute_algo"),
+    ("flag int", lambda: args.flag(1, "update_scale"), TypeError, "update_scale"),
+    ("margin bool", lambda: args.margin(True), TypeError, "margin"),
+    ("margin 10000", lambda: args.margin(10000), ValueError, "margin"),
+    ("epsilon NaN", lambda: args.epsilon(math.nan), ValueError, "epsilon"),
+    ("scale 0", lambda: args.scale_value(0.0, "scale"), ValueError, "scale"),
+    ("scale string", lambda: args.scale_value("1", "scale"), TypeError, "scale"),
+    ("out_dtype float64", lambda: args.out_dtype(np.float64), ValueError, "out_dtype"),
+    ("fmt hybrid", lambda: args.fmt("hybrid"), ValueError, "fmt"),
+    ("fmt hybrid named", lambda: args.fmt("hybrid", "fmts"), ValueError, "fmts"),
+    ("fmt unhashable", lambda: args.fmt(["e4m3"]), ValueError, "fmt"),
+    ("scale_mode", lambda: args.scale_mode("ceil"), ValueError, "scale_mode"),
+    ("block rows", lambda: args.block_rows("1x64"), ValueError, "block"),
 ]
 
 
@@ -172,10 +177,13 @@ def test_scalar_rules_refuse_by_name(case, call, exc, arg):
 
 
 def test_scalar_rules_pass_valid_values_through():
-    assert _checks.amax_algo("most_recent") == "most_recent"
-    assert _checks.flag(np.bool_(True), "power_of_2") is True
-    assert _checks.margin(np.int64(-3)) == -3 and type(_checks.margin(np.int64(-3))) is int
-    assert _checks.epsilon(np.float32(0.5)) == 0.5 and _checks.epsilon(0) == 0.0
-    assert _checks.scale_value(np.float32(2), "scale") == 2.0
-    assert _checks.out_dtype(torch.bfloat16) == "bfloat16"
-    assert _checks.array_sequence((np.ones(2),))[0].shape == (2,)
+    assert args.amax_algo("most_recent") == "most_recent"
+    assert args.flag(np.bool_(True), "power_of_2") is True
+    assert args.margin(np.int64(-3)) == -3 and type(args.margin(np.int64(-3))) is int
+    assert args.epsilon(np.float32(0.5)) == 0.5 and args.epsilon(0) == 0.0
+    assert args.scale_value(np.float32(2), "scale") == 2.0
+    assert args.out_dtype(torch.bfloat16) == "bfloat16"
+    assert args.array_sequence((np.ones(2),))[0].shape == (2,)
+    assert args.fmt("E5M2") is fp8core.Format.E5M2 and args.fmt(torch.float8_e4m3fn) is fp8core.Format.E4M3
+    assert args.block_rows((128, 128)) == 128 and args.scale_mode("floor") == "floor"
+    assert args.cdiv(0, 32) == 0 and args.cdiv(33, 32) == 2

@@ -3,8 +3,8 @@
 ERRORS: the call, the error type, the argument its message starts with and a fragment of what was expected.
 RESULTS: a call that must give exactly (bit for bit) what its twin gives, the twin reached another way.
 FLUSHING: a call run while the thread flushes subnormals (torch.set_flush_denormal), against the same call in
-the default mode. Every check runs before dispatch (fp8core._checks and the argument layer of ops/blocks/gemm/
-scaling), so the CPU backend's errors are the GPU's.
+the default mode. Every check runs before dispatch (fp8core.args, used by ops/blocks/gemm/scaling), so the CPU
+backend's errors are the GPU's.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling, Format
-from fp8core.ops import MAX_MARGIN
+from fp8core.args import MAX_MARGIN
 
 NAN, INF = float("nan"), float("inf")
 
@@ -95,3 +95,25 @@ def test_repr_reads_well_and_recipes_copy_and_pickle():
                                                              "power_of_2=False, amax_epsilon=0.0, margin=0)")
     assert "amax_compute_algo=max" in repr(DelayedScaling(amax_compute_algo=max))
     assert pickle.loads(pickle.dumps(r)) == r and copy.deepcopy(r) == r
+
+
+def test_format_rows():
+    """Each encoding's constants come from its one row; emax and the dtype agree with ml_dtypes (a twin that did
+    not read the row); HYBRID has no constants and says why."""
+    import ml_dtypes
+
+    from fp8core.formats import ENCODINGS, FORMAT_NAMES, FP8_DTYPES
+
+    assert list(ENCODINGS) == [Format.E4M3, Format.E5M2] and FP8_DTYPES == ("float8_e4m3fn", "float8_e5m2")
+    for f, row in ENCODINGS.items():
+        info = ml_dtypes.finfo(getattr(ml_dtypes, row.dtype_name))
+        assert f.max == float(info.max) == row.max and f.emax == int(np.log2(float(info.max)))
+        assert f.numpy_dtype == np.dtype(getattr(ml_dtypes, f.dtype_name)) and f.encoding is row
+        assert all(FORMAT_NAMES[name] is f for name in (f.value, f.dtype_name, *row.aliases))
+        assert fp8core.as_format(f.dtype_name.upper()) is f and pickle.loads(pickle.dumps(f)) is f
+    assert (Format.E4M3.emax, Format.E5M2.emax, Format.E4M3.index, Format.E5M2.index) == (8, 15, 0, 1)
+    for attr in ("max", "emax", "dtype_name", "numpy_dtype", "index", "dlpack_code", "encoding"):
+        with pytest.raises(ValueError, match="^fmt: HYBRID is a recipe"):
+            getattr(Format.HYBRID, attr)
+    with pytest.raises(AttributeError):
+        Format.E4M3.no_such_constant  # noqa: B018

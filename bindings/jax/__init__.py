@@ -23,7 +23,6 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import fp8core
-from fp8core import _checks
 from fp8core._fpenv import ieee
 from fp8core._tensor import Tensor, wrap
 from fp8core.backends import for_device
@@ -187,7 +186,7 @@ def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2
     """Current scaling: (q, scale_inv [1], amax [1]). margin and epsilon are data (traced: one program for
     every value), power_of_2 a bool."""
     return _quantize_dynamic(_args.high_precision(x, "x"), fmt=_args.fmt(fmt), margin=margin,
-                             power_of_2=_checks.flag(power_of_2, "power_of_2"), epsilon=epsilon)
+                             power_of_2=fp8core.args.flag(power_of_2, "power_of_2"), epsilon=epsilon)
 
 
 @_jitted("fmt", "power_of_2", numbers=("margin", "epsilon"))
@@ -327,7 +326,7 @@ def compute_scale(amax: Array, fmt: Any, *, margin: int = 0, power_of_2: bool = 
     name = jnp.dtype(_args.array(amax, "amax").dtype).name
     if name != "float32":
         raise TypeError(f"amax: expected float32, got {name}")
-    return _compute_scale(amax, fmt=_args.fmt(fmt), margin=margin, power_of_2=_checks.flag(power_of_2, "power_of_2"),
+    return _compute_scale(amax, fmt=_args.fmt(fmt), margin=margin, power_of_2=fp8core.args.flag(power_of_2, "power_of_2"),
                           epsilon=epsilon)
 
 

@@ -3,7 +3,7 @@ they hold eagerly and under an outer jit alike, and every error names the argume
 
 The callbacks check again with the core's own functions, but an error raised there reaches the caller wrapped
 in XLA's INTERNAL error, after the program was built: these checks make sure nothing the core would refuse
-for its shape, dtype or value gets that far. The rules are the core's (fp8core._checks, fp8core.blocks'
+for its shape, dtype or value gets that far. The rules are the core's (fp8core.args, fp8core.blocks'
 layouts); where the core has a rule only inside a function that takes real arrays, it is restated here and
 the message is the core's.
 """
@@ -17,15 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp8core
-from fp8core import _checks
-from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor, block_layout, mx_layout
+from fp8core import args
+from fp8core.args import as_format
+from fp8core.blocks import E8M0, BlockScaledTensor, MXTensor, block_layout, gemm_blocks, mx_layout
 from fp8core.blocks import gemm_operands as split_block_operands
-from fp8core.formats import FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, as_format
-from fp8core.gemm import check_shapes
-
-# cuBLASLt's FP8 table (fp8core.gemm): the bias dtype each high-precision output takes
-_BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",)}
-_E8M0 = "float8_e8m0fnu"
+from fp8core.formats import Format
+from fp8core.gemm import check_bias, check_shapes
+from fp8core.scaling import check_update_shapes
 
 
 def _name(x: Any) -> str:
@@ -42,11 +40,13 @@ def array(x: Any, arg: str) -> Any:
 def high_precision(x: Any, arg: str, matrix: bool = False) -> Any:
     """float32, bfloat16 or float16 data; ``matrix``: viewed as [rows, cols], so at least 1-D."""
     name = _name(array(x, arg))
-    if name not in HIGH_PRECISION_DTYPES:
-        _checks.high_precision_name(name, arg)
+    args.high_precision_name(name, arg)
     if matrix:
         at_least_1d(x, arg)
     return x
+
+
+fmt = args.fmt
 
 
 def at_least_1d(x: Any, arg: str) -> None:
@@ -57,16 +57,10 @@ def at_least_1d(x: Any, arg: str) -> None:
 def fp8(q: Any, arg: str, matrix: bool = False) -> Format:
     """fp8 data (float8_e4m3fn or float8_e5m2; JAX has the dtypes, so no uint8 storage): its format."""
     name = _name(array(q, arg))
-    if name not in FP8_DTYPES:
-        hint = "; quantize it first" if name in HIGH_PRECISION_DTYPES else ""
-        raise TypeError(f"{arg}: expected fp8 data (float8_e4m3fn, float8_e5m2), got {name}{hint}")
+    args.fp8_name(name, arg)
     if matrix:
         at_least_1d(q, arg)
     return as_format(name)
-
-
-def fmt(value: Any, arg: str = "fmt") -> Format:
-    return _checks.fmt(value, arg)
 
 
 def scale(value: Any, arg: str) -> Any:
@@ -96,7 +90,7 @@ def out_dtype(value: Any, arg: str = "out_dtype") -> Any:
         name = jnp.dtype(value).name if value is not None else None  # jnp.dtype(None) is float64
     except TypeError:
         name = None
-    _checks.out_dtype(name if name is not None else value, arg)
+    args.out_dtype(name if name is not None else value, arg)
     return value
 
 
@@ -117,8 +111,8 @@ def mx_tensor(t: Any, arg: str = "t") -> tuple[Format, bool]:
     data, s = pair(t, MXTensor, arg)
     f = fp8(data, f"{arg}.data", matrix=True)
     name = _name(array(s, f"{arg}.scale"))
-    if name not in (_E8M0, "uint8"):
-        raise TypeError(f"{arg}.scale: expected {_E8M0} or uint8, got {name}")
+    if name not in (E8M0, "uint8"):
+        raise TypeError(f"{arg}.scale: expected {E8M0} or uint8, got {name}")
     return f, mx_layout(_rows_cols(data), tuple(s.shape), f"{arg}.scale")
 
 
@@ -140,43 +134,26 @@ def gemm_operands(a: Any, b: Any) -> tuple[Format, Format, int, int]:
 
 
 def bias(b: Any, n: int, out_name: str) -> None:
-    if b is None:
-        return
-    name = _name(array(b, "bias"))
-    allowed = _BIAS_DTYPES[out_name]
-    if name not in allowed:
-        raise TypeError(f"bias: for out_dtype {out_name} expected {' or '.join(allowed)}, got {name}")
-    if tuple(b.shape) != (n,):
-        raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(b.shape)}")
+    if b is not None:
+        check_bias(_name(array(b, "bias")), tuple(b.shape), n, out_name)
 
 
 def block_gemm_operands(a: Any, b: Any) -> None:
     """Block-scaled GEMM operands by fp8core.blocks' rules: both MXTensor (rowwise, K a multiple of 32) or
     both BlockScaledTensor (K a multiple of 128, not both 128x128)."""
     split_block_operands(a, b, None, None)  # both MXTensor or both BlockScaledTensor: the core's rule
-    fa, fb, k, _ = gemm_operands(a[0], b[0])
-    if isinstance(a, MXTensor):
-        if k % MX_BLOCK:
-            raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
-        for arg, t in (("a", a), ("b", b)):
-            mx_tensor(t, arg)
-            rows = t[0].shape[0]
-            if tuple(t[1].shape) != (rows, k // MX_BLOCK):
-                raise ValueError(f"{arg}.scale: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
-                                 f"{(rows, k // MX_BLOCK)}, got {tuple(t[1].shape)}")
-        return
-    if k % FP32_BLOCK:
-        raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole blocks)")
-    if block_tensor(a, "a")[1] == block_tensor(b, "b")[1] == FP32_BLOCK:
-        raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) in "
-                         "1x128 blocks")
+    _, _, k, n = gemm_operands(a[0], b[0])
+    mx = isinstance(a, MXTensor)
+    for arg, t in (("a", a), ("b", b)):
+        (mx_tensor if mx else block_tensor)(t, arg)
+    gemm_blocks(mx, a[0].shape[0], n, k, tuple(a[1].shape), tuple(b[1].shape))
 
 
 def delayed(recipe: Any, arg: str = "recipe") -> fp8core.DelayedScaling:
     if not isinstance(recipe, fp8core.DelayedScaling):
         raise TypeError(f"{arg}: expected DelayedScaling (the delayed-scaling state and update), got "
                         f"{type(recipe).__name__}")
-    return recipe  # its amax_history_len is bounded by DelayedScaling itself (_checks.MAX_HISTORY_LEN)
+    return recipe  # its amax_history_len is bounded by DelayedScaling itself (fp8core.args.MAX_HISTORY_LEN)
 
 
 def update_args(history: Any, scale_: Any, scale_inv: Any, recipe: Any, formats: Any,
@@ -184,19 +161,11 @@ def update_args(history: Any, scale_: Any, scale_inv: Any, recipe: Any, formats:
     """The functional update's arguments, by fp8core.scaling.check_update_args' rules: the formats, one per
     column of history."""
     delayed(recipe)
-    _checks.flag(update_scale, "update_scale")
-    name = _name(array(history, "amax_history"))
-    if name != "float32":
-        raise TypeError(f"amax_history: expected float32, got {name}")
-    if len(history.shape) != 2 or history.shape[0] < 1 or history.shape[1] < 1:
-        raise ValueError(f"amax_history: expected shape [L, N] with L, N >= 1, got {tuple(history.shape)}")
-    n = history.shape[1]
-    for arg, v in (("scale", scale_), ("scale_inv", scale_inv)):
-        name = _name(array(v, arg))
-        if name != "float32":
-            raise TypeError(f"{arg}: expected float32, got {name}")
-        if tuple(v.shape) != (n,):
-            raise ValueError(f"{arg}: expected shape ({n},) to match amax_history [L, {n}], got {tuple(v.shape)}")
+    args.flag(update_scale, "update_scale")
+    h = (_name(array(history, "amax_history")), tuple(history.shape))
+    n = check_update_shapes(h, [], "amax_history")
+    for arg, v in (("scale", scale_), ("scale_inv", scale_inv)):  # one by one, in the core's order
+        check_update_shapes(h, [(arg, _name(array(v, arg)), tuple(v.shape), "float32")], "amax_history")
     return format_list(formats, n)
 
 
@@ -212,7 +181,7 @@ def format_list(formats: Any, n: int, arg: str = "formats") -> tuple[Format, ...
 
 
 # The numbers that are data, by the core's rules; margin as an exact float (they travel as float64 bits)
-NUMBER_RULES = {"margin": lambda v: float(_checks.margin(v)), "epsilon": _checks.epsilon}
+NUMBER_RULES = {"margin": lambda v: float(args.margin(v)), "epsilon": args.epsilon}
 
 
 def pack(values: tuple[float, ...]) -> np.ndarray:
@@ -230,8 +199,7 @@ def dense_recipe(recipe: Any, arg: str = "recipe") -> Any:
     """DelayedScaling or Float8CurrentScaling whose GEMMs exist (no E5M2 x E5M2)."""
     if not isinstance(recipe, (fp8core.DelayedScaling, fp8core.Float8CurrentScaling)):
         raise TypeError(f"{arg}: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
-    if recipe.fp8_format is Format.E5M2:
-        raise ValueError(f"{arg}: fp8_format E5M2 would make E5M2 x E5M2 GEMMs; use HYBRID or E4M3")
+    args.gemm_recipe_format(recipe, arg)
     return recipe
 
 

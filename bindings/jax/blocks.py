@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp8core
-from fp8core import _checks
+from fp8core import args
 from fp8core import blocks as core
 from fp8core._tensor import Tensor
-from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor
+from fp8core.blocks import BlockScaledTensor, MXTensor
 
 from . import _args, _fp8_shape, _jitted, _numbers, _operands, _primitive, _rows
 
@@ -24,10 +24,6 @@ __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantiz
            "dequantize_blockwise", "block_gemm"]
 
 Array = jax.Array
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _returning(fn: Callable[..., Any]) -> Callable[..., None]:
@@ -47,20 +43,19 @@ def _e8m0(shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
 
 
 def _mx_scale_shape(x: Any, columnwise: bool) -> tuple[int, int]:
-    rows, cols = _rows(x), x.shape[-1]
-    return (_cdiv(rows, MX_BLOCK), cols) if columnwise else (rows, _cdiv(cols, MX_BLOCK))
+    return core.mx_scale_shape(_rows(x), x.shape[-1], columnwise)
 
 
 def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
     """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     return _quantize_mxfp8(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
-                           scale_mode=fp8core.recipe._scale_mode(scale_mode),
-                           columnwise=_checks.flag(columnwise, "columnwise"))
+                           scale_mode=args.scale_mode(scale_mode),
+                           columnwise=args.flag(columnwise, "columnwise"))
 
 
 @_jitted("fmt", "scale_mode", "columnwise")
 def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> MXTensor:
-    fp8core.recipe._scale_mode(scale_mode)
+    args.scale_mode(scale_mode)
     shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, columnwise)))
     run = _returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
     return MXTensor(*_primitive(run, shapes)(x))
@@ -69,12 +64,12 @@ def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> 
 def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
     """(rowwise, columnwise) from one read of x."""
     return _quantize_mxfp8_both(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
-                                scale_mode=fp8core.recipe._scale_mode(scale_mode))
+                                scale_mode=args.scale_mode(scale_mode))
 
 
 @_jitted("fmt", "scale_mode")
 def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTensor, MXTensor]:
-    fp8core.recipe._scale_mode(scale_mode)
+    args.scale_mode(scale_mode)
     shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, False)), _fp8_shape(x, fmt),
               _e8m0(_mx_scale_shape(x, True)))
 
@@ -104,17 +99,17 @@ def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", pow
                        epsilon: float = 0.0) -> BlockScaledTensor:
     """BlockScaledTensor(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)]).
     epsilon is data (traced: one program for every value)."""
-    core._block_rows(block)
+    args.block_rows(block)
     return _quantize_blockwise(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
                                block=tuple(block) if isinstance(block, list) else block,
-                               power_of_2=_checks.flag(power_of_2, "power_of_2"), epsilon=epsilon)
+                               power_of_2=args.flag(power_of_2, "power_of_2"), epsilon=epsilon)
 
 
 @_jitted("fmt", "block", "power_of_2", numbers=("epsilon",))
 def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numbers: Any,
                         host_numbers: Any) -> BlockScaledTensor:
-    br = core._block_rows(block)
-    s_shape = (_cdiv(_rows(x), br), _cdiv(x.shape[-1], FP32_BLOCK))
+    br = args.block_rows(block)
+    s_shape = core.block_scale_shape(_rows(x), x.shape[-1], br)
     shapes = (_fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
 
     def run(t, nums=None):

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from fp8core import DelayedScaling, Float8CurrentScaling
+from fp8core.gemm import MULTIPLE
 
 from . import _args, cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["init_state", "dense", "next_state"]
 
-_MULTIPLE = 16
 
 
 def init_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
@@ -94,11 +94,11 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
     k, n = x.shape[-1], w.shape[0]
     if bias is not None and tuple(_args.array(bias, "bias").shape) != (n,):
         raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(bias.shape)}")
-    if k % _MULTIPLE or n % _MULTIPLE or w.shape[1] != k:
+    if k % MULTIPLE or n % MULTIPLE or w.shape[1] != k:
         raise ValueError(f"w: expected [N, K] with K = {k} and N, K multiples of 16, got {w.shape}")
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
-    pad = -rows % _MULTIPLE or (_MULTIPLE if rows == 0 else 0)
+    pad = -rows % MULTIPLE or (MULTIPLE if rows == 0 else 0)
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     if isinstance(recipe, Float8CurrentScaling):

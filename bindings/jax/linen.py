@@ -31,12 +31,12 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 import fp8core
 from fp8core import DelayedScaling
+from fp8core.gemm import MULTIPLE
 
 from . import _args, amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT"]
 
-_MULTIPLE = 16
 _HIGH = ("float32", "bfloat16", "float16")
 
 
@@ -146,7 +146,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
     _args.layer_state(state, recipe)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
-    if k % _MULTIPLE or n % _MULTIPLE:
+    if k % MULTIPLE or n % MULTIPLE:
         raise ValueError(f"dimension_numbers: the contracted size K = {k} and the rhs free size N = {n} must be "
                          f"multiples of 16 (the fp8 GEMM's limit)")
     lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
@@ -158,8 +158,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     x = (lhs if lperm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lperm)).reshape(-1, k)
     w = (rhs if rperm == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rperm)).reshape(k, n)
     rows = x.shape[0]
-    if rows % _MULTIPLE or rows == 0:  # the wgrad GEMM contracts over the tokens (K > 0): zero rows change
-        x = jnp.pad(x, ((0, -rows % _MULTIPLE or _MULTIPLE), (0, 0)))  # no amax and add nothing
+    if rows % MULTIPLE or rows == 0:  # the wgrad GEMM contracts over the tokens (K > 0): zero rows change
+        x = jnp.pad(x, ((0, -rows % MULTIPLE or MULTIPLE), (0, 0)))  # no amax and add nothing
     if isinstance(recipe, DelayedScaling):
         h, s, si = state["amax_history"], state["scale"], state["scale_inv"]
     else:

@@ -12,7 +12,8 @@ import torch
 
 import fp8core
 from fp8core import blocks as core
-from fp8core.blocks import FP32_BLOCK, MX_BLOCK, BlockScaledTensor, MXTensor, block_layout, mx_layout
+from fp8core.args import block_rows
+from fp8core.blocks import BlockScaledTensor, MXTensor, block_layout, mx_layout
 
 from .fake_rules import gemm_shape, matrix, refuse_meta
 
@@ -23,14 +24,9 @@ __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantiz
            "dequantize_blockwise", "transpose_blocks", "block_gemm"]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _mx_scale(x: Tensor, columnwise: bool) -> Tensor:
     rows, cols = matrix(x, "x")
-    shape = (_cdiv(rows, MX_BLOCK), cols) if columnwise else (rows, _cdiv(cols, MX_BLOCK))
-    return x.new_empty(shape, dtype=torch.float8_e8m0fnu)
+    return x.new_empty(core.mx_scale_shape(rows, cols, columnwise), dtype=torch.float8_e8m0fnu)
 
 
 def _fp8(x: Tensor, fmt: str) -> Tensor:
@@ -77,9 +73,9 @@ def _quantize_blockwise(x: Tensor, fmt: str, block: str, power_of_2: bool, epsil
 
 @_quantize_blockwise.register_fake
 def _(x, fmt, block, power_of_2, epsilon):
-    br = core._block_rows(block)
+    br = block_rows(block)
     rows, cols = matrix(x, "x")
-    return _fp8(x, fmt), x.new_empty((_cdiv(rows, br), _cdiv(cols, FP32_BLOCK)), dtype=torch.float32)
+    return _fp8(x, fmt), x.new_empty(core.block_scale_shape(rows, cols, br), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_LIB}::dequantize_blockwise", mutates_args=())
@@ -121,23 +117,7 @@ def _(a, a_scale, b, b_scale, mx, out_dtype):
     """The core's shape rules (fp8core.gemm, then fp8core.blocks.gemm_scales), in its order."""
     refuse_meta(("a", a), ("a.scale", a_scale), ("b", b), ("b.scale", b_scale))
     m, n = gemm_shape(a, b)
-    k = a.shape[1]
-    if mx:
-        if k % MX_BLOCK:
-            raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
-        for arg, t, rows in (("a.scale", a_scale, m), ("b.scale", b_scale, n)):
-            if tuple(t.shape) != (rows, k // MX_BLOCK):
-                raise ValueError(f"{arg}: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
-                                 f"{(rows, k // MX_BLOCK)}, got {tuple(t.shape)}")
-    else:
-        if k % FP32_BLOCK:
-            raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole "
-                             "blocks)")
-        tiles = [block_layout(shape, t.shape, arg) == FP32_BLOCK
-                 for shape, t, arg in (((m, k), a_scale, "a.scale_inv"), ((n, k), b_scale, "b.scale_inv"))]
-        if all(tiles):
-            raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) "
-                             "in 1x128 blocks")
+    core.gemm_blocks(mx, m, n, a.shape[1], tuple(a_scale.shape), tuple(b_scale.shape))
     return a.new_empty((m, n), dtype=out_dtype)
 
 

@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from fp8core import _checks
+from fp8core import args
 from fp8core.gemm import check_shapes
-from fp8core.scaling import ALGOS
+from fp8core.scaling import check_update_shapes
 
 __all__ = ["refuse_meta", "matrix", "gemm_shape", "update_args"]
 
@@ -52,19 +52,8 @@ def update_args(history: torch.Tensor, vectors: tuple[tuple[str, Optional[torch.
                 algo: str, epsilon: float) -> None:
     """The batched update's argument rules (fp8core.scaling.check_update_args), in its order: history float32
     [L, N], L and N >= 1; each (name, tensor or None, dtype) of ``vectors`` [N]; algo, margin, epsilon."""
-    if _dtype(history) != "float32":
-        raise TypeError(f"history: expected float32, got {_dtype(history)}")
-    if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] < 1:
-        raise ValueError(f"history: expected shape [L, N] with L, N >= 1, got {tuple(history.shape)}")
-    n = history.shape[1]
-    for arg, t, dtype in vectors:
-        if t is None:
-            continue
-        if _dtype(t) != dtype:
-            raise TypeError(f"{arg}: expected {dtype}, got {_dtype(t)}")
-        if tuple(t.shape) != (n,):
-            raise ValueError(f"{arg}: expected shape ({n},) to match history [L, {n}], got {tuple(t.shape)}")
-    if not isinstance(algo, str) or algo not in ALGOS:
-        raise ValueError(f"algo: expected one of {ALGOS}, got {algo!r}")
-    _checks.margin(margin)
-    _checks.epsilon(epsilon)
+    check_update_shapes((_dtype(history), tuple(history.shape)),
+                        [(arg, _dtype(t), tuple(t.shape), dtype) for arg, t, dtype in vectors if t is not None])
+    args.amax_algo(algo)
+    args.margin(margin)
+    args.epsilon(epsilon)

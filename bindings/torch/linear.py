@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from fp8core.extras import install_hint
+from fp8core.gemm import MULTIPLE
 from fp8core.scaling import check_state_values
 
 from . import ops
@@ -34,7 +35,6 @@ from .scaling import SLOTS, STATE, SharedScaling, check_recipe, current_context,
 
 __all__ = ["Float8Linear", "convert_to_float8", "enable_fsdp_float8_all_gather"]
 
-_GEMM_MULTIPLE = 16
 _BIAS_EPILOGUE = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}  # else added after the GEMM
 
 
@@ -99,7 +99,7 @@ class _Float8Matmul(torch.autograd.Function):
 def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
     """[rows, k] zero-padded to a multiple of 16 rows (zeros add nothing to the sums nor to the amaxes)."""
     rows = x2.shape[0]
-    pad = -rows % _GEMM_MULTIPLE
+    pad = -rows % MULTIPLE
     return (F.pad(x2, (0, 0, 0, pad)) if pad else x2).contiguous(), rows
 
 
@@ -291,7 +291,7 @@ def _feature_multiple(recipe: Any) -> tuple[int, str]:
     """(what in_features and out_features must be multiples of under ``recipe``, and why)."""
     if isinstance(recipe, BLOCK_RECIPES):
         return block_multiple(recipe)
-    return _GEMM_MULTIPLE, "the FP8 GEMM's limit"
+    return MULTIPLE, "the FP8 GEMM's limit"
 
 
 def _check_features(in_features: int, out_features: int, recipe: Any) -> None:

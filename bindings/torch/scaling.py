@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 import fp8core
-from fp8core import DelayedScaling, Format, ScalingState
+from fp8core import DelayedScaling, ScalingState
 
 from .block_linear import check_block_recipe
 
@@ -207,9 +207,7 @@ def check_recipe(recipe: Any) -> Any:
         return DelayedScaling()
     if not isinstance(recipe, RECIPES):
         raise TypeError(f"recipe: expected {_NAMES}, got {type(recipe).__name__}")
-    if recipe.fp8_format is Format.E5M2:
-        raise ValueError("recipe: fp8_format E5M2 would make E5M2 x E5M2 GEMMs, which have no FP8 kernel; "
-                         "use Format.HYBRID (E4M3 forward, E5M2 backward) or Format.E4M3")
+    fp8core.args.gemm_recipe_format(recipe)
     if isinstance(recipe, fp8core.Float8BlockScaling):
         check_block_recipe(recipe)
     return recipe

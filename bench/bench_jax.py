@@ -44,7 +44,7 @@ def wall(fn, wait, repeat: int) -> tuple[float, float, float]:
 def quantize_via_copy(x: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The path before out=: the core result in a temporary, then copied into XLA's output buffers."""
     def callback(ctx, outs, xb, sb):
-        t, s = fj._raw(xb), fj._raw(sb)
+        t, s = fj.primitives._raw(xb), fj.primitives._raw(sb)
         if t.is_cuda:
             import cupy
 

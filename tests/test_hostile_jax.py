@@ -291,10 +291,10 @@ def _programs(fn):
 
 
 CURRENT = {
-    "quantize_dynamic": (fj._quantize_dynamic,
+    "quantize_dynamic": (fj.primitives._quantize_dynamic,
                          lambda x, e, m: fj.quantize_dynamic(jnp.asarray(x), "e5m2", margin=m, epsilon=e),
                          lambda x, e, m: fp8core.quantize_dynamic(x, "e5m2", margin=m, epsilon=e)),
-    "compute_scale": (fj._compute_scale,
+    "compute_scale": (fj.primitives._compute_scale,
                       lambda x, e, m: fj.compute_scale(jnp.asarray(x[0, :8]), "e4m3", margin=m, epsilon=e),
                       lambda x, e, m: fp8core.compute_scale(x[0, :8], "e4m3", margin=m, epsilon=e)),
     "quantize_blockwise": (fb._quantize_blockwise,
@@ -314,7 +314,7 @@ def test_50_epsilons_and_margins_compile_once_with_the_cores_bits(op):
         for g, w in zip(ours(x, eps, m), core(x, eps, m)):
             np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"epsilon {eps!r}, margin {m}")
     # where a GPU needs them by value at launch they stay static: one program per (epsilon, margin)
-    assert _programs(prim) - before == (len(EPSILONS) if fj.numbers_static() else 0)
+    assert _programs(prim) - before == (len(EPSILONS) if fj.primitives.numbers_static() else 0)
 
 
 def test_epsilon_under_an_outer_jit_and_vmap_same_bits():
@@ -340,7 +340,7 @@ def test_numbers_travel_as_their_float64_bits():
 def test_static_numbers_as_on_a_gpu_machine_same_bits(op, monkeypatch):
     """Where a GPU needs margin and epsilon by value (fp8core.jax.numbers_static), they reach the callback as
     static values: that branch, taken here on the CPU, gives the same bits, one program per value."""
-    monkeypatch.setattr(fj, "numbers_static", lambda: True)
+    monkeypatch.setattr(fj.primitives, "numbers_static", lambda: True)
     prim, ours, core = CURRENT[op]
     x = _x()
     before = _programs(prim)

@@ -177,7 +177,7 @@ TWINS = {
 
 
 def _prims(path):
-    jitted = {name: getattr(fj, "_" + name) for name in PRIMS}
+    jitted = {name: getattr(fj.primitives, "_" + name) for name in PRIMS}
     return jitted if path == "jitted" else {name: f.untraced for name, f in jitted.items()}
 
 
@@ -191,7 +191,7 @@ def test_eager_primitives_same_bits_as_the_core(op, scale):
     x = _x()
     twin = _leaves(TWINS[op](np.asarray(x), np.asarray(scale, np.float32).reshape(1)))
     for path in ("jitted", "untraced"):
-        s = fj._scale_arg(scale) if path == "jitted" else scale
+        s = fj.primitives._scale_arg(scale) if path == "jitted" else scale
         assert _leaves(PRIMS[op](x, s, _prims(path))) == twin
 
 
@@ -248,7 +248,7 @@ def test_eager_primitives_same_errors_as_untraced(case, call, monkeypatch):
         prims = _prims(path)
         with monkeypatch.context() as m:
             for name, f in prims.items():
-                m.setattr(fj, "_" + name, f)
+                m.setattr(fj.primitives, "_" + name, f)
             with pytest.raises(Exception) as info:
                 jax.block_until_ready(call())
         errors.append(first_line(info.value))
@@ -279,7 +279,7 @@ OTHERS = {
 @pytest.mark.parametrize("op", list(OTHERS))
 def test_other_eager_primitives_same_bits_as_untraced(op):
     x = jnp.where(jnp.isfinite(_x()), _x(), 1.0)  # finite: NaN/inf would only give NaN scales here
-    module, name = (fj.blocks, op.split(".")[1]) if op.startswith("blocks.") else (fj, op)
+    module, name = (fj.blocks, op.split(".")[1]) if op.startswith("blocks.") else (fj.primitives, op)
     got = {mode: [_bits(o) for o in jax.tree.leaves(OTHERS[op](x, f))]
            for mode, f in _jitted_and_untraced(module, name).items()}
     assert got["jitted"] == got["untraced"]

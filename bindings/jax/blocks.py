@@ -18,7 +18,8 @@ from fp8core import blocks as core
 from fp8core._tensor import Tensor
 from fp8core.blocks import BlockScaledTensor, MXTensor
 
-from . import _args, _fp8_shape, _jitted, _numbers, _operands, _primitive, _rows
+from . import _args
+from .primitives import fp8_shape, jitted, numbers_of, operands, primitive, rows
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
            "dequantize_blockwise", "block_gemm"]
@@ -27,7 +28,7 @@ Array = jax.Array
 
 
 def _returning(fn: Callable[..., Any]) -> Callable[..., None]:
-    """``fn(*ins) -> result or results`` as the ``fn(outs, *ins)`` that _primitive takes: the block primitives
+    """``fn(*ins) -> result or results`` as the ``fn(outs, *ins)`` that primitive takes: the block primitives
     have no ``out=``, so their results are copied byte for byte into XLA's buffers (on a GPU on XLA's stream,
     CuPy's current one inside the callback)."""
     def run(outs: list[Tensor], *ins: Tensor) -> None:
@@ -43,7 +44,7 @@ def _e8m0(shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
 
 
 def _mx_scale_shape(x: Any, columnwise: bool) -> tuple[int, int]:
-    return core.mx_scale_shape(_rows(x), x.shape[-1], columnwise)
+    return core.mx_scale_shape(rows(x), x.shape[-1], columnwise)
 
 
 def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
@@ -53,12 +54,12 @@ def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", co
                            columnwise=args.flag(columnwise, "columnwise"))
 
 
-@_jitted("fmt", "scale_mode", "columnwise")
+@jitted("fmt", "scale_mode", "columnwise")
 def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> MXTensor:
     args.scale_mode(scale_mode)
-    shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, columnwise)))
+    shapes = (fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, columnwise)))
     run = _returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
-    return MXTensor(*_primitive(run, shapes)(x))
+    return MXTensor(*primitive(run, shapes)(x))
 
 
 def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
@@ -67,17 +68,17 @@ def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil
                                 scale_mode=args.scale_mode(scale_mode))
 
 
-@_jitted("fmt", "scale_mode")
+@jitted("fmt", "scale_mode")
 def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTensor, MXTensor]:
     args.scale_mode(scale_mode)
-    shapes = (_fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, False)), _fp8_shape(x, fmt),
+    shapes = (fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, False)), fp8_shape(x, fmt),
               _e8m0(_mx_scale_shape(x, True)))
 
     def run(t):
         row, col = core.quantize_mxfp8_both(t, fmt, scale_mode=scale_mode)
         return (*row, *col)
 
-    q, s, qc, sc = _primitive(_returning(run), shapes)(x)
+    q, s, qc, sc = primitive(_returning(run), shapes)(x)
     return MXTensor(q, s), MXTensor(qc, sc)
 
 
@@ -87,12 +88,12 @@ def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
     return _dequantize_mxfp8(MXTensor(*t), out_dtype=_args.out_dtype(out_dtype))
 
 
-@_jitted("out_dtype")
+@jitted("out_dtype")
 def _dequantize_mxfp8(t: MXTensor, *, out_dtype: Any) -> Array:
     data, scale = t
     fmt = fp8core.as_format(data.dtype)
     run = _returning(lambda q, s: core.dequantize_mxfp8(MXTensor(q, s), jnp.dtype(out_dtype).name, fmt=fmt))
-    return _primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale)
+    return primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale)
 
 
 def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", power_of_2: bool = True,
@@ -105,18 +106,18 @@ def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", pow
                                power_of_2=args.flag(power_of_2, "power_of_2"), epsilon=epsilon)
 
 
-@_jitted("fmt", "block", "power_of_2", numbers=("epsilon",))
+@jitted("fmt", "block", "power_of_2", numbers=("epsilon",))
 def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numbers: Any,
                         host_numbers: Any) -> BlockScaledTensor:
     br = args.block_rows(block)
-    s_shape = core.block_scale_shape(_rows(x), x.shape[-1], br)
-    shapes = (_fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
+    s_shape = core.block_scale_shape(rows(x), x.shape[-1], br)
+    shapes = (fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
 
     def run(t, nums=None):
-        (epsilon,) = _numbers(nums, host_numbers)
+        (epsilon,) = numbers_of(nums, host_numbers)
         return tuple(core.quantize_blockwise(t, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon))
 
-    return BlockScaledTensor(*_primitive(_returning(run), shapes)(x, *_operands(numbers)))
+    return BlockScaledTensor(*primitive(_returning(run), shapes)(x, *operands(numbers)))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
@@ -125,13 +126,13 @@ def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> 
     return _dequantize_blockwise(BlockScaledTensor(*t), out_dtype=_args.out_dtype(out_dtype))
 
 
-@_jitted("out_dtype")
+@jitted("out_dtype")
 def _dequantize_blockwise(t: BlockScaledTensor, *, out_dtype: Any) -> Array:
     data, scale_inv = t
     fmt = fp8core.as_format(data.dtype)
     run = _returning(lambda q, s: core.dequantize_blockwise(BlockScaledTensor(q, s), jnp.dtype(out_dtype).name,
                                                             fmt=fmt))
-    return _primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale_inv)
+    return primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale_inv)
 
 
 def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,
@@ -141,11 +142,11 @@ def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,
     return _block_gemm(a, b, out_dtype=_args.out_dtype(out_dtype))
 
 
-@_jitted("out_dtype")
+@jitted("out_dtype")
 def _block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor, *, out_dtype: Any) -> Array:
     kind = type(a)
     fa, fb = fp8core.as_format(a[0].dtype), fp8core.as_format(b[0].dtype)
     name = jnp.dtype(out_dtype).name
     run = _returning(lambda ad, asc, bd, bsc: fp8core.gemm(kind(ad, asc), type(b)(bd, bsc), out_dtype=name,
                                                            a_fmt=fa, b_fmt=fb))
-    return _primitive(run, jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(a[0], a[1], b[0], b[1])
+    return primitive(run, jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(a[0], a[1], b[0], b[1])

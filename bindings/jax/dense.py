@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from fp8core import DelayedScaling, Float8CurrentScaling
 from fp8core.gemm import MULTIPLE
 
-from . import _args, cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
+from . import _args
+from .primitives import cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["init_state", "dense", "next_state"]
 

@@ -33,7 +33,8 @@ import fp8core
 from fp8core import DelayedScaling
 from fp8core.gemm import MULTIPLE
 
-from . import _args, amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
+from . import _args
+from .primitives import amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT"]
 

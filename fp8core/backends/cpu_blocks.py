@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from .._fpenv import ieee
-from .._tensor import Tensor, logical_numpy_dtype
+from .._views import Tensor, logical_numpy_dtype
 from ..formats import Format
 from .cpu import _CANONICAL_NAN, _canonical_nan_fp8, _map, _quantize_table, _to_f32, scale_rule
 
@@ -28,7 +28,11 @@ FP32_BLOCK = 128
 
 _F32_NAN = np.uint32(0x7FFFFFFF)
 _F32_INF = np.uint32(0x7F800000)
-_EMAX = {Format.E4M3: 8, Format.E5M2: 15}  # exponent of the largest power of two below fp8_max
+EMAX = {Format.E4M3: 8, Format.E5M2: 15}  # exponent of the largest power of two below fp8_max
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def inv_fp8_max(fmt: Format) -> np.float32:
@@ -123,7 +127,7 @@ def e8m0_floor(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
     exp = np.right_shift(amax_bits, 23).astype(np.int64)
     mant = np.bitwise_and(amax_bits, np.uint32(0x7FFFFF))
     log2 = np.where(exp != 0, exp - 127, np.where(mant != 0, _highest_bit(mant) - 149, 0))
-    e = np.clip(log2 - _EMAX[fmt] + 127, 0, 254)
+    e = np.clip(log2 - EMAX[fmt] + 127, 0, 254)
     e[amax_bits == 0] = 0
     e[amax_bits == _F32_INF] = 254
     e[amax_bits > _F32_INF] = E8M0_NAN

@@ -1,13 +1,15 @@
 """The CUDA launch layer's host-side logic, without a GPU: grid shares, argument layouts, capability errors and the
 cuBLASLt plan cache's bound."""
 
+import inspect
 import struct
 
 import pytest
 
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed")
 from fp8core import _kernels  # noqa: E402
-from fp8core.backends import cublaslt, cuda, cuda_call  # noqa: E402
+from fp8core import backends  # noqa: E402
+from fp8core.backends import cpu, cpu_blocks, cublaslt, cuda, cuda_blocks, cuda_call  # noqa: E402
 
 
 @pytest.mark.parametrize("sizes", [[5, 4096, 100000], [0, 0, 7], [1 << 30, 16, 16, 0], [1] * 64, [0]])
@@ -55,6 +57,22 @@ def test_grid_stride_rules():
     assert _kernels.QUANTIZE.rule(1056, 0) == 1 and _kernels.QUANTIZE.rule(1056, 2049) == 2
     assert _kernels.QUANTIZE.rule(1056, 1 << 40) == 1056, "no more blocks than run at once"
     assert _kernels.FILL.rule(1056, 257) == 2 and _kernels.COMPUTE_SCALE.rule(8, 1 << 20) == 4096
+
+
+@pytest.mark.parametrize("protocol, modules", [(backends.Backend, (cpu, cuda)),
+                                               (backends.BlockBackend, (cpu_blocks, cuda_blocks))])
+def test_backends_implement_one_interface(protocol, modules):
+    """Every function of the interface, in both backends, with its parameters (names, kinds, defaults)."""
+    def params(fn, drop_self=False):
+        ps = list(inspect.signature(fn).parameters.values())[drop_self:]
+        return [(p.name, p.kind, p.default) for p in ps]
+
+    names = [n for n, f in vars(protocol).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert len(names) >= 7
+    for name in names:
+        want = params(getattr(protocol, name), drop_self=True)
+        for module in modules:
+            assert params(getattr(module, name)) == want, f"{module.__name__}.{name}"
 
 
 def test_gemm_refuses_older_gpus(monkeypatch):

@@ -514,8 +514,13 @@ def compute_scale(amax: np.ndarray, fp8_max: float, margin: int, power_of_2: boo
 
 @ieee
 def update(history: np.ndarray, scale: np.ndarray, scale_inv: np.ndarray, fp8_max: np.ndarray, margin: int,
-           algo: str, power_of_2: bool, epsilon: float, update_scale: bool, flags: np.ndarray | None) -> None:
-    """The batched delayed-scaling update of docs/numerics.md, in place, all N columns at once."""
+           algo: str, power_of_2: bool, epsilon: float, update_scale: bool, flags: np.ndarray | None,
+           step: np.ndarray | None = None, interval: int = 1) -> None:
+    """The batched delayed-scaling update of docs/numerics.md, in place, all N columns at once. ``step`` (int32
+    [steps % interval, 0]), when given, decides update_scale and advances, as the CUDA backend's counter does."""
+    if step is not None:
+        update_scale = int(step[0]) == 0
+        step[0] = (int(step[0]) + 1) % interval
     L = history.shape[0]
     cur = history[0].copy()
     ran = (cur.view(np.uint32) & np.uint32(0x7FFFFFFF)) != 0  # on the bits: a subnormal or NaN amax did run

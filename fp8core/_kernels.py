@@ -33,10 +33,6 @@ from typing import Any
 
 from .formats import Format
 
-__all__ = ["Kernel", "RECORDS", "KERNELS", "THREADS", "MIN_COMPUTE_CAPABILITY", "arg_layout", "cuda_dir",
-           "cuda_sha256", "compile_cubin", "get_function", "OPTIONS", "cache_dir", "soft_fp8", "module_options",
-           "arch_options", "FAMILY_ARCHS", "nvrtc_version"]
-
 # CuPy's RawModule appends -ftz=true and --device-as-default-execution-space to every compile; compile_cubin
 # passes them too so that it compiles what runs. The kernels are written to be immune to -ftz.
 OPTIONS = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
@@ -93,12 +89,11 @@ class _Plan:
 
     __slots__ = ("function", "fn", "max_blocks", "driver")
 
-    def __init__(self, function: Any, device: int) -> None:
+    def __init__(self, function: Any, sm_count: int) -> None:
         self.function = function  # keeps the module loaded
         self.fn = function.ptr
         self.driver = driver = _driver()
-        self.max_blocks = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn, THREADS, 0)) * \
-            _sm_count(device)
+        self.max_blocks = sm_count * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn, THREADS, 0))
 
 
 def _driver() -> Any:
@@ -108,28 +103,20 @@ def _driver() -> Any:
 
 
 _plans: dict[tuple[Any, int, tuple], _Plan] = {}
-_sm_counts: dict[int, int] = {}
-_capability_ok: set[int] = set()
+_sm_counts: dict[int, int] = {}  # the devices checked, and their SM counts
 
 
 def _sm_count(device: int) -> int:
     n = _sm_counts.get(device)
     if n is None:
-        from cupy_backends.cuda.api import runtime
-
-        n = _sm_counts[device] = runtime.getDeviceProperties(device)["multiProcessorCount"]
-    return n
-
-
-def _check_capability(device: int) -> None:
-    if device not in _capability_ok:
         import cupy
 
         cc = int(cupy.cuda.Device(device).compute_capability)
         if cc < MIN_COMPUTE_CAPABILITY:
             raise RuntimeError(f"fp8core's CUDA kernels need compute capability 8.0 or newer (Ampere, Ada, Hopper, "
                                f"Blackwell); cuda:{device} is {cc // 10}.{cc % 10}")
-        _capability_ok.add(device)
+        n = _sm_counts[device] = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+    return n
 
 
 class Kernel:
@@ -157,10 +144,10 @@ class Kernel:
         key = (self, device, targs)
         plan = _plans.get(key)
         if plan is None:
-            _check_capability(device)
+            sm_count = _sm_count(device)  # refuses a device older than the kernels before compiling for it
             # Built outside any lock (get_function compiles once per file and device under its own lock); a thread
             # that races here builds an equal plan over the same function, and the first one stored is kept.
-            plan = _plans.setdefault(key, _Plan(get_function(self.file, self.expr(targs), device), device))
+            plan = _plans.setdefault(key, _Plan(get_function(self.file, self.expr(targs), device), sm_count))
         return plan
 
     def grid(self, device: int, targs: tuple, work: Any) -> Any:

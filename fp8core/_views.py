@@ -74,7 +74,6 @@ class _TorchCaller(Caller):
     def __init__(self) -> None:
         self._torch: Any = None
         self._current: Any = None
-        self._dtypes: dict[Any, Any] = {}
         self._devices: dict[int, Any] = {}
 
     def _module(self) -> Any:
@@ -98,10 +97,7 @@ class _TorchCaller(Caller):
         torch = self._module()
         dt = np.dtype(dtype)
         if device[0] == "cpu":
-            torch_dtype = self._dtypes.get(dt)
-            if torch_dtype is None:
-                torch_dtype = self._dtypes[dt] = getattr(torch, dt.name)
-            t = torch.empty(shape, dtype=torch_dtype)
+            t = torch.empty(shape, dtype=getattr(torch, dt.name))
             if not t.nbytes:
                 return np.empty(shape, dt)
             buf = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())

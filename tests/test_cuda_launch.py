@@ -75,6 +75,18 @@ def test_backends_implement_one_interface(protocol, modules):
             assert params(getattr(module, name)) == want, f"{module.__name__}.{name}"
 
 
+def test_kernels_refuse_older_gpus_before_compiling(monkeypatch):
+    import cupy
+
+    monkeypatch.setattr(_kernels, "_sm_counts", {})
+    monkeypatch.setattr(_kernels, "_plans", {})
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: type("D", (), {"compute_capability": "75"})())
+    monkeypatch.setattr(_kernels, "get_function", lambda *a: pytest.fail("compiled for an unsupported device"))
+    with pytest.raises(RuntimeError, match=r"compute capability 8.0 or newer .*cuda:2 is 7.5"):
+        _kernels.QUANTIZE.launch(2, ("float32", 0), 16, (0,) * 11, 0)
+    assert _kernels._sm_counts == {}, "a refused device is asked again (and refused again) next time"
+
+
 def test_gemm_refuses_older_gpus(monkeypatch):
     monkeypatch.setattr(cublaslt, "compute_capability", lambda device: 86)
     with pytest.raises(ValueError, match="compute capability 8.9 or newer.*8.6"):

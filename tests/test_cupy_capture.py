@@ -403,7 +403,6 @@ def drv(dev, monkeypatch):
     monkeypatch.setattr(_kernels.Kernel, "max_blocks", REAL_MAX_BLOCKS)
     monkeypatch.setattr(_kernels, "_plans", {})
     monkeypatch.setattr(_kernels, "_sm_counts", {0: SMS, 1: SMS})
-    monkeypatch.setattr(_kernels, "_capability_ok", {0, 1})
     monkeypatch.setattr(cuda, "_no_cooperative", set())
     monkeypatch.setattr(_kernels, "get_function", lambda filename, expr, device: Function(expr))
     dev.driver = driver

@@ -353,8 +353,8 @@ class DriverError(Exception):
 
 
 class FakeDriver:
-    """The driver calls of a kernel launch (_kernels.Kernel.launch): the occupancy answer, and launches decoded from the packed parameter buffer
-    into the log. Cooperative launches of more than ``resident`` blocks are refused, as under an MPS thread limit
+    """The driver calls of _kernels.Kernel.launch: the occupancy answer, and launches decoded from the packed
+    parameter buffer into the log. Cooperative launches of more than ``resident`` blocks are refused, as under an MPS thread limit
     or in a green context with fewer SMs than the device; ``error`` refuses them with another status."""
 
     CUDADriverError = DriverError

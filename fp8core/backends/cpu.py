@@ -28,7 +28,7 @@ _THREADS = max(1, min(os.cpu_count() or 1, 8))
 # of work, as its cost per element differs: "cast" is the fp32 quantize (a multiply, 4 integer passes, a lookup),
 # "lookup" one table lookup per element (bf16/fp16 quantize by the per-scale table, dequantize). amax never uses
 # the pool: its two reductions run at memory speed on one core. Where the pool pays:
-# bench/bench_cpu.py --crossover (bench/results/cpu-2core-pool-crossover.md).
+# bench/bench_cpu.py --crossover (bench/results/cpu-2core-2026-11-25-pool-crossover.md).
 _POOL_MIN = {"cast": 1 << 18, "lookup": 1 << 17}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()

@@ -553,22 +553,43 @@ def roll(history: Any, ran: Any, cur: Any, L: int) -> None:
 
 # ---- gemm -------------------------------------------------------------------------------------------------
 
+# Block-scaled operands (fp8core.blocks): the K elements and the operand rows each scale covers.
+_BLOCK_K = {"1x32": 32, "1x128": 128, "128x128": 128}
+_BLOCK_ROWS = {"1x32": 1, "1x128": 1, "128x128": 128}
+
+
+def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
+    """float64 factor of every operand row for every K-block, [rows, KB]: E8M0 bytes as 2^(e-127) (the NaN byte
+    NaN), fp32 scale inverses as they are; a 128x128 tile's factor spread over its 128 rows."""
+    if kind == "1x32":
+        e = np.asarray(scale).view(np.uint8).astype(np.int64)
+        f = np.where(e == 0xFF, np.nan, np.ldexp(1.0, e - 127))
+    else:
+        f = np.asarray(scale, np.float32).astype(np.float64)
+    return np.repeat(f, _BLOCK_ROWS[kind], axis=0)[:rows]
+
+
 @ieee
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
          out_scale: Any | None, out_amax: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
     """The emulation: fp8 operands widened exactly, products summed and scaled in float64, the result (+ bias)
     rounded once to fp32, then cast to the output like :func:`quantize` and NumPy's RTNE casts do.
-    Deterministic: no dependence on BLAS's order of summation.
+    Deterministic: no dependence on BLAS's order of summation. Block-scaled: D[m, n] = sum_kb fa[m, kb] *
+    fb[n, kb] * (sum_{k in kb} a[m, k] * b[n, k]); a sum over one K-block is exact in float64, so the only
+    roundings are the factors' products and the sum over K-blocks, far inside the GPU's tolerance.
     """
     with np.errstate(all="ignore"):
-        if spec.a_block is not None:  # block-scaled operands (fp8core.blocks): a_/b_scale_inv are block scales
-            from . import cpu_blocks
-
-            d = cpu_blocks.gemm(spec, a, b, a_scale_inv, b_scale_inv)
-        else:
-            a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
-            b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
+        a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
+        b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
+        if spec.a_block is None:
             d = (a64 @ b64.T) * np.float64(scale_value(a_scale_inv)) * np.float64(scale_value(b_scale_inv))
+        else:
+            bk = _BLOCK_K[spec.a_block]
+            fa = _block_factors(a_scale_inv, spec.a_block, spec.m)
+            fb = _block_factors(b_scale_inv, spec.b_block, spec.n)
+            d = np.zeros((spec.m, spec.n), np.float64)
+            for kb in range(-(-spec.k // bk)):
+                d += (a64[:, kb * bk:(kb + 1) * bk] @ b64[:, kb * bk:(kb + 1) * bk].T) * fa[:, kb:kb + 1] * fb[:, kb]
         if bias is not None:
             d += bias.data.astype(np.float64)
         d32 = d.astype(np.float32)

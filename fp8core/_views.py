@@ -15,23 +15,20 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 - registers its dtype names with NumPy
 import numpy as np
 
 __all__ = ["Tensor", "Caller", "storage_dtype", "logical_numpy_dtype"]
 
-_STORAGE = {"float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "float8_e8m0fnu": np.uint8, "bfloat16": np.uint16}
-
-
 def storage_dtype(name: str) -> np.dtype:
-    """The NumPy/CuPy dtype that holds ``name`` on a CUDA device."""
-    return np.dtype(_STORAGE.get(name, name))
+    """The NumPy/CuPy dtype that holds ``name`` on a CUDA device: an unsigned integer of its size for the
+    ml_dtypes types (fp8, E8M0, bf16), which CuPy does not have."""
+    dt = np.dtype(name)
+    return np.dtype(f"u{dt.itemsize}") if dt.type.__module__ == "ml_dtypes" else dt
 
 
 def logical_numpy_dtype(name: str) -> np.dtype:
-    if name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "bfloat16"):
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
+    return np.dtype(name)  # importing ml_dtypes registers its types' names with NumPy
 
 
 Device = tuple  # ("cpu", 0) or ("cuda", ordinal)

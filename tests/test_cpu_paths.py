@@ -218,3 +218,22 @@ def test_the_update_step_counter_decides_and_advances_as_on_the_device():
         taken.append(bool(scale[0] != 1))
         assert step.tolist() == [(call + 1) % 3, 0]
     assert taken == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("origin", ["numpy", "cupy", "jax", "dlpack", "torch"])
+def test_the_caller_follows_the_origin_the_boundary_read(origin):
+    """Backends ask the tensor's caller (allocator, stream, graph safety), never the framework: torch arrays get
+    torch's allocator (a CPU result is a NumPy view owned by a torch tensor of the same bytes), the rest NumPy's."""
+    torch = pytest.importorskip("torch")
+    from fp8core._views import Tensor
+
+    caller = Tensor(np.zeros(4, np.float32), "float32", ("cpu", 0), origin).caller
+    assert (caller.allocates, caller.graph_safe) == ((True, True) if origin == "torch" else (False, False))
+    out = caller.empty((2, 3), ml_dtypes.bfloat16, ("cpu", 0))
+    assert out.shape == (2, 3) and out.dtype == ml_dtypes.bfloat16 and out.flags.writeable
+    base = out
+    while isinstance(base, np.ndarray):
+        base = base.base
+    owner = getattr(base, "tensor", None)
+    assert (isinstance(owner, torch.Tensor) and owner.dtype == torch.bfloat16 and owner.data_ptr() == out.ctypes.data
+            if origin == "torch" else owner is None)

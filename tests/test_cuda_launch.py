@@ -87,6 +87,34 @@ def test_kernels_refuse_older_gpus_before_compiling(monkeypatch):
     assert _kernels._sm_counts == {}, "a refused device is asked again (and refused again) next time"
 
 
+@pytest.mark.parametrize("env, soft", [(None, False), ("0", False), ("1", True)])
+def test_the_soft_fp8_knob_is_read_when_a_module_is_compiled(monkeypatch, env, soft):
+    """FP8CORE_FORCE_SOFT_FP8 (the one knob) decides the conversion path of the modules compiled after it is set."""
+    import cupy
+
+    made = []
+
+    class RawModule:
+        def __init__(self, code, backend, options, name_expressions):
+            made.append(options)
+
+        def compile(self):
+            pass
+
+    if env is None:
+        monkeypatch.delenv("FP8CORE_FORCE_SOFT_FP8", raising=False)
+    else:
+        monkeypatch.setenv("FP8CORE_FORCE_SOFT_FP8", env)
+    monkeypatch.setattr(_kernels, "_modules", {})
+    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(cupy, "RawModule", RawModule)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device=None: type("D", (), {
+        "compute_capability": "100", "__enter__": lambda self: None, "__exit__": lambda self, *exc: None})())
+    _kernels._module("block_quantize.cu", 0)
+    assert ("-DFP8CORE_FORCE_SOFT_FP8=1" in made[0]) is soft
+    assert ("-arch=sm_100f" in made[0]) is not soft, "the forced software path never takes the family target"
+
+
 def test_gemm_refuses_older_gpus(monkeypatch):
     monkeypatch.setattr(cublaslt, "compute_capability", lambda device: 86)
     with pytest.raises(ValueError, match="compute capability 8.9 or newer.*8.6"):

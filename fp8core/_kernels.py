@@ -203,8 +203,7 @@ BLOCK_DEQUANTIZE = Kernel("block_quantize.cu", "block_dequantize_kernel", "PPPqq
                           itertools.product(_FMT, _T, (True, False)))
 MX_SCALE_SWIZZLE = Kernel("block_quantize.cu", "mx_scale_swizzle_kernel", "PPqq", grid=_stride(1))
 
-RECORDS = (AMAX, MULTI_AMAX, QUANTIZE, QUANTIZE_DYNAMIC, MULTI_QUANTIZE, DEQUANTIZE, CAST_TRANSPOSE, UPDATE,
-           COMPUTE_SCALE, FILL, MX_QUANTIZE, QUANTIZE_1X128, QUANTIZE_128X128, BLOCK_DEQUANTIZE, MX_SCALE_SWIZZLE)
+RECORDS = tuple(k for k in list(globals().values()) if isinstance(k, Kernel))  # every record above, in order
 # Every instantiation of every file, compiled together (name_expressions); selftest's coverage reads it.
 KERNELS: dict[str, list[str]] = {}
 for _k in RECORDS:

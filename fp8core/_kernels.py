@@ -1,60 +1,214 @@
-"""The kernel loader: ``cupy.RawModule`` compiles each ``cuda/*.cu`` with NVRTC for the device it runs on.
+"""The kernels of cuda/, one :class:`Kernel` record each, and their loader.
 
-CuPy keys its disk cache on the source text and the options, not on included headers, so the options carry
-``-DFP8CORE_CUDA_SHA=`` (a hash of every file under cuda/): a header edit recompiles. Modules are held per
-(file, device, conversion path); concurrent first calls from threads compile once.
+A record holds everything about one kernel: its file, its template instantiations (the loader compiles them
+together as name expressions), its parameters as struct codes (what a launch packs; tests/test_sass.py and the
+emulator check them against the compiled signatures) and its grid rule. A launch site names only the record and
+the instantiation: ``QUANTIZE.launch(device, (x.dtype, fmt.index), x.size, args, stream)``.
+
+The loader: ``cupy.RawModule`` compiles each ``cuda/*.cu`` with NVRTC for the device it runs on. CuPy keys its disk
+cache on the source text and the options, not on included headers, so the options carry ``-DFP8CORE_CUDA_SHA=``
+(a hash of every file under cuda/): a header edit recompiles. Modules are held per (file, device); concurrent
+first calls from threads compile once.
 
 ``compile_cubin`` compiles without a GPU for any architecture (the CI's NVRTC and SASS tests), with the same
 source and options. It calls NVRTC itself and sizes the cubin with nvrtcGetCUBINSize: CuPy's
 ``nvrtc.getCUBIN`` returns it one byte short, which is harmless to a module load but not to cuobjdump.
 
 Conversion path: sm_89+ converts to and from fp8 in hardware; sm_80/86 get the software conversion of
-common.cuh (same bits). ``FP8CORE_FORCE_SOFT_FP8=1`` in the environment at import (or ``FORCE_SOFT_FP8 = True``
-before the first launch) takes the software path on every GPU, to test it against the hardware one.
+common.cuh (same bits). ``FP8CORE_FORCE_SOFT_FP8=1`` in the environment when a module is first compiled in a
+process takes the software path on every GPU, to test it against the hardware one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
+import struct
 import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cuda_dir", "cuda_sha256", "compile_cubin", "get_function", "KERNELS", "OPTIONS", "cache_dir",
-           "FORCE_SOFT_FP8", "module_options", "arch_options", "FAMILY_ARCHS", "nvrtc_version"]
+from .formats import Format
 
 # CuPy's RawModule appends -ftz=true and --device-as-default-execution-space to every compile; compile_cubin
 # passes them too so that it compiles what runs. The kernels are written to be immune to -ftz.
 OPTIONS = ("--std=c++17", "-ftz=true", "--device-as-default-execution-space")
 _RAWMODULE_OPTIONS = ("--std=c++17",)
 
-FORCE_SOFT_FP8 = os.environ.get("FP8CORE_FORCE_SOFT_FP8", "") not in ("", "0")
+THREADS = 256  # threads per block of every kernel but update_kernel's
+MIN_COMPUTE_CAPABILITY = 80  # every kernel (the FP8 GEMM needs 89, see backends/cublaslt.py)
+_MAX_GRID_YZ = 65535
 
-_T = ("float", "fp8core::bf16", "fp8core::f16")
-_FMT = (0, 1)
 
-# Every template instantiation of every file, compiled together (name_expressions).
-KERNELS: dict[str, list[str]] = {
-    "quantize.cu": [f"fp8core::amax_kernel<{t}>" for t in _T]
-    + [f"fp8core::multi_amax_kernel<{t}>" for t in _T]
-    + [f"fp8core::{k}<{t}, {f}>" for k in ("quantize_kernel", "quantize_dynamic_kernel", "multi_quantize_kernel")
-       for t in _T for f in _FMT],
-    "dequantize.cu": [f"fp8core::dequantize_kernel<{f}, {t}>" for f in _FMT for t in _T],
-    "cast_transpose.cu": [f"fp8core::cast_transpose_kernel<{t}, {f}, true>" for t in _T for f in _FMT]
-    + ["fp8core::cast_transpose_kernel<fp8core::Passthrough, 0, false>"],
-    "update.cu": ["fp8core::update_kernel<true>", "fp8core::update_kernel<false>", "fp8core::compute_scale_kernel",
-                  "fp8core::fill_kernel"],
-    # block scaling (fp8core.blocks, backends/cuda_blocks.py)
-    "block_quantize.cu": [f"fp8core::mx_quantize_kernel<{t}, {f}, {r}>" for t in _T for f in _FMT
-                          for r in ("true", "false")]
-    + [f"fp8core::{k}<{t}, {f}>" for k in ("quantize_1x128_kernel", "quantize_128x128_kernel") for t in _T
-       for f in _FMT]
-    + [f"fp8core::block_dequantize_kernel<{f}, {t}, {e}>" for f in _FMT for t in _T for e in ("true", "false")]
-    + ["fp8core::mx_scale_swizzle_kernel"],
-}
+def soft_fp8() -> bool:
+    """Whether ``FP8CORE_FORCE_SOFT_FP8`` asks for the software conversion (read when a module is compiled)."""
+    return os.environ.get("FP8CORE_FORCE_SOFT_FP8", "") not in ("", "0")
+
+
+def arg_layout(params: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(offset, size) of each kernel parameter (struct codes, native alignment, as the kernel's parameter buffer
+    lays them out). A by-value struct is one parameter of several codes."""
+    return [(struct.calcsize("@" + "".join(params[:i + 1])) - struct.calcsize("@" + p), struct.calcsize("@" + p))
+            for i, p in enumerate(params)]
+
+
+def _stride(per_thread: int) -> Any:
+    """A grid-stride loop over ``work`` items, ``per_thread`` a thread: no more blocks than run at once, no more
+    than there is work."""
+    return lambda max_blocks, work: max(1, min(max_blocks, -(-work // (per_thread * THREADS))))
+
+
+def _each(per_block: int) -> Any:
+    """One block per ``per_block`` items."""
+    return lambda max_blocks, work: -(-work // per_block)
+
+
+def _tiles(rows: int, cols: int) -> Any:
+    """One block per rows x cols tile of a ``(rows, cols)`` work, numbered over (x, y) within their limits."""
+    def grid(max_blocks: int, work: tuple[int, int]) -> tuple[int, int]:
+        n = -(-work[0] // rows) * -(-work[1] // cols)
+        return min(n, _MAX_GRID_YZ), -(-n // _MAX_GRID_YZ)
+    return grid
+
+
+def _cxx(arg: Any) -> str:
+    """A template argument: a dtype name as its C++ type, a bool as true/false, an int as itself."""
+    if isinstance(arg, bool):
+        return "true" if arg else "false"
+    return _CXX_TYPES.get(arg, str(arg)) if isinstance(arg, str) else str(arg)
+
+
+_CXX_TYPES = {"float32": "float", "bfloat16": "fp8core::bf16", "float16": "fp8core::f16"}
+
+
+class _Plan:
+    """An instantiation loaded on one device: its function and the most blocks of it that run at once."""
+
+    __slots__ = ("function", "fn", "max_blocks", "driver")
+
+    def __init__(self, function: Any, sm_count: int) -> None:
+        self.function = function  # keeps the module loaded
+        self.fn = function.ptr
+        self.driver = driver = _driver()
+        self.max_blocks = sm_count * max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn, THREADS, 0))
+
+
+def _driver() -> Any:
+    from cupy_backends.cuda.api import driver
+
+    return driver
+
+
+_plans: dict[tuple[Any, int, tuple], _Plan] = {}
+_sm_counts: dict[int, int] = {}  # the devices checked, and their SM counts
+
+
+def _sm_count(device: int) -> int:
+    n = _sm_counts.get(device)
+    if n is None:
+        import cupy
+
+        cc = int(cupy.cuda.Device(device).compute_capability)
+        if cc < MIN_COMPUTE_CAPABILITY:
+            raise RuntimeError(f"fp8core's CUDA kernels need compute capability 8.0 or newer (Ampere, Ada, Hopper, "
+                               f"Blackwell); cuda:{device} is {cc // 10}.{cc % 10}")
+        n = _sm_counts[device] = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+    return n
+
+
+class Kernel:
+    """One kernel: ``file`` under cuda/, C++ ``name`` in namespace fp8core, its ``params`` (struct codes, one
+    string per parameter), the template arguments of each instantiation, and its ``grid`` rule
+    (max_blocks, work) -> grid."""
+
+    __slots__ = ("file", "name", "params", "instances", "rule", "format", "size", "offsets")
+
+    def __init__(self, file: str, name: str, params: str | tuple[str, ...], instances: Any = ((),),
+                 grid: Any = _stride(8)) -> None:
+        self.file, self.name, self.rule = file, name, grid
+        self.params = tuple(params)
+        self.instances = [tuple(t) for t in instances]
+        self.format = "@" + "".join(self.params)
+        self.size = struct.calcsize(self.format)
+        self.offsets = [offset for offset, _ in arg_layout(self.params)]
+
+    def expr(self, targs: tuple = ()) -> str:
+        """The name expression of one instantiation."""
+        return f"fp8core::{self.name}<{', '.join(map(_cxx, targs))}>" if targs else f"fp8core::{self.name}"
+
+    def _plan(self, device: int, targs: tuple) -> _Plan:
+        """Call inside the device guard."""
+        key = (self, device, targs)
+        plan = _plans.get(key)
+        if plan is None:
+            sm_count = _sm_count(device)  # refuses a device older than the kernels before compiling for it
+            # Built outside any lock (get_function compiles once per file and device under its own lock); a thread
+            # that races here builds an equal plan over the same function, and the first one stored is kept.
+            plan = _plans.setdefault(key, _Plan(get_function(self.file, self.expr(targs), device), sm_count))
+        return plan
+
+    def grid(self, device: int, targs: tuple, work: Any) -> Any:
+        """The grid a launch over ``work`` gets by this kernel's rule."""
+        return self.rule(self.max_blocks(device, targs), work)
+
+    def max_blocks(self, device: int, targs: tuple) -> int:
+        return self._plan(device, targs).max_blocks
+
+    def launch(self, device: int, targs: tuple, work: Any, args: tuple, stream: int, *, grid: Any = None,
+               block: Any = THREADS, cooperative: bool = False) -> None:
+        """Launch instantiation ``targs`` on ``stream`` (a raw handle) with ``args`` packed as ``params``; the grid
+        by the rule over ``work``, or ``grid``. Call inside the device guard."""
+        plan = self._plan(device, targs)
+        if grid is None:
+            grid = self.rule(plan.max_blocks, work)
+        buf = ctypes.create_string_buffer(self.size)
+        struct.pack_into(self.format, buf, 0, *args)
+        base = ctypes.addressof(buf)
+        ptrs = (ctypes.c_void_p * len(self.offsets))(*[base + o for o in self.offsets])
+        gx, gy = (grid, 1) if isinstance(grid, int) else grid
+        bx, by = (block, 1) if isinstance(block, int) else block
+        if cooperative:
+            plan.driver.launchCooperativeKernel(plan.fn, gx, gy, 1, bx, by, 1, 0, stream, ctypes.addressof(ptrs))
+        else:
+            plan.driver.launchKernel(plan.fn, gx, gy, 1, bx, by, 1, 0, stream, ctypes.addressof(ptrs), 0)
+
+
+# Struct codes: P pointer, q int64, i int32, I uint32, f float. Template arguments: dtype names, format indices.
+_T = ("float32", "bfloat16", "float16")
+_FMT = tuple(sorted({f.fwd.index for f in Format}))  # every encoding (HYBRID is two of them): common.cuh's
+_T_FMT = list(itertools.product(_T, _FMT))
+MULTI_CHUNK = 64  # tensors per multi-tensor launch: MultiArgs in quantize.cu, by value (2824 bytes)
+_MULTI = (f"{4 * MULTI_CHUNK}Q{MULTI_CHUNK}q{MULTI_CHUNK + 1}Ii",)
+
+AMAX = Kernel("quantize.cu", "amax_kernel", "PPq", itertools.product(_T))
+MULTI_AMAX = Kernel("quantize.cu", "multi_amax_kernel", _MULTI, itertools.product(_T))
+QUANTIZE = Kernel("quantize.cu", "quantize_kernel", "PPPPPPqfiif", _T_FMT)
+QUANTIZE_DYNAMIC = Kernel("quantize.cu", "quantize_dynamic_kernel", "PPPPPqfiif", _T_FMT)
+MULTI_QUANTIZE = Kernel("quantize.cu", "multi_quantize_kernel", _MULTI, _T_FMT)
+DEQUANTIZE = Kernel("dequantize.cu", "dequantize_kernel", "PPPq", itertools.product(_FMT, _T))
+CAST_TRANSPOSE = Kernel("cast_transpose.cu", "cast_transpose_kernel", "PPPPPqq",
+                        [(t, f, True) for t, f in _T_FMT] + [("fp8core::Passthrough", 0, False)], _tiles(64, 64))
+UPDATE = Kernel("update.cu", "update_kernel", "PPPPPqiiifiPi", [(True,), (False,)], _each(32))
+COMPUTE_SCALE = Kernel("update.cu", "compute_scale_kernel", "PPfPPPPqqiif", grid=_each(THREADS))
+FILL = Kernel("update.cu", "fill_kernel", "PIq", grid=_stride(1))
+# block scaling (fp8core.blocks, backends/cuda_blocks.py)
+MX_QUANTIZE = Kernel("block_quantize.cu", "mx_quantize_kernel", "PPPPPqqfi",
+                     itertools.product(_T, _FMT, (True, False)), _tiles(32, 64))
+QUANTIZE_1X128 = Kernel("block_quantize.cu", "quantize_1x128_kernel", "PPPqqfif", _T_FMT, _stride(1))
+QUANTIZE_128X128 = Kernel("block_quantize.cu", "quantize_128x128_kernel", "PPPqqfif", _T_FMT, _tiles(128, 128))
+BLOCK_DEQUANTIZE = Kernel("block_quantize.cu", "block_dequantize_kernel", "PPPqqiiq",
+                          itertools.product(_FMT, _T, (True, False)))
+MX_SCALE_SWIZZLE = Kernel("block_quantize.cu", "mx_scale_swizzle_kernel", "PPqq", grid=_stride(1))
+
+RECORDS = tuple(k for k in list(globals().values()) if isinstance(k, Kernel))  # every record above, in order
+# Every instantiation of every file, compiled together (name_expressions); selftest's coverage reads it.
+KERNELS: dict[str, list[str]] = {}
+for _k in RECORDS:
+    KERNELS.setdefault(_k.file, []).extend(_k.expr(t) for t in _k.instances)
+del _k
 
 
 def cuda_dir() -> Path:
@@ -180,14 +334,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
 
 
-_modules: dict[tuple[str, int, bool], Any] = {}
-_functions: dict[tuple[str, str, int, bool], Any] = {}
+_modules: dict[tuple[str, int], Any] = {}
+_functions: dict[tuple[str, str, int], Any] = {}
 _lock = threading.Lock()
-_compiling: dict[tuple[str, int, bool], threading.Lock] = {}
+_compiling: dict[tuple[str, int], threading.Lock] = {}
 
 
-def _module(filename: str, device_id: int, soft: bool) -> Any:
-    key = (filename, device_id, soft)
+def _module(filename: str, device_id: int) -> Any:
+    key = (filename, device_id)
     module = _modules.get(key)
     if module is not None:
         return module
@@ -199,6 +353,7 @@ def _module(filename: str, device_id: int, soft: bool) -> Any:
             import cupy
 
             cc = int(cupy.cuda.Device(device_id).compute_capability)
+            soft = soft_fp8()
             module = cupy.RawModule(
                 code=(cuda_dir() / filename).read_text(), backend="nvrtc",
                 options=(*_RAWMODULE_OPTIONS, f"-I{cuda_dir()}", *module_options(soft),
@@ -215,13 +370,12 @@ def _module(filename: str, device_id: int, soft: bool) -> Any:
 
 def get_function(filename: str, expr: str, device_id: int) -> Any:
     """The loaded kernel ``expr`` (a name expression of KERNELS[filename]) on ``device_id`` (a cupy Function)."""
-    soft = FORCE_SOFT_FP8
-    key = (filename, expr, device_id, soft)
+    key = (filename, expr, device_id)
     fn = _functions.get(key)
     if fn is None:
         import cupy
 
-        module = _module(filename, device_id, soft)
+        module = _module(filename, device_id)
         with cupy.cuda.Device(device_id):
             # RawModule.get_function gives a RawKernel; its .kernel is the Function loaded on this device.
             fn = module.get_function(expr).kernel

@@ -23,64 +23,19 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
 
 from ._dlpack import CPU, CUDA, CUDA_HOST, CUDA_MANAGED, DLView, Exporter, import_dlpack
+from ._views import Tensor, logical_numpy_dtype, storage_dtype
 from .formats import dtype_name
 
 __all__ = ["Tensor", "wrap", "export", "export_all", "empty", "storage_dtype", "logical_numpy_dtype"]
 
 _STORAGE = {"float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "float8_e8m0fnu": np.uint8, "bfloat16": np.uint16}
-
-
-def storage_dtype(name: str) -> np.dtype:
-    """The NumPy/CuPy dtype that holds ``name`` on a CUDA device."""
-    return np.dtype(_STORAGE.get(name, name))
-
-
-def logical_numpy_dtype(name: str) -> np.dtype:
-    if name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "bfloat16"):
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
-
-
-Device = tuple  # ("cpu", 0) or ("cuda", ordinal)
 _CPU = ("cpu", 0)
-
-
-@dataclass(slots=True)  # slots: built on every call, several times
-class Tensor:
-    data: Any
-    dtype: str
-    device: Device
-    origin: str
-    readonly: bool = False
-    # A jax.Array committed to one device: its SingleDeviceSharding (one object per device and memory kind, so
-    # `is` compares placements), where its results are committed. None for everything else.
-    place: Any = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
-
-    @property
-    def size(self) -> int:
-        return int(self.data.size)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device[0] == "cuda"
-
-    def device_str(self) -> str:
-        if self.place is not None:
-            name = str(next(iter(self.place.device_set)))  # JAX's name: cpu:1, cuda:0
-            kind = self.place.memory_kind  # arrays in one device's two memories are also refused: tell them apart
-            return name if kind in (None, "device") else f"{name} ({kind} memory)"
-        return "cpu" if self.device[0] == "cpu" else f"cuda:{self.device[1]}"
 
 
 # ---- NumPy ------------------------------------------------------------------------------------------------

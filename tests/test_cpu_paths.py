@@ -199,3 +199,41 @@ def _same_array(got: np.ndarray, want: np.ndarray) -> None:
     assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape
     assert got.flags.c_contiguous and got.flags.writeable
     np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8))
+
+
+def test_the_update_step_counter_decides_and_advances_as_on_the_device():
+    """update(step=, interval=): the scale is taken at steps % interval == 0 only, the counter advancing on every
+    call, whether or not anything ran (cuda/update.cu's rule), next to the host's own update_scale."""
+    fp8_max = np.full(2, 448, np.float32)
+    step = np.array([0, 0], np.int32)
+    taken = []
+    for call in range(7):
+        history = np.array([[2.0, 0.0 if call == 4 else 8.0], [1.0, 1.0]], np.float32)
+        scale, scale_inv = np.ones(2, np.float32), np.ones(2, np.float32)
+        twin = [a.copy() for a in (history, scale, scale_inv)]
+        cpu.update(history, scale, scale_inv, fp8_max, 0, "max", False, 0.0, False, None, step, 3)
+        cpu.update(*twin, fp8_max, 0, "max", False, 0.0, call % 3 == 0, None)
+        for got, want in zip((history, scale, scale_inv), twin):
+            np.testing.assert_array_equal(got, want)
+        taken.append(bool(scale[0] != 1))
+        assert step.tolist() == [(call + 1) % 3, 0]
+    assert taken == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("origin", ["numpy", "cupy", "jax", "dlpack", "torch"])
+def test_the_caller_follows_the_origin_the_boundary_read(origin):
+    """Backends ask the tensor's caller (allocator, stream, graph safety), never the framework: torch arrays get
+    torch's allocator (a CPU result is a NumPy view owned by a torch tensor of the same bytes), the rest NumPy's."""
+    torch = pytest.importorskip("torch")
+    from fp8core._views import Tensor
+
+    caller = Tensor(np.zeros(4, np.float32), "float32", ("cpu", 0), origin).caller
+    assert (caller.allocates, caller.graph_safe) == ((True, True) if origin == "torch" else (False, False))
+    out = caller.empty((2, 3), ml_dtypes.bfloat16, ("cpu", 0))
+    assert out.shape == (2, 3) and out.dtype == ml_dtypes.bfloat16 and out.flags.writeable
+    base = out
+    while isinstance(base, np.ndarray):
+        base = base.base
+    owner = getattr(base, "tensor", None)
+    assert (isinstance(owner, torch.Tensor) and owner.dtype == torch.bfloat16 and owner.data_ptr() == out.ctypes.data
+            if origin == "torch" else owner is None)

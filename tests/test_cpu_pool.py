@@ -1,6 +1,6 @@
 """The CPU backend's thread pool (``cpu._map``): every element once, results in chunk order, errors raised only
-after every chunk begun has finished, no deadlock when a pooled chunk maps again, and the same bits with the
-pool forced on as with it off, for every primitive that uses it."""
+after every chunk begun has finished, no deadlock when a pooled chunk maps again, and the oracle's bits on both
+sides of the size from which each primitive uses the pool."""
 
 import threading
 
@@ -18,7 +18,6 @@ from oracle import quantize_bits
 @pytest.fixture
 def pool_always(monkeypatch):
     monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, 0))
-    monkeypatch.setattr(cpu, "_ADAPT", False)
 
 
 @pytest.mark.parametrize("n", [0, 1, 8191, 16384, 65537, 3 * 65536 + 5, 1 << 20])
@@ -76,43 +75,6 @@ def test_a_pooled_chunk_that_maps_again_does_not_deadlock(pool_always):
     assert out == [8 * cpu._MIN_SHARE]
 
 
-@pytest.fixture
-def adaptive(monkeypatch):
-    """The pool from 0 elements up, deciding by what it measures, starting with nothing measured."""
-    monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, 0))
-    monkeypatch.setattr(cpu, "_ADAPT", True)
-    monkeypatch.setattr(cpu, "_serial_ns", {})
-    monkeypatch.setattr(cpu, "_hold", {})
-
-
-def _chunks(n: int) -> int:
-    """How many chunks _map cut ``range(n)`` into: one when it ran serially (n <= _CHUNK), more when pooled."""
-    return len(cpu._map(n, lambda a, b: None, "cast"))
-
-
-def test_the_first_call_of_a_kind_runs_serially_and_measures(adaptive):
-    n = 4 * cpu._MIN_SHARE
-    assert _chunks(n) == 1 and cpu._serial_ns["cast"] > 0
-    assert "lookup" not in cpu._serial_ns
-
-
-def test_a_pooled_call_slower_than_serial_sends_the_next_calls_to_the_calling_thread(adaptive):
-    n = 4 * cpu._MIN_SHARE
-    cpu._serial_ns["cast"] = 1e-15  # serial "measured" faster than any pooled call can be
-    assert _chunks(n) == 4
-    assert cpu._hold["cast"] == cpu._HOLD
-    assert [_chunks(n) for _ in range(cpu._HOLD)] == [1] * cpu._HOLD  # measuring serial again meanwhile
-    assert cpu._serial_ns["cast"] > 1e-15
-    assert _chunks(n) == 4  # then the pool is tried again
-
-
-def test_a_pooled_call_that_pays_keeps_the_pool(adaptive):
-    n = 4 * cpu._MIN_SHARE
-    cpu._serial_ns["cast"] = 1.0  # one second per element serially: any pooled call pays
-    assert [_chunks(n) for _ in range(3)] == [4, 4, 4]
-    assert not cpu._hold.get("cast")
-
-
 def _patterns(n: int, dtype, seed: int) -> np.ndarray:
     """Random bit patterns of ``dtype`` (NaN, inf, subnormals included) with the specials at both ends."""
     rng = np.random.default_rng(seed)
@@ -125,56 +87,49 @@ def _patterns(n: int, dtype, seed: int) -> np.ndarray:
     return bits.view(dtype)
 
 
-SIZES = [3 * 16384 + 7, (1 << 17) + 3]
+# Below and above where the pool takes over: the lookups' threshold (bf16/fp16 quantize, dequantize), then the
+# fp32 cast's (the calling thread alone at the first size, the pool at the second)
+SIZES = [cpu._POOL_MIN["lookup"] - 5, cpu._POOL_MIN["cast"] + 3]
+
+
+def test_sizes_straddle_the_pool_thresholds():
+    assert SIZES[0] < min(cpu._POOL_MIN.values()) and SIZES[1] > max(cpu._POOL_MIN.values())
 
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_quantize_with_amax_has_the_oracles_bits_with_the_pool_on_and_off(monkeypatch, n, dtype, fmt):
+def test_quantize_with_amax_has_the_oracles_bits(n, dtype, fmt):
     x = _patterns(n, dtype, n)
     want = quantize_bits(x.astype(np.float32), 0.3, fmt)
     want_amax = cpu._amax_bits(x)
-    monkeypatch.setattr(cpu, "_ADAPT", False)
-    for pool_min in (0, 1 << 62):
-        monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
-        for _ in range(2):  # a 16-bit input's second call with this scale goes by the per-scale table
-            slot = np.zeros(1, np.float32)
-            q = fp8core.quantize(x, np.array([0.3], np.float32), fmt, amax_out=slot)
-            np.testing.assert_array_equal(q.view(np.uint8), want)
-            assert slot.view(np.uint32)[0] == want_amax
+    slot = np.zeros(1, np.float32)
+    q = fp8core.quantize(x, np.array([0.3], np.float32), fmt, amax_out=slot)
+    np.testing.assert_array_equal(q.view(np.uint8), want)
+    assert slot.view(np.uint32)[0] == want_amax
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_quantize_dynamic_and_cast_transpose_agree_with_the_pool_on_and_off(monkeypatch, n):
+def test_quantize_dynamic_and_cast_transpose_have_the_oracles_bits(n):
     x = np.random.default_rng(5).standard_normal(n, dtype=np.float32)
     x[17] = 1e30
     x2 = x[: n - n % 128].reshape(128, -1)
-    results = []
-    monkeypatch.setattr(cpu, "_ADAPT", False)
-    for pool_min in (0, 1 << 62):
-        monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
-        q, s_inv, a = fp8core.quantize_dynamic(x, "e4m3")
-        cq, cqt = fp8core.cast_transpose(x2, 0.5, "e5m2")
-        results.append([np.asarray(v).view(np.uint8).copy() for v in (q, s_inv, a, cq, cqt)])
-    for on, off in zip(*results):
-        np.testing.assert_array_equal(on, off)
-    np.testing.assert_array_equal(results[0][0], quantize_bits(x, float(np.float32(448) / np.float32(1e30)),
-                                                                  "e4m3"))
+    scale = np.float32(448) / np.float32(1e30)
+    q, s_inv, a = fp8core.quantize_dynamic(x, "e4m3")
+    np.testing.assert_array_equal(q.view(np.uint8), quantize_bits(x, float(scale), "e4m3"))
+    assert a[0] == np.float32(1e30) and s_inv[0] == np.float32(1) / scale
+    cq, cqt = fp8core.cast_transpose(x2, 0.5, "e5m2")
+    np.testing.assert_array_equal(cq.view(np.uint8), quantize_bits(x2, 0.5, "e5m2"))
+    np.testing.assert_array_equal(cqt.view(np.uint8), quantize_bits(x2, 0.5, "e5m2").T)
 
 
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32", "float16"])
-def test_dequantize_with_the_pool_on_and_off(monkeypatch, out_dtype):
-    codes = np.random.default_rng(3).integers(0, 256, size=(1 << 17) + 11, dtype=np.uint16).astype(np.uint8)
-    q = codes.view(ml_dtypes.float8_e4m3fn)
-    outs = []
-    monkeypatch.setattr(cpu, "_ADAPT", False)
-    for pool_min in (0, 1 << 62):
-        monkeypatch.setattr(cpu, "_POOL_MIN", dict.fromkeys(cpu._POOL_MIN, pool_min))
-        outs.append(np.asarray(fp8core.dequantize(q, 0.25, out_dtype)).copy())
-    np.testing.assert_array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
-    table = cpu._dequant_table(Format.E4M3, int(np.float32(0.25).view(np.uint32)), out_dtype)
-    np.testing.assert_array_equal(outs[0].view(np.uint8), table[codes].view(np.uint8))
+def test_dequantize_has_the_oracles_bits(n, out_dtype):
+    codes = np.random.default_rng(3).integers(0, 256, size=n, dtype=np.uint16).astype(np.uint8)
+    y = fp8core.dequantize(codes.view(ml_dtypes.float8_e4m3fn), 0.25, out_dtype)
+    table = cpu._dequant_table(Format.E4M3, int(np.float32(0.25).view(np.uint32)), out_dtype)  # the definition
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint8), table[codes].view(np.uint8))
 
 
 def test_pooled_chunks_keep_the_callers_raising_errstate_quiet(pool_always):

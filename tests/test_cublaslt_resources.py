@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed")
 import fp8core  # noqa: E402
+from fp8core import _kernels  # noqa: E402
 from fp8core._tensor import Tensor  # noqa: E402
-from fp8core.backends import cublaslt, cuda  # noqa: E402
+from fp8core.backends import cublaslt  # noqa: E402
 from fp8core.gemm import GemmSpec  # noqa: E402
 from test_cupy_capture import FakeArray  # noqa: E402
 
@@ -63,14 +64,6 @@ class FakeLt:
         self.destroyed.append(desc)
 
 
-class _MergePlan:
-    def __init__(self, log):
-        self.log = log
-
-    def launch(self, grid, block, args, stream, cooperative=False):
-        self.log.append(("merge_amax", args, stream))
-
-
 @pytest.fixture
 def lt(monkeypatch):
     """The stand-ins installed; ``lt.log`` records allocations, events, waits, matmuls and amax merges in order."""
@@ -79,11 +72,15 @@ def lt(monkeypatch):
     next_ptr = [0x10000000]
     plans_made = []
 
-    def alloc(shape, dtype, like, stream=None):
+    def alloc(shape, dtype, like):
         a = FakeArray(shape, dtype, next_ptr[0])
         next_ptr[0] += 1 << 26
         log.append(("alloc", a.shape, like.origin))
         return a
+
+    def merge_launch(kernel, device, targs, work, args, stream, **kw):
+        assert kernel is _kernels.AMAX, "the GEMM launches only amax merges"
+        log.append(("merge_amax", args, stream))
 
     def make_plan(lt_, spec, handle, workspace_bytes, align, pointers):
         n = len(plans_made)
@@ -99,7 +96,8 @@ def lt(monkeypatch):
     monkeypatch.setattr(cublaslt, "_handle_pool", {})
     monkeypatch.setattr(cublaslt, "_make_plan", make_plan)
     monkeypatch.setattr(cublaslt, "_set_pointers", lambda lt_, plan, *pointers: plans_made.append((None, pointers)))
-    monkeypatch.setattr(cuda, "_plan", lambda device, f, expr, threads=256: _MergePlan(log))
+    monkeypatch.setattr(cublaslt, "empty", alloc)
+    monkeypatch.setattr(_kernels.Kernel, "launch", merge_launch)
     fake.runtime, fake.alloc, fake.plans_made = runtime, alloc, plans_made
     return fake
 
@@ -116,8 +114,7 @@ SPEC_FP8 = GemmSpec(64, 32, 128, fp8core.as_format("e4m3"), fp8core.as_format("e
 
 def run(lt, stream, origin="cupy", spec=SPEC, out_amax=None):
     a = operand(origin)
-    return cublaslt.gemm(spec, a, operand(origin, 0x2000000), None, None, None, None, out_amax, None, stream,
-                         lt.alloc)
+    return cublaslt.gemm(spec, a, operand(origin, 0x2000000), None, None, None, None, out_amax, None, stream)
 
 
 def matmuls(log):

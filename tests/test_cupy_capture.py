@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed")
 import fp8core  # noqa: E402
 from conftest import requires_gpu  # noqa: E402
-from fp8core import ops  # noqa: E402
+from fp8core import _kernels, ops  # noqa: E402
 from fp8core._tensor import Tensor  # noqa: E402
-from fp8core.backends import cuda, cuda_blocks  # noqa: E402
+from fp8core.backends import cuda, cuda_blocks, cuda_call  # noqa: E402
 from fp8core.formats import Format  # noqa: E402
 
 CAPTURE_ACTIVE, CAPTURE_INVALIDATED = 1, 2  # cudaStreamCaptureStatus
@@ -92,19 +92,6 @@ class FakeRuntime:
         self.log.append(("memcpy", dst, src, size, stream))
 
 
-class _Plan:
-    max_blocks = 132 * 8
-
-    def __init__(self, log, expr):
-        self.log, self.expr = log, expr
-
-    def grid(self, elements, per_thread=8):
-        return max(1, min(self.max_blocks, -(-elements // (per_thread * cuda._THREADS))))
-
-    def launch(self, grid, block, args, stream, cooperative=False):
-        self.log.append(("launch", self.expr.split("::")[1].split("<")[0], args, stream, cooperative))
-
-
 STREAM = 0x5EED
 
 
@@ -116,22 +103,23 @@ def dev(monkeypatch):
     runtime = FakeRuntime(log)
     next_ptr = [0x10000]
 
-    def empty(shape, dtype, like, stream=None):
+    def empty(shape, dtype, like):
         a = FakeArray(shape, dtype, next_ptr[0])
         next_ptr[0] += 1 << 20
         log.append(("alloc", a.shape, a.dtype.name, like.origin))
         return a
 
+    def launch(kernel, device, targs, work, args, stream, grid=None, block=None, cooperative=False):
+        log.append(("launch", kernel.name, args, stream, cooperative))
+
     monkeypatch.setattr(cuda, "_runtime", runtime)
-    monkeypatch.setattr(cuda, "_On", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(cuda, "_stream", lambda t: STREAM)
-    monkeypatch.setattr(cuda, "_empty", empty)
-    monkeypatch.setattr(cuda_blocks, "_On", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(cuda_blocks, "_stream", lambda t: STREAM)
-    monkeypatch.setattr(cuda_blocks, "_empty", empty)
-    plan = lambda device, filename, expr, threads=cuda._THREADS: _Plan(log, expr)  # noqa: E731
-    monkeypatch.setattr(cuda, "_plan", plan)
-    monkeypatch.setattr(cuda_blocks, "_plan", plan)
+    monkeypatch.setattr(cuda_call, "_runtime", runtime)
+    for module in (cuda, cuda_blocks):
+        monkeypatch.setattr(module, "On", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(module, "stream_of", lambda t: STREAM)
+        monkeypatch.setattr(module, "empty", empty)
+    monkeypatch.setattr(_kernels.Kernel, "launch", launch)
+    monkeypatch.setattr(_kernels.Kernel, "max_blocks", lambda kernel, device, targs: 132 * 8)
     monkeypatch.setattr(ops, "_cuda", cuda)
 
     return types.SimpleNamespace(
@@ -155,7 +143,7 @@ def scalar_array(ptr=0xA00000):
 @pytest.mark.parametrize("status, expected", [(0, False), (CAPTURE_ACTIVE, True)])
 def test_capture_query_asks_the_launch_stream(dev, status, expected):
     dev.capturing(status)
-    assert cuda._cupy_capture(gpu_tensor((4,)), STREAM) is expected
+    assert cuda_call.capture_outlives(gpu_tensor((4,)), STREAM) is expected
     assert dev.log == [("is_capturing", STREAM)]
 
 
@@ -169,7 +157,7 @@ def test_an_invalidated_capture_is_reported_before_anything_is_made(dev):
 def test_torch_callers_are_not_asked(dev):
     """torch's temporaries come from torch's allocator, which keeps a torch.cuda.graph capture's memory: no query."""
     dev.capturing()
-    assert cuda._cupy_capture(gpu_tensor((4,), origin="torch"), STREAM) is False
+    assert cuda_call.capture_outlives(gpu_tensor((4,), origin="torch"), STREAM) is False
     assert dev.log == []
 
 
@@ -351,7 +339,8 @@ def test_step_counter_is_not_made_inside_any_capture(dev, origin):
 
 # ---- the cooperative quantize_dynamic refused by the driver (MPS limits, green contexts) --------------------
 
-REAL_PLAN = cuda._plan
+REAL_LAUNCH, REAL_MAX_BLOCKS = _kernels.Kernel.launch, _kernels.Kernel.max_blocks
+FORMATS = {k.name: k.format for k in _kernels.RECORDS}
 COOPERATIVE_TOO_LARGE = 720  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE
 
 
@@ -364,8 +353,8 @@ class DriverError(Exception):
 
 
 class FakeDriver:
-    """The driver calls of cuda._Plan: the occupancy answer, and launches decoded from the packed parameter buffer
-    into the log. Cooperative launches of more than ``resident`` blocks are refused, as under an MPS thread limit
+    """The driver calls of _kernels.Kernel.launch: the occupancy answer, and launches decoded from the packed
+    parameter buffer into the log. Cooperative launches of more than ``resident`` blocks are refused, as under an MPS thread limit
     or in a green context with fewer SMs than the device; ``error`` refuses them with another status."""
 
     CUDADriverError = DriverError
@@ -406,20 +395,21 @@ def drv(dev, monkeypatch):
         def __init__(self, expr):
             self.ptr = 0x7000 + len(driver.functions)
             kernel = expr.split("::")[1].split("<")[0]
-            driver.functions[self.ptr] = (kernel, cuda.ARGS[kernel])
+            driver.functions[self.ptr] = (kernel, FORMATS[kernel])
 
     monkeypatch.setattr(cuda, "_driver", driver)
-    monkeypatch.setattr(cuda, "_plan", REAL_PLAN)
-    monkeypatch.setattr(cuda, "_plans", {})
-    monkeypatch.setattr(cuda, "_sm_counts", {0: SMS, 1: SMS})
-    monkeypatch.setattr(cuda, "_capability_ok", {0, 1})
+    monkeypatch.setattr(_kernels, "_driver", lambda: driver)
+    monkeypatch.setattr(_kernels.Kernel, "launch", REAL_LAUNCH)
+    monkeypatch.setattr(_kernels.Kernel, "max_blocks", REAL_MAX_BLOCKS)
+    monkeypatch.setattr(_kernels, "_plans", {})
+    monkeypatch.setattr(_kernels, "_sm_counts", {0: SMS, 1: SMS})
     monkeypatch.setattr(cuda, "_no_cooperative", set())
-    monkeypatch.setattr(cuda._kernels, "get_function", lambda filename, expr, device: Function(expr))
+    monkeypatch.setattr(_kernels, "get_function", lambda filename, expr, device: Function(expr))
     dev.driver = driver
     return dev
 
 
-BIG = SMS * 8 * 8 * cuda._THREADS * 2  # enough work for every block the occupancy rule allows
+BIG = SMS * 8 * 8 * _kernels.THREADS * 2  # enough work for every block the occupancy rule allows
 
 
 def _launches(log):
@@ -488,7 +478,7 @@ def test_a_refusal_is_remembered_per_device(drv):
 def test_a_small_grid_is_still_cooperative_on_a_limited_device(drv):
     """Only a refusal switches a device: a grid within what is resident launches cooperatively."""
     drv.driver.resident = 100
-    cuda.quantize_dynamic(gpu_tensor((100 * 8 * cuda._THREADS,)), Format.E4M3, 0, False, 0.0, None)
+    cuda.quantize_dynamic(gpu_tensor((100 * 8 * _kernels.THREADS,)), Format.E4M3, 0, False, 0.0, None)
     assert _launches(drv.log) == [("quantize_dynamic_kernel", True)] and cuda._no_cooperative == set()
 
 

@@ -18,7 +18,7 @@ import pytest
 from fp8core import _kernels
 
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed: NVRTC comes with it")
-from fp8core.backends import cuda as backend  # noqa: E402
+RECORD = {k.name: k for k in _kernels.RECORDS}
 
 ARCHS = ["80", "89", "90", "100", "120"]
 TARGETS = [(a, False) for a in ARCHS] + [("90", True)]  # the software conversion forced on sm_90 too
@@ -215,13 +215,13 @@ def check_sass(filename, expr, arch, soft, tmp_path_factory):
 
 @pytest.mark.parametrize("filename,expr", ALL)
 def test_launch_arguments_match_the_kernel(filename, expr, tmp_path_factory):
-    """The driver launches pack arguments by hand (cuda.ARGS): offsets and sizes must be the kernel's."""
+    """The driver launches pack arguments by hand (each record's params): offsets and sizes must be the kernel's."""
     dis, name = function(filename, expr, "90", False, tmp_path_factory)
     got = [(offset, size) for _, offset, size in dis.params[name]]
-    assert got == backend.arg_layout(backend.ARGS[kind(expr)]), expr
+    assert got == _kernels.arg_layout(RECORD[kind(expr)].params), expr
 
 
 def test_multi_args_fit_the_parameter_limit(tmp_path_factory):
     dis, mapping = disassemble("quantize.cu", "80", False, tmp_path_factory)
     (_, offset, size), = dis.params[mapping["fp8core::multi_quantize_kernel<float, 0>"]]
-    assert size == backend.arg_layout(backend.ARGS["multi_quantize_kernel"])[0][1] and size <= 4096
+    assert size == _kernels.MULTI_QUANTIZE.size and size <= 4096

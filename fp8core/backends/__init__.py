@@ -1,17 +1,71 @@
-"""Backends: ``cpu`` (NumPy + ml_dtypes, the reference) and ``cuda`` (CuPy RawModule kernels).
+"""Backends: ``cpu`` (NumPy + ml_dtypes, the reference) and ``cuda`` (the kernels of cuda/, launched through
+fp8core._kernels' records), with ``cpu_blocks``/``cuda_blocks`` for block scaling.
 
-Both implement the same functions over :class:`fp8core._tensor.Tensor` views; the API layer picks one
-by the input's device.
+Both modules of a pair implement :class:`Backend` (:class:`BlockBackend`) with the same signatures, over
+:class:`fp8core._views.Tensor` views of the caller's arrays; the API layer picks one by the input's device. Arrays
+a backend takes and returns besides Tensors are its own: NumPy arrays in the logical dtype on the CPU, CuPy
+arrays in storage dtype on a GPU. Results come from the tensor's caller's allocator, launches go on its stream.
+The CUDA backend adds ``device_f32`` (host values as a device array on the caller's stream) and ``step_counter``
+(the update's device-side interval counter), which the CPU has no need of.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any, Callable, Protocol
 
-__all__ = ["for_device"]
+from .._views import Tensor
+from ..formats import Format
+
+__all__ = ["Backend", "BlockBackend", "for_device"]
 
 
-def for_device(device: tuple) -> ModuleType:
+class Backend(Protocol):
+    """The primitives of docs/numerics.md. ``amax_out`` slots accumulate (max with what they hold); ``out=``
+    arrays are written instead of new ones."""
+
+    name: str
+    xp: ModuleType  # numpy or cupy
+
+    def amax(self, x: Tensor) -> Any: ...
+    def multi_amax(self, xs: list[Tensor], out: Any) -> None: ...
+    def quantize(self, x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *, out: Any | None = None
+                 ) -> Any: ...
+    def quantize_dynamic(self, x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
+                         reduce: Callable | None, *, out: tuple = (None, None, None)) -> tuple[Any, Any, Any]: ...
+    def multi_quantize(self, xs: list[Tensor], scales: list[Any], fmts: list[Format], amax_outs: list[Any | None],
+                       *, outs: list[Any | None] | None = None) -> list[Any]: ...
+    def dequantize(self, q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *, out: Any | None = None
+                   ) -> Any: ...
+    def transpose(self, q: Tensor, *, out: Any | None = None) -> Any: ...
+    def cast_transpose(self, x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *,
+                       out: tuple = (None, None)) -> tuple[Any, Any]: ...
+    def scale_rule(self, amax: Any, fp8_max: Any, margin: int, power_of_2: bool, epsilon: float
+                   ) -> tuple[Any, Any, Any]: ...
+    def compute_scale(self, amax: Any, fp8_max: float, margin: int, power_of_2: bool, epsilon: float,
+                      previous: Any | None) -> tuple[Any, Any]: ...
+    def update(self, history: Any, scale: Any, scale_inv: Any, fp8_max: Any, margin: int, algo: str,
+               power_of_2: bool, epsilon: float, update_scale: bool, flags: Any | None, step: Any | None = None,
+               interval: int = 1) -> None: ...
+    def gemm(self, spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
+             out_scale: Any | None, out_amax: Any | None, out: Any | None) -> Any: ...
+
+
+class BlockBackend(Protocol):
+    """Block scaling (fp8core.blocks): MXFP8's 1x32 E8M0 scales, 1x128 and 128x128 float32 scales."""
+
+    def quantize_mxfp8(self, x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) -> tuple[Any, Any]: ...
+    def quantize_mxfp8_both(self, x: Tensor, fmt: Format, scale_mode: str) -> tuple[Any, ...]: ...
+    def dequantize_mxfp8(self, q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, out_dtype: str) -> Any: ...
+    def quantize_blockwise(self, x: Tensor, fmt: Format, br: int, power_of_2: bool, epsilon: float
+                           ) -> tuple[Any, Any]: ...
+    def dequantize_blockwise(self, q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out_dtype: str) -> Any: ...
+    def transpose_scale(self, scale: Tensor) -> Any: ...
+    def gemm_scale(self, scale: Tensor, kind: str) -> Any: ...
+
+
+def for_device(device: tuple) -> Any:
+    """The :class:`Backend` module for ``device`` (("cpu", 0) or ("cuda", ordinal))."""
     if device[0] == "cpu":
         from . import cpu
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from functools import lru_cache
@@ -16,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._fpenv import ieee, set_default
-from .._tensor import Tensor, empty, logical_numpy_dtype
+from .._views import Tensor, logical_numpy_dtype
 from ..formats import Format
 
 xp = np
@@ -25,18 +24,11 @@ name = "cpu"
 _CHUNK = 1 << 16  # elements per task at most: the fp32 temporaries stay in L2
 _MIN_SHARE = 1 << 14  # elements per task at least once the pool is in: a cast task makes ~10 NumPy calls
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
-# From this many elements a call may hand chunks to the pool (_map); below, the calling thread runs it alone.
-# Per kind of work, as its cost per element differs: "cast" is fp32 quantize (~2.3-2.5 ns/element on one core
-# here: a multiply, 4 integer passes, a lookup with its indices widened), "lookup" one table lookup per element
-# (bf16/fp16 quantize by the per-scale table, dequantize: ~1.6 ns/element). On this 2-core VM a pool thread
-# wakes 30-60 us after the hand-off (12-27 us back to back). Measured (bench_cpu.py --crossover, min of 21
-# interleaved, bench/results/cpu-2core-2026-11-22-throughput.txt) while the second core was free: lookups
-# pool/serial 1.44 at 64K, 0.79 at 128K, 0.60-0.70 at 256K-1M; casts 1.65 at 64K, 1.11 at 128K, 0.74 at 256K,
-# 0.63 at 1M (a cast chunk makes ~10 NumPy calls, each handing the GIL between the threads). While other work
-# held both cores the pool never paid (1.0-1.8 at every size), hence _ADAPT below; in a second run, with the
-# other core partly free, lookups paid from 256K (0.84) and casts from 512K (0.80). amax never uses the pool:
-# its two reductions over the whole array run at memory speed on one core (1M bf16 ~220 us; in four pieces on
-# two threads 1.1-6.5x slower up to 1M elements, 0.7-1.2 at 2M-4M depending on the other core's load).
+# From this many elements a call hands chunks to the pool (_map); below, the calling thread runs it alone. Per kind
+# of work, as its cost per element differs: "cast" is the fp32 quantize (a multiply, 4 integer passes, a lookup),
+# "lookup" one table lookup per element (bf16/fp16 quantize by the per-scale table, dequantize). amax never uses
+# the pool: its two reductions run at memory speed on one core. Where the pool pays:
+# bench/bench_cpu.py --crossover (bench/results/cpu-2core-2026-11-25-pool-crossover.md).
 _POOL_MIN = {"cast": 1 << 18, "lookup": 1 << 17}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -70,28 +62,6 @@ def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any]) -> Non
         results[i] = fn(a, b)
 
 
-# Whether the pool pays depends on the other cores being free. Per kind of work: the cost per element of the
-# last serial run (the first call from _POOL_MIN up runs serially to measure it), and how many more calls run
-# serially because a pooled call was not _PAYS times faster than that (other work held the cores: waking a
-# thread, or the GIL, then costs more than the thread saves; measured on 2 busy cores: up to 2x slower).
-_ADAPT = True
-_PAYS = 1.1
-_HOLD = 16
-_serial_ns: dict[str, float] = {}
-_hold: dict[str, int] = {}
-
-
-def _serial(kind: str) -> bool:
-    if not _ADAPT:
-        return False
-    if kind not in _serial_ns:
-        return True
-    h = _hold.get(kind, 0)
-    if h:
-        _hold[kind] = h - 1  # races between threads only shift when the pool is tried again
-    return h > 0
-
-
 def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
     """``fn(start, stop)`` over cache-sized chunks of ``range(n)``, results in chunk order.
 
@@ -101,15 +71,9 @@ def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[An
     """
     if n < _POOL_MIN[kind] or _THREADS == 1:
         return [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
-    t0 = time.perf_counter()
-    results: list[Any]
-    if _serial(kind):
-        results = [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
-        _serial_ns[kind] = (time.perf_counter() - t0) / n
-        return results
     size = min(_CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
     starts = range(0, n, size)
-    results = [None] * len(starts)
+    results: list[Any] = [None] * len(starts)
     tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
     pool = _pool or _get_pool()
     futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(_THREADS - 1, len(starts) - 1))]
@@ -119,9 +83,6 @@ def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[An
         for f in futures:
             if not f.cancel():
                 f.result()  # a chunk still running writes into the caller's arrays: wait for it
-    serial_ns = _serial_ns.get(kind)
-    if serial_ns is not None and (time.perf_counter() - t0) * _PAYS > serial_ns * n:
-        _hold[kind] = _HOLD
     return results
 
 
@@ -176,9 +137,8 @@ def _amax_bits(x: np.ndarray) -> int:
     return 0x7FFFFFFF if m > 0x7F800000 else m
 
 
-# Elements: below this an integer array's max is read at its argmax. argmax is a plain call where max is a ufunc
-# reduction (~1 us of set-up a call here: 0.45x the time at 4K elements, 0.65-0.8x at 64K); from ~2M elements
-# max streams faster (1.1x at 8M). Bench: bench_cpu.py's amax rows.
+# Elements: below this an integer array's max is read at its argmax, a plain call where max is a ufunc reduction
+# with a fixed set-up cost; on millions of elements max streams faster (bench_cpu.py's amax rows).
 _ARGMAX_MAX = 1 << 21
 
 
@@ -256,7 +216,7 @@ def _canonical_nan_fp8(bits: np.ndarray, fmt: Format) -> None:
 # 16 bits is set (they only make the result "above a tie"; above fmax they only mean "above fmax"; under an
 # all-ones exponent, NaN rather than inf). So the cast is one lookup in a 2^17-entry table indexed by
 # (top 16 bits, low 16 bits != 0), built once per format by clip + ml_dtypes (the definition) over those 2^17
-# representatives. ml_dtypes' own cast runs ~30 ns an element here; the lookup ~2.
+# representatives: a lookup costs a fraction of ml_dtypes' own cast.
 _CAST: dict[Format, np.ndarray] = {}
 
 
@@ -369,17 +329,16 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
     n = flat.size
     want = amax_out is not None
     table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
-    if out is None and table is None and x.origin != "torch" and 0 < n <= _CHUNK and n < _POOL_MIN["cast"]:
+    if out is None and table is None and not x.caller.allocates and 0 < n <= _CHUNK and n < _POOL_MIN["cast"]:
         # A small call's cost is its NumPy calls: the lookup allocates the result (torch callers get torch's)
         q = _cast_f32(_scaled_f32(flat, s), fmt).view(fmt.numpy_dtype)
         if want:
             _accumulate(amax_out, _amax_bits(flat))
         return q if data.ndim == 1 else q.reshape(data.shape)
-    q = empty(data.shape, fmt.numpy_dtype, x) if out is None else out
+    q = x.caller.empty(data.shape, fmt.numpy_dtype, x.device) if out is None else out
     qflat = q.reshape(-1).view(np.uint8)
     # Above one chunk, amax is one pass over the whole array after all chunks: a reduction between two chunks'
-    # lookups slows the next lookup by ~60 us a chunk here (1M fp32 quantize: 4.8 ms; with amax per chunk
-    # 6.4 ms; with amax of the whole array after 5.3 ms; bf16 by table: 3.3, 4.6, 3.4 ms).
+    # lookups evicts what the next lookup reads.
     if table is not None:
         codes = flat.view(np.uint16)
         if n <= _CHUNK and n < _POOL_MIN["lookup"]:
@@ -465,10 +424,10 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
     table = _dequant_table(fmt, int(_scale_0d(scale_inv).view(np.uint32)), out_dtype)
     data = q.data
     codes = (data if data.ndim == 1 else data.reshape(-1)).view(np.uint8)
-    if out is None and q.origin != "torch" and codes.size <= _CHUNK:  # the lookup allocates (see _quantize)
+    if out is None and not q.caller.allocates and codes.size <= _CHUNK:  # the lookup allocates (see _quantize)
         y = table.take(codes, mode="clip")
         return y if data.ndim == 1 else y.reshape(data.shape)
-    y = empty(data.shape, table.dtype, q) if out is None else out
+    y = q.caller.empty(data.shape, table.dtype, q.device) if out is None else out
     yflat = y.reshape(-1)
     if codes.size <= _CHUNK:
         table.take(codes, out=yflat, mode="clip")
@@ -482,10 +441,10 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
 def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     rows, cols = q.shape
     block = 256  # square tiles keep both the reads and the writes in cache
-    # Small ones: one allocating copy (break-even with the tiles at 16K elements, 1.5x slower at 64K)
-    if out is None and q.origin != "torch" and rows * cols <= _SMALL:
+    # Small ones: one allocating copy (the tiles pay once the array outgrows the cache)
+    if out is None and not q.caller.allocates and rows * cols <= _SMALL:
         return q.data.T.copy()
-    out = empty((cols, rows), q.data.dtype, q) if out is None else out
+    out = q.caller.empty((cols, rows), q.data.dtype, q.device) if out is None else out
     src = q.data.view(np.uint8)
     dst = out.view(np.uint8)
     for r in range(0, rows, block):
@@ -555,8 +514,13 @@ def compute_scale(amax: np.ndarray, fp8_max: float, margin: int, power_of_2: boo
 
 @ieee
 def update(history: np.ndarray, scale: np.ndarray, scale_inv: np.ndarray, fp8_max: np.ndarray, margin: int,
-           algo: str, power_of_2: bool, epsilon: float, update_scale: bool, flags: np.ndarray | None) -> None:
-    """The batched delayed-scaling update of docs/numerics.md, in place, all N columns at once."""
+           algo: str, power_of_2: bool, epsilon: float, update_scale: bool, flags: np.ndarray | None,
+           step: np.ndarray | None = None, interval: int = 1) -> None:
+    """The batched delayed-scaling update of docs/numerics.md, in place, all N columns at once. ``step`` (int32
+    [steps % interval, 0]), when given, decides update_scale and advances, as the CUDA backend's counter does."""
+    if step is not None:
+        update_scale = int(step[0]) == 0
+        step[0] = (int(step[0]) + 1) % interval
     L = history.shape[0]
     cur = history[0].copy()
     ran = (cur.view(np.uint32) & np.uint32(0x7FFFFFFF)) != 0  # on the bits: a subnormal or NaN amax did run
@@ -589,22 +553,43 @@ def roll(history: Any, ran: Any, cur: Any, L: int) -> None:
 
 # ---- gemm -------------------------------------------------------------------------------------------------
 
+# Block-scaled operands (fp8core.blocks): the K elements and the operand rows each scale covers.
+_BLOCK_K = {"1x32": 32, "1x128": 128, "128x128": 128}
+_BLOCK_ROWS = {"1x32": 1, "1x128": 1, "128x128": 128}
+
+
+def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
+    """float64 factor of every operand row for every K-block, [rows, KB]: E8M0 bytes as 2^(e-127) (the NaN byte
+    NaN), fp32 scale inverses as they are; a 128x128 tile's factor spread over its 128 rows."""
+    if kind == "1x32":
+        e = np.asarray(scale).view(np.uint8).astype(np.int64)
+        f = np.where(e == 0xFF, np.nan, np.ldexp(1.0, e - 127))
+    else:
+        f = np.asarray(scale, np.float32).astype(np.float64)
+    return np.repeat(f, _BLOCK_ROWS[kind], axis=0)[:rows]
+
+
 @ieee
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
          out_scale: Any | None, out_amax: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
     """The emulation: fp8 operands widened exactly, products summed and scaled in float64, the result (+ bias)
     rounded once to fp32, then cast to the output like :func:`quantize` and NumPy's RTNE casts do.
-    Deterministic: no dependence on BLAS's order of summation.
+    Deterministic: no dependence on BLAS's order of summation. Block-scaled: D[m, n] = sum_kb fa[m, kb] *
+    fb[n, kb] * (sum_{k in kb} a[m, k] * b[n, k]); a sum over one K-block is exact in float64, so the only
+    roundings are the factors' products and the sum over K-blocks, far inside the GPU's tolerance.
     """
     with np.errstate(all="ignore"):
-        if spec.a_block is not None:  # block-scaled operands (fp8core.blocks): a_/b_scale_inv are block scales
-            from . import cpu_blocks
-
-            d = cpu_blocks.gemm(spec, a, b, a_scale_inv, b_scale_inv)
-        else:
-            a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
-            b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
+        a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
+        b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
+        if spec.a_block is None:
             d = (a64 @ b64.T) * np.float64(scale_value(a_scale_inv)) * np.float64(scale_value(b_scale_inv))
+        else:
+            bk = _BLOCK_K[spec.a_block]
+            fa = _block_factors(a_scale_inv, spec.a_block, spec.m)
+            fb = _block_factors(b_scale_inv, spec.b_block, spec.n)
+            d = np.zeros((spec.m, spec.n), np.float64)
+            for kb in range(-(-spec.k // bk)):
+                d += (a64[:, kb * bk:(kb + 1) * bk] @ b64[:, kb * bk:(kb + 1) * bk].T) * fa[:, kb:kb + 1] * fb[:, kb]
         if bias is not None:
             d += bias.data.astype(np.float64)
         d32 = d.astype(np.float32)

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from .._fpenv import ieee
-from .._tensor import Tensor, logical_numpy_dtype
+from .._views import Tensor, logical_numpy_dtype
 from ..formats import Format
 from .cpu import _CANONICAL_NAN, _canonical_nan_fp8, _map, _quantize_table, _to_f32, scale_rule
 
@@ -28,7 +28,11 @@ FP32_BLOCK = 128
 
 _F32_NAN = np.uint32(0x7FFFFFFF)
 _F32_INF = np.uint32(0x7F800000)
-_EMAX = {Format.E4M3: 8, Format.E5M2: 15}  # exponent of the largest power of two below fp8_max
+EMAX = {Format.E4M3: 8, Format.E5M2: 15}  # exponent of the largest power of two below fp8_max
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def inv_fp8_max(fmt: Format) -> np.float32:
@@ -123,7 +127,7 @@ def e8m0_floor(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
     exp = np.right_shift(amax_bits, 23).astype(np.int64)
     mant = np.bitwise_and(amax_bits, np.uint32(0x7FFFFF))
     log2 = np.where(exp != 0, exp - 127, np.where(mant != 0, _highest_bit(mant) - 149, 0))
-    e = np.clip(log2 - _EMAX[fmt] + 127, 0, 254)
+    e = np.clip(log2 - EMAX[fmt] + 127, 0, 254)
     e[amax_bits == 0] = 0
     e[amax_bits == _F32_INF] = 254
     e[amax_bits > _F32_INF] = E8M0_NAN
@@ -351,38 +355,3 @@ def gemm_scale(scale: Tensor, kind: str) -> np.ndarray:
     out = np.zeros((rows, -(-kgroups // 4) * 4), np.float32)
     out[:, :kgroups] = f
     return out
-
-
-# ---- the block-scaled GEMM emulation ----------------------------------------------------------------------
-
-BLOCK_ROWS = {"1x32": 1, "1x128": 1, "128x128": 128}
-
-
-def _factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
-    """float64 factor of every operand row for every K-block, [rows, KB]: E8M0 bytes as 2^(e-127) (the NaN byte
-    NaN), fp32 scale inverses as they are; a 128x128 tile's factor spread over its 128 rows."""
-    if kind == "1x32":
-        f = e8m0_factor(np.asarray(scale).view(np.uint8), 1).astype(np.float64)
-    else:
-        f = np.asarray(scale, np.float32).astype(np.float64)
-    return np.repeat(f, BLOCK_ROWS[kind], axis=0)[:rows]
-
-
-@ieee
-def gemm(spec: Any, a: Tensor, b: Tensor, a_scale: np.ndarray, b_scale: np.ndarray) -> np.ndarray:
-    """D[m, n] = sum_kb fa[m, kb] * fb[n, kb] * (sum_{k in kb} a[m, k] * b[n, k]), all in float64.
-
-    Products of fp8 values and their sums over one K-block are exact in float64, so the only roundings are
-    the block factors' products and the sum over K-blocks: deterministic, far inside the GPU's tolerance.
-    """
-    bk = MX_BLOCK if spec.a_block == "1x32" else FP32_BLOCK
-    a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
-    b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
-    fa = _factors(a_scale, spec.a_block, spec.m)
-    fb = _factors(b_scale, spec.b_block, spec.n)
-    d = np.zeros((spec.m, spec.n), np.float64)
-    with np.errstate(all="ignore"):
-        for kb in range(-(-spec.k // bk)):
-            part = a64[:, kb * bk:(kb + 1) * bk] @ b64[:, kb * bk:(kb + 1) * bk].T
-            d += part * fa[:, kb:kb + 1] * fb[:, kb][None, :]
-    return d

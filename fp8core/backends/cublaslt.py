@@ -3,7 +3,8 @@
 Row-major ``D[M, N] = a[M, K] · b[N, K]ᵀ`` is column-major ``Dᵀ[N, M] = b · aᵀ``: cuBLASLt's "TN" form with
 b as its A (transposed, K x N, ld K) and a as its B (K x M, ld K), the only FP8 layout Hopper and Ada
 support, so nothing is transposed at call time. Scales, out_scale and the output amax are device pointers.
-Everything is launched on the caller's stream; cuda.gemm runs this inside its device guard.
+Everything is launched on the caller's stream, and allocated by the caller's allocator; cuda.gemm runs this
+inside its device guard.
 
 Plans: per (thread, device, spec, alignment, workspace size) the matmul descriptor, the four layouts and the
 heuristic's algorithm; each call only rewrites the pointer attributes. A bounded LRU per thread (M varies from
@@ -26,7 +27,7 @@ GEMMs that can run at once, and there are at most** ``_WORKSPACES_PER_DEVICE`` *
   one stream and replayed on several would share a pooled workspace. A torch caller's GEMM takes a workspace of
   its own from torch's allocator, which keeps it in the graph's private pool as long as the graph (a block freed
   during the capture serves the capture's later GEMMs, in stream order). Under CuPy's capture a temporary would be
-  freed while the graph still reads it (see cuda._cupy_capture), so the GEMM runs with no workspace (cuBLASLt
+  freed while the graph still reads it (see cuda_call.capture_outlives), so the GEMM runs with no workspace (cuBLASLt
   then picks an algorithm that needs none) and an ``out_amax``, which needs the scratch word, is refused by name.
 """
 
@@ -41,8 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from .._tensor import Tensor, storage_dtype
+from .._views import Tensor, storage_dtype
 from ..extras import install_hint
+from .cuda_blocks import layout_for_cublaslt
+from .cuda_call import empty, merge_amax
 
 _CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14, "float8_e4m3fn": 28, "float8_e5m2": 29}
 _COMPUTE_32F = 68
@@ -154,7 +157,7 @@ class _Workspace:
 _workspaces: dict[int, OrderedDict] = {}  # device -> stream key -> _Workspace, least recently used first
 
 
-def _workspace(device_id: int, stream: int, t: Tensor, alloc: Any) -> _Workspace:
+def _workspace(device_id: int, stream: int, t: Tensor) -> _Workspace:
     """The workspace of ``stream`` on device_id outside a capture (module docstring); its last _SCRATCH bytes are
     kept for the AMAX_D word. Allocated by the caller's allocator, at most _WORKSPACES_PER_DEVICE per device."""
     key = (stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0)
@@ -167,7 +170,7 @@ def _workspace(device_id: int, stream: int, t: Tensor, alloc: Any) -> _Workspace
         if len(table) >= _WORKSPACES_PER_DEVICE:
             ws = table.popitem(last=False)[1]  # taken over: the GEMM waits for its last use
         else:
-            ws = _Workspace(alloc((_workspace_size(device_id),), np.uint8, t, stream),
+            ws = _Workspace(empty((_workspace_size(device_id),), np.uint8, t),
                             _runtime().eventCreateWithFlags(_EVENT_DISABLE_TIMING))
         table[key] = ws
         return ws
@@ -296,34 +299,32 @@ def _remember(lt: Any, plans: OrderedDict, key: Any, plan: _Plan) -> _Plan:
 
 
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
-         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: int, alloc: Any) -> Any:
-    """stream: the raw handle of the caller's stream; alloc(shape, dtype, like, stream): the caller's allocator."""
-    from . import cuda
-
+         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: int) -> Any:
+    """stream: the raw handle of the caller's stream."""
     device_id = a.device[1]
     _check_device(device_id)
     lt = _lt()
     if spec.m == 0:
-        d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
+        d = out if out is not None else empty((spec.m, spec.n), storage_dtype(spec.out_dtype), a)
         if out_amax is not None:  # amax of an empty D is 0, merged as the CPU merges it (-0.0 becomes 0)
-            cuda.merge_amax(out_amax, None, device_id, stream)
+            merge_amax(out_amax, None, device_id, stream)
         return d
     capturing = bool(_runtime().streamIsCapturing(stream))  # CuPy raises on an invalidated capture
-    cupy_capture = capturing and a.origin != "torch"
+    cupy_capture = capturing and not a.caller.graph_safe
     if cupy_capture and out_amax is not None:
         raise ValueError("out_amax: cuBLASLt writes the output's amax to a device scratch word, which a graph "
                          "captured with CuPy would read after it is freed; call this GEMM outside the capture, or "
                          "capture with torch.cuda.graph (whose private pool keeps it)")
-    d = out if out is not None else alloc((spec.m, spec.n), storage_dtype(spec.out_dtype), a, stream)
+    d = out if out is not None else empty((spec.m, spec.n), storage_dtype(spec.out_dtype), a)
     if spec.a_block is not None:
         a_scale_inv, b_scale_inv = _block_scales(spec, device_id, a, a_scale_inv, b_scale_inv, stream)
     pooled = None
     if cupy_capture:
         ws = None
     elif capturing:
-        ws = alloc((_workspace_size(device_id),), np.uint8, a, stream)  # the graph's own, from its private pool
+        ws = empty((_workspace_size(device_id),), np.uint8, a)  # the graph's own, from its private pool
     else:
-        pooled = _workspace(device_id, stream, a, alloc)
+        pooled = _workspace(device_id, stream, a)
         ws = pooled.array
     ws_bytes = 0 if ws is None else ws.nbytes - _SCRATCH
     # cuBLASLt overwrites AMAX_D; the contract accumulates, so it writes a scratch word, merged after. The word
@@ -349,7 +350,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
                   _ZERO.ctypes.data, c_ptr, plan.layouts[2], ptr(d), plan.layouts[3], plan.algo.ptr, ptr(ws),
                   ws_bytes, stream)
         if scratch is not None:
-            cuda.merge_amax(out_amax, scratch, device_id, stream)  # max(out_amax, |amax(D)|); NaN propagates
+            merge_amax(out_amax, scratch, device_id, stream)  # max(out_amax, |amax(D)|); NaN propagates
 
     if pooled is None:
         run()
@@ -382,8 +383,6 @@ def _set_block_scale_modes(lt: Any, desc: int, spec: Any) -> None:
 
 def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: Any, stream: int) -> tuple[Any, Any]:
     """The operands' block scales rearranged for cuBLASLt on ``stream`` (a raw handle), inside cuda.gemm's guard."""
-    from . import cuda_blocks
-
     cc = compute_capability(device_id)
     if spec.a_block == "1x32" and cc < 100:
         raise ValueError(f"a: an MXFP8 GEMM needs a GPU of compute capability 10.0 or newer (Blackwell); "
@@ -398,5 +397,5 @@ def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: A
         version = int(_lt().get_version())
         if version < _MIN_BLOCK_VERSION:
             raise ValueError(f"a: a 1x128/128x128 block GEMM needs cuBLAS 12.9 or newer, found {version}")
-    return (cuda_blocks.layout_for_cublaslt(a_scale, spec.a_block, a, stream),
-            cuda_blocks.layout_for_cublaslt(b_scale, spec.b_block, a, stream))
+    return (layout_for_cublaslt(a_scale, spec.a_block, a, stream),
+            layout_for_cublaslt(b_scale, spec.b_block, a, stream))

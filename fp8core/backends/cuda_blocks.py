@@ -1,6 +1,6 @@
-"""Block scaling on CUDA: one thin launch per primitive over cuda/block_quantize.cu, through cuda.py's launch
-layer (the device guard, the caller's stream read once per call, plans with packed arguments, the caller's
-allocator), no host synchronisation. Arrays are CuPy arrays in storage dtype (uint8 for fp8 and E8M0, uint16
+"""Block scaling on CUDA: one thin launch per primitive over cuda/block_quantize.cu's kernel records, inside
+cuda_call's device guard, on the caller's stream read once per call, into the caller's allocator; no host
+synchronisation. Arrays are CuPy arrays in storage dtype (uint8 for fp8 and E8M0, uint16
 for bf16). Importable without a GPU or CuPy: nothing here touches CUDA before a call.
 
 Also the scale layouts cuBLASLt reads (:func:`gemm_scale`): MXFP8's 128x4 swizzled tiles, 1x128 scales
@@ -13,27 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from .._tensor import Tensor
+from .._kernels import BLOCK_DEQUANTIZE, MX_QUANTIZE, MX_SCALE_SWIZZLE, QUANTIZE_1X128, QUANTIZE_128X128
+from .._views import Tensor, storage_dtype
 from ..formats import Format
-from .cpu_blocks import FP32_BLOCK, MX_BLOCK, inv_fp8_max
-from .cuda import _OUT_STORAGE, _T, _THREADS, _cupy_capture, _On, _empty, _plan, _ptr, _stream, cupy
-
-_FILE = "block_quantize.cu"
-_EMAX = {Format.E4M3: 8, Format.E5M2: 15}
-_MAX_GRID_X = 65535 * 32768  # 2^31 - 1 rounded down to whole rows of y: far beyond any tensor that fits
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _tiles(rows: int, cols: int, tr: int, tc: int) -> tuple[int, int]:
-    """One CTA per tr x tc tile, numbered over (x, y) so that neither dimension passes its limit."""
-    n = _cdiv(rows, tr) * _cdiv(cols, tc)
-    grid = (min(n, 65535), _cdiv(n, 65535))
-    if grid[1] > 65535:
-        raise ValueError(f"x: {rows} x {cols} is too large for one block-quantize launch")
-    return grid
+from .cpu_blocks import EMAX, FP32_BLOCK, MX_BLOCK, cdiv, inv_fp8_max
+from .cuda_call import On, capture_outlives, cupy, empty, ptr, stream_of
 
 
 # ---- MXFP8 ------------------------------------------------------------------------------------------------
@@ -41,18 +25,16 @@ def _tiles(rows: int, cols: int, tr: int, tc: int) -> tuple[int, int]:
 def _mx_launch(x: Tensor, fmt: Format, mode: str, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
     rows, cols = x.shape
     device = x.device[1]
-    with _On(device):
-        stream = _stream(x)
-        q = _empty((rows, cols), np.uint8, x) if rowwise else None
-        s = _empty((rows, _cdiv(cols, MX_BLOCK)), np.uint8, x) if rowwise else None
-        qc = _empty((rows, cols), np.uint8, x) if columnwise else None
-        sc = _empty((_cdiv(rows, MX_BLOCK), cols), np.uint8, x) if columnwise else None
+    with On(device):
+        stream = stream_of(x)
+        q = empty((rows, cols), np.uint8, x) if rowwise else None
+        s = empty((rows, cdiv(cols, MX_BLOCK)), np.uint8, x) if rowwise else None
+        qc = empty((rows, cols), np.uint8, x) if columnwise else None
+        sc = empty((cdiv(rows, MX_BLOCK), cols), np.uint8, x) if columnwise else None
         if x.size:
-            plan = _plan(device, _FILE, f"fp8core::mx_quantize_kernel<{_T[x.dtype]}, {fmt.index}, "
-                                        f"{'true' if mode == 'rceil' else 'false'}>")
-            plan.launch(_tiles(rows, cols, 32, 64), _THREADS,
-                        (x.data.data.ptr, _ptr(q), _ptr(s), _ptr(qc), _ptr(sc), rows, cols, float(inv_fp8_max(fmt)),
-                         _EMAX[fmt]), stream)
+            MX_QUANTIZE.launch(device, (x.dtype, fmt.index, mode == "rceil"), (rows, cols),
+                               (x.data.data.ptr, ptr(q), ptr(s), ptr(qc), ptr(sc), rows, cols,
+                                float(inv_fp8_max(fmt)), EMAX[fmt]), stream)
         return q, s, qc, sc
 
 
@@ -69,14 +51,12 @@ def _dequantize(q: Tensor, scale: Tensor, fmt: Format, out_dtype: str, br: int, 
                 e8m0: bool) -> Any:
     rows, cols = q.shape
     device = q.device[1]
-    with _On(device):
-        stream = _stream(q)
-        y = _empty((rows, cols), _OUT_STORAGE[out_dtype], q)
+    with On(device):
+        stream = stream_of(q)
+        y = empty((rows, cols), storage_dtype(out_dtype), q)
         if q.size:
-            plan = _plan(device, _FILE, f"fp8core::block_dequantize_kernel<{fmt.index}, {_T[out_dtype]}, "
-                                        f"{'true' if e8m0 else 'false'}>")
-            plan.launch(plan.grid(q.size), _THREADS,
-                        (q.data.data.ptr, scale.data.data.ptr, y.data.ptr, rows, cols, br, bc, sld), stream)
+            BLOCK_DEQUANTIZE.launch(device, (fmt.index, out_dtype, e8m0), q.size,
+                                    (q.data.data.ptr, scale.data.data.ptr, y.data.ptr, rows, cols, br, bc, sld), stream)
         return y
 
 
@@ -84,7 +64,7 @@ def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, ou
     rows, cols = q.shape
     if columnwise:
         return _dequantize(q, scale, fmt, out_dtype, MX_BLOCK, 1, cols, True)
-    return _dequantize(q, scale, fmt, out_dtype, 1, MX_BLOCK, _cdiv(cols, MX_BLOCK), True)
+    return _dequantize(q, scale, fmt, out_dtype, 1, MX_BLOCK, cdiv(cols, MX_BLOCK), True)
 
 
 # ---- fp32 block scales ------------------------------------------------------------------------------------
@@ -92,33 +72,31 @@ def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, ou
 def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool, epsilon: float) -> tuple[Any, Any]:
     rows, cols = x.shape
     device = x.device[1]
-    with _On(device):
-        stream = _stream(x)
-        q = _empty((rows, cols), np.uint8, x)
-        s_inv = _empty((_cdiv(rows, br), _cdiv(cols, FP32_BLOCK)), np.float32, x)
+    with On(device):
+        stream = stream_of(x)
+        q = empty((rows, cols), np.uint8, x)
+        s_inv = empty((cdiv(rows, br), cdiv(cols, FP32_BLOCK)), np.float32, x)
         if x.size:
             args = (x.data.data.ptr, q.data.ptr, s_inv.data.ptr, rows, cols, float(fmt.max), int(power_of_2),
                     float(epsilon))
             if br == 1:  # one warp per 1x128 block, grid-stride over the blocks
-                plan = _plan(device, _FILE, f"fp8core::quantize_1x128_kernel<{_T[x.dtype]}, {fmt.index}>")
-                plan.launch(plan.grid(rows * _cdiv(cols, FP32_BLOCK) * 32, 1), _THREADS, args, stream)
+                QUANTIZE_1X128.launch(device, (x.dtype, fmt.index), rows * cdiv(cols, FP32_BLOCK) * 32, args, stream)
             else:
-                plan = _plan(device, _FILE, f"fp8core::quantize_128x128_kernel<{_T[x.dtype]}, {fmt.index}>")
-                plan.launch(_tiles(rows, cols, FP32_BLOCK, FP32_BLOCK), _THREADS, args, stream)
+                QUANTIZE_128X128.launch(device, (x.dtype, fmt.index), (rows, cols), args, stream)
         return q, s_inv
 
 
 def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out_dtype: str) -> Any:
-    return _dequantize(q, scale_inv, fmt, out_dtype, br, FP32_BLOCK, _cdiv(q.shape[1], FP32_BLOCK), False)
+    return _dequantize(q, scale_inv, fmt, out_dtype, br, FP32_BLOCK, cdiv(q.shape[1], FP32_BLOCK), False)
 
 
 def transpose_scale(scale: Tensor) -> Any:
     """A block-scale array [a, b] as a contiguous [b, a] on the caller's stream, values unchanged."""
     device = scale.device[1]
     rows, cols = scale.shape
-    with _On(device):
-        stream = _stream(scale)
-        out = _empty((cols, rows), scale.data.dtype, scale)
+    with On(device):
+        stream = stream_of(scale)
+        out = empty((cols, rows), scale.data.dtype, scale)
         if out.size:
             with cupy.cuda.ExternalStream(stream, device):
                 out[...] = scale.data.T
@@ -129,14 +107,14 @@ def transpose_scale(scale: Tensor) -> Any:
 
 def mx_swizzled_size(rows: int, kgroups: int) -> int:
     """Bytes of the swizzled E8M0 scales of a [rows, kgroups] array: whole 128 x 4 tiles."""
-    return _cdiv(rows, 128) * 128 * _cdiv(kgroups, 4) * 4
+    return cdiv(rows, 128) * 128 * cdiv(kgroups, 4) * 4
 
 
 def gemm_scale(scale: Tensor, kind: str) -> Any:
     """One GEMM operand's block scales ``[rows or row-tiles, K-blocks]`` in the layout cuBLASLt reads (see
     :func:`layout_for_cublaslt`), on the scale's device and the caller's stream: uint8 for "1x32", else float32."""
-    with _On(scale.device[1]):
-        return layout_for_cublaslt(scale.data, kind, scale, _stream(scale), temporary=False)
+    with On(scale.device[1]):
+        return layout_for_cublaslt(scale.data, kind, scale, stream_of(scale), temporary=False)
 
 
 def layout_for_cublaslt(scale: Any, kind: str, like: Tensor, stream: int, *, temporary: bool = True) -> Any:
@@ -149,20 +127,19 @@ def layout_for_cublaslt(scale: Any, kind: str, like: Tensor, stream: int, *, tem
     """
     rows, kgroups = scale.shape
     device = like.device[1]
-    if temporary and _cupy_capture(like, stream):
+    if temporary and capture_outlives(like, stream):
         # The captured GEMM would read the layouts after they are freed, and nothing the caller holds could own
         # them (the output may be the caller's out=, and its memory is not ours to extend): refuse.
         raise ValueError("a, b: a block-scaled GEMM lays its block scales out for cuBLASLt in device temporaries "
                          "that a graph captured with CuPy would read after they are freed; capture it with "
                          "torch.cuda.graph on torch tensors, or make the call outside the capture")
     if kind == "1x32":
-        out = _empty((mx_swizzled_size(rows, kgroups),), np.uint8, like)
+        out = empty((mx_swizzled_size(rows, kgroups),), np.uint8, like)
         if out.size:
-            plan = _plan(device, _FILE, "fp8core::mx_scale_swizzle_kernel")
-            plan.launch(plan.grid(out.size, 1), _THREADS, (scale.data.ptr, out.data.ptr, rows, kgroups), stream)
+            MX_SCALE_SWIZZLE.launch(device, (), out.size, (scale.data.ptr, out.data.ptr, rows, kgroups), stream)
         return out
-    shape = (kgroups, rows) if kind == "1x128" else (rows, _cdiv(kgroups, 4) * 4)
-    out = _empty(shape, np.float32, like)
+    shape = (kgroups, rows) if kind == "1x128" else (rows, cdiv(kgroups, 4) * 4)
+    out = empty(shape, np.float32, like)
     if out.size:
         with cupy.cuda.ExternalStream(stream, device):
             if kind == "1x128":

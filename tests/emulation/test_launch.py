@@ -18,12 +18,12 @@ from fp8core.backends import cuda
 
 
 def test_argument_layouts_match_the_kernels(dev):
-    """ARGS (what the launch packs) against each instantiation's C++ parameter list, offset by offset."""
-    for filename, exprs in _kernels.KERNELS.items():
-        for expr in exprs:
-            fn = _kernels.get_function(filename, expr, dev)
-            kernel = expr.split("::")[1].split("<")[0]
-            assert cuda.arg_layout(cuda.ARGS[kernel]) == device.param_layout(fn), expr
+    """Each record's params (what its launch packs) against each instantiation's C++ parameter list, offset by
+    offset."""
+    for k in _kernels.RECORDS:
+        for targs in k.instances:
+            fn = _kernels.get_function(k.file, k.expr(targs), dev)
+            assert _kernels.arg_layout(k.params) == device.param_layout(fn), k.expr(targs)
 
 
 # ---- grids beyond one row: only a window of blocks around the row boundary runs, over lazily mapped memory --
@@ -93,7 +93,7 @@ def test_cooperative_grid_fits_what_can_be_resident(dev, occupancy, rng, monkeyp
     """The grid barrier runs with every block resident; the launch never asks for more blocks than the
     occupancy rule lets be resident at once (the emulated driver refuses a larger cooperative launch)."""
     monkeypatch.setattr(device.DEVICES[dev], "occupancy", occupancy)
-    monkeypatch.setattr(cuda, "_plans", {})
+    monkeypatch.setattr(_kernels, "_plans", {})
     x = data(rng, (300001,), np.float32)
     got = fp8core.quantize_dynamic(upload(x), "e4m3")
     ref = fp8core.quantize_dynamic(x, "e4m3")

@@ -120,17 +120,15 @@ def crossover(repeat: int) -> list[dict]:
 
     quantize float32 is the direct cast (``_POOL_MIN["cast"]``); quantize bfloat16 (a scale seen before: the
     per-scale table) and dequantize are lookups (``_POOL_MIN["lookup"]``); amax runs on the calling thread, and
-    its row shows what two threads would do (the array in four pieces, two per thread). The pool's adaptive
-    hold (``cpu._ADAPT``) is off here: each call goes where it is told.
+    its row shows what two threads would do (the array in four pieces, two per thread).
     """
     from fp8core.backends import cpu
     from fp8core._tensor import wrap
 
     print(f"# thread-pool crossover (backend only, us per call, min of {repeat} interleaved; "
-          f"_POOL_MIN = {cpu._POOL_MIN}, _CHUNK = {cpu._CHUNK}, _MIN_SHARE = {cpu._MIN_SHARE})")
+          f"_POOL_MIN = {cpu._POOL_MIN}, CHUNK = {cpu.CHUNK}, _MIN_SHARE = {cpu._MIN_SHARE})")
     print(f"{'op':<12} {'dtype':<9} {'kind':<7} {'elements':>9} {'serial us':>10} {'pool us':>9} {'pool/serial':>12}")
-    rows, saved = [], (dict(cpu._POOL_MIN), cpu._CHUNK)
-    cpu._ADAPT = False  # the pool exactly when told
+    rows, saved = [], (dict(cpu._POOL_MIN), cpu.CHUNK)
     rng = np.random.default_rng(0)
     s = np.array([0.5], np.float32)
     e4m3 = fp8core.Format.E4M3
@@ -142,11 +140,11 @@ def crossover(repeat: int) -> list[dict]:
             q = wrap(cpu.quantize(xb, s, e4m3, None))
 
             def amax2(x=xb.data):
-                cpu._CHUNK = 1 << 62  # pieces of n / (2 * threads)
+                cpu.CHUNK = 1 << 62  # pieces of n / (2 * threads)
                 try:
-                    return max(cpu._map(n, lambda a, b: cpu._amax_bits(x[a:b]), "amax"))
+                    return max(cpu.map_chunks(n, lambda a, b: cpu._amax_bits(x[a:b]), "amax"))
                 finally:
-                    cpu._CHUNK = saved[1]
+                    cpu.CHUNK = saved[1]
 
             ops = [("quantize", "float32", "cast", lambda: cpu.quantize(xf, s, e4m3, None)),
                    ("quantize", "bfloat16", "lookup", lambda: cpu.quantize(xb, s, e4m3, None)),
@@ -167,8 +165,7 @@ def crossover(repeat: int) -> list[dict]:
                 print(f"{op:<12} {dtype:<9} {kind:<7} {n:>9} {t_serial * 1e6:>10.0f} {t_pool * 1e6:>9.0f} "
                       f"{t_pool / t_serial:>12.2f}", flush=True)
     finally:
-        cpu._POOL_MIN, cpu._CHUNK = saved
-        cpu._ADAPT = True
+        cpu._POOL_MIN, cpu.CHUNK = saved
     return rows
 
 

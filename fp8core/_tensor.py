@@ -32,9 +32,8 @@ from ._dlpack import CPU, CUDA, CUDA_HOST, CUDA_MANAGED, DLView, Exporter, impor
 from ._views import Tensor, logical_numpy_dtype, storage_dtype
 from .formats import dtype_name
 
-__all__ = ["Tensor", "wrap", "export", "export_all", "empty", "storage_dtype", "logical_numpy_dtype"]
+__all__ = ["Tensor", "wrap", "export", "export_all", "storage_dtype", "logical_numpy_dtype"]
 
-_STORAGE = {"float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "float8_e8m0fnu": np.uint8, "bfloat16": np.uint16}
 _CPU = ("cpu", 0)
 
 
@@ -410,29 +409,6 @@ def wrap(obj: Any, arg: str = "x") -> Tensor:
 
 # ---- outputs ----------------------------------------------------------------------------------------------
 
-# NumPy dtype -> (torch dtype of the same name, array-interface typestr of its storage, NumPy view or None)
-_TORCH_EMPTY: dict[Any, tuple[Any, str, Any]] = {}
-
-
-def empty(shape: Any, dtype: Any, like: Tensor) -> np.ndarray:
-    """CPU output memory for ``like``'s caller: torch's allocator for torch callers (so the result is an
-    ordinary resizable torch tensor of the logical dtype, returned by :func:`export` as it is), NumPy's
-    otherwise."""
-    if like.origin != "torch":
-        return np.empty(shape, dtype)
-    spec = _TORCH_EMPTY.get(dtype)
-    if spec is None:
-        torch = _torch_module()
-        dt = np.dtype(dtype)
-        storage = np.dtype(_STORAGE.get(dt.name, dt))
-        spec = _TORCH_EMPTY[dtype] = (getattr(torch, dt.name), storage.str, None if storage == dt else dt)
-    t = _torch.empty(shape, dtype=spec[0])
-    nbytes = t.nbytes
-    if not nbytes:
-        return np.empty(shape, spec[2] if spec[2] is not None else spec[1])
-    return _contiguous_view(t, spec[2] if spec[2] is not None else np.dtype(spec[1]), t.shape, nbytes)
-
-
 def _pointer(data: Any) -> int:
     if isinstance(data, np.ndarray):
         return data.ctypes.data if data.size else 0
@@ -512,9 +488,9 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
         return jax.device_put(data, place)
     import jax.dlpack
 
-    # On a GPU the kernels ran on CuPy's current stream (cuda._stream for non-torch arrays); XLA reads on its own
-    # (non-blocking) stream, which the exporter makes wait for them. The import lands on the GPU that holds the
-    # memory (x's) and commits to it whatever x was.
+    # On a GPU the kernels ran on CuPy's current stream (the caller's stream for non-torch arrays); XLA reads on
+    # its own (non-blocking) stream, which the exporter makes wait for them. The import lands on the GPU that
+    # holds the memory (x's) and commits to it whatever x was.
     stream = None if type(data) is np.ndarray else _cupy_module().cuda.get_current_stream().ptr
     return jax.dlpack.from_dlpack(_exporter(data, dtype, like, stream), device=place)
 

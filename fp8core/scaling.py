@@ -155,15 +155,14 @@ def _steps(steps: Any, arg: str) -> int:
 
 @contextlib.contextmanager
 def _caller_stream(t: Tensor) -> Iterator[None]:
-    """Every launch and every CuPy write on the caller's current torch stream when the buffer is a CUDA torch
-    tensor (a torch side stream does not wait for CuPy's default stream)."""
-    if t.is_cuda and t.origin == "torch":
+    """Every launch and every CuPy write on the buffer's caller's current stream (torch's for a CUDA torch tensor:
+    a torch side stream does not wait for CuPy's default stream)."""
+    if t.is_cuda:
         import cupy
-        import torch
 
         from .backends.cuda import launch_stream
 
-        handle = torch.cuda.current_stream(t.device[1]).cuda_stream
+        handle = t.caller.stream(t.device[1])
         with launch_stream(handle), cupy.cuda.ExternalStream(handle, t.device[1]):
             yield
     else:

@@ -551,15 +551,10 @@ def test_large_16_bit_inputs_table_path_equals_the_direct_path(rng, monkeypatch,
         np.testing.assert_array_equal(table, direct)
 
 
-def test_the_cuda_block_backend_imports_without_a_gpu_and_has_every_kernels_layout():
-    """cuda_blocks is imported by the selftest's coverage on every machine; every block kernel it launches has
-    its argument layout in cuda.ARGS (tests/test_sass.py checks them against the cubin)."""
+def test_the_cuda_block_backend_imports_without_a_gpu():
+    """cuda_blocks is imported by the selftest's coverage on every machine (its kernels' argument layouts are
+    their records', which tests/test_sass.py and the emulator check against the C++)."""
     import importlib
 
-    from fp8core import _kernels
-    from fp8core.backends import cuda
-
     cuda_blocks = importlib.import_module("fp8core.backends.cuda_blocks")
-    kinds = {e.split("::")[1].split("<")[0] for e in _kernels.KERNELS["block_quantize.cu"]}
-    assert kinds <= set(cuda.ARGS)
     assert cuda_blocks.mx_swizzled_size(130, 6) == 256 * 8

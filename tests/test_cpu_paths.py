@@ -42,10 +42,10 @@ def test_the_cast_by_lookup_on_random_fp32_patterns(name, fmt):
 
 @pytest.fixture
 def fresh_tables():
-    cpu._quantize_table.cache_clear()
+    cpu.quantize_table.cache_clear()
     cpu._seen.clear()
     yield
-    cpu._quantize_table.cache_clear()
+    cpu.quantize_table.cache_clear()
     cpu._seen.clear()
 
 
@@ -58,20 +58,20 @@ def test_small_tensors_take_the_direct_path_exactly(name, fmt, dtype, fresh_tabl
     for built, scale in enumerate((0.3, 2.0 ** 60), 1):
         s = np.array([scale], np.float32)
         want = quantize_bits(x.astype(np.float32), scale, name)
-        table = cpu._quantize_table("bfloat16" if dtype == ml_dtypes.bfloat16 else "float16",
+        table = cpu.quantize_table("bfloat16" if dtype == ml_dtypes.bfloat16 else "float16",
                                     int(s.view(np.uint32)[0]), fmt)
         np.testing.assert_array_equal(table, want)
         got = np.concatenate([fp8core.quantize(x[i:i + 16], s, fmt).view(np.uint8) for i in range(0, 65536, 16)])
         np.testing.assert_array_equal(got, want)
-        assert cpu._quantize_table.cache_info().currsize == built  # the small calls built no table
+        assert cpu.quantize_table.cache_info().currsize == built  # the small calls built no table
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("scale", SCALES)
 def test_a_scale_seen_before_takes_a_table_from_mid_sizes(dtype, scale, fresh_tables):
-    """Between _TABLE_MIN >> 4 and _TABLE_MIN elements: the first call with a scale runs directly, the second
+    """Between TABLE_MIN >> 4 and TABLE_MIN elements: the first call with a scale runs directly, the second
     builds (and later ones reuse) the table; all give the oracle's bits and the same amax."""
-    n = cpu._TABLE_MIN >> 3
+    n = cpu.TABLE_MIN >> 3
     rng = np.random.default_rng(3)
     x = np.concatenate([np.arange(65536, dtype=np.uint16)[rng.permutation(65536)[:n - 8]],
                         np.array([0x7FC0, 0xFF80, 0x7F80, 0x8000, 0, 1, 0x8001, 0x7C00], np.uint16)]).view(dtype)
@@ -82,8 +82,8 @@ def test_a_scale_seen_before_takes_a_table_from_mid_sizes(dtype, scale, fresh_ta
         results.append(fp8core.quantize(x, scale, "e4m3", amax_out=slot).view(np.uint8))
         slots.append(slot.view(np.uint32)[0])
         if _ == 0:
-            assert cpu._quantize_table.cache_info().currsize == 0
-    assert cpu._quantize_table.cache_info().currsize == 1
+            assert cpu.quantize_table.cache_info().currsize == 0
+    assert cpu.quantize_table.cache_info().currsize == 1
     for r in results:
         np.testing.assert_array_equal(r, want)
     assert slots == [0x7FFFFFFF] * 3
@@ -91,11 +91,11 @@ def test_a_scale_seen_before_takes_a_table_from_mid_sizes(dtype, scale, fresh_ta
 
 def test_many_scales_in_turn_never_build_tables_for_mid_sizes(fresh_tables):
     """A scale per call (current scaling) or more scales in turn than the memory holds: the direct path."""
-    x = np.ones(cpu._TABLE_MIN >> 3, ml_dtypes.bfloat16)
+    x = np.ones(cpu.TABLE_MIN >> 3, ml_dtypes.bfloat16)
     for _ in range(2):
         for k in range(cpu._SEEN_MAX + 1):
             fp8core.quantize(x, 1.0 + k / 64, "e4m3")
-    assert cpu._quantize_table.cache_info().currsize == 0
+    assert cpu.quantize_table.cache_info().currsize == 0
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32], ids=["bf16", "fp16", "fp32"])
@@ -129,7 +129,7 @@ def test_amax_small_and_large_reductions_agree(dtype, monkeypatch):
 def test_fp32_tensors_of_every_size_regime(name, fmt):
     """fp32 quantize below and above the chunk size and with a chunk count that is not a multiple of the pool."""
     rng = np.random.default_rng(11)
-    for n in (1, 15, 16, 4095, 4096, cpu._CHUNK, cpu._CHUNK + 3, 3 * cpu._CHUNK + 1):
+    for n in (1, 15, 16, 4095, 4096, cpu.CHUNK, cpu.CHUNK + 3, 3 * cpu.CHUNK + 1):
         bits = rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
         x = bits.view(np.float32)
         slot = np.zeros(1, np.float32)

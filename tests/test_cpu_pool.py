@@ -1,4 +1,4 @@
-"""The CPU backend's thread pool (``cpu._map``): every element once, results in chunk order, errors raised only
+"""The CPU backend's thread pool (``cpu.map_chunks``): every element once, results in chunk order, errors raised only
 after every chunk begun has finished, no deadlock when a pooled chunk maps again, and the oracle's bits on both
 sides of the size from which each primitive uses the pool."""
 
@@ -29,7 +29,7 @@ def test_map_covers_every_element_once_in_chunk_order(pool_always, n, kind):
         threads.add(threading.get_ident())
         return (a, b)
 
-    spans = cpu._map(n, fn, kind)
+    spans = cpu.map_chunks(n, fn, kind)
     assert [a for a, _ in spans] == sorted(a for a, _ in spans)
     assert np.array_equal(np.concatenate([np.arange(a, b) for a, b in spans] or [np.arange(0)]), np.arange(n))
     assert all(b > a for a, b in spans)
@@ -37,7 +37,7 @@ def test_map_covers_every_element_once_in_chunk_order(pool_always, n, kind):
 
 
 def test_a_failing_chunk_raises_once_every_begun_chunk_has_finished(pool_always, monkeypatch):
-    monkeypatch.setattr(cpu, "_CHUNK", cpu._MIN_SHARE)  # 16 chunks
+    monkeypatch.setattr(cpu, "CHUNK", cpu._MIN_SHARE)  # 16 chunks
     lock = threading.Lock()
     state = {"running": 0, "done": 0}
 
@@ -54,24 +54,24 @@ def test_a_failing_chunk_raises_once_every_begun_chunk_has_finished(pool_always,
                 state["done"] += 1
 
     with pytest.raises(RuntimeError, match="chunk 3"):
-        cpu._map(16 * cpu._MIN_SHARE, fn)
+        cpu.map_chunks(16 * cpu._MIN_SHARE, fn)
     assert state["running"] == 0  # nothing still writing into the caller's arrays
     assert state["done"] >= 4
 
 
 def test_a_pooled_chunk_that_maps_again_does_not_deadlock(pool_always):
-    """A chunk running on a pool thread may itself call _map (the pool's queue holds only that thread's
+    """A chunk running on a pool thread may itself call map_chunks (the pool's queue holds only that thread's
     tasks): the inner caller drains the queue itself and cancels the tasks no thread has started."""
     out = []
 
     def outer():
-        inner = lambda a, b: cpu._map(b - a, lambda c, d: d - c)
-        out.append(sum(sum(r) for r in cpu._map(8 * cpu._MIN_SHARE, inner)))
+        inner = lambda a, b: cpu.map_chunks(b - a, lambda c, d: d - c)
+        out.append(sum(sum(r) for r in cpu.map_chunks(8 * cpu._MIN_SHARE, inner)))
 
     t = threading.Thread(target=outer, daemon=True)
     t.start()
     t.join(timeout=60)
-    assert not t.is_alive(), "nested _map deadlocked"
+    assert not t.is_alive(), "nested map_chunks deadlocked"
     assert out == [8 * cpu._MIN_SHARE]
 
 

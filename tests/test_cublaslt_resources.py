@@ -88,7 +88,7 @@ def lt(monkeypatch):
         return cublaslt._Plan(10 * n, (10 * n + 1, 10 * n + 2, 10 * n + 3, 10 * n + 4),
                               types.SimpleNamespace(ptr=0x99), spec.out_dtype.startswith("float8"))
 
-    monkeypatch.setattr(cublaslt, "_lt", lambda: fake)
+    monkeypatch.setattr(cublaslt, "lt_bindings", lambda: fake)
     monkeypatch.setattr(cublaslt, "_runtime", lambda: runtime)
     monkeypatch.setattr(cublaslt, "compute_capability", lambda device: 90)
     monkeypatch.setattr(cublaslt, "_local", threading.local())

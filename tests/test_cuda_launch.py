@@ -168,7 +168,7 @@ def test_gemm_with_no_rows_still_merges_amax_zero(monkeypatch):
     """M = 0 launches no GEMM, but out_amax still merges amax 0 (a slot holding -0.0 becomes 0, as on the CPU)."""
     calls = []
     monkeypatch.setattr(cublaslt, "compute_capability", lambda device: 90)
-    monkeypatch.setattr(cublaslt, "_lt", lambda: None)  # no cuBLASLt call is made for M = 0 (nvmath not needed)
+    monkeypatch.setattr(cublaslt, "lt_bindings", lambda: None)  # no cuBLASLt call is made for M = 0 (nvmath not needed)
     monkeypatch.setattr(_kernels.Kernel, "launch", _recording(calls))
     monkeypatch.setattr(cublaslt, "empty", lambda shape, dtype, like: ("D", shape))
     spec = type("Spec", (), {"m": 0, "n": 16, "out_dtype": "float8_e4m3fn"})()

@@ -326,7 +326,6 @@ def _child(queue):
 def test_a_forked_child_can_use_the_thread_pool(monkeypatch):
     from fp8core.backends import cpu
 
-    monkeypatch.setattr(cpu, "_ADAPT", False)  # the pool on every call from its threshold up, the child's too
     x = np.ones(max(max(cpu._POOL_MIN.values()), 1 << 21), ml_dtypes.bfloat16)
     fp8core.quantize(x, 1.0)  # the parent's pool exists now
     assert cpu._pool is not None or cpu._THREADS == 1

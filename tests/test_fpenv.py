@@ -104,10 +104,10 @@ CASES = _subnormal_cases()
 
 
 def _expected() -> dict[str, list[int]]:
-    cpu._quantize_table.cache_clear()
+    cpu.quantize_table.cache_clear()
     cpu._dequant_table.cache_clear()
     out = _run_all()
-    cpu._quantize_table.cache_clear()
+    cpu.quantize_table.cache_clear()
     cpu._dequant_table.cache_clear()
     return out
 
@@ -171,7 +171,7 @@ def test_tables_built_under_flush_to_zero_are_right():
     scale = np.array([2.0 ** 120], np.float32)
     ones = np.ones(64, ml_dtypes.float8_e5m2)
     tiny = np.array([2.0 ** -140], np.float32)
-    cpu._quantize_table.cache_clear()
+    cpu.quantize_table.cache_clear()
     cpu._dequant_table.cache_clear()
     with flush_denormal():
         q_ftz = fp8core.quantize(bf, scale, "e4m3")
@@ -193,7 +193,7 @@ x = bf.astype(np.float32)
 s = np.array([2.0 ** 120], np.float32)
 want_q = fp8core.quantize(x, s, "e4m3").view(np.uint8).copy()
 want_a = fp8core.amax(x[: 1 << 16]).view(np.uint32).copy()
-fp8core.backends.cpu._quantize_table.cache_clear()
+fp8core.backends.cpu.quantize_table.cache_clear()
 assert torch.set_flush_denormal(True)
 assert np.float32(1e-39) * np.float32(1) == 0
 from fp8core._fpenv import is_default

@@ -13,7 +13,7 @@ from fp8core import _kernels, selftest
 from fp8core.backends import cpu
 
 
-_KNOBS = (cpu._TABLE_MIN, cpu._CHUNK)
+_KNOBS = (cpu.TABLE_MIN, cpu.CHUNK)
 _FUNCTIONS = {m.__name__: dict(vars(m)) for m in (cpu, __import__("fp8core.backends.cpu_blocks", fromlist=["x"]))}
 
 
@@ -31,7 +31,7 @@ def test_cpu_self_consistency_passes_and_every_check_ran(cpu_report):
 
 
 def test_the_run_leaves_the_backend_as_it_found_it(cpu_report):
-    assert (cpu._TABLE_MIN, cpu._CHUNK) == _KNOBS
+    assert (cpu.TABLE_MIN, cpu.CHUNK) == _KNOBS
     from fp8core.backends import cpu_blocks
 
     for mod in (cpu, cpu_blocks):  # the coverage's wrappers are gone: every function is the module's own again
@@ -41,14 +41,14 @@ def test_the_run_leaves_the_backend_as_it_found_it(cpu_report):
 
 def test_a_wrong_table_entry_fails_the_run(monkeypatch):
     """The dut path (16-bit quantize by table) with one wrong byte: the pattern check must name it."""
-    real = cpu._quantize_table
+    real = cpu.quantize_table
 
     def broken(dtype, scale_bits, fmt):
         table = real(dtype, scale_bits, fmt).copy()
         table[0x3F80] ^= 1  # bf16 1.0 / fp16 1.875
         return table
 
-    monkeypatch.setattr(cpu, "_quantize_table", broken)
+    monkeypatch.setattr(cpu, "quantize_table", broken)
     report = selftest.run("cpu", quick=True)
     assert not report.ok
     patterns = report.checks[0]

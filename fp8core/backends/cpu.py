@@ -21,10 +21,10 @@ from ..formats import Format
 xp = np
 name = "cpu"
 
-_CHUNK = 1 << 16  # elements per task at most: the fp32 temporaries stay in L2
+CHUNK = 1 << 16  # elements per task at most: the fp32 temporaries stay in L2
 _MIN_SHARE = 1 << 14  # elements per task at least once the pool is in: a cast task makes ~10 NumPy calls
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
-# From this many elements a call hands chunks to the pool (_map); below, the calling thread runs it alone. Per kind
+# From this many elements a call hands chunks to the pool (map_chunks); below, the calling thread runs it alone. Per kind
 # of work, as its cost per element differs: "cast" is the fp32 quantize (a multiply, 4 integer passes, a lookup),
 # "lookup" one table lookup per element (bf16/fp16 quantize by the per-scale table, dequantize). amax never uses
 # the pool: its two reductions run at memory speed on one core. Where the pool pays:
@@ -62,7 +62,7 @@ def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any]) -> Non
         results[i] = fn(a, b)
 
 
-def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
+def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
     """``fn(start, stop)`` over cache-sized chunks of ``range(n)``, results in chunk order.
 
     From ``_POOL_MIN[kind]`` elements up the calling thread and the pool's threads take chunks from one queue
@@ -70,8 +70,8 @@ def _map(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[An
     already begun. A pool task that has not started when the queue runs dry is cancelled, not waited for.
     """
     if n < _POOL_MIN[kind] or _THREADS == 1:
-        return [fn(a, min(a + _CHUNK, n)) for a in range(0, n, _CHUNK)]
-    size = min(_CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
+        return [fn(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
+    size = min(CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
     starts = range(0, n, size)
     results: list[Any] = [None] * len(starts)
     tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
@@ -196,7 +196,7 @@ def multi_amax(xs: list[Tensor], out: np.ndarray) -> None:
 
 # ---- quantize ---------------------------------------------------------------------------------------------
 
-def _to_f32(x: np.ndarray) -> np.ndarray:
+def to_f32(x: np.ndarray) -> np.ndarray:
     if x.itemsize == 4:  # float32
         return x.copy()
     if x.dtype.num == _F16_NUM:
@@ -204,7 +204,7 @@ def _to_f32(x: np.ndarray) -> np.ndarray:
     return np.left_shift(x.view(np.uint16), 16, dtype=np.uint32).view(np.float32)  # bf16: exact widening
 
 
-def _canonical_nan_fp8(bits: np.ndarray, fmt: Format) -> None:
+def canonical_nan_fp8(bits: np.ndarray, fmt: Format) -> None:
     if fmt is Format.E4M3:
         bits[bits == 0xFF] = 0x7F
     else:
@@ -286,7 +286,7 @@ def _quantize_chunk_pooled(x: np.ndarray, scale: np.float32, fmt: Format, out: n
 
 @lru_cache(maxsize=32)
 @ieee
-def _quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
+def quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
     """quantize() of all 65,536 patterns of a 16-bit input type: each result depends only on its pattern,
     so a large bf16/fp16 tensor is one table lookup per element, made by the same code as the direct path."""
     patterns = np.arange(65536, dtype=np.uint16).view(logical_numpy_dtype(dtype))
@@ -295,17 +295,17 @@ def _quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
     return table
 
 
-_TABLE_MIN = 1 << 16  # building the table is the direct path over 65,536 patterns: from here it never loses
-# From _TABLE_MIN >> 4 elements a table is built for a scale seen before (delayed scaling keeps a scale for
+TABLE_MIN = 1 << 16  # building the table is the direct path over 65,536 patterns: from here it never loses
+# From TABLE_MIN >> 4 elements a table is built for a scale seen before (delayed scaling keeps a scale for
 # many calls; a scale used once, as current scaling's are, never pays for a table it will not reuse).
 _seen: OrderedDict = OrderedDict()
 _SEEN_MAX = 16
 
 
 def _table_for(dtype: str, scale: np.float32, fmt: Format, n: int) -> np.ndarray | None:
-    if n >= _TABLE_MIN:
-        return _quantize_table(dtype, int(scale.view(np.uint32)), fmt)
-    if n < _TABLE_MIN >> 4:
+    if n >= TABLE_MIN:
+        return quantize_table(dtype, int(scale.view(np.uint32)), fmt)
+    if n < TABLE_MIN >> 4:
         return None
     key = (dtype, int(scale.view(np.uint32)), fmt)
     try:
@@ -318,7 +318,7 @@ def _table_for(dtype: str, scale: np.float32, fmt: Format, n: int) -> np.ndarray
             except KeyError:  # another thread emptied it
                 break
         return None
-    return _quantize_table(*key)
+    return quantize_table(*key)
 
 
 def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, out: np.ndarray | None
@@ -329,7 +329,7 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
     n = flat.size
     want = amax_out is not None
     table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
-    if out is None and table is None and not x.caller.allocates and 0 < n <= _CHUNK and n < _POOL_MIN["cast"]:
+    if out is None and table is None and not x.caller.allocates and 0 < n <= CHUNK and n < _POOL_MIN["cast"]:
         # A small call's cost is its NumPy calls: the lookup allocates the result (torch callers get torch's)
         q = _cast_f32(_scaled_f32(flat, s), fmt).view(fmt.numpy_dtype)
         if want:
@@ -341,15 +341,15 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
     # lookups evicts what the next lookup reads.
     if table is not None:
         codes = flat.view(np.uint16)
-        if n <= _CHUNK and n < _POOL_MIN["lookup"]:
+        if n <= CHUNK and n < _POOL_MIN["lookup"]:
             table.take(codes, out=qflat, mode="clip")
         else:
-            _map(n, lambda a, b: table.take(codes[a:b], out=qflat[a:b], mode="clip"))
+            map_chunks(n, lambda a, b: table.take(codes[a:b], out=qflat[a:b], mode="clip"))
         bits = _amax_bits(flat) if want else 0
-    elif n <= _CHUNK and n < _POOL_MIN["cast"]:
+    elif n <= CHUNK and n < _POOL_MIN["cast"]:
         bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
     else:
-        _map(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], False), "cast")
+        map_chunks(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], False), "cast")
         bits = _amax_bits(flat) if want else 0
     if want:
         _accumulate(amax_out, bits)
@@ -401,7 +401,7 @@ def multi_quantize(xs: list[Tensor], scales: list[np.ndarray], fmts: list[Format
 
 # ---- dequantize -------------------------------------------------------------------------------------------
 
-_CANONICAL_NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x7FFF),
+CANONICAL_NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x7FFF),
                   "float16": (np.uint16, 0x7FFF)}
 
 
@@ -413,7 +413,7 @@ def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarr
     with np.errstate(all="ignore"):
         y = codes.astype(np.float32) * _bits_to_f32(scale_inv_bits)
         out = y.astype(logical_numpy_dtype(out_dtype))  # RTNE
-    storage, nan = _CANONICAL_NAN[out_dtype]
+    storage, nan = CANONICAL_NAN[out_dtype]
     out.view(storage)[np.isnan(y)] = nan
     return out
 
@@ -424,15 +424,15 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
     table = _dequant_table(fmt, int(_scale_0d(scale_inv).view(np.uint32)), out_dtype)
     data = q.data
     codes = (data if data.ndim == 1 else data.reshape(-1)).view(np.uint8)
-    if out is None and not q.caller.allocates and codes.size <= _CHUNK:  # the lookup allocates (see _quantize)
+    if out is None and not q.caller.allocates and codes.size <= CHUNK:  # the lookup allocates (see _quantize)
         y = table.take(codes, mode="clip")
         return y if data.ndim == 1 else y.reshape(data.shape)
     y = q.caller.empty(data.shape, table.dtype, q.device) if out is None else out
     yflat = y.reshape(-1)
-    if codes.size <= _CHUNK:
+    if codes.size <= CHUNK:
         table.take(codes, out=yflat, mode="clip")
     else:
-        _map(codes.size, lambda a, b: table.take(codes[a:b], out=yflat[a:b], mode="clip"))
+        map_chunks(codes.size, lambda a, b: table.take(codes[a:b], out=yflat[a:b], mode="clip"))
     return y
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
 from ..formats import Format
-from .cpu import _CANONICAL_NAN, _canonical_nan_fp8, _map, _quantize_table, _to_f32, scale_rule
+from .cpu import CANONICAL_NAN, canonical_nan_fp8, map_chunks, quantize_table, to_f32, scale_rule
 
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 E8M0_NAN = 0xFF
@@ -28,7 +28,6 @@ FP32_BLOCK = 128
 
 _F32_NAN = np.uint32(0x7FFFFFFF)
 _F32_INF = np.uint32(0x7F800000)
-EMAX = {Format.E4M3: 8, Format.E5M2: 15}  # exponent of the largest power of two below fp8_max
 
 
 def cdiv(a: int, b: int) -> int:
@@ -127,7 +126,7 @@ def e8m0_floor(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
     exp = np.right_shift(amax_bits, 23).astype(np.int64)
     mant = np.bitwise_and(amax_bits, np.uint32(0x7FFFFF))
     log2 = np.where(exp != 0, exp - 127, np.where(mant != 0, _highest_bit(mant) - 149, 0))
-    e = np.clip(log2 - EMAX[fmt] + 127, 0, 254)
+    e = np.clip(log2 - fmt.emax + 127, 0, 254)
     e[amax_bits == 0] = 0
     e[amax_bits == _F32_INF] = 254
     e[amax_bits > _F32_INF] = E8M0_NAN
@@ -164,14 +163,14 @@ def _block_slices(r0: int, r1: int, c0: int, c1: int, br: int, bc: int) -> tuple
 def _cast(t: np.ndarray, fmt: Format) -> np.ndarray:
     """Clipped fp32 -> ``fmt`` by RTNE, NaN canonical."""
     q = t.astype(fmt.numpy_dtype)
-    _canonical_nan_fp8(q.view(np.uint8), fmt)
+    canonical_nan_fp8(q.view(np.uint8), fmt)
     return q
 
 
 def _cast_tile(x: np.ndarray, q: np.ndarray, tile: tuple[int, int, int, int], factor: np.ndarray, br: int,
                bc: int, fmt: Format) -> None:
     r0, r1, c0, c1 = tile
-    t = _to_f32(x[r0:r1, c0:c1])
+    t = to_f32(x[r0:r1, c0:c1])
     blocks = _blocks(t, br, bc)
     np.multiply(blocks, factor[:, None, :, None], out=blocks)
     fmax = np.float32(fmt.max)
@@ -230,7 +229,7 @@ def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, b
     cache-sized chunks on cpu's thread pool. ``which`` [R, C]: each block's index into ``scales``."""
     rows, cols = x.shape
     name = "bfloat16" if x.dtype == ml_dtypes.bfloat16 else "float16"
-    tables = np.concatenate([_quantize_table(name, int(s), fmt) for s in scales])
+    tables = np.concatenate([quantize_table(name, int(s), fmt) for s in scales])
     codes = x.view(np.uint16).reshape(-1)
     flat = q.reshape(-1)
 
@@ -249,7 +248,7 @@ def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, b
                                    for r in range(r0, r1)])
         np.take(tables, offs + codes[a:b], out=flat[a:b])
 
-    _map(flat.size, chunk)
+    map_chunks(flat.size, chunk)
 
 
 @lru_cache(maxsize=2)
@@ -264,7 +263,7 @@ def _scaled_widen(q: np.ndarray, factor_of: Any, br: int, bc: int, out_dtype: st
     rows, cols = q.shape
     widen = _fp32_of_code(q.dtype)
     y = np.empty((rows, cols), logical_numpy_dtype(out_dtype))
-    storage, nan = _CANONICAL_NAN[out_dtype]
+    storage, nan = CANONICAL_NAN[out_dtype]
     with np.errstate(all="ignore"):
         for r0, r1, c0, c1 in _tiles(rows, cols, br, bc, TILE // 4):  # the lookup's indices are 8 bytes each
             y32 = widen.take(q[r0:r1, c0:c1].view(np.uint8))

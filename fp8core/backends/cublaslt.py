@@ -67,7 +67,7 @@ _handle_pool: dict[int, list[int]] = {}  # device -> handles no live thread hold
 _handle_lock = threading.RLock()
 
 
-def _lt() -> Any:
+def lt_bindings() -> Any:
     try:
         from nvmath.bindings import cublasLt
     except ImportError as e:
@@ -111,7 +111,7 @@ def _give_back(handles: dict[int, int], plans: OrderedDict) -> None:
         for device_id, handle in handles.items():
             _handle_pool.setdefault(device_id, []).append(handle)
     if plans:
-        lt = _lt()
+        lt = lt_bindings()
         while plans:
             _destroy(lt, plans.popitem()[1])
 
@@ -135,7 +135,7 @@ def _handle(device_id: int) -> int:
             pool = _handle_pool.get(device_id)
             handle = pool.pop() if pool else None
         if handle is None:
-            handle = _lt().create()
+            handle = lt_bindings().create()
         handles[device_id] = handle
     return handle
 
@@ -303,7 +303,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     """stream: the raw handle of the caller's stream."""
     device_id = a.device[1]
     _check_device(device_id)
-    lt = _lt()
+    lt = lt_bindings()
     if spec.m == 0:
         d = out if out is not None else empty((spec.m, spec.n), storage_dtype(spec.out_dtype), a)
         if out_amax is not None:  # amax of an empty D is 0, merged as the CPU merges it (-0.0 becomes 0)
@@ -366,7 +366,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
 # Kept apart from the plan cache and workspace above: a plan of a block-scaled spec differs only by the two
 # scale-mode attributes, and its scale "pointers" are the operands' block scales rearranged for cuBLASLt.
 
-_MIN_BLOCK_VERSION = 120900  # cuBLAS 12.9: VEC128_32F and BLK128x128_32F
+MIN_BLOCK_VERSION = 120900  # cuBLAS 12.9: VEC128_32F and BLK128x128_32F
 
 
 def _scale_mode(lt: Any, kind: str) -> int:
@@ -394,8 +394,8 @@ def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: A
             hint = "; on Blackwell use MXFP8 blocks (fp8core.blocks.quantize_mxfp8)" if cc >= 100 else ""
             raise ValueError(f"a: a 1x128/128x128 block GEMM needs a GPU of compute capability 9.0 (Hopper), where "
                              f"cuBLASLt has these scale modes; cuda:{device_id} is {cc // 10}.{cc % 10}{hint}")
-        version = int(_lt().get_version())
-        if version < _MIN_BLOCK_VERSION:
+        version = int(lt_bindings().get_version())
+        if version < MIN_BLOCK_VERSION:
             raise ValueError(f"a: a 1x128/128x128 block GEMM needs cuBLAS 12.9 or newer, found {version}")
     return (layout_for_cublaslt(a_scale, spec.a_block, a, stream),
             layout_for_cublaslt(b_scale, spec.b_block, a, stream))

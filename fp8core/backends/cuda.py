@@ -35,7 +35,7 @@ from .._views import Tensor, storage_dtype
 from ..formats import Format
 from . import cublaslt
 from .cuda_call import On, capture_outlives, empty, merge_amax, ptr, stream_of
-from .cuda_call import consumer_stream, launch_stream  # noqa: F401 - the front-ends' and the boundary's names
+from .cuda_call import launch_stream  # noqa: F401 - the front-ends' name
 
 name = "cuda"
 

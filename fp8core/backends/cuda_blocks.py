@@ -16,7 +16,7 @@ import numpy as np
 from .._kernels import BLOCK_DEQUANTIZE, MX_QUANTIZE, MX_SCALE_SWIZZLE, QUANTIZE_1X128, QUANTIZE_128X128
 from .._views import Tensor, storage_dtype
 from ..formats import Format
-from .cpu_blocks import EMAX, FP32_BLOCK, MX_BLOCK, cdiv, inv_fp8_max
+from .cpu_blocks import FP32_BLOCK, MX_BLOCK, cdiv, inv_fp8_max
 from .cuda_call import On, capture_outlives, cupy, empty, ptr, stream_of
 
 
@@ -34,7 +34,7 @@ def _mx_launch(x: Tensor, fmt: Format, mode: str, rowwise: bool, columnwise: boo
         if x.size:
             MX_QUANTIZE.launch(device, (x.dtype, fmt.index, mode == "rceil"), (rows, cols),
                                (x.data.data.ptr, ptr(q), ptr(s), ptr(qc), ptr(sc), rows, cols,
-                                float(inv_fp8_max(fmt)), EMAX[fmt]), stream)
+                                float(inv_fp8_max(fmt)), fmt.emax), stream)
         return q, s, qc, sc
 
 

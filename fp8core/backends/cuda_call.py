@@ -57,13 +57,6 @@ def stream_of(t: Tensor) -> int:
     return override if override is not None else t.caller.stream(t.device[1])
 
 
-def consumer_stream(device: int) -> int:
-    """The raw handle of the stream a call on a non-torch array of CUDA ``device`` launches on (see stream_of):
-    what fp8core names as the consumer's stream when it imports such an array through DLPack."""
-    override = _stream_override.get()
-    return override if override is not None else cupy.cuda.get_current_stream(device).ptr
-
-
 def empty(shape: Any, dtype: Any, like: Tensor) -> Any:
     """Uninitialised device memory from like's caller's allocator; call inside the device guard."""
     return like.caller.empty(shape, dtype, like.device)

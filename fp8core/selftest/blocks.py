@@ -17,7 +17,6 @@ from .gemm import gemm_unavailable
 from .harness import FORMATS, HIGH, CpuTarget, CudaTarget, Recorder, Target, check, name_of, sample
 
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
-_EMAX = {Format.E4M3: 8, Format.E5M2: 15}
 _MX, _FP32_BLOCK = 32, 128
 BLOCK_SHAPES = ((1, 1), (3, 31), (31, 33), (33, 65), (64, 128), (130, 257), (2, 3, 40), (0, 32), (32, 0))
 QUICK_BLOCK_SHAPES = ((1, 1), (3, 31), (33, 65), (130, 257), (2, 3, 40), (0, 32))
@@ -72,7 +71,7 @@ def e8m0_oracle(amax: float, fmt: Format, mode: str) -> int:
             return 0
         if np.isinf(a):
             return 254
-        e = math.frexp(float(a))[1] - 1 - _EMAX[fmt] + 127
+        e = math.frexp(float(a))[1] - 1 - fmt.emax + 127
     return min(max(e, 0), 254)
 
 
@@ -331,7 +330,7 @@ def block_gemm_refusal(t: Target, scheme: str) -> str:
         return "compute capability 9.0"
     from fp8core.backends import cublaslt
 
-    return "" if int(cublaslt._lt().get_version()) >= cublaslt._MIN_BLOCK_VERSION else "cuBLAS 12.9"
+    return "" if int(cublaslt.lt_bindings().get_version()) >= cublaslt.MIN_BLOCK_VERSION else "cuBLAS 12.9"
 
 
 def _dequantized64(pair: Any, scheme_block: str, fmt: Format) -> np.ndarray:

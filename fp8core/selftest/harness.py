@@ -99,12 +99,12 @@ class CudaTarget(Target):
 def _cpu_paths(table_min: int, chunk: int) -> Iterator[None]:
     from fp8core.backends import cpu, cpu_blocks
 
-    saved = cpu._TABLE_MIN, cpu._CHUNK, cpu_blocks.TABLE_MIN
-    cpu._TABLE_MIN, cpu._CHUNK, cpu_blocks.TABLE_MIN = table_min, chunk, table_min
+    saved = cpu.TABLE_MIN, cpu.CHUNK, cpu_blocks.TABLE_MIN
+    cpu.TABLE_MIN, cpu.CHUNK, cpu_blocks.TABLE_MIN = table_min, chunk, table_min
     try:
         yield
     finally:
-        cpu._TABLE_MIN, cpu._CHUNK, cpu_blocks.TABLE_MIN = saved
+        cpu.TABLE_MIN, cpu.CHUNK, cpu_blocks.TABLE_MIN = saved
 
 
 class CpuTarget(Target):

@@ -40,7 +40,7 @@ _RAWMODULE_OPTIONS = ("--std=c++17",)
 
 THREADS = 256  # threads per block of every kernel but update_kernel's
 MIN_COMPUTE_CAPABILITY = 80  # every kernel (the FP8 GEMM needs 89, see backends/cublaslt.py)
-_MAX_GRID_YZ = 65535
+_MAX_GRID = 65535
 
 
 def soft_fp8() -> bool:
@@ -70,7 +70,7 @@ def _tiles(rows: int, cols: int) -> Any:
     """One block per rows x cols tile of a ``(rows, cols)`` work, numbered over (x, y) within their limits."""
     def grid(max_blocks: int, work: tuple[int, int]) -> tuple[int, int]:
         n = -(-work[0] // rows) * -(-work[1] // cols)
-        return min(n, _MAX_GRID_YZ), -(-n // _MAX_GRID_YZ)
+        return min(n, _MAX_GRID), -(-n // _MAX_GRID)
     return grid
 
 

@@ -423,8 +423,8 @@ def _exporter(data: Any, dtype: str, like: Tensor, stream: int | None = None) ->
 
 
 def _torch_owner(data: Any) -> Any:
-    """The torch tensor whose memory ``data`` covers exactly, when torch allocated it (see :func:`empty` and
-    the CUDA backend's ``_empty``), else None."""
+    """The torch tensor whose memory ``data`` covers exactly, when torch allocated it (the torch caller's
+    ``empty``, fp8core._views), else None."""
     torch = _torch
     if type(data) is np.ndarray:
         owner = data.base

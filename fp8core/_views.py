@@ -12,6 +12,7 @@ framework.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import ml_dtypes  # noqa: F401 - registers its dtype names with NumPy
 import numpy as np
 
 __all__ = ["Tensor", "Caller", "storage_dtype", "logical_numpy_dtype"]
+
 
 def storage_dtype(name: str) -> np.dtype:
     """The NumPy/CuPy dtype that holds ``name`` on a CUDA device: an unsigned integer of its size for the
@@ -34,6 +36,13 @@ def logical_numpy_dtype(name: str) -> np.dtype:
 Device = tuple  # ("cpu", 0) or ("cuda", ordinal)
 
 
+@functools.cache
+def _cupy() -> Any:
+    import cupy  # on a GPU call's path: an import statement costs about a microsecond
+
+    return cupy
+
+
 class Caller:
     """NumPy's and CuPy's allocators and CuPy's current stream: every caller but torch (NumPy, CuPy, JAX, DLPack)."""
 
@@ -46,17 +55,13 @@ class Caller:
 
     def stream(self, device: int) -> int:
         """The raw handle of the caller's current stream on CUDA ``device``."""
-        import cupy
-
-        return cupy.cuda.get_current_stream(device).ptr
+        return _cupy().cuda.get_current_stream(device).ptr
 
     def empty(self, shape: Any, dtype: Any, device: Device) -> Any:
         """Uninitialised memory for a result on ``device`` (on a GPU: call inside the device guard)."""
         if device[0] == "cpu":
             return np.empty(shape, dtype)
-        import cupy
-
-        return cupy.empty(shape, dtype=dtype)
+        return _cupy().empty(shape, dtype=dtype)
 
 
 class _TorchCaller(Caller):

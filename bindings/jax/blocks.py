@@ -15,7 +15,7 @@ import numpy as np
 import fp8core
 from fp8core import args
 from fp8core import blocks as core
-from fp8core._tensor import Tensor
+from fp8core._views import Tensor
 from fp8core.blocks import BlockScaledTensor, MXTensor
 
 from . import _args

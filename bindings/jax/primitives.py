@@ -13,7 +13,8 @@ from jax.experimental.buffer_callback import buffer_callback
 
 import fp8core
 from fp8core._fpenv import ieee
-from fp8core._tensor import Tensor, wrap
+from fp8core._tensor import wrap
+from fp8core._views import Tensor
 from fp8core.backends import for_device
 
 from . import _args
@@ -26,7 +27,9 @@ _F32_1 = jax.ShapeDtypeStruct((1,), jnp.float32)
 
 
 def _raw(buf: Any) -> Tensor:
-    """A core Tensor over an XLA buffer whose results come back as raw NumPy/CuPy arrays, not jax.Arrays."""
+    """A core Tensor over an XLA buffer whose results come back as raw NumPy/CuPy arrays, not jax.Arrays (the
+    origin also picks the caller: NumPy's or CuPy's allocator, CuPy's current stream, which the callback sets to
+    XLA's)."""
     t = wrap(buf)
     t.origin = "cupy" if t.is_cuda else "numpy"
     return t

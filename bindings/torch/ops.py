@@ -192,7 +192,7 @@ def update(history: Tensor, scale: Tensor, scale_inv: Tensor, fp8_max: Tensor, n
     backend = backends.for_device(h.device)
     args = (h.data, s, si, fm, margin, algo, bool(power_of_2), epsilon, bool(update_scale), nf)
     if h.is_cuda:
-        with backend.launch_stream(torch.cuda.current_stream(history.device).cuda_stream):
+        with backend.launch_stream(h.caller.stream(h.device[1])):
             backend.update(*args)
     else:
         backend.update(*args)

@@ -22,7 +22,10 @@ _stream_override: contextvars.ContextVar[int | None] = contextvars.ContextVar("f
 
 @contextlib.contextmanager
 def launch_stream(handle: int) -> Iterator[None]:
-    """Launch on the raw CUDA stream ``handle`` inside this block (used by the JAX and torch front-ends)."""
+    """Launch on the raw CUDA stream ``handle`` inside this block (used by the JAX and torch front-ends).
+
+    A front-end whose block may read a GPU array through DLPack also makes ``handle`` CuPy's current stream
+    (``cupy.cuda.ExternalStream``): the boundary names CuPy's current stream to DLPack producers."""
     token = _stream_override.set(handle)
     try:
         yield

@@ -6,7 +6,7 @@ import numpy as np
 
 import fp8core
 from fp8core import Format, _oracle
-from fp8core._tensor import logical_numpy_dtype
+from fp8core._views import logical_numpy_dtype
 
 from .harness import BF16, F16, FORMATS, HIGH, ORACLE_MAX, UINT, Recorder, Target, check, f32, name_of, sample
 

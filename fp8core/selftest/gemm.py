@@ -6,7 +6,7 @@ import numpy as np
 
 import fp8core
 from fp8core import Format, _oracle
-from fp8core._tensor import logical_numpy_dtype
+from fp8core._views import logical_numpy_dtype
 from fp8core.extras import install_hint
 
 from .harness import CudaTarget, Recorder, Target, check, f32

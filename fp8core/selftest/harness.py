@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from fp8core import Format
-from fp8core._tensor import Tensor, storage_dtype
+from fp8core._views import Tensor, storage_dtype
 from fp8core.formats import dtype_name
 
 FORMATS = (Format.E4M3, Format.E5M2)

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed")
 import fp8core  # noqa: E402
 from conftest import requires_gpu  # noqa: E402
-from fp8core import _kernels, ops  # noqa: E402
+from fp8core import _kernels, args  # noqa: E402
 from fp8core._tensor import Tensor  # noqa: E402
 from fp8core.backends import cuda, cuda_blocks, cuda_call  # noqa: E402
 from fp8core.formats import Format  # noqa: E402
@@ -120,7 +120,6 @@ def dev(monkeypatch):
         monkeypatch.setattr(module, "empty", empty)
     monkeypatch.setattr(_kernels.Kernel, "launch", launch)
     monkeypatch.setattr(_kernels.Kernel, "max_blocks", lambda kernel, device, targs: 132 * 8)
-    monkeypatch.setattr(ops, "_cuda", cuda)
 
     return types.SimpleNamespace(
         log=log,
@@ -150,7 +149,7 @@ def test_capture_query_asks_the_launch_stream(dev, status, expected):
 def test_an_invalidated_capture_is_reported_before_anything_is_made(dev):
     dev.capturing(CAPTURE_INVALIDATED)
     with pytest.raises(RuntimeError, match="invalidated the capture"):
-        ops._new_f32([0.5], gpu_tensor((8,)), "scale")
+        args.new_f32([0.5], gpu_tensor((8,)), "scale")
     assert dev.kinds() == ["is_capturing"]
 
 
@@ -161,33 +160,33 @@ def test_torch_callers_are_not_asked(dev):
     assert dev.log == []
 
 
-# ---- a Python number made into a device array (ops._new_f32 -> cuda.device_f32) ---------------------------
+# ---- a Python number made into a device array (args.new_f32 -> cuda.device_f32) ---------------------------
 
 @pytest.mark.parametrize("arg", ["scale", "scale_inv", "a_scale_inv", "b_scale_inv", "out_scale", "previous"])
 def test_python_number_refused_inside_a_cupy_capture(dev, arg):
     dev.capturing()
     with pytest.raises(ValueError, match=f"^{arg}: a Python number becomes a device temporary that a graph captured "
                                          "with CuPy would read after it is freed; pass a 1-element float32 CuPy"):
-        ops._new_f32([0.5], gpu_tensor((8,)), arg)
+        args.new_f32([0.5], gpu_tensor((8,)), arg)
     assert dev.kinds() == ["is_capturing"], "refused before anything is allocated or launched"
 
 
 def test_python_number_outside_a_capture_unchanged(dev):
-    out = ops._new_f32([0.5], gpu_tensor((8,)), "scale")
+    out = args.new_f32([0.5], gpu_tensor((8,)), "scale")
     assert dev.kinds() == ["is_capturing", "alloc", "fill_kernel"]
     assert dev.log[2][2] == (out.data.ptr, int(np.float32(0.5).view(np.uint32)), 1)
 
 
 def test_python_number_for_a_torch_caller_inside_a_capture(dev):
     dev.capturing()
-    ops._new_f32([0.5], gpu_tensor((8,), origin="torch"), "scale")
+    args.new_f32([0.5], gpu_tensor((8,), origin="torch"), "scale")
     assert dev.kinds() == ["alloc", "fill_kernel"] and dev.allocs()[0][3] == "torch"
 
 
 def test_a_result_made_from_host_values_is_not_refused(dev):
     """multi_amax's zeroed ``out`` is returned to the caller (the caller keeps it, as every output)."""
     dev.capturing()
-    out = ops._new_f32(np.zeros(3), gpu_tensor((8,)))
+    out = args.new_f32(np.zeros(3), gpu_tensor((8,)))
     assert out.shape == (3,) and dev.kinds() == ["alloc", "fill_kernel"]
 
 

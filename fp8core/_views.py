@@ -77,6 +77,7 @@ class _TorchCaller(Caller):
         self._torch: Any = None
         self._current: Any = None
         self._devices: dict[int, Any] = {}
+        self._dtypes: dict[Any, tuple[Any, np.dtype]] = {}
 
     def _module(self) -> Any:
         if self._torch is None:
@@ -96,17 +97,22 @@ class _TorchCaller(Caller):
         return current(device)
 
     def empty(self, shape: Any, dtype: Any, device: Device) -> Any:
-        torch = self._module()
-        dt = np.dtype(dtype)
+        spec = self._dtypes.get(dtype)  # on every torch CPU call: np.dtype() and getattr cost microseconds
+        if spec is None:
+            dt = np.dtype(dtype)
+            spec = self._dtypes[dtype] = (getattr(self._module(), dt.name), dt)
+        torch_dtype, dt = spec
+        torch = self._torch
         if device[0] == "cpu":
-            t = torch.empty(shape, dtype=getattr(torch, dt.name))
-            if not t.nbytes:
+            t = torch.empty(shape, dtype=torch_dtype)
+            nbytes = t.nbytes
+            if not nbytes:
                 return np.empty(shape, dt)
-            buf = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
+            buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
             buf.tensor = t  # the owner the boundary finds to give the tensor back
             arr = np.frombuffer(buf, dt)
             return arr if len(t.shape) == 1 else arr.reshape(t.shape)
-        import cupy
+        cupy = _cupy()
 
         ordinal = device[1]
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize

@@ -173,7 +173,7 @@ def _fp8_all_gather_main(rank, port, out_dir):
                 opt.step()
                 opt.zero_grad()
                 outs.append(y.detach())
-            shards = [getattr(p.to_local(), "_tensor", p.to_local()).detach().clone() for p in model.parameters()]
+            shards = [getattr(p.to_local(), "high_precision", p.to_local()).detach().clone() for p in model.parameters()]
             results[name, fp8_gather] = {"outs": outs, "grads": grads, "shards": shards, "state": fp8_state(model),
                                          "bytes": sum(sent)}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -256,7 +256,7 @@ def _checkpoint_main(rank, port, out_dir):
         for fp8_gather in (False, True):  # fp32 master weights gathered in bf16, or in fp8 from bf16-rounded shards
             model = _shard(make(recipe), fp8_gather, policy)
             outs, grads = _steps(model, STEPS, rank, torch.bfloat16)
-            shards = [getattr(p.to_local(), "_tensor", p.to_local()).detach().clone() for p in model.parameters()]
+            shards = [getattr(p.to_local(), "high_precision", p.to_local()).detach().clone() for p in model.parameters()]
             results["mp", name, fp8_gather] = {"outs": outs, "grads": grads, "shards": shards,
                                                "state": fp8_state(model)}
         # a checkpoint of a trained model, loaded into a differently trained twin, then both train on

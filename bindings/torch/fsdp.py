@@ -52,19 +52,19 @@ class Float8AllGatherWeight(torch.Tensor):
             dtype=tensor.dtype, device=tensor.device, layout=tensor.layout, requires_grad=tensor.requires_grad)
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor
+        self.high_precision = tensor
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self) -> str:
-        return f"Float8AllGatherWeight({self._tensor!r})"
+        return f"Float8AllGatherWeight({self.high_precision!r})"
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_tensor"], None
+        return ["high_precision"], None
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> "Float8AllGatherWeight":
-        return Float8AllGatherWeight(inner["_tensor"])
+        return Float8AllGatherWeight(inner["high_precision"])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -77,28 +77,17 @@ class Float8AllGatherWeight(torch.Tensor):
                             mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         """This rank's shard cast to fp8 (the bytes FSDP2 gathers), and its scale_inv. The shard is first rounded
         to the policy's ``param_dtype``, as the high-precision all-gather would give it to the GEMM's cast."""
-        shard = self._tensor
+        shard = self.high_precision
         param_dtype = getattr(mp_policy, "param_dtype", None)
         if param_dtype is not None and param_dtype != shard.dtype:
             shard = shard.to(param_dtype)
-        fwd = module.recipe.fp8_format.fwd.value
-        if module._fp8_group is not None:
-            if module._fp8_history.device != shard.device:
-                module._fp8_follow(shard.device)
-            q = ops.quantize(shard, module._fp8_scale[1:2], fwd, module._fp8_history[0, 1:2])
-            return (q,), module._fp8_scale_inv[1:2].clone()
-        r = module.recipe
-        amax = ops.amax(shard)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
-        scale, scale_inv = ops.compute_scale(amax, fwd, r.margin, r.power_of_2, float(r.amax_epsilon))
-        return (ops.quantize(shard, scale, fwd),), scale_inv
+        return module.cast_for_all_gather(shard, mesh)
 
     def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype,
                              *, out: Any = None) -> Any:
         (data,) = outputs
         if out is not None:  # FSDP2 refilled the same storage: only the scale is new
-            out._scale_inv.copy_(metadata)
+            out.scale_inv.copy_(metadata)
             return None
         return Float8GatheredWeight(data, metadata, param_dtype), (data,)
 
@@ -113,21 +102,21 @@ class Float8GatheredWeight(torch.Tensor):
                                                    device=data.device, requires_grad=False)
 
     def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> None:
-        self._data, self._scale_inv = data, scale_inv
+        self.codes, self.scale_inv = data, scale_inv
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self) -> str:
-        return f"Float8GatheredWeight({self._data.dtype}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"Float8GatheredWeight({self.codes.dtype}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def dequantized(self) -> torch.Tensor:
-        return ops.dequantize(self._data, self._scale_inv, self.dtype)
+        return ops.dequantize(self.codes, self.scale_inv, self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func.overloadpacket in _VIEWS:  # FSDP2's as_strided/detach of the gathered weight: the same fp8 bytes
             w, rest = args[0], args[1:]
-            return cls(func(w._data, *rest, **(kwargs or {})), w._scale_inv, w.dtype)
+            return cls(func(w.codes, *rest, **(kwargs or {})), w.scale_inv, w.dtype)
 
         def plain(t: Any) -> Any:
             return t.dequantized() if isinstance(t, cls) else t
@@ -140,18 +129,18 @@ def plain_weight(t: torch.Tensor) -> torch.Tensor:
     FSDP2) becomes the plain tensor it wraps, the same storage, so ``torch.load(weights_only=True)`` and
     ``torch.distributed.checkpoint`` take the checkpoint (they refuse unknown tensor classes)."""
     if isinstance(t, Float8AllGatherWeight):
-        return t._tensor
+        return t.high_precision
     local = getattr(t, "_local_tensor", None)
     if isinstance(local, Float8AllGatherWeight):
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+        return DTensor.from_local(local.high_precision, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                                   stride=t.stride())
     return t
 
 
 def _unwrap(t: Any) -> Any:
-    return t._tensor if isinstance(t, Float8AllGatherWeight) else t
+    return t.high_precision if isinstance(t, Float8AllGatherWeight) else t
 
 
 def wrap_weight(m: torch.nn.Module) -> None:

@@ -56,9 +56,9 @@ def _cast(x: torch.Tensor, fmt: str, state: Optional[tuple], slot: int, current:
 def _weight_cast(weight: torch.Tensor, fmt: str, state: Optional[tuple], current: tuple
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if isinstance(weight, Float8GatheredWeight):  # gathered in fp8 by FSDP2: cast, and its amax taken, there
-        return weight._data, ops.transpose(weight._data), weight._scale_inv.clone()
+        return weight.codes, ops.transpose(weight.codes), weight.scale_inv.clone()
     if isinstance(weight, Float8AllGatherWeight):  # not sharded: the weight itself
-        weight = weight._tensor
+        weight = weight.high_precision
     return _cast(weight, fmt, state, 1, current)
 
 
@@ -244,6 +244,24 @@ class Float8Linear(torch.nn.Linear):
         """The state to the weight's device (FSDP2's fully_shard moves parameters and buffers only)."""
         for name in STATE:
             setattr(self, name, getattr(self, name).to(device))
+
+    def cast_for_all_gather(self, shard: torch.Tensor, mesh: Any) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        """FSDP2's fp8 all-gather (fsdp.py): this rank's weight ``shard`` cast to the forward format as the
+        weight's own cast would cast it, and its scale_inv [1]. Delayed scaling: the layer's weight scale, the
+        shard's amax into the weight's history slot; current scaling: the amax all-reduced over the device
+        ``mesh``'s process group first, so that every rank casts with one scale."""
+        fwd = self.recipe.fp8_format.fwd.value
+        if self._fp8_group is not None:
+            if self._fp8_history.device != shard.device:
+                self._fp8_follow(shard.device)
+            q = ops.quantize(shard, self._fp8_scale[1:2], fwd, self._fp8_history[0, 1:2])
+            return (q,), self._fp8_scale_inv[1:2].clone()
+        r = self.recipe
+        amax = ops.amax(shard)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+        scale, scale_inv = ops.compute_scale(amax, fwd, r.margin, r.power_of_2, float(r.amax_epsilon))
+        return (ops.quantize(shard, scale, fwd),), scale_inv
 
     # ---- state_dict --------------------------------------------------------------------------------------
 

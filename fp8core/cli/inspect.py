@@ -1,4 +1,5 @@
-"""``fp8core inspect``: per tensor, its amax and how it fares in E4M3 and E5M2, as a table, JSON or a plot."""
+"""``fp8core inspect``: per tensor, its amax and how it fares in E4M3 and E5M2 (or in each recipe of
+``--recipes``), as a table, JSON or a plot."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from fp8core.selftest.gpu import one_line
 
 from .common import CliError, printable, progress
 from .files import iter_tensors
+from .recipes import BLOCK_RULE, Recipe, measure, parse_recipes, summary, winner
 
 _CHUNK = 1 << 20  # elements per step of the statistics
 RAW_FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
@@ -209,6 +211,41 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
     return target
 
 
+def _plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
+    """SQNR per tensor (one row each) per recipe (a marker series each), beside the histograms' file."""
+    import matplotlib.pyplot as plt  # _plot ran first: matplotlib is there, on the Agg backend
+
+    first = _plot_target(out)
+    target = first.with_name(f"{first.stem}.recipes{first.suffix}")
+    keys = list(rows)
+    finite = [s for r in rows.values() for f in r["recipes"].values()
+              if isinstance(s := f.get("sqnr_db"), float) and math.isfinite(s)]
+    top = max(finite, default=0.0) + 5  # exact (inf) results are drawn here, -inf ones at the left edge
+    low = min(finite, default=0.0) - 5
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.28 * len(keys)))
+    ys = np.arange(len(keys))
+    markers = "osD^vP*X"
+    for j, name in enumerate(names):
+        xs = []
+        for k in keys:
+            s = rows[k]["recipes"][name].get("sqnr_db")
+            xs.append(np.nan if s is None else top if s == math.inf else low if s == -math.inf else s)
+        ax.plot(xs, ys, linestyle="none", marker=markers[j % len(markers)], label=name, alpha=0.85)
+    best = [rows[k]["recipes"][rows[k]["winner"]]["sqnr_db"] if rows[k]["winner"] else np.nan for k in keys]
+    best = [top if b == math.inf else low if b == -math.inf else b for b in best]
+    ax.barh(ys, np.nan_to_num(np.array(best, float) - low, nan=0.0), left=low, height=0.8, color="0.9", zorder=0)
+    ax.set_yticks(ys, [printable(k).replace("$", r"\$")[-40:] for k in keys], fontsize=7)
+    ax.invert_yaxis()  # the file's first tensor on top
+    ax.set_xlim(low - 1, top + 1)
+    ax.set_xlabel(f"SQNR dB (grey: the best recipe; exact at {top:.0f}, NaN-poisoned at {low:.0f})")
+    ax.grid(axis="x", linewidth=0.5, alpha=0.5)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="recipe")
+    fig.tight_layout()
+    fig.savefig(target, dpi=90)
+    plt.close(fig)
+    return target
+
+
 def _cell(v: Any, spec: str, width: int) -> str:
     if v is None:
         return f"{'n/a':>{width}}"
@@ -222,12 +259,43 @@ def _fit(text: str, width: int = TABLE_WIDTH) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def _table(rows: dict[str, dict]) -> Iterator[str]:
-    """The inspect table, TABLE_WIDTH columns at most: a line naming each tensor, then a line per format."""
-    fields = f"{'scale':>10} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
+def _recipe_lines(r: dict) -> Iterator[str]:
+    for name, f in r["recipes"].items():
+        mark = "*" if name == r["winner"] else " "
+        if "n/a" in f:
+            yield f" {mark}{name:<14} n/a: {f['n/a']}"
+            continue
+        yield (f" {mark}{name:<14} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} {f['clipped']:>8.2%} "
+               f"{f['at_max']:>8.2%} {f['max_rel_error']:>11.3g} {'padded' if f.get('padded') else ''}".rstrip())
+
+
+def _recipe_notes(r: dict) -> Iterator[str]:
+    lost = [f"{n} {f['lost']:.2%}" for n, f in r["recipes"].items() if f.get("lost")]
+    if lost:
+        yield (f"finite values that came out NaN or inf ({', '.join(lost)}): a NaN in an MXFP8 block makes the "
+               "whole block NaN; SQNR -inf")
+
+
+def _summary_lines(s: dict) -> Iterator[str]:
+    yield f"over {s['tensors']} tensor(s) with a signal: how often each recipe is the best (*), or within 1 dB of it"
+    yield f"  {'recipe':<14} {'best':>6} {'within 1 dB':>12}"
+    for name, c in s["recipes"].items():
+        yield f"  {name:<14} {c['best']:>6} {c['within_1db']:>12}"
+    yield from textwrap.wrap(f"padded: {BLOCK_RULE}", TABLE_WIDTH)
+
+
+def _table(rows: dict[str, dict], recipes: bool = False) -> Iterator[str]:
+    """The inspect table, TABLE_WIDTH columns at most: a line naming each tensor, then a line per format (per
+    recipe with ``recipes``, the best one starred)."""
+    if recipes:
+        fields = f"{'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11} blocks"
+        head = f"  {'recipe':<14} {fields}"
+    else:
+        fields = f"{'scale':>10} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
+        head = f"  {'fmt':<4} {fields}"
     yield "tensor  shape  dtype  amax"
-    yield f"  {'fmt':<4} {fields}"
-    yield "-" * (7 + len(fields))
+    yield head
+    yield "-" * len(head)
     for key, r in rows.items():
         shape = str(tuple(r["shape"]))
         rest = f"  {shape} {r['dtype']}  " + (f"skipped: {r['skipped']}" if "skipped" in r else f"amax {r['amax']:.4g}")
@@ -239,11 +307,14 @@ def _table(rows: dict[str, dict]) -> Iterator[str]:
             yield _fit(rest)
         if "skipped" in r:
             continue
-        for fmt in ("E4M3", "E5M2"):
+        if recipes:
+            yield from _recipe_lines(r)
+        for fmt in ("E4M3", "E5M2") if not recipes else ():
             f = r[fmt]
             yield (f"  {fmt:<4} {f['scale']:>10.4g} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
                    f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
         notes = [r["note"]] if "note" in r else []
+        notes += list(_recipe_notes(r)) if recipes else []
         if r["nan"] or r["inf"]:
             notes.append(f"{r['nan']} NaN and {r['inf']} inf of {r['elements']} values: the statistics are of the "
                          "finite values")
@@ -261,7 +332,16 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         raise CliError(printable(one_line(e, kind=False))) from None
 
 
+def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe]) -> None:
+    data, _ = _measurable(x, raw_fp8)
+    row["recipes"] = {r.name: measure(data, r) for r in recipes}
+    row["winner"] = winner(row["recipes"])
+
+
 def _inspect(args: argparse.Namespace) -> None:
+    recipes = parse_recipes(args.recipes) if args.recipes is not None else None
+    if recipes and args.scale is not None:
+        raise CliError("--scale: not with --recipes (each recipe makes its own scales)")
     rows: dict[str, dict] = {}
     hists: dict[str, np.ndarray] = {}
     files = list(args.files)
@@ -272,6 +352,8 @@ def _inspect(args: argparse.Namespace) -> None:
                 key = f"{path}:{name}" if len(files) > 1 else name
                 hist = np.zeros(len(_HIST_BINS) - 1, np.int64) if args.plot else None
                 rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale)
+                if recipes and "skipped" not in rows[key]:
+                    _with_recipes(rows[key], x, args.raw_fp8, recipes)
                 if hist is not None and "skipped" not in rows[key]:
                     hists[key] = hist
                 count += 1
@@ -284,10 +366,21 @@ def _inspect(args: argparse.Namespace) -> None:
             raise CliError(f"{path}: holds no tensors")
         progress(i + 1, len(files), "files")
     written = _plot({k: (hists[k], rows[k]) for k in hists}, args.plot) if args.plot and hists else None
+    names = [r.name for r in recipes] if recipes else []
+    measured = {k: r for k, r in rows.items() if "recipes" in r}
+    chart = _plot_recipes(measured, names, args.plot) if recipes and args.plot and measured else None
     if args.json:  # json escapes control characters itself: strict JSON, names intact
-        print(json.dumps(_strict(rows), indent=1, allow_nan=False))
+        out: Any = rows
+        if recipes:
+            out = {"recipes": {r.name: r.what for r in recipes}, "padded": BLOCK_RULE, "tensors": rows,
+                   "summary": summary([r["recipes"] for r in measured.values()], names)}
+        print(json.dumps(_strict(out), indent=1, allow_nan=False))
         return
-    for line in _table(rows):
+    for line in _table(rows, bool(recipes)):
         print(line)
-    if written is not None:
-        print(f"plot written to {printable(str(written))}")
+    if recipes:
+        for line in _summary_lines(summary([r["recipes"] for r in measured.values()], names)):
+            print(line)
+    for what, target in (("plot", written), ("recipe plot", chart)):
+        if target is not None:
+            print(f"{what} written to {printable(str(target))}")

@@ -1,0 +1,280 @@
+"""`fp8core inspect --recipes`: each recipe's figures against a computation made here from the public API and
+NumPy, the winner and the summary on files where they are known, the argument's refusals, strict JSON, the
+plot, and tensors read one at a time."""
+
+from __future__ import annotations
+
+import json
+import math
+import tracemalloc
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8core
+
+ALL = ["e4m3", "e5m2", "mxfp8_rceil", "mxfp8_floor", "block_1x128", "block_128x128"]
+BLOCK = ALL[2:]
+# Per format: the byte of +max (sign bit cleared), max, and max plus half a step (beyond it a value saturates
+# instead of rounding onto max).
+TOP = {"e4m3": (0x7E, 448.0, 464.0), "e5m2": (0x7B, 57344.0, 61440.0)}
+
+
+def inspect(capsys, *args):
+    from fp8core.cli import main
+
+    code = main(["inspect", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def strict_json(text):
+    def refuse(name):
+        raise AssertionError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def roundtrip(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
+    """(fp8 bytes, float64 values) of x through one recipe, whole tensor at a time, by the public API."""
+    if recipe in ("e4m3", "e5m2"):
+        q, scale_inv, _ = fp8core.quantize_dynamic(x, recipe)
+        y = fp8core.dequantize(q, scale_inv)
+    elif recipe.startswith("mxfp8_"):
+        t = fp8core.quantize_mxfp8(x, "e4m3", scale_mode=recipe[6:])
+        q, y = t.data, fp8core.dequantize_mxfp8(t)
+    else:
+        t = fp8core.quantize_blockwise(x, "e4m3", block=recipe[6:])
+        q, y = t.data, fp8core.dequantize_blockwise(t)
+    return np.asarray(q).view(np.uint8), np.asarray(y, np.float64)
+
+
+def expected(x: np.ndarray, recipe: str) -> dict:
+    q, y = roundtrip(x, recipe)
+    v = x.astype(np.float64)
+    code, top, beyond = TOP["e5m2" if recipe == "e5m2" else "e4m3"]
+    nz = v != 0
+    at = (q & 0x7F) == code
+    noise = np.sum((y - v) ** 2)
+    return {
+        "sqnr_db": math.inf if noise == 0 else 10 * math.log10(np.sum(v ** 2) / noise),
+        "underflow": (nz & (y == 0)).sum() / nz.sum(),
+        "clipped": (at & (np.abs(v) > np.abs(y) * beyond / top)).sum() / v.size,
+        "at_max": at.sum() / v.size,
+        "max_rel_error": float(np.max(np.abs(y[nz] - v[nz]) / np.abs(v[nz]))),
+    }
+
+
+def sample(rng) -> np.ndarray:
+    """Ragged in both directions (130 rows, 200 columns: every block recipe has partial blocks), with a row far
+    below the rest (it underflows per tensor) and a row whose MXFP8 floor scale clips."""
+    x = rng.standard_normal((130, 200)).astype(np.float32)
+    x[5] *= 1e-7
+    x[7, :32] = np.linspace(440, 500, 32, dtype=np.float32)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_each_recipe_figures_equal_a_computation_from_the_public_api(tmp_path, capsys, rng, dtype):
+    x = sample(rng).astype(dtype)
+    np.save(tmp_path / "x.npy", x)
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "all", "--json")
+    assert code == 0, err
+    got = strict_json(out)
+    assert list(got["recipes"]) == ALL
+    row = got["tensors"]["x"]
+    assert list(row["recipes"]) == ALL
+    for name in ALL:
+        want, have = expected(x, name), row["recipes"][name]
+        assert have["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9), name
+        for field in ("underflow", "clipped", "at_max", "max_rel_error"):
+            assert have[field] == want[field], (name, field)
+        assert have["lost"] == 0
+        if name in BLOCK:
+            assert have["padded"] is True, name
+    # the crafted rows do what they were made for: the figures compared above are not all zero
+    assert row["recipes"]["e4m3"]["underflow"] > 0 and row["recipes"]["mxfp8_floor"]["clipped"] > 0
+    assert row["recipes"]["mxfp8_rceil"]["clipped"] == 0
+    sqnr = {n: expected(x, n)["sqnr_db"] for n in ALL}
+    assert row["winner"] == max(ALL, key=lambda n: sqnr[n])
+
+
+def test_the_winner_and_the_summary_on_a_file_where_they_are_known(tmp_path, capsys, rng):
+    spread = rng.standard_normal((256, 256)).astype(np.float32)
+    # One outlier, exact in every recipe, alone in its row: a per-tensor scale flushes every other value to 0,
+    # a block scale does not.
+    spread[0] = 0
+    spread[0, 0] = 448 * 2 ** 15
+    exact = np.array([[448, -224, 112, 0, 1.5, -3, 0.5, 1.75],  # exact in every recipe: a tie, the first listed wins
+                      [3, -1.5, 0.75, 0.5, -2, 1, 0.25, 0]], np.float32)
+    np.savez(tmp_path / "m.npz", spread=spread, exact=exact, zeros=np.zeros((4, 64), np.float32))
+    code, out, err = inspect(capsys, tmp_path / "m.npz", "--recipes", "all", "--json")
+    assert code == 0, err
+    got = strict_json(out)
+    rows = got["tensors"]
+    assert rows["spread"]["recipes"]["e4m3"]["underflow"] > 0.99
+    best = rows["spread"]["winner"]
+    assert best in BLOCK
+    assert rows["spread"]["recipes"][best]["sqnr_db"] > rows["spread"]["recipes"]["e4m3"]["sqnr_db"] + 20
+    assert rows["exact"]["winner"] == "e4m3" and all(r["sqnr_db"] == "inf" for r in rows["exact"]["recipes"].values())
+    assert rows["zeros"]["winner"] is None and all(r["sqnr_db"] is None for r in rows["zeros"]["recipes"].values())
+    # the counts, from SQNRs computed here
+    sqnr = {n: expected(spread, n)["sqnr_db"] for n in ALL}
+    top = max(sqnr.values())
+    assert sqnr[best] == pytest.approx(top, rel=1e-9)
+    want = {n: {"best": (n == best) + (n == "e4m3"), "within_1db": (sqnr[n] >= top - 1) + 1} for n in ALL}
+    assert got["summary"] == {"tensors": 2, "recipes": want}
+    code, out, err = inspect(capsys, tmp_path / "m.npz", "--recipes", "all")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert f" *{best}" in lines[lines.index(next(l for l in lines if l.startswith("spread"))) + 1 + ALL.index(best)]
+    assert "over 2 tensor(s) with a signal" in out
+    for n in ALL:
+        assert any(l.split() == [n, str(want[n]["best"]), str(want[n]["within_1db"])] for l in lines), n
+
+
+def test_a_list_selects_recipes_in_its_order(tmp_path, capsys, rng):
+    np.save(tmp_path / "x.npy", rng.standard_normal((4, 64)).astype(np.float32))
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "mxfp8_rceil, e4m3,mxfp8_rceil", "--json")
+    assert code == 0, err
+    got = strict_json(out)
+    assert list(got["recipes"]) == list(got["tensors"]["x"]["recipes"]) == ["mxfp8_rceil", "e4m3"]
+    assert list(got["summary"]["recipes"]) == ["mxfp8_rceil", "e4m3"]
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "e4m3,mxfp8_rceil")
+    rows = [l.split()[0].lstrip("*") for l in out.splitlines() if l.startswith(("  ", " *")) and "%" in l]
+    assert rows == ["e4m3", "mxfp8_rceil"]
+    assert "e5m2" not in out and "block_1x128" not in out and "E4M3" not in out
+
+
+@pytest.mark.parametrize("value,what", [("e4m3,foo", "unknown recipe 'foo'"), ("e4m3,", "an empty name"),
+                                        ("", "an empty name"), ("ALL", "unknown recipe 'ALL'")])
+def test_an_unknown_recipe_is_refused_naming_the_argument_and_the_valid_names(tmp_path, capsys, value, what):
+    np.save(tmp_path / "x.npy", np.ones(4, np.float32))
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", value)
+    assert code == 2 and out == ""
+    assert err.startswith("fp8core: error: --recipes: ") and what in err and len(err.strip().splitlines()) == 1
+    assert all(n in err for n in ALL) and "'all'" in err
+
+
+def test_scale_is_refused_with_recipes(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.ones(4, np.float32))
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "all", "--scale", "2")
+    assert code == 2 and "--scale" in err and "--recipes" in err
+
+
+def test_json_is_strict_and_says_what_is_padded_and_what_is_not_applicable(tmp_path, capsys):
+    nan_block = np.ones((2, 64), np.float32)
+    nan_block[0, 3] = np.nan  # MXFP8 makes its 1x32 block NaN: 31 finite values lost
+    np.savez(tmp_path / "odd.npz", nan_block=nan_block, scalar=np.float32(3.0), zeros=np.zeros((128, 256), np.float32),
+             wide=np.linspace(-1e30, 1e30, 64, dtype=np.float32), empty=np.zeros((0, 32), np.float32))
+    code, out, err = inspect(capsys, tmp_path / "odd.npz", "--recipes", "all", "--json")
+    assert code == 0, err
+    got = strict_json(out)
+    rows = got["tensors"]
+    for mode in ("mxfp8_rceil", "mxfp8_floor"):
+        r = rows["nan_block"]["recipes"][mode]
+        assert r["sqnr_db"] == "-inf" and r["max_rel_error"] == "inf" and r["lost"] == 31 / 127
+    assert rows["nan_block"]["recipes"]["block_1x128"]["sqnr_db"] == "inf"  # its block takes scale 1: 1.0 is exact
+    assert rows["nan_block"]["winner"] == "e4m3"
+    for name in BLOCK:
+        assert rows["scalar"]["recipes"][name] == {"n/a": "a scalar has no blocks"}
+    assert rows["scalar"]["recipes"]["e4m3"]["sqnr_db"] == "inf"
+    padded = {n: rows["zeros"]["recipes"][n]["padded"] for n in BLOCK}
+    assert padded == {"mxfp8_rceil": False, "mxfp8_floor": False, "block_1x128": False, "block_128x128": False}
+    assert {n: rows["nan_block"]["recipes"][n]["padded"] for n in BLOCK} == {
+        "mxfp8_rceil": False, "mxfp8_floor": False, "block_1x128": True, "block_128x128": True}
+    assert rows["empty"]["recipes"]["e4m3"]["sqnr_db"] is None and rows["empty"]["winner"] is None
+    assert "zero-padded" in got["padded"] and "n/a" in got["padded"]
+    code, out, err = inspect(capsys, tmp_path / "odd.npz", "--recipes", "all")
+    assert "n/a: a scalar has no blocks" in out and "came out NaN or inf (mxfp8_rceil 24.41%" in out
+    assert "padded" in out
+
+
+def test_the_plot_draws_sqnr_per_recipe_beside_the_histograms(tmp_path, capsys, rng):
+    pytest.importorskip("matplotlib")
+    np.savez(tmp_path / "m.npz", a=rng.standard_normal((8, 64)).astype(np.float32), s=np.float32(2.0),
+             z=np.zeros(8, np.float32))
+    code, out, err = inspect(capsys, tmp_path / "m.npz", "--recipes", "all", "--plot", tmp_path / "out")
+    assert code == 0, err
+    for name in ("out.png", "out.recipes.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    assert f"plot written to {tmp_path / 'out.png'}" in out
+    assert f"recipe plot written to {tmp_path / 'out.recipes.png'}" in out
+    code, out, err = inspect(capsys, tmp_path / "m.npz", "--plot", tmp_path / "plain.png")  # without: no chart
+    assert code == 0 and not (tmp_path / "plain.recipes.png").exists() and "recipe plot" not in out
+
+
+@pytest.mark.parametrize("recipes", [[], ["--recipes", "all"]])
+def test_inspect_holds_one_tensor_at_a_time(monkeypatch, capsys, recipes):
+    from fp8core.cli import inspect as module
+
+    alive: list[weakref.ref] = []
+
+    def reader(path, max_bytes):
+        for i in range(5):
+            assert all(r() is None for r in alive), f"tensor {i - 1} still held when tensor {i} is read"
+            x = np.full((16, 64), i + 1, np.float32)
+            alive.append(weakref.ref(x))
+            yield f"t{i}", x
+            del x
+
+    monkeypatch.setattr(module, "iter_tensors", reader)
+    code, out, err = inspect(capsys, "any.npz", *recipes, "--json")
+    assert code == 0, err
+    assert len(alive) == 5 and all(r() is None for r in alive)
+
+
+def test_npz_members_are_read_one_at_a_time(tmp_path):
+    from fp8core.cli.files import iter_tensors
+
+    one = 1 << 20  # floats per member: 4 MiB each, 32 MiB in all
+    np.savez(tmp_path / "big.npz", **{f"m{i}": np.full(one, i, np.float32) for i in range(8)})
+    tracemalloc.start()
+    try:
+        seen = 0
+        for name, x in iter_tensors(str(tmp_path / "big.npz")):
+            seen += int(x[0] == int(name[1:]))
+            del x
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == 8
+    assert peak < 1.75 * 4 * one, peak  # one member and the inflate buffers, never the 8 of them (nor one twice)
+
+
+def test_safetensors_tensors_are_read_one_at_a_time(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import safetensors
+    from safetensors.torch import save_file
+
+    from fp8core.cli.files import iter_tensors
+
+    save_file({f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, str(tmp_path / "m.safetensors"))
+    real = safetensors.safe_open
+    reads: list[str] = []
+
+    class Counting:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, k):
+            reads.append(k)
+            return self.f.get_tensor(k)
+
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    for i, (name, x) in enumerate(iter_tensors(str(tmp_path / "m.safetensors"))):
+        assert reads == [f"w{j}" for j in range(i + 1)], reads  # nothing read ahead
+        assert float(x[0, 0]) == i

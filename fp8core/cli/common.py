@@ -1,9 +1,13 @@
 """What the commands share: the one-line error, the progress bar, versions of what is installed, text made safe
-to print."""
+to print, table cells, where a plot lands."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
+
+TABLE_WIDTH = 100  # columns of every table the commands print
 
 
 class CliError(Exception):
@@ -36,3 +40,20 @@ def printable(text: str) -> str:
     """``text`` with every non-printable character (terminal escapes, carriage returns, bidi overrides) written
     as its Python escape: names come from the files, and a terminal would act on them."""
     return text if text.isprintable() else "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def cell(v: Any, spec: str, width: int) -> str:
+    """v right-aligned in width columns by spec; None (no value) as n/a."""
+    if v is None:
+        return f"{'n/a':>{width}}"
+    return f"{v:>{width}{spec}}"
+
+
+def plot_target(out: str) -> Path:
+    """The file matplotlib will write: it adds ".png" to a name without a known image extension."""
+    import matplotlib.pyplot as plt
+
+    p = Path(out)
+    known = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    return p if p.suffix[1:].lower() in known else p.with_name(p.name + ".png")

@@ -17,7 +17,8 @@ from fp8core import Format
 from fp8core.extras import install_hint
 from fp8core.selftest.gpu import one_line
 
-from .common import CliError, printable, progress
+from .common import TABLE_WIDTH, CliError, cell, plot_target, printable, progress
+from .compare import plot_recipes, recipe_lines, recipe_notes, summary_lines
 from .files import iter_tensors
 from .recipes import BLOCK_RULE, Recipe, measure, parse_recipes, summary, winner
 
@@ -162,16 +163,6 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     return row
 
 
-def _plot_target(out: str) -> Path:
-    """The file matplotlib will write: it adds ".png" to a name without a known image extension."""
-    import matplotlib.pyplot as plt
-
-    p = Path(out)
-    known = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
-    return p if p.suffix[1:].lower() in known else p.with_name(p.name + ".png")
-
-
 def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
     try:
         import matplotlib
@@ -180,7 +171,7 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise CliError(f"--plot needs matplotlib ({install_hint('plot')})") from None
-    target = _plot_target(out)
+    target = plot_target(out)
     n = len(stats)
     fig, axes = plt.subplots(n, 1, figsize=(10, 2.6 * n), squeeze=False)
     # Each format's range is its own opaque strip along the top, so no colour is a blend of two and the
@@ -211,77 +202,8 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
     return target
 
 
-def _plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
-    """SQNR per tensor (one row each) per recipe (a marker series each), beside the histograms' file."""
-    import matplotlib.pyplot as plt  # _plot ran first: matplotlib is there, on the Agg backend
-
-    first = _plot_target(out)
-    target = first.with_name(f"{first.stem}.recipes{first.suffix}")
-    keys = list(rows)
-    finite = [s for r in rows.values() for f in r["recipes"].values()
-              if isinstance(s := f.get("sqnr_db"), float) and math.isfinite(s)]
-    top = max(finite, default=0.0) + 5  # exact (inf) results are drawn here, -inf ones at the left edge
-    low = min(finite, default=0.0) - 5
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.28 * len(keys)))
-    ys = np.arange(len(keys))
-    markers = "osD^vP*X"
-    for j, name in enumerate(names):
-        xs = []
-        for k in keys:
-            s = rows[k]["recipes"][name].get("sqnr_db")
-            xs.append(np.nan if s is None else top if s == math.inf else low if s == -math.inf else s)
-        ax.plot(xs, ys, linestyle="none", marker=markers[j % len(markers)], label=name, alpha=0.85)
-    best = [rows[k]["recipes"][rows[k]["winner"]]["sqnr_db"] if rows[k]["winner"] else np.nan for k in keys]
-    best = [top if b == math.inf else low if b == -math.inf else b for b in best]
-    ax.barh(ys, np.nan_to_num(np.array(best, float) - low, nan=0.0), left=low, height=0.8, color="0.9", zorder=0)
-    ax.set_yticks(ys, [printable(k).replace("$", r"\$")[-40:] for k in keys], fontsize=7)
-    ax.invert_yaxis()  # the file's first tensor on top
-    ax.set_xlim(low - 1, top + 1)
-    ax.set_xlabel(f"SQNR dB (grey: the best recipe; exact at {top:.0f}, NaN-poisoned at {low:.0f})")
-    ax.grid(axis="x", linewidth=0.5, alpha=0.5)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="recipe")
-    fig.tight_layout()
-    fig.savefig(target, dpi=90)
-    plt.close(fig)
-    return target
-
-
-def _cell(v: Any, spec: str, width: int) -> str:
-    if v is None:
-        return f"{'n/a':>{width}}"
-    return f"{v:>{width}{spec}}"
-
-
-TABLE_WIDTH = 100
-
-
 def _fit(text: str, width: int = TABLE_WIDTH) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
-
-
-def _recipe_lines(r: dict) -> Iterator[str]:
-    for name, f in r["recipes"].items():
-        mark = "*" if name == r["winner"] else " "
-        if "n/a" in f:
-            yield f" {mark}{name:<14} n/a: {f['n/a']}"
-            continue
-        yield (f" {mark}{name:<14} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} {f['clipped']:>8.2%} "
-               f"{f['at_max']:>8.2%} {f['max_rel_error']:>11.3g} {'padded' if f.get('padded') else ''}".rstrip())
-
-
-def _recipe_notes(r: dict) -> Iterator[str]:
-    lost = [f"{n} {f['lost']:.2%}" for n, f in r["recipes"].items() if f.get("lost")]
-    if lost:
-        yield (f"finite values that came out NaN or inf ({', '.join(lost)}): a NaN in an MXFP8 block makes the "
-               "whole block NaN; SQNR -inf")
-
-
-def _summary_lines(s: dict) -> Iterator[str]:
-    yield f"over {s['tensors']} tensor(s) with a signal: how often each recipe is the best (*), or within 1 dB of it"
-    yield f"  {'recipe':<14} {'best':>6} {'within 1 dB':>12}"
-    for name, c in s["recipes"].items():
-        yield f"  {name:<14} {c['best']:>6} {c['within_1db']:>12}"
-    yield from textwrap.wrap(f"padded: {BLOCK_RULE}", TABLE_WIDTH)
 
 
 def _table(rows: dict[str, dict], recipes: bool = False) -> Iterator[str]:
@@ -308,13 +230,13 @@ def _table(rows: dict[str, dict], recipes: bool = False) -> Iterator[str]:
         if "skipped" in r:
             continue
         if recipes:
-            yield from _recipe_lines(r)
+            yield from recipe_lines(r)
         for fmt in ("E4M3", "E5M2") if not recipes else ():
             f = r[fmt]
-            yield (f"  {fmt:<4} {f['scale']:>10.4g} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
+            yield (f"  {fmt:<4} {f['scale']:>10.4g} {cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
                    f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
         notes = [r["note"]] if "note" in r else []
-        notes += list(_recipe_notes(r)) if recipes else []
+        notes += list(recipe_notes(r)) if recipes else []
         if r["nan"] or r["inf"]:
             notes.append(f"{r['nan']} NaN and {r['inf']} inf of {r['elements']} values: the statistics are of the "
                          "finite values")
@@ -368,7 +290,7 @@ def _inspect(args: argparse.Namespace) -> None:
     written = _plot({k: (hists[k], rows[k]) for k in hists}, args.plot) if args.plot and hists else None
     names = [r.name for r in recipes] if recipes else []
     measured = {k: r for k, r in rows.items() if "recipes" in r}
-    chart = _plot_recipes(measured, names, args.plot) if recipes and args.plot and measured else None
+    chart = plot_recipes(measured, names, args.plot) if recipes and args.plot and measured else None
     if args.json:  # json escapes control characters itself: strict JSON, names intact
         out: Any = rows
         if recipes:
@@ -379,7 +301,7 @@ def _inspect(args: argparse.Namespace) -> None:
     for line in _table(rows, bool(recipes)):
         print(line)
     if recipes:
-        for line in _summary_lines(summary([r["recipes"] for r in measured.values()], names)):
+        for line in summary_lines(summary([r["recipes"] for r in measured.values()], names)):
             print(line)
     for what, target in (("plot", written), ("recipe plot", chart)):
         if target is not None:

@@ -82,7 +82,8 @@ def _chunk_f32(x: np.ndarray, a: int, b: int) -> np.ndarray:
 
 
 def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None = None,
-                 scale: float | None = None) -> dict[str, Any]:
+                 scale: float | None = None,
+                 formats: tuple[Format, ...] = (Format.E4M3, Format.E5M2)) -> dict[str, Any]:
     """How x fares in E4M3 and E5M2 under current scaling with a power-of-2 scale.
 
     Per format: scale (from the amax of the finite values), sqnr_db (over the finite values; inf when exact,
@@ -90,7 +91,8 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     |x * scale| > max before the cast, which saturate), at_max (values that land on +-max, clipped ones
     included), max_rel_error. Fractions are of the finite values. nan and inf count the non-finite inputs.
     ``scale``, when given, replaces the per-format scale. ``hist``, when given, accumulates a histogram of
-    log2|x| over :data:`_HIST_BINS`.
+    log2|x| over :data:`_HIST_BINS`. ``formats``: those measured (none under ``--recipes``, whose rows
+    replace them).
     """
     row: dict[str, Any] = {"shape": list(x.shape), "dtype": str(x.dtype)}
     data, note = _measurable(x, raw_fp8)
@@ -120,7 +122,7 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     row["amax"] = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
     row["elements"], row["nan"], row["inf"] = n, nans, infs
     amax = np.array([finite_amax], np.float32)
-    for fmt in (Format.E4M3, Format.E5M2):
+    for fmt in formats:
         if scale is None:
             scales = fp8core.compute_scale(amax, fmt, power_of_2=True)
         else:
@@ -163,6 +165,15 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     return row
 
 
+def _strip_scale(row: dict, fmt: Format) -> float | None:
+    """The scale a format's range strip is drawn at: the format's own row, or under --recipes its current-scaling
+    recipe's (None where that recipe was not asked for)."""
+    if fmt.name in row:
+        return row[fmt.name]["scale"]
+    recipe = row.get("recipes", {}).get(fmt.value, {})
+    return 1 / recipe["scale_inv"] if "scale_inv" in recipe else None
+
+
 def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
     try:
         import matplotlib
@@ -186,7 +197,9 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
             ax.bar(centers[lo:hi], hist[lo:hi], width=_HIST_BINS[1] - _HIST_BINS[0], color="0.3")
         ax.set_ylim(0, max(1, int(hist.max())) * 1.25)  # headroom: the strips cover no bar
         for fmt, (lo_v, hi_v, color, (y0, y1)) in ranges.items():
-            s = row[fmt.name]["scale"]
+            s = _strip_scale(row, fmt)
+            if s is None:
+                continue
             edges = (math.log2(lo_v / s), math.log2(hi_v / s))
             ax.axvspan(*edges, ymin=y0, ymax=y1, color=color, label=f"{fmt.name} range (scale {s:.4g})")
             for edge in edges:
@@ -273,7 +286,8 @@ def _inspect(args: argparse.Namespace) -> None:
             for name, x in iter_tensors(path, args.max_bytes):
                 key = f"{path}:{name}" if len(files) > 1 else name
                 hist = np.zeros(len(_HIST_BINS) - 1, np.int64) if args.plot else None
-                rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale)
+                formats = () if recipes else (Format.E4M3, Format.E5M2)
+                rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale, formats)
                 if recipes and "skipped" not in rows[key]:
                     _with_recipes(rows[key], x, args.raw_fp8, recipes)
                 if hist is not None and "skipped" not in rows[key]:

@@ -17,7 +17,7 @@ from fp8core import BlockScaledTensor, Format, MXTensor
 
 from .common import CliError
 
-_CHUNK = 1 << 20  # elements per step of the statistics
+_CHUNK = 1 << 18  # elements per step of the statistics: two float64 copies of it stay in cache
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Recipe:
     dequantize_rows: Callable[[Any, int, int], tuple[np.ndarray, np.ndarray]]
     row_step: int = 1
     block: tuple[int, int] | None = None
+    scale_inv: Callable[[Any], float] | None = None
 
 
 def _current(fmt: Format) -> Recipe:
@@ -42,7 +43,7 @@ def _current(fmt: Format) -> Recipe:
         return data[r0:r1], fp8core.dequantize(data[r0:r1], scale_inv)
 
     return Recipe(fmt.value, f"Float8CurrentScaling, Format.{fmt.name}: one scale per tensor from its amax", fmt,
-                  lambda x: fp8core.quantize_dynamic(x, fmt)[:2], rows)
+                  lambda x: fp8core.quantize_dynamic(x, fmt)[:2], rows, scale_inv=lambda q: float(q[1][0]))
 
 
 def _mxfp8(mode: str) -> Recipe:
@@ -103,14 +104,50 @@ def as_rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(1, x.size) if x.ndim <= 1 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+def _chunk_stats(v32: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: int, beyond: float,
+                 work: np.ndarray) -> tuple[list[int], float, float, float]:
+    """([finite, nonzero, underflow, clipped, at_max, lost], signal, noise, max_rel) of one flat chunk: the
+    values, their round trip (float32) and its fp8 bytes. ``work``: float64 [2, >= chunk size], reused from
+    chunk to chunk (fresh memory each time costs more in page faults than the arithmetic)."""
+    top = (codes & 0x7F) == max_code
+    v, d = work[0, :v32.size], work[1, :v32.size]
+    np.copyto(v, v32)
+    np.subtract(y32, v, out=d)
+    signal, noise = float(np.dot(v, v)), float(np.dot(d, d))  # f32 squares cannot overflow float64
+    if math.isfinite(signal) and math.isfinite(noise):  # all finite: nothing to gather through masks
+        at = np.flatnonzero(top)
+        clipped = np.count_nonzero(np.abs(v[at]) > np.abs(y32[at].astype(np.float64)) * beyond)
+        # 0 comes back 0, so the nonzero results are a subset of the nonzero inputs
+        nonzero = np.count_nonzero(v32)
+        counts = [v.size, nonzero, nonzero - np.count_nonzero(y32), clipped, at.size, 0]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d /= v  # 0/0 where x is 0: NaN, which fmax passes over
+        np.abs(d, out=d)
+        max_rel = float(np.fmax.reduce(d)) if d.size else 0.0
+        return counts, signal, noise, 0.0 if math.isnan(max_rel) else max_rel
+    v, y = v32.astype(np.float64), y32.astype(np.float64)
+    fin = np.isfinite(v)
+    bad = fin & ~np.isfinite(y)
+    ok = fin & ~bad
+    nz = ok & (v != 0)
+    top &= ok
+    counts = [fin.sum(), (fin & (v != 0)).sum(), (nz & (y == 0)).sum(),
+              (top & (np.abs(v) > np.abs(y) * beyond)).sum(), top.sum(), bad.sum()]
+    signal, noise = float(np.sum(v[fin] ** 2)), float(np.sum((y[ok] - v[ok]) ** 2))
+    max_rel = float(np.max(np.abs((y[nz] - v[nz]) / v[nz]))) if nz.any() else 0.0
+    return [int(c) for c in counts], signal, noise, max_rel
+
+
 def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
     """How x fares in one recipe, over its finite values (x: any shape; :func:`as_rows` is applied).
 
     sqnr_db: 10 log10(sum x^2 / sum (y - x)^2), inf when exact, None without signal, -inf when a finite value
     came out NaN or inf (an MXFP8 block holding a NaN is NaN throughout: counted in ``lost``). underflow:
     fraction of the nonzero values that become 0. clipped: fraction more than half a step beyond the largest
-    magnitude their block represents (they land on it: saturated, where rounding would have gone higher). at_max: fraction that land on +-max, clipped ones included.
-    max_rel_error: over the nonzero values. padded: a block recipe whose blocks do not tile the shape.
+    magnitude their block represents (they land on it: saturated, where rounding would have gone higher).
+    at_max: fraction that land on +-max, clipped ones included. max_rel_error: over the nonzero values.
+    padded: a block recipe whose blocks do not tile the shape. scale_inv: a per-tensor recipe's one scale
+    inverse.
     """
     if recipe.block is not None and x.ndim == 0:
         return {"n/a": "a scalar has no blocks"}
@@ -122,28 +159,17 @@ def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
     beyond = 1 + (recipe.fmt.max - below_max) / (2 * recipe.fmt.max)
     n_rows, n_cols = rows2d.shape
     step = max(1, _CHUNK // max(n_cols, 1) // recipe.row_step) * recipe.row_step
+    totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
+    work = np.empty((2, min(step, n_rows) * n_cols))
     signal = noise = max_rel = 0.0
-    finite = nonzero = under = clipped = at_max = lost = 0
     for r0 in range(0, n_rows, step):
         r1 = min(r0 + step, n_rows)
         codes, y32 = recipe.dequantize_rows(q, r0, r1)
-        v = rows2d[r0:r1].astype(np.float64)
-        y = np.asarray(y32, np.float64)
-        fin = np.isfinite(v)
-        bad = fin & ~np.isfinite(y)
-        ok = fin & ~bad
-        lost += int(bad.sum())
-        finite += int(fin.sum())
-        signal += float(np.sum(v[fin] ** 2))
-        noise += float(np.sum((y[ok] - v[ok]) ** 2))
-        nz = ok & (v != 0)
-        nonzero += int((fin & (v != 0)).sum())
-        under += int((nz & (y == 0)).sum())
-        top = ok & ((codes.view(np.uint8) & 0x7F) == max_code)
-        at_max += int(top.sum())
-        clipped += int((top & (np.abs(v) > np.abs(y) * beyond)).sum())
-        if nz.any():
-            max_rel = max(max_rel, float(np.max(np.abs((y[nz] - v[nz]) / v[nz]))))
+        counts, s, n, m = _chunk_stats(np.asarray(rows2d[r0:r1], np.float32).ravel(), np.asarray(y32).ravel(),
+                                       np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work)
+        totals += counts
+        signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
+    finite, nonzero, under, clipped, at_max, lost = (int(t) for t in totals)
     if lost:
         sqnr: float | None = -math.inf
         max_rel = math.inf
@@ -159,6 +185,8 @@ def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
         "max_rel_error": max_rel,
         "lost": lost / finite if finite else 0.0,
     }
+    if recipe.scale_inv is not None:
+        row["scale_inv"] = recipe.scale_inv(q)
     if recipe.block is not None:
         row["padded"] = bool(n_cols % recipe.block[1] or (recipe.block[0] > 1 and n_rows % recipe.block[0]))
     return row

@@ -281,3 +281,36 @@ def test_safetensors_tensors_are_read_one_at_a_time(tmp_path, monkeypatch):
     for i, (name, x) in enumerate(iter_tensors(str(tmp_path / "m.safetensors"))):
         assert reads == [f"w{j}" for j in range(i + 1)], reads  # nothing read ahead
         assert float(x[0, 0]) == i
+
+
+def test_a_terminal_sees_which_tensor_is_being_measured_and_a_log_does_not(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    from fp8core.cli import main
+
+    np.savez(tmp_path / "a.npz", first=np.ones((2, 32), np.float32), second=np.ones(3, np.float32))
+    np.save(tmp_path / "b.npy", np.ones(4, np.float32))
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("COLUMNS", "400")
+    for tty in (True, False):
+        err = Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        assert main(["inspect", str(tmp_path / "a.npz"), str(tmp_path / "b.npy"), "--recipes", "e4m3"]) == 0
+        text = err.getvalue()
+        shown = [f"file 1/2, tensor 1: {tmp_path / 'a.npz'}:first (2, 32)", "file 1/2, tensor 2:",
+                 f"file 2/2, tensor 1: {tmp_path / 'b.npy'}:b (4,)"]
+        if tty:
+            assert all(s in text for s in shown) and text.rstrip().endswith("2/2 files") and text.endswith("\n")
+            assert {len(part) for part in text.rstrip("\n").split("\r")[1:]} == {399}  # each overwrites the last
+        else:
+            assert "\r" not in text and "tensor" not in text and text.strip().endswith("2/2 files")
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert main(["inspect", str(tmp_path / "b.npy")]) == 0
+    assert {len(part) for part in sys.stderr.getvalue().rstrip("\n").split("\r")[1:]} == {39}  # cut to the width
+    capsys.readouterr()

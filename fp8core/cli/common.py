@@ -3,6 +3,7 @@ to print, table cells, where a plot lands."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,25 @@ def progress(done: int, total: int, text: str = "") -> None:
     width = 30
     filled = width * done // max(total, 1)
     bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}"
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r{bar}" + ("\n" if done == total else ""))
+    if sys.stderr.isatty():  # one terminal line, padded: it overwrites a longer status line
+        sys.stderr.write("\r" + bar[:_columns()].ljust(_columns()) + ("\n" if done == total else ""))
     elif done == total or done % max(1, total // 10) == 0:
         sys.stderr.write(bar.rstrip() + "\n")
     else:
         return
+    sys.stderr.flush()
+
+
+def _columns() -> int:
+    return max(20, shutil.get_terminal_size().columns - 1)
+
+
+def status(text: str) -> None:
+    """On a terminal, ``text`` (made printable, cut to the width) in place of the bar's line until the bar is
+    redrawn: what a long step is working on. Nothing in a log."""
+    if not sys.stderr.isatty():
+        return
+    sys.stderr.write("\r" + printable(text)[:_columns()].ljust(_columns()))
     sys.stderr.flush()
 
 

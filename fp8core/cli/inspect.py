@@ -17,7 +17,7 @@ from fp8core import Format
 from fp8core.extras import install_hint
 from fp8core.selftest.gpu import one_line
 
-from .common import TABLE_WIDTH, CliError, cell, plot_target, printable, progress
+from .common import TABLE_WIDTH, CliError, cell, plot_target, printable, progress, status
 from .compare import plot_recipes, recipe_lines, recipe_notes, summary_lines
 from .files import iter_tensors
 from .recipes import BLOCK_RULE, Recipe, measure, parse_recipes, summary, winner
@@ -285,6 +285,7 @@ def _inspect(args: argparse.Namespace) -> None:
         try:
             for name, x in iter_tensors(path, args.max_bytes):
                 key = f"{path}:{name}" if len(files) > 1 else name
+                status(f"file {i + 1}/{len(files)}, tensor {count + 1}: {key} {tuple(x.shape)}")
                 hist = np.zeros(len(_HIST_BINS) - 1, np.int64) if args.plot else None
                 formats = () if recipes else (Format.E4M3, Format.E5M2)
                 rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale, formats)

@@ -314,3 +314,23 @@ def test_a_terminal_sees_which_tensor_is_being_measured_and_a_log_does_not(tmp_p
     assert main(["inspect", str(tmp_path / "b.npy")]) == 0
     assert {len(part) for part in sys.stderr.getvalue().rstrip("\n").split("\r")[1:]} == {39}  # cut to the width
     capsys.readouterr()
+
+
+def test_data_the_quantizers_do_not_take_is_measured_as_its_float32_values(tmp_path, capsys):
+    big = np.array([1.0, -2.5, 3e300] + [0.5] * 61)  # float64: 3e300 becomes inf in float32, left out as inf
+    np.savez(tmp_path / "odd.npz", ints=np.arange(-64, 64, dtype=np.int32).reshape(2, 64), big=big,
+             fp8=np.linspace(-4, 4, 64).astype(ml_dtypes.float8_e4m3fn), flags=np.array([True, False] * 32),
+             cplx=np.ones(4, np.complex64))
+    code, out, err = inspect(capsys, tmp_path / "odd.npz", "--recipes", "all", "--json")
+    assert code == 0, err
+    rows = strict_json(out)["tensors"]
+    for name, x in (("ints", np.arange(-64, 64, dtype=np.float32).reshape(2, 64)),
+                    ("fp8", np.linspace(-4, 4, 64).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)),
+                    ("flags", np.array([1.0, 0.0] * 32, np.float32))):
+        for recipe in ALL:
+            want = expected(x, recipe)["sqnr_db"]
+            got = rows[name]["recipes"][recipe]["sqnr_db"]
+            assert got == "inf" if want == math.inf else got == pytest.approx(want, rel=1e-9), (name, recipe)
+    assert rows["big"]["inf"] == 1 and all(r["lost"] == 0 for r in rows["big"]["recipes"].values())
+    assert "recipes" not in rows["cplx"] and "skipped" in rows["cplx"]
+    assert strict_json(out)["summary"]["tensors"] == 4

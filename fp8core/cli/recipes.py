@@ -112,7 +112,8 @@ def _chunk_stats(v32: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: 
     top = (codes & 0x7F) == max_code
     v, d = work[0, :v32.size], work[1, :v32.size]
     np.copyto(v, v32)
-    np.subtract(y32, v, out=d)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, and the masked path below takes over
+        np.subtract(y32, v, out=d)
     signal, noise = float(np.dot(v, v)), float(np.dot(d, d))  # f32 squares cannot overflow float64
     if math.isfinite(signal) and math.isfinite(noise):  # all finite: nothing to gather through masks
         at = np.flatnonzero(top)

@@ -334,3 +334,10 @@ def test_data_the_quantizers_do_not_take_is_measured_as_its_float32_values(tmp_p
     assert rows["big"]["inf"] == 1 and all(r["lost"] == 0 for r in rows["big"]["recipes"].values())
     assert "recipes" not in rows["cplx"] and "skipped" in rows["cplx"]
     assert strict_json(out)["summary"]["tensors"] == 4
+
+
+def test_the_help_names_every_recipe():
+    from fp8core.cli import parser
+
+    text = parser()._subparsers._group_actions[0].choices["inspect"].format_help()
+    assert "--recipes" in text and all(n in " ".join(text.split()) for n in ALL)

@@ -12,6 +12,8 @@ import numpy as np
 from .common import TABLE_WIDTH, cell, plot_target, printable
 from .recipes import BLOCK_RULE
 
+_LABELLED = 200  # tensors named on the SQNR chart's axis, at most
+
 
 def recipe_lines(r: dict) -> Iterator[str]:
     """A line per recipe of one tensor's row (``r["recipes"]``), the winner starred."""
@@ -52,7 +54,10 @@ def plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
               if isinstance(s := f.get("sqnr_db"), float) and math.isfinite(s)]
     top = max(finite, default=0.0) + 5  # exact (inf) results are drawn here, -inf ones at the left edge
     low = min(finite, default=0.0) - 5
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.28 * len(keys)))
+    # Past _LABELLED tensors the picture stops growing (matplotlib refuses images over 2^16 pixels) and every
+    # k-th tensor is named: a large checkpoint reads as a profile down its layers.
+    every = -(-len(keys) // _LABELLED)
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.28 * min(len(keys), _LABELLED)))
     ys = np.arange(len(keys))
     markers = "osD^vP*X"
     for j, name in enumerate(names):
@@ -60,12 +65,13 @@ def plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
         for k in keys:
             s = rows[k]["recipes"][name].get("sqnr_db")
             xs.append(np.nan if s is None else top if s == math.inf else low if s == -math.inf else s)
-        ax.plot(xs, ys, linestyle="none", marker=markers[j % len(markers)], label=name, alpha=0.85)
+        ax.plot(xs, ys, linestyle="none", marker=markers[j % len(markers)], markersize=6 / every ** 0.5, label=name,
+                alpha=0.85)
     best = [rows[k]["recipes"][rows[k]["winner"]]["sqnr_db"] if rows[k]["winner"] else np.nan for k in keys]
     best = [top if b == math.inf else low if b == -math.inf else b for b in best]
     ax.barh(ys, np.nan_to_num(np.array(best, float) - low, nan=0.0), left=low, height=0.8, color="0.9", zorder=0)
-    ax.set_yticks(ys, [printable(k).replace("$", r"\$")[-40:] for k in keys], fontsize=7)
-    ax.invert_yaxis()  # the file's first tensor on top
+    ax.set_yticks(ys[::every], [printable(k).replace("$", r"\$")[-40:] for k in keys[::every]], fontsize=7)
+    ax.set_ylim(len(keys) - 0.5, -0.5)  # the file's first tensor on top
     ax.set_xlim(low - 1, top + 1)
     ax.set_xlabel(f"SQNR dB (grey: the best recipe; exact at {top:.0f}, NaN-poisoned at {low:.0f})")
     ax.grid(axis="x", linewidth=0.5, alpha=0.5)

@@ -242,14 +242,15 @@ def _table(rows: dict[str, dict], recipes: bool = False) -> Iterator[str]:
             yield _fit(rest)
         if "skipped" in r:
             continue
+        notes = [r["note"]] if "note" in r else []
         if recipes:
             yield from recipe_lines(r)
-        for fmt in ("E4M3", "E5M2") if not recipes else ():
-            f = r[fmt]
-            yield (f"  {fmt:<4} {f['scale']:>10.4g} {cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
-                   f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
-        notes = [r["note"]] if "note" in r else []
-        notes += list(recipe_notes(r)) if recipes else []
+            notes += recipe_notes(r)
+        else:
+            for fmt in ("E4M3", "E5M2"):
+                f = r[fmt]
+                yield (f"  {fmt:<4} {f['scale']:>10.4g} {cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
+                       f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
         if r["nan"] or r["inf"]:
             notes.append(f"{r['nan']} NaN and {r['inf']} inf of {r['elements']} values: the statistics are of the "
                          "finite values")

@@ -359,3 +359,26 @@ def test_the_sqnr_chart_of_a_large_checkpoint_stops_growing(tmp_path):
     # at 0.28 in a row, 1000 rows drew 25,000 pixels; past 2,600 matplotlib refuses the image
     small, large, huge = chart(10), chart(200), chart(1000)
     assert small[1] < large[1] == huge[1] < 1 << 16
+
+
+@pytest.mark.parametrize("chunk", [1, 256, 1000])
+def test_the_figures_do_not_depend_on_the_chunks_of_the_statistics(monkeypatch, rng, chunk):
+    from fp8core.cli import recipes
+
+    x = sample(rng)
+    x[9, 40] = np.inf  # one chunk takes the masked path, the others the fast one
+    monkeypatch.setattr(recipes, "_CHUNK", chunk)  # a row (or 128 rows) a chunk, or a few rows
+    for name, recipe in recipes.RECIPES.items():
+        got = recipes.measure(x, recipe)
+        keep = np.isfinite(x)  # the statistics are of the finite values
+        _, y = roundtrip(x, name)
+        lost = keep & ~np.isfinite(y)
+        v = x.astype(np.float64)
+        if lost.any():  # MXFP8: the inf's block comes back NaN
+            assert got["sqnr_db"] == -math.inf and got["lost"] == lost.sum() / keep.sum(), name
+            continue
+        want = 10 * math.log10(np.sum(v[keep] ** 2) / np.sum((y[keep] - v[keep]) ** 2))
+        assert got["sqnr_db"] == pytest.approx(want, rel=1e-9), (name, chunk)
+        nz = keep & (v != 0)
+        assert got["underflow"] == (nz & (y == 0)).sum() / nz.sum(), name
+        assert got["max_rel_error"] == float(np.max(np.abs(y[nz] - v[nz]) / np.abs(v[nz]))), name

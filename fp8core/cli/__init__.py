@@ -22,6 +22,7 @@ from .demo import cmd_demo
 from .files import DEFAULT_MAX_BYTES
 from .info import cmd_info
 from .inspect import RAW_FP8, cmd_inspect
+from .recipes import RECIPES
 
 __all__ = ["main", "parser", "gpu_unavailable_reason"]
 
@@ -34,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="versions, the backend found, the kernel cache, the GPU-verified stamp")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("inspect", help="per tensor: amax and how it fares in E4M3 and E5M2",
+    p = sub.add_parser("inspect", help="per tensor: amax and how it fares in E4M3 and E5M2, or in each recipe",
                        description="Per tensor, under current scaling with a power-of-2 scale from the amax of its "
                        "finite values: SQNR, underflow (nonzero values that become 0), clipped (|x*scale| beyond "
                        "the format's max before the cast: they saturate), at ±max (values that land on ±max, "
@@ -45,13 +46,21 @@ def parser() -> argparse.ArgumentParser:
                    help="machine-readable output, strict JSON: inf and NaN are written as the strings "
                         '"inf", "-inf", "nan"; a SQNR with no signal (an all-zero or empty tensor) is null')
     p.add_argument("--plot", metavar="OUT.png", help="histograms of log2|x| with each format's range "
-                   "(.png is added to a name without an image extension)")
+                   "(.png is added to a name without an image extension); with --recipes also OUT.recipes.png, "
+                   "SQNR per tensor per recipe")
     p.add_argument("--raw-fp8", choices=sorted(RAW_FP8), default="e4m3",
                    help="how to read 1-byte raw (|V1) .npy data, which is how ml_dtypes fp8 arrays are saved "
                         "(default e4m3); 2-byte raw data is read as bfloat16")
     p.add_argument("--scale", type=float, default=None, metavar="S",
                    help="measure with this scale instead of each tensor's own (what a stale delayed-scaling scale "
                         "would do: values beyond max/S are clipped)")
+    p.add_argument("--recipes", metavar="all|LIST", default=None,
+                   help="compare recipes per tensor instead: 'all' or a comma-separated list of "
+                        f"{', '.join(RECIPES)} (Float8CurrentScaling, MXFP8BlockScaling's scale modes, "
+                        "Float8BlockScaling's blocks; one row each, the best SQNR starred, a summary of how often "
+                        "each is within 1 dB of the best; clipped: more than half a step beyond the block's ±max). "
+                        "Block recipes run along the last dimension, partial blocks zero-padded in effect, n/a for "
+                        "a scalar")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
                    help=f"refuse an .npz file whose members would inflate to more than N bytes in all (default "
                         f"{DEFAULT_MAX_BYTES})")

@@ -25,6 +25,7 @@ from .common import CliError, installed_version, printable
 DEFAULT_MAX_BYTES = 1 << 30  # what a compressed .npz may inflate to, all members together; --max-bytes raises it
 MAX_DEPTH = 64  # nesting levels of a .pt checkpoint's containers that are walked
 MAX_ENTRIES = 1_000_000  # container entries walked in a .pt checkpoint
+_READ_STEP = 1 << 20  # bytes inflated per step of an .npz member
 
 
 def _as_numpy(t: Any) -> np.ndarray:
@@ -139,10 +140,16 @@ def _npy_member(f: Any, name: str, declared: int) -> np.ndarray:
     if count * dtype.itemsize > declared:
         raise CliError(f"member {name}: its header claims {count * dtype.itemsize} bytes of data but the member "
                        f"holds {declared}: corrupt or crafted")
-    data = f.read(count * dtype.itemsize)
-    if len(data) != count * dtype.itemsize:
-        raise CliError(f"member {name}: truncated")
-    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    # Inflated straight into the array, a step at a time: one read of the whole member would hold it twice.
+    out = np.empty(count, dtype)
+    raw = memoryview(out.view(np.uint8))
+    at = 0
+    while at < len(raw):
+        got = f.readinto(raw[at:at + _READ_STEP])
+        if not got:
+            raise CliError(f"member {name}: truncated")
+        at += got
+    return out.reshape(shape, order="F" if fortran else "C")
 
 
 def _read_npz(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:

@@ -1,4 +1,5 @@
-"""``fp8core inspect``: per tensor, its amax and how it fares in E4M3 and E5M2, as a table, JSON or a plot."""
+"""``fp8core inspect``: per tensor, its amax and how it fares in E4M3 and E5M2 (or in each recipe of
+``--recipes``), as a table, JSON or a plot."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from fp8core import Format
 from fp8core.extras import install_hint
 from fp8core.selftest.gpu import one_line
 
-from .common import CliError, printable, progress
+from .common import TABLE_WIDTH, CliError, cell, plot_target, printable, progress, status
+from .compare import plot_recipes, recipe_lines, recipe_notes, summary_lines
 from .files import iter_tensors
+from .recipes import BLOCK_RULE, Recipe, measure, parse_recipes, summary, winner
 
 _CHUNK = 1 << 20  # elements per step of the statistics
 RAW_FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
@@ -79,7 +82,8 @@ def _chunk_f32(x: np.ndarray, a: int, b: int) -> np.ndarray:
 
 
 def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None = None,
-                 scale: float | None = None) -> dict[str, Any]:
+                 scale: float | None = None,
+                 formats: tuple[Format, ...] = (Format.E4M3, Format.E5M2)) -> dict[str, Any]:
     """How x fares in E4M3 and E5M2 under current scaling with a power-of-2 scale.
 
     Per format: scale (from the amax of the finite values), sqnr_db (over the finite values; inf when exact,
@@ -87,7 +91,8 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     |x * scale| > max before the cast, which saturate), at_max (values that land on +-max, clipped ones
     included), max_rel_error. Fractions are of the finite values. nan and inf count the non-finite inputs.
     ``scale``, when given, replaces the per-format scale. ``hist``, when given, accumulates a histogram of
-    log2|x| over :data:`_HIST_BINS`.
+    log2|x| over :data:`_HIST_BINS`. ``formats``: those measured (none under ``--recipes``, whose rows
+    replace them).
     """
     row: dict[str, Any] = {"shape": list(x.shape), "dtype": str(x.dtype)}
     data, note = _measurable(x, raw_fp8)
@@ -117,7 +122,7 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     row["amax"] = float(np.array([amax_bits], np.uint32).view(np.float32)[0])
     row["elements"], row["nan"], row["inf"] = n, nans, infs
     amax = np.array([finite_amax], np.float32)
-    for fmt in (Format.E4M3, Format.E5M2):
+    for fmt in formats:
         if scale is None:
             scales = fp8core.compute_scale(amax, fmt, power_of_2=True)
         else:
@@ -160,14 +165,13 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     return row
 
 
-def _plot_target(out: str) -> Path:
-    """The file matplotlib will write: it adds ".png" to a name without a known image extension."""
-    import matplotlib.pyplot as plt
-
-    p = Path(out)
-    known = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
-    return p if p.suffix[1:].lower() in known else p.with_name(p.name + ".png")
+def _strip_scale(row: dict, fmt: Format) -> float | None:
+    """The scale a format's range strip is drawn at: the format's own row, or under --recipes its current-scaling
+    recipe's (None where that recipe was not asked for)."""
+    if fmt.name in row:
+        return row[fmt.name]["scale"]
+    recipe = row.get("recipes", {}).get(fmt.value, {})
+    return 1 / recipe["scale_inv"] if "scale_inv" in recipe else None
 
 
 def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
@@ -178,7 +182,7 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise CliError(f"--plot needs matplotlib ({install_hint('plot')})") from None
-    target = _plot_target(out)
+    target = plot_target(out)
     n = len(stats)
     fig, axes = plt.subplots(n, 1, figsize=(10, 2.6 * n), squeeze=False)
     # Each format's range is its own opaque strip along the top, so no colour is a blend of two and the
@@ -193,7 +197,9 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
             ax.bar(centers[lo:hi], hist[lo:hi], width=_HIST_BINS[1] - _HIST_BINS[0], color="0.3")
         ax.set_ylim(0, max(1, int(hist.max())) * 1.25)  # headroom: the strips cover no bar
         for fmt, (lo_v, hi_v, color, (y0, y1)) in ranges.items():
-            s = row[fmt.name]["scale"]
+            s = _strip_scale(row, fmt)
+            if s is None:
+                continue
             edges = (math.log2(lo_v / s), math.log2(hi_v / s))
             ax.axvspan(*edges, ymin=y0, ymax=y1, color=color, label=f"{fmt.name} range (scale {s:.4g})")
             for edge in edges:
@@ -209,25 +215,22 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
     return target
 
 
-def _cell(v: Any, spec: str, width: int) -> str:
-    if v is None:
-        return f"{'n/a':>{width}}"
-    return f"{v:>{width}{spec}}"
-
-
-TABLE_WIDTH = 100
-
-
 def _fit(text: str, width: int = TABLE_WIDTH) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def _table(rows: dict[str, dict]) -> Iterator[str]:
-    """The inspect table, TABLE_WIDTH columns at most: a line naming each tensor, then a line per format."""
-    fields = f"{'scale':>10} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
+def _table(rows: dict[str, dict], recipes: bool = False) -> Iterator[str]:
+    """The inspect table, TABLE_WIDTH columns at most: a line naming each tensor, then a line per format (per
+    recipe with ``recipes``, the best one starred)."""
+    if recipes:
+        fields = f"{'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11} blocks"
+        head = f"  {'recipe':<14} {fields}"
+    else:
+        fields = f"{'scale':>10} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
+        head = f"  {'fmt':<4} {fields}"
     yield "tensor  shape  dtype  amax"
-    yield f"  {'fmt':<4} {fields}"
-    yield "-" * (7 + len(fields))
+    yield head
+    yield "-" * len(head)
     for key, r in rows.items():
         shape = str(tuple(r["shape"]))
         rest = f"  {shape} {r['dtype']}  " + (f"skipped: {r['skipped']}" if "skipped" in r else f"amax {r['amax']:.4g}")
@@ -239,11 +242,15 @@ def _table(rows: dict[str, dict]) -> Iterator[str]:
             yield _fit(rest)
         if "skipped" in r:
             continue
-        for fmt in ("E4M3", "E5M2"):
-            f = r[fmt]
-            yield (f"  {fmt:<4} {f['scale']:>10.4g} {_cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
-                   f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
         notes = [r["note"]] if "note" in r else []
+        if recipes:
+            yield from recipe_lines(r)
+            notes += recipe_notes(r)
+        else:
+            for fmt in ("E4M3", "E5M2"):
+                f = r[fmt]
+                yield (f"  {fmt:<4} {f['scale']:>10.4g} {cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
+                       f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
         if r["nan"] or r["inf"]:
             notes.append(f"{r['nan']} NaN and {r['inf']} inf of {r['elements']} values: the statistics are of the "
                          "finite values")
@@ -261,7 +268,16 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         raise CliError(printable(one_line(e, kind=False))) from None
 
 
+def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe]) -> None:
+    data, _ = _measurable(x, raw_fp8)
+    row["recipes"] = {r.name: measure(data, r) for r in recipes}
+    row["winner"] = winner(row["recipes"])
+
+
 def _inspect(args: argparse.Namespace) -> None:
+    recipes = parse_recipes(args.recipes) if args.recipes is not None else None
+    if recipes and args.scale is not None:
+        raise CliError("--scale: not with --recipes (each recipe makes its own scales)")
     rows: dict[str, dict] = {}
     hists: dict[str, np.ndarray] = {}
     files = list(args.files)
@@ -270,8 +286,12 @@ def _inspect(args: argparse.Namespace) -> None:
         try:
             for name, x in iter_tensors(path, args.max_bytes):
                 key = f"{path}:{name}" if len(files) > 1 else name
+                status(f"file {i + 1}/{len(files)}, tensor {count + 1}: {key} {tuple(x.shape)}")
                 hist = np.zeros(len(_HIST_BINS) - 1, np.int64) if args.plot else None
-                rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale)
+                formats = () if recipes else (Format.E4M3, Format.E5M2)
+                rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale, formats)
+                if recipes and "skipped" not in rows[key]:
+                    _with_recipes(rows[key], x, args.raw_fp8, recipes)
                 if hist is not None and "skipped" not in rows[key]:
                     hists[key] = hist
                 count += 1
@@ -284,10 +304,21 @@ def _inspect(args: argparse.Namespace) -> None:
             raise CliError(f"{path}: holds no tensors")
         progress(i + 1, len(files), "files")
     written = _plot({k: (hists[k], rows[k]) for k in hists}, args.plot) if args.plot and hists else None
+    names = [r.name for r in recipes] if recipes else []
+    measured = {k: r for k, r in rows.items() if "recipes" in r}
+    chart = plot_recipes(measured, names, args.plot) if recipes and args.plot and measured else None
     if args.json:  # json escapes control characters itself: strict JSON, names intact
-        print(json.dumps(_strict(rows), indent=1, allow_nan=False))
+        out: Any = rows
+        if recipes:
+            out = {"recipes": {r.name: r.what for r in recipes}, "padded": BLOCK_RULE, "tensors": rows,
+                   "summary": summary([r["recipes"] for r in measured.values()], names)}
+        print(json.dumps(_strict(out), indent=1, allow_nan=False))
         return
-    for line in _table(rows):
+    for line in _table(rows, bool(recipes)):
         print(line)
-    if written is not None:
-        print(f"plot written to {printable(str(written))}")
+    if recipes:
+        for line in summary_lines(summary([r["recipes"] for r in measured.values()], names)):
+            print(line)
+    for what, target in (("plot", written), ("recipe plot", chart)):
+        if target is not None:
+            print(f"{what} written to {printable(str(target))}")

@@ -1,0 +1,97 @@
+"""``fp8core inspect --recipes all`` on a generated bf16 .safetensors checkpoint: wall time and GB/s of the file,
+the peak resident memory of the inspect process against its largest tensor, and each recipe's GB/s on one tensor (its
+quantize, dequantize and statistics together, as inspect runs them).
+
+Issue 26's bar: a 1 GiB bf16 file through all recipes on the CPU in under a minute on 2 cores. The process is
+pinned to ``--cores`` cores (default 2, the bar's machine); the default file is 256 MiB, and the time 1 GiB
+would take at the same rate is printed beside it (``--size-mib 1024`` measures it).
+Usage: python bench/bench_inspect.py [--size-mib 256] [--cores 2] [--repeat 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fp8core.cli.recipes import RECIPES, measure
+
+_TENSOR = (4096, 4096)  # 32 MiB in bf16: a 7B model's attention projection
+
+
+def write_checkpoint(path: Path, size_mib: int) -> tuple[int, int]:
+    """A bf16 checkpoint of about size_mib MiB: (bytes of tensor data, bytes of the largest tensor)."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    per = _TENSOR[0] * _TENSOR[1] * 2
+    count = max(1, size_mib * (1 << 20) // per)
+    rows = max(1, size_mib * (1 << 20) // (_TENSOR[1] * 2)) if count == 1 else _TENSOR[0]
+    tensors = {}
+    for i in range(count):
+        scale = 10.0 ** (i % 7 - 3)  # layers whose magnitudes differ, as a checkpoint's do
+        tensors[f"layers.{i}.weight"] = (torch.randn(rows, _TENSOR[1], generator=g) * scale).to(torch.bfloat16)
+    save_file(tensors, str(path))
+    return count * rows * _TENSOR[1] * 2, rows * _TENSOR[1] * 2
+
+
+def main_bench() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--cores", type=int, default=2, help="cores the run is pinned to (0: all)")
+    ap.add_argument("--repeat", type=int, default=3, help="repeats of the per-recipe timings (median)")
+    ap.add_argument("--json", metavar="OUT")
+    args = ap.parse_args()
+    if args.cores:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])  # the child inherits it
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "checkpoint.safetensors"
+        data_bytes, largest = write_checkpoint(path, args.size_mib)
+        # In a child: its peak RSS is inspect's alone, not the generator's (RUSAGE_CHILDREN holds the largest).
+        t = time.perf_counter()
+        run = subprocess.run([sys.executable, "-m", "fp8core", "inspect", str(path), "--recipes", "all", "--json"],
+                             capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        assert run.returncode == 0, run.stderr
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        rows = json.loads(run.stdout)["tensors"]
+    import ml_dtypes
+
+    x = (np.random.default_rng(0).standard_normal(_TENSOR) * 0.02).astype(ml_dtypes.bfloat16)
+    per_recipe = {}
+    for name, recipe in RECIPES.items():
+        times = []
+        for _ in range(args.repeat):
+            s = time.perf_counter()
+            measure(x, recipe)
+            times.append(time.perf_counter() - s)
+        per_recipe[name] = x.nbytes / statistics.median(times) / 1e9
+    result = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, pinned to {len(os.sched_getaffinity(0))}",
+        "file_bytes": data_bytes, "tensors": len(rows),
+        "seconds": wall, "gb_per_s": data_bytes / wall / 1e9, "peak_rss_bytes": peak,
+        "largest_tensor_bytes": largest, "recipe_gb_per_s": per_recipe, "seconds_per_gib": wall * 2**30 / data_bytes,
+    }
+    print(f"{data_bytes / 2**20:.0f} MiB bf16 in {len(rows)} tensors, all {len(RECIPES)} recipes: {wall:.1f} s "
+          f"({result['gb_per_s']:.3f} GB/s of file, the interpreter's start included); peak RSS "
+          f"{peak / 2**20:.0f} MiB (largest tensor {largest / 2**20:.0f} MiB); 1 GiB at this rate: "
+          f"{result['seconds_per_gib']:.0f} s; {result['machine']}")
+    for name, gbs in per_recipe.items():
+        print(f"  {name:<14} {gbs:.3f} GB/s of bf16 input (quantize + dequantize + statistics)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main_bench()

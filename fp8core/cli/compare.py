@@ -1,0 +1,82 @@
+"""How ``fp8core inspect --recipes`` shows its comparison: a tensor's recipe rows, the summary, the SQNR chart."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .common import TABLE_WIDTH, cell, plot_target, printable
+from .recipes import BLOCK_RULE
+
+_LABELLED = 200  # tensors named on the SQNR chart's axis, at most
+
+
+def recipe_lines(r: dict) -> Iterator[str]:
+    """A line per recipe of one tensor's row (``r["recipes"]``), the winner starred."""
+    for name, f in r["recipes"].items():
+        mark = "*" if name == r["winner"] else " "
+        if "n/a" in f:
+            yield f" {mark}{name:<14} n/a: {f['n/a']}"
+            continue
+        yield (f" {mark}{name:<14} {cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} {f['clipped']:>8.2%} "
+               f"{f['at_max']:>8.2%} {f['max_rel_error']:>11.3g} {'padded' if f.get('padded') else ''}".rstrip())
+
+
+def recipe_notes(r: dict) -> Iterator[str]:
+    """Notes on one tensor's recipes: the finite values a recipe turned into NaN or inf."""
+    lost = [f"{n} {f['lost']:.2%}" for n, f in r["recipes"].items() if f.get("lost")]
+    if lost:
+        yield (f"finite values that came out NaN or inf ({', '.join(lost)}): a NaN in an MXFP8 block makes the "
+               "whole block NaN; SQNR -inf")
+
+
+def summary_lines(s: dict) -> Iterator[str]:
+    """The summary (:func:`fp8core.cli.recipes.summary`) as a table, then the block rule."""
+    yield f"over {s['tensors']} tensor(s) with a signal: how often each recipe is the best (*), or within 1 dB of it"
+    yield f"  {'recipe':<14} {'best':>6} {'within 1 dB':>12}"
+    for name, c in s["recipes"].items():
+        yield f"  {name:<14} {c['best']:>6} {c['within_1db']:>12}"
+    yield from textwrap.wrap(f"padded: {BLOCK_RULE}", TABLE_WIDTH)
+
+
+def plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
+    """SQNR per tensor (one row each) per recipe (a marker series each), beside the histograms' file."""
+    import matplotlib.pyplot as plt  # the histograms were drawn first: matplotlib is there, on the Agg backend
+
+    first = plot_target(out)
+    target = first.with_name(f"{first.stem}.recipes{first.suffix}")
+    keys = list(rows)
+    finite = [s for r in rows.values() for f in r["recipes"].values()
+              if isinstance(s := f.get("sqnr_db"), float) and math.isfinite(s)]
+    top = max(finite, default=0.0) + 5  # exact (inf) results are drawn here, -inf ones at the left edge
+    low = min(finite, default=0.0) - 5
+    # Past _LABELLED tensors the picture stops growing (matplotlib refuses images over 2^16 pixels) and every
+    # k-th tensor is named: a large checkpoint reads as a profile down its layers.
+    every = -(-len(keys) // _LABELLED)
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.28 * min(len(keys), _LABELLED)))
+    ys = np.arange(len(keys))
+    markers = "osD^vP*X"
+    for j, name in enumerate(names):
+        xs = []
+        for k in keys:
+            s = rows[k]["recipes"][name].get("sqnr_db")
+            xs.append(np.nan if s is None else top if s == math.inf else low if s == -math.inf else s)
+        ax.plot(xs, ys, linestyle="none", marker=markers[j % len(markers)], markersize=6 / every ** 0.5, label=name,
+                alpha=0.85)
+    best = [rows[k]["recipes"][rows[k]["winner"]]["sqnr_db"] if rows[k]["winner"] else np.nan for k in keys]
+    best = [top if b == math.inf else low if b == -math.inf else b for b in best]
+    ax.barh(ys, np.nan_to_num(np.array(best, float) - low, nan=0.0), left=low, height=0.8, color="0.9", zorder=0)
+    ax.set_yticks(ys[::every], [printable(k).replace("$", r"\$")[-40:] for k in keys[::every]], fontsize=7)
+    ax.set_ylim(len(keys) - 0.5, -0.5)  # the file's first tensor on top
+    ax.set_xlim(low - 1, top + 1)
+    ax.set_xlabel(f"SQNR dB (grey: the best recipe; exact at {top:.0f}, NaN-poisoned at {low:.0f})")
+    ax.grid(axis="x", linewidth=0.5, alpha=0.5)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="recipe")
+    fig.tight_layout()
+    fig.savefig(target, dpi=90)
+    plt.close(fig)
+    return target

@@ -1,0 +1,386 @@
+"""`fp8core inspect --recipes`: each recipe's figures against a computation made here from the public API and
+NumPy, the winner and the summary on files where they are known, the argument's refusals, strict JSON, the
+plot, and tensors read one at a time."""
+
+from __future__ import annotations
+
+import json
+import math
+import tracemalloc
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8core
+
+ALL = ["e4m3", "e5m2", "mxfp8_rceil", "mxfp8_floor", "block_1x128", "block_128x128"]
+BLOCK = ALL[2:]
+# Per format: the byte of +max (sign bit cleared), max, and max plus half a step (beyond it a value saturates
+# instead of rounding onto max).
+TOP = {"e4m3": (0x7E, 448.0, 464.0), "e5m2": (0x7B, 57344.0, 61440.0)}
+
+
+def inspect(capsys, *args):
+    from fp8core.cli import main
+
+    code = main(["inspect", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def strict_json(text):
+    def refuse(name):
+        raise AssertionError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def roundtrip(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
+    """(fp8 bytes, float64 values) of x through one recipe, whole tensor at a time, by the public API."""
+    if recipe in ("e4m3", "e5m2"):
+        q, scale_inv, _ = fp8core.quantize_dynamic(x, recipe)
+        y = fp8core.dequantize(q, scale_inv)
+    elif recipe.startswith("mxfp8_"):
+        t = fp8core.quantize_mxfp8(x, "e4m3", scale_mode=recipe[6:])
+        q, y = t.data, fp8core.dequantize_mxfp8(t)
+    else:
+        t = fp8core.quantize_blockwise(x, "e4m3", block=recipe[6:])
+        q, y = t.data, fp8core.dequantize_blockwise(t)
+    return np.asarray(q).view(np.uint8), np.asarray(y, np.float64)
+
+
+def expected(x: np.ndarray, recipe: str) -> dict:
+    q, y = roundtrip(x, recipe)
+    v = x.astype(np.float64)
+    code, top, beyond = TOP["e5m2" if recipe == "e5m2" else "e4m3"]
+    nz = v != 0
+    at = (q & 0x7F) == code
+    noise = np.sum((y - v) ** 2)
+    return {
+        "sqnr_db": math.inf if noise == 0 else 10 * math.log10(np.sum(v ** 2) / noise),
+        "underflow": (nz & (y == 0)).sum() / nz.sum(),
+        "clipped": (at & (np.abs(v) > np.abs(y) * beyond / top)).sum() / v.size,
+        "at_max": at.sum() / v.size,
+        "max_rel_error": float(np.max(np.abs(y[nz] - v[nz]) / np.abs(v[nz]))),
+    }
+
+
+def sample(rng) -> np.ndarray:
+    """Ragged in both directions (130 rows, 200 columns: every block recipe has partial blocks), with a row far
+    below the rest (it underflows per tensor) and a row whose MXFP8 floor scale clips."""
+    x = rng.standard_normal((130, 200)).astype(np.float32)
+    x[5] *= 1e-7
+    x[7, :32] = np.linspace(440, 500, 32, dtype=np.float32)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_each_recipe_figures_equal_a_computation_from_the_public_api(tmp_path, capsys, rng, dtype):
+    x = sample(rng).astype(dtype)
+    np.save(tmp_path / "x.npy", x)
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "all", "--json")
+    assert code == 0, err
+    got = strict_json(out)
+    assert list(got["recipes"]) == ALL
+    row = got["tensors"]["x"]
+    assert list(row["recipes"]) == ALL
+    for name in ALL:
+        want, have = expected(x, name), row["recipes"][name]
+        assert have["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9), name
+        for field in ("underflow", "clipped", "at_max", "max_rel_error"):
+            assert have[field] == want[field], (name, field)
+        assert have["lost"] == 0
+        if name in BLOCK:
+            assert have["padded"] is True and "scale_inv" not in have, name
+        else:
+            assert have["scale_inv"] == float(fp8core.quantize_dynamic(x, name)[1][0]), name
+    assert "E4M3" not in row and "E5M2" not in row  # the recipe rows replace the power-of-2 format rows
+    # the crafted rows do what they were made for: the figures compared above are not all zero
+    assert row["recipes"]["e4m3"]["underflow"] > 0 and row["recipes"]["mxfp8_floor"]["clipped"] > 0
+    assert row["recipes"]["mxfp8_rceil"]["clipped"] == 0
+    sqnr = {n: expected(x, n)["sqnr_db"] for n in ALL}
+    assert row["winner"] == max(ALL, key=lambda n: sqnr[n])
+
+
+def test_the_winner_and_the_summary_on_a_file_where_they_are_known(tmp_path, capsys, rng):
+    spread = rng.standard_normal((256, 256)).astype(np.float32)
+    # One outlier, exact in every recipe, alone in its row: a per-tensor scale flushes every other value to 0,
+    # a block scale does not.
+    spread[0] = 0
+    spread[0, 0] = 448 * 2 ** 15
+    exact = np.array([[448, -224, 112, 0, 1.5, -3, 0.5, 1.75],  # exact in every recipe: a tie, the first listed wins
+                      [3, -1.5, 0.75, 0.5, -2, 1, 0.25, 0]], np.float32)
+    np.savez(tmp_path / "m.npz", spread=spread, exact=exact, zeros=np.zeros((4, 64), np.float32))
+    code, out, err = inspect(capsys, tmp_path / "m.npz", "--recipes", "all", "--json")
+    assert code == 0, err
+    got = strict_json(out)
+    rows = got["tensors"]
+    assert rows["spread"]["recipes"]["e4m3"]["underflow"] > 0.99
+    best = rows["spread"]["winner"]
+    assert best in BLOCK
+    assert rows["spread"]["recipes"][best]["sqnr_db"] > rows["spread"]["recipes"]["e4m3"]["sqnr_db"] + 20
+    assert rows["exact"]["winner"] == "e4m3" and all(r["sqnr_db"] == "inf" for r in rows["exact"]["recipes"].values())
+    assert rows["zeros"]["winner"] is None and all(r["sqnr_db"] is None for r in rows["zeros"]["recipes"].values())
+    # the counts, from SQNRs computed here
+    sqnr = {n: expected(spread, n)["sqnr_db"] for n in ALL}
+    top = max(sqnr.values())
+    assert sqnr[best] == pytest.approx(top, rel=1e-9)
+    want = {n: {"best": (n == best) + (n == "e4m3"), "within_1db": (sqnr[n] >= top - 1) + 1} for n in ALL}
+    assert got["summary"] == {"tensors": 2, "recipes": want}
+    code, out, err = inspect(capsys, tmp_path / "m.npz", "--recipes", "all")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert f" *{best}" in lines[lines.index(next(l for l in lines if l.startswith("spread"))) + 1 + ALL.index(best)]
+    assert "over 2 tensor(s) with a signal" in out
+    for n in ALL:
+        assert any(l.split() == [n, str(want[n]["best"]), str(want[n]["within_1db"])] for l in lines), n
+
+
+def test_a_list_selects_recipes_in_its_order(tmp_path, capsys, rng):
+    np.save(tmp_path / "x.npy", rng.standard_normal((4, 64)).astype(np.float32))
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "mxfp8_rceil, e4m3,mxfp8_rceil", "--json")
+    assert code == 0, err
+    got = strict_json(out)
+    assert list(got["recipes"]) == list(got["tensors"]["x"]["recipes"]) == ["mxfp8_rceil", "e4m3"]
+    assert list(got["summary"]["recipes"]) == ["mxfp8_rceil", "e4m3"]
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "e4m3,mxfp8_rceil")
+    rows = [l.split()[0].lstrip("*") for l in out.splitlines() if l.startswith(("  ", " *")) and "%" in l]
+    assert rows == ["e4m3", "mxfp8_rceil"]
+    assert "e5m2" not in out and "block_1x128" not in out and "E4M3" not in out
+
+
+@pytest.mark.parametrize("value,what", [("e4m3,foo", "unknown recipe 'foo'"), ("e4m3,", "an empty name"),
+                                        ("", "an empty name"), ("ALL", "unknown recipe 'ALL'")])
+def test_an_unknown_recipe_is_refused_naming_the_argument_and_the_valid_names(tmp_path, capsys, value, what):
+    np.save(tmp_path / "x.npy", np.ones(4, np.float32))
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", value)
+    assert code == 2 and out == ""
+    assert err.startswith("fp8core: error: --recipes: ") and what in err and len(err.strip().splitlines()) == 1
+    assert all(n in err for n in ALL) and "'all'" in err
+
+
+def test_scale_is_refused_with_recipes(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.ones(4, np.float32))
+    code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "all", "--scale", "2")
+    assert code == 2 and "--scale" in err and "--recipes" in err
+
+
+def test_json_is_strict_and_says_what_is_padded_and_what_is_not_applicable(tmp_path, capsys):
+    nan_block = np.ones((2, 64), np.float32)
+    nan_block[0, 3] = np.nan  # MXFP8 makes its 1x32 block NaN: 31 finite values lost
+    np.savez(tmp_path / "odd.npz", nan_block=nan_block, scalar=np.float32(3.0), zeros=np.zeros((128, 256), np.float32),
+             wide=np.linspace(-1e30, 1e30, 64, dtype=np.float32), empty=np.zeros((0, 32), np.float32))
+    code, out, err = inspect(capsys, tmp_path / "odd.npz", "--recipes", "all", "--json")
+    assert code == 0, err
+    got = strict_json(out)
+    rows = got["tensors"]
+    for mode in ("mxfp8_rceil", "mxfp8_floor"):
+        r = rows["nan_block"]["recipes"][mode]
+        assert r["sqnr_db"] == "-inf" and r["max_rel_error"] == "inf" and r["lost"] == 31 / 127
+    assert rows["nan_block"]["recipes"]["block_1x128"]["sqnr_db"] == "inf"  # its block takes scale 1: 1.0 is exact
+    assert rows["nan_block"]["winner"] == "e4m3"
+    for name in BLOCK:
+        assert rows["scalar"]["recipes"][name] == {"n/a": "a scalar has no blocks"}
+    assert rows["scalar"]["recipes"]["e4m3"]["sqnr_db"] == "inf"
+    padded = {n: rows["zeros"]["recipes"][n]["padded"] for n in BLOCK}
+    assert padded == {"mxfp8_rceil": False, "mxfp8_floor": False, "block_1x128": False, "block_128x128": False}
+    assert {n: rows["nan_block"]["recipes"][n]["padded"] for n in BLOCK} == {
+        "mxfp8_rceil": False, "mxfp8_floor": False, "block_1x128": True, "block_128x128": True}
+    assert rows["empty"]["recipes"]["e4m3"]["sqnr_db"] is None and rows["empty"]["winner"] is None
+    assert "zero-padded" in got["padded"] and "n/a" in got["padded"]
+    code, out, err = inspect(capsys, tmp_path / "odd.npz", "--recipes", "all")
+    assert "n/a: a scalar has no blocks" in out and "came out NaN or inf (mxfp8_rceil 24.41%" in out
+    assert "padded" in out
+
+
+def test_the_plot_draws_sqnr_per_recipe_beside_the_histograms(tmp_path, capsys, rng):
+    pytest.importorskip("matplotlib")
+    np.savez(tmp_path / "m.npz", a=rng.standard_normal((8, 64)).astype(np.float32), s=np.float32(2.0),
+             z=np.zeros(8, np.float32))
+    code, out, err = inspect(capsys, tmp_path / "m.npz", "--recipes", "all", "--plot", tmp_path / "out")
+    assert code == 0, err
+    for name in ("out.png", "out.recipes.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    assert f"plot written to {tmp_path / 'out.png'}" in out
+    assert f"recipe plot written to {tmp_path / 'out.recipes.png'}" in out
+    code, out, err = inspect(capsys, tmp_path / "m.npz", "--plot", tmp_path / "plain.png")  # without: no chart
+    assert code == 0 and not (tmp_path / "plain.recipes.png").exists() and "recipe plot" not in out
+
+
+@pytest.mark.parametrize("recipes", [[], ["--recipes", "all"]])
+def test_inspect_holds_one_tensor_at_a_time(monkeypatch, capsys, recipes):
+    from fp8core.cli import inspect as module
+
+    alive: list[weakref.ref] = []
+
+    def reader(path, max_bytes):
+        for i in range(5):
+            assert all(r() is None for r in alive), f"tensor {i - 1} still held when tensor {i} is read"
+            x = np.full((16, 64), i + 1, np.float32)
+            alive.append(weakref.ref(x))
+            yield f"t{i}", x
+            del x
+
+    monkeypatch.setattr(module, "iter_tensors", reader)
+    code, out, err = inspect(capsys, "any.npz", *recipes, "--json")
+    assert code == 0, err
+    assert len(alive) == 5 and all(r() is None for r in alive)
+
+
+def test_npz_members_are_read_one_at_a_time(tmp_path):
+    from fp8core.cli.files import iter_tensors
+
+    one = 1 << 20  # floats per member: 4 MiB each, 32 MiB in all
+    np.savez(tmp_path / "big.npz", **{f"m{i}": np.full(one, i, np.float32) for i in range(8)})
+    tracemalloc.start()
+    try:
+        seen = 0
+        for name, x in iter_tensors(str(tmp_path / "big.npz")):
+            seen += int(x[0] == int(name[1:]))
+            del x
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == 8
+    assert peak < 1.75 * 4 * one, peak  # one member and the inflate buffers, never the 8 of them (nor one twice)
+
+
+def test_safetensors_tensors_are_read_one_at_a_time(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import safetensors
+    from safetensors.torch import save_file
+
+    from fp8core.cli.files import iter_tensors
+
+    save_file({f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, str(tmp_path / "m.safetensors"))
+    real = safetensors.safe_open
+    reads: list[str] = []
+
+    class Counting:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, k):
+            reads.append(k)
+            return self.f.get_tensor(k)
+
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    for i, (name, x) in enumerate(iter_tensors(str(tmp_path / "m.safetensors"))):
+        assert reads == [f"w{j}" for j in range(i + 1)], reads  # nothing read ahead
+        assert float(x[0, 0]) == i
+
+
+def test_a_terminal_sees_which_tensor_is_being_measured_and_a_log_does_not(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    from fp8core.cli import main
+
+    np.savez(tmp_path / "a.npz", first=np.ones((2, 32), np.float32), second=np.ones(3, np.float32))
+    np.save(tmp_path / "b.npy", np.ones(4, np.float32))
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("COLUMNS", "400")
+    for tty in (True, False):
+        err = Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        assert main(["inspect", str(tmp_path / "a.npz"), str(tmp_path / "b.npy"), "--recipes", "e4m3"]) == 0
+        text = err.getvalue()
+        shown = [f"file 1/2, tensor 1: {tmp_path / 'a.npz'}:first (2, 32)", "file 1/2, tensor 2:",
+                 f"file 2/2, tensor 1: {tmp_path / 'b.npy'}:b (4,)"]
+        if tty:
+            assert all(s in text for s in shown) and text.rstrip().endswith("2/2 files") and text.endswith("\n")
+            assert {len(part) for part in text.rstrip("\n").split("\r")[1:]} == {399}  # each overwrites the last
+        else:
+            assert "\r" not in text and "tensor" not in text and text.strip().endswith("2/2 files")
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert main(["inspect", str(tmp_path / "b.npy")]) == 0
+    assert {len(part) for part in sys.stderr.getvalue().rstrip("\n").split("\r")[1:]} == {39}  # cut to the width
+    capsys.readouterr()
+
+
+def test_data_the_quantizers_do_not_take_is_measured_as_its_float32_values(tmp_path, capsys):
+    big = np.array([1.0, -2.5, 3e300] + [0.5] * 61)  # float64: 3e300 becomes inf in float32, left out as inf
+    np.savez(tmp_path / "odd.npz", ints=np.arange(-64, 64, dtype=np.int32).reshape(2, 64), big=big,
+             fp8=np.linspace(-4, 4, 64).astype(ml_dtypes.float8_e4m3fn), flags=np.array([True, False] * 32),
+             cplx=np.ones(4, np.complex64))
+    code, out, err = inspect(capsys, tmp_path / "odd.npz", "--recipes", "all", "--json")
+    assert code == 0, err
+    rows = strict_json(out)["tensors"]
+    for name, x in (("ints", np.arange(-64, 64, dtype=np.float32).reshape(2, 64)),
+                    ("fp8", np.linspace(-4, 4, 64).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)),
+                    ("flags", np.array([1.0, 0.0] * 32, np.float32))):
+        for recipe in ALL:
+            want = expected(x, recipe)["sqnr_db"]
+            got = rows[name]["recipes"][recipe]["sqnr_db"]
+            assert got == "inf" if want == math.inf else got == pytest.approx(want, rel=1e-9), (name, recipe)
+    assert rows["big"]["inf"] == 1 and all(r["lost"] == 0 for r in rows["big"]["recipes"].values())
+    assert "recipes" not in rows["cplx"] and "skipped" in rows["cplx"]
+    assert strict_json(out)["summary"]["tensors"] == 4
+
+
+def test_the_help_names_every_recipe():
+    from fp8core.cli import parser
+
+    text = parser()._subparsers._group_actions[0].choices["inspect"].format_help()
+    assert "--recipes" in text and all(n in " ".join(text.split()) for n in ALL)
+
+
+def test_the_sqnr_chart_of_a_large_checkpoint_stops_growing(tmp_path):
+    pytest.importorskip("matplotlib")
+    import struct
+
+    from fp8core.cli.compare import plot_recipes
+
+    def chart(n):
+        rows = {f"layers.{i}.weight": {"recipes": {"e4m3": {"sqnr_db": 30.0 + i % 7}, "block_1x128": {"sqnr_db": 31.0}},
+                                       "winner": "block_1x128"} for i in range(n)}
+        path = plot_recipes(rows, ["e4m3", "block_1x128"], str(tmp_path / f"c{n}.png"))
+        assert path == tmp_path / f"c{n}.recipes.png"
+        return struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR: width, height
+
+    # at 0.28 in a row, 1000 rows drew 25,000 pixels; past 2,600 matplotlib refuses the image
+    small, large, huge = chart(10), chart(200), chart(1000)
+    assert small[1] < large[1] == huge[1] < 1 << 16
+
+
+@pytest.mark.parametrize("chunk", [1, 256, 1000])
+def test_the_figures_do_not_depend_on_the_chunks_of_the_statistics(monkeypatch, rng, chunk):
+    from fp8core.cli import recipes
+
+    x = sample(rng)
+    x[9, 40] = np.inf  # these chunks take the masked path, the others the fast one
+    x[11, 70] = np.nan  # MXFP8 makes its block NaN: lost, SQNR -inf
+    monkeypatch.setattr(recipes, "_CHUNK", chunk)  # a row (or 128 rows) a chunk, or a few rows
+    for name, recipe in recipes.RECIPES.items():
+        got = recipes.measure(x, recipe)
+        keep = np.isfinite(x)  # the statistics are of the finite values
+        _, y = roundtrip(x, name)
+        lost = keep & ~np.isfinite(y)
+        v = x.astype(np.float64)
+        if lost.any():
+            assert name.startswith("mxfp8_")
+            assert got["sqnr_db"] == -math.inf and got["lost"] == lost.sum() / keep.sum(), name
+            continue
+        want = 10 * math.log10(np.sum(v[keep] ** 2) / np.sum((y[keep] - v[keep]) ** 2))
+        assert got["sqnr_db"] == pytest.approx(want, rel=1e-9), (name, chunk)
+        nz = keep & (v != 0)
+        assert got["underflow"] == (nz & (y == 0)).sum() / nz.sum(), name
+        assert got["max_rel_error"] == float(np.max(np.abs(y[nz] - v[nz]) / np.abs(v[nz]))), name

@@ -11,6 +11,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .formats import ENCODINGS
+
 __all__ = ["DLView", "import_dlpack", "Exporter", "DTYPE_CODES", "CPU", "CUDA"]
 
 CPU, CUDA, CUDA_HOST, CUDA_MANAGED = 1, 2, 3, 13
@@ -19,7 +21,7 @@ _READ_ONLY = 1
 # (code, bits) -> logical dtype name
 DTYPE_CODES = {
     (2, 32): "float32", (2, 16): "float16", (2, 64): "float64", (4, 16): "bfloat16",
-    (10, 8): "float8_e4m3fn", (12, 8): "float8_e5m2", (14, 8): "float8_e8m0fnu",
+    (14, 8): "float8_e8m0fnu", **{(row.dlpack_code, 8): row.dtype_name for row in ENCODINGS.values()},
     (0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
     (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64", (6, 8): "bool",
 }

@@ -30,7 +30,7 @@ import numpy as np
 
 from ._dlpack import CPU, CUDA, CUDA_HOST, CUDA_MANAGED, DLView, Exporter, import_dlpack
 from ._views import Tensor, logical_numpy_dtype, storage_dtype
-from .formats import dtype_name
+from .formats import ENCODINGS, dtype_name
 
 __all__ = ["Tensor", "wrap", "export", "export_all", "storage_dtype", "logical_numpy_dtype"]
 
@@ -43,7 +43,7 @@ _CPU = ("cpu", 0)
 _NP_NAMES: dict[int, str] = {
     np.dtype(t).num: np.dtype(t).name
     for t in (np.float32, np.float16, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-              np.uint32, np.uint64, np.bool_, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+              np.uint32, np.uint64, np.bool_, ml_dtypes.bfloat16, *(row.numpy_dtype for row in ENCODINGS.values()))
 }
 
 
@@ -454,8 +454,8 @@ def _to_torch(data: Any, dtype: str, like: Tensor) -> Any:
     if spec is None:
         torch = _torch_module()
         # torch.from_numpy takes none of the ml_dtypes types: a same-size integer view (e8m0: block scales)
-        storage = np.dtype({"bfloat16": np.int16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8,
-                            "float8_e8m0fnu": np.uint8}.get(dtype, dtype))
+        dt = np.dtype(dtype)
+        storage = dt if dt.type.__module__ != "ml_dtypes" else np.dtype(np.int16 if dt.itemsize == 2 else np.uint8)
         spec = _TORCH_OUT[dtype] = (getattr(torch, dtype), storage)
     target, storage = spec
     owner = _torch_owner(data)

@@ -44,10 +44,12 @@ import numpy as np
 
 from .._views import Tensor, storage_dtype
 from ..extras import install_hint
+from ..formats import ENCODINGS
 from .cuda_blocks import layout_for_cublaslt
 from .cuda_call import empty, merge_amax
 
-_CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14, "float8_e4m3fn": 28, "float8_e5m2": 29}
+_CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14,
+           **{row.dtype_name: row.cuda_data_type for row in ENCODINGS.values()}}
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _WORKSPACE_SM90 = 32 << 20  # Hopper and newer pick faster split-K/stream-K kernels with room to spare

@@ -14,18 +14,29 @@ Delayed scaling keeps its state in flax's ``_overwrite_with_gradient`` collectio
 :class:`fp8core.ScalingState`. The backward pass returns the updated state as the "gradient" of these
 variables (this step's amaxes in row 0, MAX-reduced over ``axis_name``, then the batched update of the
 contract), so ``flax.training.train_state.TrainState.apply_gradients`` writes it back. Take gradients inside
-``shard_map`` (every device then holds the same reduced state); call each instance once per step (two calls
-would add their updated states).
+``shard_map`` (every device then holds the same reduced state).
+
+A layer called more than once in a step (weight tying, a shared encoder) updates its state once, from the MAX
+of its calls' amaxes: the state one call over all the calls' inputs would leave. JAX adds the gradients of a
+variable read twice, and the update is not additive (nor is a max of updated scales the scale of the max amax),
+so the calls do not each return an updated state: within one trace, each call hands its amaxes to the call
+before it (:func:`_link`), and the first call, the only one reading the variables, updates. A layer whose
+calls are traced apart (each call under its own ``nn.remat``, or one state broadcast over ``nn.scan``'s
+iterations) has its updated states added by JAX, as flax's own op does with float32 state: wrap the calls
+together (``nn.remat`` around the module calling the layer), or give each iteration its own state
+(``variable_axes={OVERWRITE_WITH_GRADIENT: 0}``).
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
@@ -89,16 +100,55 @@ def _dot_bwd(cfg, res, g):
     qg, qgt, sg, ag = _cast(g, 2, cfg, scale, scale_inv)
     dx = gemm(qg, qk, sg, sk, cfg.lhs_dtype)     # [M, N] · [K, N]ᵀ
     dk = gemm(qxt, qgt, sx, sg, cfg.rhs_dtype)   # [K, M] · [N, M]ᵀ
-    if not isinstance(cfg.recipe, DelayedScaling):  # no state: the placeholders get zero cotangents
-        return dx, dk, jnp.zeros_like(history), jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
-    row0 = jnp.maximum(history[0], jnp.concatenate([ax, ak, ag]))
-    if cfg.axis_name is not None and cfg.recipe.reduce_amax:
-        row0 = reduce_amax(row0, cfg.axis_name)
-    new = update(history.at[0].set(row0), scale, scale_inv, cfg.recipe, _formats(cfg.recipe))
-    return (dx, dk, *new)
+    h = jnp.zeros_like(history)
+    if isinstance(cfg.recipe, DelayedScaling):  # this call's amaxes, for _link to combine and update
+        h = h.at[0].set(jnp.concatenate([ax, ak, ag]))
+    return dx, dk, h, jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
 
 
 _fp8_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+class _Link(NamedTuple):
+    recipe: Any
+    axis_name: Any
+    first: bool  # reads the variables themselves: the call that updates
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _link(history, scale, scale_inv, link):
+    """(the state for this call's GEMMs, the same state for the layer's next call). Backward: this call's
+    amaxes (from its GEMMs' cotangent) MAX the later calls' (from the next call's), handed on as row 0 of
+    the previous call's cotangent, or, in the first call, folded into row 0 and updated."""
+    state = (history, scale, scale_inv)
+    return state, state
+
+
+def _link_fwd(history, scale, scale_inv, link):
+    state = (history, scale, scale_inv)
+    return (state, state), state
+
+
+def _link_bwd(link, state, cts):
+    history, scale, scale_inv = state
+    (mine, _, _), (later, _, _) = cts
+    row = jnp.maximum(mine[0], later[0])  # amaxes are >= 0 (a call that did not run gives 0); NaN propagates
+    if not link.first:
+        return jnp.zeros_like(history).at[0].set(row), jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
+    row0 = jnp.maximum(history[0], row)
+    if link.axis_name is not None and link.recipe.reduce_amax:
+        row0 = reduce_amax(row0, link.axis_name)
+    return update(history.at[0].set(row0), scale, scale_inv, link.recipe, _formats(link.recipe))
+
+
+_link.defvjp(_link_fwd, _link_bwd)
+
+# The layers' state chains within one apply (flax's root scope: one per apply, per trace of a lifted
+# transform), weakly keyed so that nothing outlives the apply: {scope path: (variables read, next call's state)}
+_CHAINS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[tuple[Any, ...], tuple[Any, ...]]]]" = \
+    weakref.WeakKeyDictionary()
+
+_KEYS = ("amax_history", "scale", "scale_inv")
 
 
 def _check_recipe(recipe: Any) -> None:
@@ -136,16 +186,42 @@ def _dtype_name(dtype: Any, arg: str) -> str:
     return name
 
 
+def _precision(precision: Any) -> None:
+    """None or DEFAULT (per operand too): the GEMM is fp8 with float32 accumulation whatever is asked, so a
+    request for more (HIGH, HIGHEST, an algorithm) is refused rather than ignored."""
+    for p in (precision if isinstance(precision, (tuple, list)) else (precision,)):
+        try:
+            ok = p is None or lax.Precision(p) == lax.Precision.DEFAULT
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(f"precision: fp8 GEMMs take None or lax.Precision.DEFAULT (fp8 operands, float32 "
+                             f"accumulation), got {precision!r}; use a plain dot_general where a layer needs more")
+
+
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: dict[str, jax.Array] | None,
-                    recipe: Any, axis_name: Any = None, preferred_element_type: Any = None) -> jax.Array:
+                    recipe: Any, axis_name: Any = None, preferred_element_type: Any = None,
+                    precision: Any = None) -> jax.Array:
     """``lax.dot_general`` without batch dimensions, in fp8 by fp8core's kernels; the functional core of
     :class:`Fp8DotGeneral`. ``state`` (delayed scaling): ``{"amax_history", "scale", "scale_inv"}``; its
-    gradient is its next value. The contracted size K and the rhs free size N must be multiples of 16."""
+    gradient is its next value (a state passed to several calls gets the sum of theirs: JAX adds the gradients
+    of a value used twice; :class:`Fp8DotGeneral` combines its calls by MAX). The contracted size K and the rhs
+    free size N must be multiples of 16; ``precision`` None or ``lax.Precision.DEFAULT``."""
     _check_recipe(recipe)
+    _args.layer_state(state, recipe)
+    if isinstance(recipe, DelayedScaling):
+        linked, _ = _link(*(state[k] for k in _KEYS), _Link(recipe, axis_name, True))
+        state = dict(zip(_KEYS, linked))
+    return _dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type, precision)
+
+
+def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: dict[str, jax.Array] | None,
+                 recipe: Any, axis_name: Any, preferred_element_type: Any, precision: Any) -> jax.Array:
+    """fp8_dot_general over a state already linked (its cotangent is this call's amaxes, see _link)."""
+    _precision(precision)
     for arg, t in (("lhs", lhs), ("rhs", rhs)):
         if len(_args.array(t, arg).shape) == 0:
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
-    _args.layer_state(state, recipe)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
     if k % MULTIPLE or n % MULTIPLE:
         raise ValueError(f"dimension_numbers: the contracted size K = {k} and the rhs free size N = {n} must be "
@@ -162,7 +238,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     if rows % MULTIPLE or rows == 0:  # the wgrad GEMM contracts over the tokens (K > 0): zero rows change
         x = jnp.pad(x, ((0, -rows % MULTIPLE or MULTIPLE), (0, 0)))  # no amax and add nothing
     if isinstance(recipe, DelayedScaling):
-        h, s, si = state["amax_history"], state["scale"], state["scale_inv"]
+        h, s, si = (state[key] for key in _KEYS)
     else:
         h = s = si = jnp.zeros(1, jnp.float32)
     y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname))
@@ -184,29 +260,34 @@ class Fp8DotGeneral(nn.Module):
     axis_name: Any = None
 
     def _scaling_variables(self) -> dict[str, jax.Array] | None:
+        """The state this call's GEMMs use, linked to the layer's previous call in this trace if there was one
+        (see _link): the first call reads the variables and updates them, the later ones hand it their amaxes."""
         _check_recipe(self.recipe)
         if not isinstance(self.recipe, DelayedScaling):
             return None
         L = self.recipe.amax_history_len
-        return {
-            "amax_history": self.variable(OVERWRITE_WITH_GRADIENT, "amax_history",
-                                          lambda: jnp.zeros((L, 3), jnp.float32)).value,
-            "scale": self.variable(OVERWRITE_WITH_GRADIENT, "scale", lambda: jnp.ones(3, jnp.float32)).value,
-            "scale_inv": self.variable(OVERWRITE_WITH_GRADIENT, "scale_inv", lambda: jnp.ones(3, jnp.float32)).value,
-        }
+        inits = {"amax_history": lambda: jnp.zeros((L, 3), jnp.float32), "scale": lambda: jnp.ones(3, jnp.float32),
+                 "scale_inv": lambda: jnp.ones(3, jnp.float32)}
+        read = tuple(self.variable(OVERWRITE_WITH_GRADIENT, k, inits[k]).value for k in _KEYS)
+        chains = _CHAINS.setdefault(self.scope.root, {})
+        previous = chains.get(self.scope.path)
+        first = previous is None or any(a is not b for a, b in zip(previous[0], read))
+        mine, following = _link(*(read if first else previous[1]), _Link(self.recipe, self.axis_name, first))
+        chains[self.scope.path] = (read, following)
+        return dict(zip(_KEYS, mine))
 
     @nn.compact
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                  preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
         if out_sharding is not None:
             raise ValueError("out_sharding: Fp8DotGeneral takes its sharding from shard_map, not out_sharding")
-        return fp8_dot_general(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe, self.axis_name,
-                               preferred_element_type)
+        return _dot_general(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe, self.axis_name,
+                            preferred_element_type, precision)
 
 
 def _einsum_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                 preferred_element_type: Any = None, *, state: Any, recipe: Any, axis_name: Any) -> jax.Array:
-    return fp8_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type)
+    return _dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type, precision)
 
 
 class Fp8Einsum(Fp8DotGeneral):
@@ -218,6 +299,7 @@ class Fp8Einsum(Fp8DotGeneral):
     @nn.compact
     def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,  # type: ignore[override]
                  preferred_element_type: Any = None) -> jax.Array:
+        _precision(precision)
         dot = partial(_einsum_dot, state=self._scaling_variables(), recipe=self.recipe, axis_name=self.axis_name)
         return jnp.einsum(eqn, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type,
                           _dot_general=dot)

@@ -1,0 +1,194 @@
+"""fp8core.jax.Fp8DotGeneral called more than once in a step (weight tying, a shared encoder): the step ends
+with the state one call over all the calls' inputs leaves, bit for bit (the amaxes combined by MAX, the update
+taken once), for 2 and 3 calls, across steps, inside nn.remat and in the body of nn.scan; and the outputs
+are that call's rows. The twin is a model that makes the one call over the concatenated inputs (its
+grad_output the concatenation of the calls' grad_outputs)."""
+
+from functools import partial
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+nn = pytest.importorskip("flax.linen")
+jnp = jax.numpy
+
+import fp8core  # noqa: E402
+import fp8core.jax as fj  # noqa: E402
+from flax.linen import fp8_ops  # noqa: E402
+
+OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
+TOKENS, D_IN, D_OUT = 16, 32, 16
+RECIPES = {"max": fp8core.DelayedScaling(amax_history_len=4, amax_compute_algo="max"),
+           "most_recent": fp8core.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent", margin=1)}
+
+
+def bits(v):
+    return np.asarray(v).view(np.uint32)
+
+
+def assert_same(got, want, what):
+    flat_got, flat_want = jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(want)
+    assert [p for p, _ in flat_got] == [p for p, _ in flat_want], what
+    for (path, g), (_, w) in zip(flat_got, flat_want):
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"{what}: {jax.tree_util.keystr(path)}")
+
+
+class Tied(nn.Module):
+    """One Dense called on each input: its outputs, one per call."""
+    recipe: object
+
+    @nn.compact
+    def __call__(self, xs):
+        d = nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=self.recipe), name="d")
+        return [d(x) for x in xs]
+
+
+class OneCall(nn.Module):
+    """The same Dense (same variables) called once on the inputs concatenated: its output split per input."""
+    recipe: object
+
+    @nn.compact
+    def __call__(self, xs):
+        d = nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=self.recipe), name="d")
+        return jnp.split(d(jnp.concatenate(xs)), len(xs))
+
+
+def data(n, step=0):
+    """n inputs of different amaxes, n grad_outputs of different amaxes (the largest not always the last)."""
+    k = jax.random.split(jax.random.PRNGKey(100 + step), 2 * n)
+    xs = [jax.random.normal(k[i], (TOKENS, D_IN)) * (1 + (i * 7 + step) % n) for i in range(n)]
+    gs = [jax.random.normal(k[n + i], (TOKENS, D_OUT)) * (1 + (i * 5 + step + 1) % n) for i in range(n)]
+    return xs, gs
+
+
+def step(model, variables, xs, gs):
+    """(outputs, the state's gradient: its next value) of sum_i <y_i, g_i>, whose grad_output for call i is g_i."""
+    def loss(v):
+        ys = model.apply(v, xs)
+        return sum(jnp.vdot(y, g) for y, g in zip(ys, gs)), ys
+
+    grads, ys = jax.jit(jax.grad(loss, has_aux=True))(variables)
+    return ys, grads[OWG]
+
+
+@pytest.mark.parametrize("algo", list(RECIPES))
+@pytest.mark.parametrize("n", [2, 3])
+def test_calls_end_the_step_as_one_call_over_all_inputs(n, algo):
+    recipe = RECIPES[algo]
+    xs, _ = data(n)
+    variables = Tied(recipe).init(jax.random.PRNGKey(0), xs)
+    assert jax.tree.structure(variables) == jax.tree.structure(OneCall(recipe).init(jax.random.PRNGKey(0), xs))
+    for s in range(3):  # the later steps start from the state the earlier ones left
+        xs, gs = data(n, s)
+        ys, state = step(Tied(recipe), variables, xs, gs)
+        ys_ref, state_ref = step(OneCall(recipe), variables, xs, gs)
+        assert_same(state, state_ref, f"step {s} state")
+        assert_same(ys, ys_ref, f"step {s} outputs")
+        h = np.asarray(state["d"]["Fp8DotGeneral_0"]["amax_history"])
+        assert (h[-1] > 0).all() and (bits(state["d"]["Fp8DotGeneral_0"]["scale"]) != bits(np.float32(1.0))).all()
+        variables = {**variables, OWG: state}
+
+
+def test_the_issue_example_d_x_plus_d_2x():
+    """y = d(x) + d(2x): scales as one call over [x; 2x] with the grad_output [g; g]."""
+    recipe = RECIPES["max"]
+    x = jax.random.normal(jax.random.PRNGKey(1), (TOKENS, D_IN))
+
+    class Sum(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            d = nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=recipe), name="d")
+            return d(x) + d(2 * x)
+
+    variables = Sum().init(jax.random.PRNGKey(0), x)
+    got = jax.jit(jax.grad(lambda v: Sum().apply(v, x).sum()))(variables)[OWG]
+    _, want = step(OneCall(recipe), variables, [x, 2 * x], [jnp.ones((TOKENS, D_OUT))] * 2)
+    assert_same(got, want, "state")
+    amax = np.asarray(got["d"]["Fp8DotGeneral_0"]["amax_history"])[-1]
+    assert amax[0] == fp8core.amax(np.asarray(2 * x))[0] and amax[2] == 1.0
+
+
+def test_calls_inside_nn_remat():
+    recipe = RECIPES["max"]
+    n = 3
+    xs, gs = data(n)
+    tied = nn.remat(Tied)(recipe)
+    variables = tied.init(jax.random.PRNGKey(0), xs)
+    ys, state = step(tied, variables, xs, gs)
+    ys_ref, state_ref = step(OneCall(recipe), variables, xs, gs)
+    assert_same(state, state_ref, "state")
+    assert_same(ys, ys_ref, "outputs")
+
+
+class Block(nn.Module):
+    """A residual block calling its Dense twice, for nn.scan (carry, None) -> (carry, None)."""
+    recipe: object
+
+    @nn.compact
+    def __call__(self, h, _):
+        d = nn.Dense(D_IN, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=self.recipe), name="d")
+        return h + d(h) + d(h * h), None
+
+
+def test_calls_inside_an_nn_scan_body_each_layer_its_own_state():
+    """nn.scan over 3 layers (parameters and state stacked): each layer's state and the output equal those of
+    the same 3 blocks unrolled, which the tests above check against one call."""
+    recipe, layers = RECIPES["max"], 3
+    x = jax.random.normal(jax.random.PRNGKey(2), (TOKENS, D_IN))
+    scanned = nn.scan(Block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True}, length=layers)(recipe)
+    variables = scanned.init(jax.random.PRNGKey(0), x, None)
+
+    def scan_loss(v):
+        return jnp.sum(jnp.sin(scanned.apply(v, x, None)[0]))
+
+    def unrolled(per_layer):
+        h = x
+        for v in per_layer:
+            h = Block(recipe).apply(v, h, None)[0]
+        return h
+
+    per_layer = [jax.tree.map(lambda a: a[i], variables) for i in range(layers)]
+    got = jax.jit(jax.grad(scan_loss))(variables)[OWG]
+    want = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(unrolled(p)))))(per_layer)
+    for i in range(layers):
+        assert_same(jax.tree.map(lambda a: a[i], got), want[i][OWG], f"layer {i}")
+    np.testing.assert_array_equal(bits(jax.jit(scanned.apply)(variables, x, None)[0]),
+                                  bits(jax.jit(unrolled)(per_layer)))
+
+
+def test_two_layers_keep_their_chains_apart():
+    """Two layers each called twice, interleaved: each state is its own calls' (the chains are per layer)."""
+    recipe = RECIPES["max"]
+    xs, gs = data(2)
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, xs):
+            a = nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=recipe), name="a")
+            b = nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=recipe), name="b")
+            return [a(xs[0]), b(3 * xs[1]), a(xs[1]), b(xs[0])]
+
+    variables = Two().init(jax.random.PRNGKey(0), xs)
+    gs4 = gs + [2 * g for g in gs]
+    _, state = step(Two(), variables, xs, gs4)
+    for name, (ins, outs) in {"a": ([xs[0], xs[1]], [gs4[0], gs4[2]]),
+                              "b": ([3 * xs[1], xs[0]], [gs4[1], gs4[3]])}.items():
+        one = {"params": {"d": variables["params"][name]}, OWG: {"d": variables[OWG][name]}}
+        _, want = step(OneCall(recipe), one, ins, outs)
+        assert_same(state[name], want["d"], name)
+
+
+def test_functional_state_gradient_is_still_the_next_state():
+    """fp8_dot_general with an explicit state, one call: its gradient is ScalingState's next state."""
+    recipe = RECIPES["max"]
+    x = jax.random.normal(jax.random.PRNGKey(5), (TOKENS, D_IN)) * 3
+    w = jax.random.normal(jax.random.PRNGKey(6), (D_IN, D_OUT))
+    state = fj.init_state(recipe)
+    dn = (((1,), (0,)), ((), ()))
+    got = jax.jit(jax.grad(lambda s: fj.fp8_dot_general(x, w, dn, s, recipe).sum()))(state)
+    ref = fp8core.ScalingState(3, recipe, formats=["e4m3", "e4m3", "e5m2"])
+    ref.amax_history[0] = [fp8core.amax(np.asarray(x))[0], fp8core.amax(np.asarray(w))[0], 1.0]
+    ref.update()
+    for key in ("amax_history", "scale", "scale_inv"):
+        np.testing.assert_array_equal(bits(got[key]), bits(getattr(ref, key)), err_msg=key)

@@ -192,3 +192,51 @@ def test_functional_state_gradient_is_still_the_next_state():
     ref.update()
     for key in ("amax_history", "scale", "scale_inv"):
         np.testing.assert_array_equal(bits(got[key]), bits(getattr(ref, key)), err_msg=key)
+
+
+DEFAULTS = [None, jax.lax.Precision.DEFAULT, "default", "fastest", (None, jax.lax.Precision.DEFAULT)]
+REFUSED = [jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST, "highest", "float32", (None, "highest"),
+           jax.lax.DotAlgorithmPreset.BF16_BF16_F32, ("default",), 0, "nonsense"]
+
+
+def _doors(precision, recipe):
+    """precision= through every door: nn.Dense, nn.DenseGeneral, Fp8Einsum, fp8_dot_general."""
+    x = jax.random.normal(jax.random.PRNGKey(7), (TOKENS, D_IN))
+    dot = partial(fj.Fp8DotGeneral, recipe=recipe)
+    out = {}
+    for name, m in (("Dense", nn.Dense(D_OUT, precision=precision, dot_general_cls=dot)),
+                    ("DenseGeneral", nn.DenseGeneral(D_OUT, precision=precision, dot_general_cls=dot))):
+        out[name] = m.apply(m.init(jax.random.PRNGKey(0), x), x)
+
+    class E(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            k = self.param("kernel", nn.initializers.lecun_normal(), (D_IN, D_OUT))
+            return fj.Fp8Einsum(recipe=recipe)("tk,kn->tn", x, k, precision=precision)
+
+    out["Fp8Einsum"] = E().apply(E().init(jax.random.PRNGKey(0), x), x)
+    w = jax.random.normal(jax.random.PRNGKey(8), (D_IN, D_OUT))
+    state = fj.init_state(recipe) if isinstance(recipe, fp8core.DelayedScaling) else None
+    out["fp8_dot_general"] = fj.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state, recipe, precision=precision)
+    return out
+
+
+@pytest.mark.parametrize("recipe", [RECIPES["max"], fp8core.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("precision", DEFAULTS, ids=repr)
+def test_precision_default_is_taken_and_changes_nothing(precision, recipe):
+    assert_same(_doors(precision, recipe), _doors(None, recipe), f"precision={precision!r}")
+
+
+@pytest.mark.parametrize("precision", REFUSED, ids=repr)
+def test_precision_asking_for_more_is_refused_by_name(precision):
+    """The fp8 GEMM cannot honour HIGH/HIGHEST or an algorithm: refused at trace time, never ignored."""
+    x = jax.random.normal(jax.random.PRNGKey(7), (TOKENS, D_IN))
+    dense = nn.Dense(D_OUT, precision=precision, dot_general_cls=fj.Fp8DotGeneral)
+    with pytest.raises(ValueError, match=r"^precision: fp8 GEMMs take None or lax\.Precision\.DEFAULT .* got "):
+        dense.init(jax.random.PRNGKey(0), x)
+    w = jnp.ones((D_IN, D_OUT))
+    with pytest.raises(ValueError, match=r"^precision: "):
+        jax.jit(lambda x, w: fj.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), None,
+                                                fp8core.Float8CurrentScaling(), precision=precision))(x, w)
+    with pytest.raises(ValueError, match=r"^precision: "):
+        fj.Fp8Einsum().init(jax.random.PRNGKey(0), "tk,kn->tn", x, w, precision=precision)

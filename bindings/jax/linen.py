@@ -189,12 +189,13 @@ def _dtype_name(dtype: Any, arg: str) -> str:
 def _precision(precision: Any) -> None:
     """None or DEFAULT (per operand too): the GEMM is fp8 with float32 accumulation whatever is asked, so a
     request for more (HIGH, HIGHEST, an algorithm) is refused rather than ignored."""
-    for p in (precision if isinstance(precision, (tuple, list)) else (precision,)):
+    pair = isinstance(precision, (tuple, list))
+    for p in (precision if pair else (precision,)):
         try:
-            ok = p is None or lax.Precision(p) == lax.Precision.DEFAULT
-        except (ValueError, TypeError):
+            ok = p is None or (isinstance(p, (str, lax.Precision)) and lax.Precision(p) == lax.Precision.DEFAULT)
+        except ValueError:
             ok = False
-        if not ok:
+        if not ok or (pair and len(precision) != 2):
             raise ValueError(f"precision: fp8 GEMMs take None or lax.Precision.DEFAULT (fp8 operands, float32 "
                              f"accumulation), got {precision!r}; use a plain dot_general where a layer needs more")
 
@@ -254,6 +255,8 @@ class Fp8DotGeneral(nn.Module):
     gradients) or E4M3. axis_name: the mesh axis (or axes) of ``shard_map`` over which amaxes are
     MAX-reduced, so every device quantizes with the same scales (needs ``recipe.reduce_amax`` for delayed
     scaling). Shapes: K (contracted) and N (rhs free) multiples of 16; lhs/rhs float32, bfloat16 or float16.
+    precision: None or ``lax.Precision.DEFAULT`` (the GEMM is fp8 with float32 accumulation; a layer asking
+    for HIGH, HIGHEST or a dot algorithm is refused, naming precision).
     """
 
     recipe: Any = DelayedScaling(amax_history_len=1024)

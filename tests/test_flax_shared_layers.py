@@ -240,3 +240,67 @@ def test_precision_asking_for_more_is_refused_by_name(precision):
                                                 fp8core.Float8CurrentScaling(), precision=precision))(x, w)
     with pytest.raises(ValueError, match=r"^precision: "):
         fj.Fp8Einsum().init(jax.random.PRNGKey(0), "tk,kn->tn", x, w, precision=precision)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("interval", [2, 3])
+def test_interval_moves_the_scales_as_scaling_state(interval, n):
+    """recipe.interval > 1: every step's state equals ScalingState's fed the same amaxes (taken outside: the
+    inputs, the kernel, the grad_outputs; MAX over the n calls), bit for bit; interval_step is its
+    steps % interval."""
+    recipe = fp8core.DelayedScaling(amax_history_len=4, amax_compute_algo="max", interval=interval)
+    xs, _ = data(n)
+    variables = Tied(recipe).init(jax.random.PRNGKey(0), xs)
+    st = variables[OWG]["d"]["Fp8DotGeneral_0"]
+    assert set(st) == {"amax_history", "scale", "scale_inv", "interval_step"} and float(st["interval_step"]) == 0
+    ref = fp8core.ScalingState(3, recipe, formats=["e4m3", "e4m3", "e5m2"])
+    moved = 0
+    for s in range(2 * interval + 1):
+        xs, gs = data(n, s)
+        kernel = np.asarray(variables["params"]["d"]["kernel"])
+        _, state = step(Tied(recipe), variables, xs, gs)
+        ref.amax_history[0] = [max(fp8core.amax(np.asarray(v))[0] for v in vs) for vs in (xs, [kernel], gs)]
+        before = ref.scale.copy()
+        ref.update()
+        moved += not np.array_equal(before, ref.scale)
+        got = state["d"]["Fp8DotGeneral_0"]
+        for key in ("amax_history", "scale", "scale_inv"):
+            np.testing.assert_array_equal(bits(got[key]), bits(getattr(ref, key)), err_msg=f"step {s}: {key}")
+        assert float(got["interval_step"]) == ref.steps % interval, s
+        variables = {**variables, OWG: state}
+    assert moved == 3  # steps 0, interval and 2*interval moved the scales (the amaxes differ step to step)
+
+
+def test_interval_without_a_step_count_is_refused_by_name():
+    """fp8_dot_general's explicit state has no step count: interval > 1 is refused at trace time, not ignored."""
+    recipe = fp8core.DelayedScaling(amax_history_len=4, interval=2)
+    x, w = jnp.ones((TOKENS, D_IN)), jnp.ones((D_IN, D_OUT))
+    with pytest.raises(ValueError, match=r"^recipe: fp8_dot_general's state has no step count.* got interval 2"):
+        jax.jit(lambda x, w: fj.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fj.init_state(recipe), recipe))(x, w)
+
+
+def test_next_state_with_interval_takes_the_schedule_or_refuses():
+    """fj.next_state: interval > 1 without update_scale is refused by name; with it, ScalingState's state at
+    steps 0 (the scales move) and 1 (only the history rolls), bit for bit."""
+    recipe = fp8core.DelayedScaling(amax_history_len=4, interval=2)
+    x = jax.random.normal(jax.random.PRNGKey(9), (TOKENS, D_IN)) * 2
+    w = jax.random.normal(jax.random.PRNGKey(10), (D_OUT, D_IN))
+    g = jax.random.normal(jax.random.PRNGKey(11), (TOKENS, D_OUT)) * 5
+
+    def loss(w, state):
+        y, new = fj.dense(x, w, state, recipe)
+        return jnp.vdot(y, g), new
+
+    (_, new), (_, sg) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, fj.init_state(recipe))
+    with pytest.raises(ValueError, match=r"^update_scale: .* recipe interval 2 needs update_scale="):
+        fj.next_state(new, sg, recipe)
+    amaxes = [fp8core.amax(np.asarray(v))[0] for v in (x, w, g)]
+    for steps in (0, 1):
+        ref = fp8core.ScalingState(3, recipe, formats=["e4m3", "e4m3", "e5m2"])
+        ref.steps = steps
+        ref.amax_history[0] = amaxes
+        ref.update()
+        got = fj.next_state(new, sg, recipe, update_scale=steps % recipe.interval == 0)
+        for key in ("amax_history", "scale", "scale_inv"):
+            np.testing.assert_array_equal(bits(got[key]), bits(getattr(ref, key)), err_msg=f"steps {steps}: {key}")
+    assert (bits(ref.scale) == bits(np.float32(1))).all()  # steps 1: the scales stayed

@@ -11,7 +11,7 @@ pass one cast and two GEMMs, all fp8core kernels through ``fp8core.jax`` (CPU an
 
 Delayed scaling keeps its state in flax's ``_overwrite_with_gradient`` collection: ``amax_history`` [L, 3],
 ``scale`` [3] and ``scale_inv`` [3], the columns being lhs (input), rhs (kernel) and grad_output, laid out like
-:class:`fp8core.ScalingState`. The backward pass returns the updated state as the "gradient" of these
+:class:`fp8core.ScalingState` (with ``interval > 1``, ``interval_step`` [], float32: its ``steps % interval``). The backward pass returns the updated state as the "gradient" of these
 variables (this step's amaxes in row 0, MAX-reduced over ``axis_name``, then the batched update of the
 contract), so ``flax.training.train_state.TrainState.apply_gradients`` writes it back. Take gradients inside
 ``shard_map`` (every device then holds the same reduced state).
@@ -115,30 +115,34 @@ class _Link(NamedTuple):
     first: bool  # reads the variables themselves: the call that updates
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _link(history, scale, scale_inv, link):
-    """(the state for this call's GEMMs, the same state for the layer's next call). Backward: this call's
-    amaxes (from its GEMMs' cotangent) MAX the later calls' (from the next call's), handed on as row 0 of
-    the previous call's cotangent, or, in the first call, folded into row 0 and updated."""
-    state = (history, scale, scale_inv)
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _link(state, link):
+    """(the state for this call's GEMMs, the same state for the layer's next call); state: (amax_history,
+    scale, scale_inv) and, with ``interval > 1``, interval_step (ScalingState's steps % interval, float32 []).
+    Backward: this call's amaxes (from its GEMMs' cotangent) MAX the later calls' (from the next call's), handed
+    on as row 0 of the previous call's cotangent, or, in the first call, folded into row 0 and updated."""
     return state, state
 
 
-def _link_fwd(history, scale, scale_inv, link):
-    state = (history, scale, scale_inv)
+def _link_fwd(state, link):
     return (state, state), state
 
 
 def _link_bwd(link, state, cts):
-    history, scale, scale_inv = state
-    (mine, _, _), (later, _, _) = cts
-    row = jnp.maximum(mine[0], later[0])  # amaxes are >= 0 (a call that did not run gives 0); NaN propagates
+    history, scale, scale_inv = state[:3]
+    mine, later = cts
+    row = jnp.maximum(mine[0][0], later[0][0])  # amaxes are >= 0 (a call that did not run gives 0); NaN propagates
     if not link.first:
-        return jnp.zeros_like(history).at[0].set(row), jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
+        return ((jnp.zeros_like(history).at[0].set(row), *(jnp.zeros_like(v) for v in state[1:])),)
     row0 = jnp.maximum(history[0], row)
     if link.axis_name is not None and link.recipe.reduce_amax:
         row0 = reduce_amax(row0, link.axis_name)
-    return update(history.at[0].set(row0), scale, scale_inv, link.recipe, _formats(link.recipe))
+    args = (history.at[0].set(row0), scale, scale_inv, link.recipe, _formats(link.recipe))
+    if len(state) == 3:
+        return (update(*args),)
+    step = state[3]  # ScalingState's schedule: the scales move when steps % interval == 0, the history each step
+    new = lax.cond(step == 0, lambda: update(*args, update_scale=True), lambda: update(*args, update_scale=False))
+    return ((*new, jnp.where(step + 1 == link.recipe.interval, 0.0, step + 1).astype(jnp.float32)),)
 
 
 _link.defvjp(_link_fwd, _link_bwd)
@@ -151,15 +155,23 @@ _CHAINS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[tuple[Any, 
 _KEYS = ("amax_history", "scale", "scale_inv")
 
 
-def _check_recipe(recipe: Any) -> None:
+# interval_step is float32 state (its next value comes back as its gradient, which an int cannot carry):
+# exact up to 2**24
+_MAX_INTERVAL = 2**24
+
+
+def _check_recipe(recipe: Any, functional: bool = False) -> None:
     _args.dense_recipe(recipe)
     if isinstance(recipe, DelayedScaling):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             raise ValueError("recipe: Fp8DotGeneral's functional update takes amax_compute_algo 'max' or "
                              "'most_recent' and no scaling_factor_compute_algo")
-        if recipe.interval != 1:
-            raise ValueError(f"recipe: Fp8DotGeneral updates the scales every step (interval 1), "
-                             f"got interval {recipe.interval}")
+        if functional and recipe.interval != 1:
+            raise ValueError(f"recipe: fp8_dot_general's state has no step count, so it updates the scales every "
+                             f"step (interval 1), got interval {recipe.interval}; Fp8DotGeneral keeps the count")
+        if recipe.interval > _MAX_INTERVAL:
+            raise ValueError(f"recipe: Fp8DotGeneral counts an interval's steps in float32: interval at most "
+                             f"2**24, got {recipe.interval}")
 
 
 def _layout(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
@@ -208,10 +220,10 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     gradient is its next value (a state passed to several calls gets the sum of theirs: JAX adds the gradients
     of a value used twice; :class:`Fp8DotGeneral` combines its calls by MAX). The contracted size K and the rhs
     free size N must be multiples of 16; ``precision`` None or ``lax.Precision.DEFAULT``."""
-    _check_recipe(recipe)
+    _check_recipe(recipe, functional=True)
     _args.layer_state(state, recipe)
     if isinstance(recipe, DelayedScaling):
-        linked, _ = _link(*(state[k] for k in _KEYS), _Link(recipe, axis_name, True))
+        linked, _ = _link(tuple(state[k] for k in _KEYS), _Link(recipe, axis_name, True))
         state = dict(zip(_KEYS, linked))
     return _dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type, precision)
 
@@ -251,7 +263,8 @@ class Fp8DotGeneral(nn.Module):
     matmul in fp8 with fp8core's kernels; call signature of ``lax.dot_general`` (no batch dimensions).
 
     recipe: ``fp8core.DelayedScaling`` (amax_history_len, amax_compute_algo "max"/"most_recent", margin,
-    power_of_2, epsilon; interval 1) or ``fp8core.Float8CurrentScaling``; fp8_format HYBRID (E4M3 forward, E5M2
+    power_of_2, epsilon, interval: the scales move every interval-th step as in ScalingState, counted by an
+    ``interval_step`` variable) or ``fp8core.Float8CurrentScaling``; fp8_format HYBRID (E4M3 forward, E5M2
     gradients) or E4M3. axis_name: the mesh axis (or axes) of ``shard_map`` over which amaxes are
     MAX-reduced, so every device quantizes with the same scales (needs ``recipe.reduce_amax`` for delayed
     scaling). Shapes: K (contracted) and N (rhs free) multiples of 16; lhs/rhs float32, bfloat16 or float16.
@@ -271,13 +284,15 @@ class Fp8DotGeneral(nn.Module):
         L = self.recipe.amax_history_len
         inits = {"amax_history": lambda: jnp.zeros((L, 3), jnp.float32), "scale": lambda: jnp.ones(3, jnp.float32),
                  "scale_inv": lambda: jnp.ones(3, jnp.float32)}
-        read = tuple(self.variable(OVERWRITE_WITH_GRADIENT, k, inits[k]).value for k in _KEYS)
+        keys = _KEYS + (("interval_step",) if self.recipe.interval > 1 else ())  # interval 1: no count to keep
+        inits["interval_step"] = lambda: jnp.zeros((), jnp.float32)
+        read = tuple(self.variable(OVERWRITE_WITH_GRADIENT, k, inits[k]).value for k in keys)
         chains = _CHAINS.setdefault(self.scope.root, {})
         previous = chains.get(self.scope.path)
         first = previous is None or any(a is not b for a, b in zip(previous[0], read))
-        mine, following = _link(*(read if first else previous[1]), _Link(self.recipe, self.axis_name, first))
+        mine, following = _link(read if first else previous[1], _Link(self.recipe, self.axis_name, first))
         chains[self.scope.path] = (read, following)
-        return dict(zip(_KEYS, mine))
+        return dict(zip(keys, mine))
 
     @nn.compact
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,

@@ -218,8 +218,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     """``lax.dot_general`` without batch dimensions, in fp8 by fp8core's kernels; the functional core of
     :class:`Fp8DotGeneral`. ``state`` (delayed scaling): ``{"amax_history", "scale", "scale_inv"}``; its
     gradient is its next value (a state passed to several calls gets the sum of theirs: JAX adds the gradients
-    of a value used twice; :class:`Fp8DotGeneral` combines its calls by MAX). The contracted size K and the rhs
-    free size N must be multiples of 16; ``precision`` None or ``lax.Precision.DEFAULT``."""
+    of a value used twice; :class:`Fp8DotGeneral` combines its calls by MAX). Any K and N: the GEMMs' operands
+    are zero-padded to their multiples of 16 and the results cut back; ``precision`` None or
+    ``lax.Precision.DEFAULT``."""
     _check_recipe(recipe, functional=True)
     _args.layer_state(state, recipe)
     if isinstance(recipe, DelayedScaling):
@@ -236,9 +237,6 @@ def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: 
         if len(_args.array(t, arg).shape) == 0:
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
-    if k % MULTIPLE or n % MULTIPLE:
-        raise ValueError(f"dimension_numbers: the contracted size K = {k} and the rhs free size N = {n} must be "
-                         f"multiples of 16 (the fp8 GEMM's limit)")
     lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
     out = _dtype_name(preferred_element_type if preferred_element_type is not None
                       else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
@@ -248,14 +246,20 @@ def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: 
     x = (lhs if lperm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lperm)).reshape(-1, k)
     w = (rhs if rperm == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rperm)).reshape(k, n)
     rows = x.shape[0]
-    if rows % MULTIPLE or rows == 0:  # the wgrad GEMM contracts over the tokens (K > 0): zero rows change
-        x = jnp.pad(x, ((0, -rows % MULTIPLE or MULTIPLE), (0, 0)))  # no amax and add nothing
+    # Every GEMM dimension (K, N, and the tokens, which the wgrad GEMM contracts over and needs > 0) padded
+    # to the GEMM's multiple of 16 with zeros: they change no amax and add nothing, and the padded outputs
+    # are cut off, so the result is the unpadded definition's
+    pad_rows, pad_k, pad_n = -rows % MULTIPLE or (MULTIPLE if rows == 0 else 0), -k % MULTIPLE, -n % MULTIPLE
+    if pad_rows or pad_k:
+        x = jnp.pad(x, ((0, pad_rows), (0, pad_k)))
+    if pad_k or pad_n:
+        w = jnp.pad(w, ((0, pad_k), (0, pad_n)))
     if isinstance(recipe, DelayedScaling):
         h, s, si = (state[key] for key in _KEYS)
     else:
         h = s = si = jnp.zeros(1, jnp.float32)
     y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname))
-    return y[:rows].reshape(out_shape)
+    return y[:rows, :n].reshape(out_shape)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -267,7 +271,9 @@ class Fp8DotGeneral(nn.Module):
     ``interval_step`` variable) or ``fp8core.Float8CurrentScaling``; fp8_format HYBRID (E4M3 forward, E5M2
     gradients) or E4M3. axis_name: the mesh axis (or axes) of ``shard_map`` over which amaxes are
     MAX-reduced, so every device quantizes with the same scales (needs ``recipe.reduce_amax`` for delayed
-    scaling). Shapes: K (contracted) and N (rhs free) multiples of 16; lhs/rhs float32, bfloat16 or float16.
+    scaling). Shapes: any (``nn.Dense(10)`` too): K (contracted), N (rhs free) and the tokens are zero-padded to
+    the fp8 GEMM's multiples of 16 inside the op, which changes no amax and no result (the padded rows and
+    columns are cut off); lhs/rhs float32, bfloat16 or float16.
     precision: None or ``lax.Precision.DEFAULT`` (the GEMM is fp8 with float32 accumulation; a layer asking
     for HIGH, HIGHEST or a dot algorithm is refused, naming precision).
     """

@@ -304,3 +304,18 @@ def test_next_state_with_interval_takes_the_schedule_or_refuses():
         for key in ("amax_history", "scale", "scale_inv"):
             np.testing.assert_array_equal(bits(got[key]), bits(getattr(ref, key)), err_msg=f"steps {steps}: {key}")
     assert (bits(ref.scale) == bits(np.float32(1))).all()  # steps 1: the scales stayed
+
+
+def test_a_bound_module_traced_again_starts_a_new_chain():
+    """Module.bind keeps one root scope and the same variable arrays across jits: a call in a new trace must
+    not take the previous trace's state (it would be an escaped tracer); outputs equal a fresh apply's."""
+    recipe = RECIPES["max"]
+    xs, gs = data(2)
+    tied = Tied(recipe)
+    variables = tied.init(jax.random.PRNGKey(0), xs)
+    bound = tied.bind(variables)
+    for shape_rows in (TOKENS, 2 * TOKENS, TOKENS):
+        ins = [jnp.tile(x, (shape_rows // TOKENS, 1)) for x in xs]
+        got = jax.jit(lambda ins: bound(ins))(ins)
+        assert_same(got, jax.jit(tied.apply)(variables, ins), f"{shape_rows} rows")
+    assert_same(bound(xs), tied.apply(variables, xs), "eager")

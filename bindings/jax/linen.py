@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
+from flax.core.tracers import current_trace
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 import fp8core
@@ -148,8 +149,9 @@ def _link_bwd(link, state, cts):
 _link.defvjp(_link_fwd, _link_bwd)
 
 # The layers' state chains within one apply (flax's root scope: one per apply, per trace of a lifted
-# transform), weakly keyed so that nothing outlives the apply: {scope path: (variables read, next call's state)}
-_CHAINS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[tuple[Any, ...], tuple[Any, ...]]]]" = \
+# transform), weakly keyed so that nothing outlives the apply: {scope path: ((variables read, trace), next
+# call's state)}
+_CHAINS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[tuple[Any, Any], tuple[Any, ...]]]]" = \
     weakref.WeakKeyDictionary()
 
 _KEYS = ("amax_history", "scale", "scale_inv")
@@ -295,9 +297,12 @@ class Fp8DotGeneral(nn.Module):
         read = tuple(self.variable(OVERWRITE_WITH_GRADIENT, k, inits[k]).value for k in keys)
         chains = _CHAINS.setdefault(self.scope.root, {})
         previous = chains.get(self.scope.path)
-        first = previous is None or any(a is not b for a, b in zip(previous[0], read))
+        # the same variables read in the same trace: a module bound once (Module.bind) reads the same arrays in
+        # every jit it is traced in, and a token of a finished trace must not reach the next one
+        here = (read, current_trace())
+        first = previous is None or previous[0][1] != here[1] or any(a is not b for a, b in zip(previous[0][0], read))
         mine, following = _link(read if first else previous[1], _Link(self.recipe, self.axis_name, first))
-        chains[self.scope.path] = (read, following)
+        chains[self.scope.path] = (here, following)
         return dict(zip(keys, mine))
 
     @nn.compact

@@ -319,3 +319,26 @@ def test_a_bound_module_traced_again_starts_a_new_chain():
         got = jax.jit(lambda ins: bound(ins))(ins)
         assert_same(got, jax.jit(tied.apply)(variables, ins), f"{shape_rows} rows")
     assert_same(bound(xs), tied.apply(variables, xs), "eager")
+
+
+def test_fp8einsum_called_twice_as_one_call():
+    """Fp8Einsum (its dot inside jnp.einsum) chains its calls the same way."""
+    recipe = RECIPES["max"]
+    xs, gs = data(2)
+
+    class Ein(nn.Module):
+        one: bool
+
+        @nn.compact
+        def __call__(self, xs):
+            k = self.param("kernel", nn.initializers.lecun_normal(), (D_IN, D_OUT))
+            e = fj.Fp8Einsum(recipe=recipe, name="e")
+            if self.one:
+                return jnp.split(e("tk,kn->tn", jnp.concatenate(xs), k), len(xs))
+            return [e("tk,kn->tn", x, k) for x in xs]
+
+    variables = Ein(False).init(jax.random.PRNGKey(0), xs)
+    ys, state = step(Ein(False), variables, xs, gs)
+    ys_ref, state_ref = step(Ein(True), variables, xs, gs)
+    assert_same(state, state_ref, "state")
+    assert_same(ys, ys_ref, "outputs")

@@ -342,3 +342,19 @@ def test_fp8einsum_called_twice_as_one_call():
     ys_ref, state_ref = step(Ein(True), variables, xs, gs)
     assert_same(state, state_ref, "state")
     assert_same(ys, ys_ref, "outputs")
+
+
+@pytest.mark.parametrize("key, bad, match", [
+    ("amax_history", jnp.zeros((3, 3)), r"state\['amax_history'\]: expected shape \(4, 3\), got \(3, 3\)"),
+    ("scale", jnp.ones(3, jnp.bfloat16), r"state\['scale'\]: expected float32, got bfloat16"),
+    ("interval_step", jnp.zeros(1), r"state\['interval_step'\]: expected a float32 scalar, got float32 \(1,\)"),
+])
+def test_a_bad_state_in_the_variables_is_refused_by_name(key, bad, match):
+    """A checkpoint whose scaling state does not fit the recipe: refused at trace time, naming the entry."""
+    recipe = fp8core.DelayedScaling(amax_history_len=4, interval=2)
+    xs, _ = data(1)
+    variables = Tied(recipe).init(jax.random.PRNGKey(0), xs)
+    st = dict(variables[OWG]["d"]["Fp8DotGeneral_0"], **{key: bad})
+    variables = {**variables, OWG: {"d": {"Fp8DotGeneral_0": st}}}
+    with pytest.raises((ValueError, TypeError), match=match):
+        jax.jit(Tied(recipe).apply)(variables, xs)

@@ -11,10 +11,11 @@ pass one cast and two GEMMs, all fp8core kernels through ``fp8core.jax`` (CPU an
 
 Delayed scaling keeps its state in flax's ``_overwrite_with_gradient`` collection: ``amax_history`` [L, 3],
 ``scale`` [3] and ``scale_inv`` [3], the columns being lhs (input), rhs (kernel) and grad_output, laid out like
-:class:`fp8core.ScalingState` (with ``interval > 1``, ``interval_step`` [], float32: its ``steps % interval``). The backward pass returns the updated state as the "gradient" of these
-variables (this step's amaxes in row 0, MAX-reduced over ``axis_name``, then the batched update of the
-contract), so ``flax.training.train_state.TrainState.apply_gradients`` writes it back. Take gradients inside
-``shard_map`` (every device then holds the same reduced state).
+:class:`fp8core.ScalingState` (with ``interval > 1``, ``interval_step`` [], float32: its ``steps % interval``).
+The backward pass returns the updated state as the "gradient" of these variables (this step's amaxes in row 0,
+MAX-reduced over ``axis_name``, then the batched update of the contract), so
+``flax.training.train_state.TrainState.apply_gradients`` writes it back. Take gradients inside ``shard_map``
+(every device then holds the same reduced state).
 
 A layer called more than once in a step (weight tying, a shared encoder) updates its state once, from the MAX
 of its calls' amaxes: the state one call over all the calls' inputs would leave. JAX adds the gradients of a
@@ -36,10 +37,10 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 from flax.core.tracers import current_trace
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from jax import lax
 
 import fp8core
 from fp8core import DelayedScaling
@@ -132,7 +133,7 @@ def _link_fwd(state, link):
 def _link_bwd(link, state, cts):
     history, scale, scale_inv = state[:3]
     mine, later = cts
-    row = jnp.maximum(mine[0][0], later[0][0])  # amaxes are >= 0 (a call that did not run gives 0); NaN propagates
+    row = jnp.maximum(mine[0][0], later[0][0])  # amaxes >= 0, and 0 where no later call; NaN propagates
     if not link.first:
         return ((jnp.zeros_like(history).at[0].set(row), *(jnp.zeros_like(v) for v in state[1:])),)
     row0 = jnp.maximum(history[0], row)
@@ -295,12 +296,18 @@ class Fp8DotGeneral(nn.Module):
         keys = _KEYS + (("interval_step",) if self.recipe.interval > 1 else ())  # interval 1: no count to keep
         inits["interval_step"] = lambda: jnp.zeros((), jnp.float32)
         read = tuple(self.variable(OVERWRITE_WITH_GRADIENT, k, inits[k]).value for k in keys)
+        _args.layer_state(dict(zip(keys, read)), self.recipe)
+        if len(read) > 3 and (_args.array(read[3], "state['interval_step']").shape != ()
+                              or jnp.dtype(read[3].dtype) != jnp.float32):
+            raise ValueError(f"state['interval_step']: expected a float32 scalar, got {jnp.dtype(read[3].dtype).name} "
+                             f"{tuple(read[3].shape)}")
         chains = _CHAINS.setdefault(self.scope.root, {})
         previous = chains.get(self.scope.path)
         # the same variables read in the same trace: a module bound once (Module.bind) reads the same arrays in
         # every jit it is traced in, and a token of a finished trace must not reach the next one
         here = (read, current_trace())
-        first = previous is None or previous[0][1] != here[1] or any(a is not b for a, b in zip(previous[0][0], read))
+        first = (previous is None or previous[0][1] != here[1]
+                 or any(a is not b for a, b in zip(previous[0][0], read)))
         mine, following = _link(read if first else previous[1], _Link(self.recipe, self.axis_name, first))
         chains[self.scope.path] = (here, following)
         return dict(zip(keys, mine))

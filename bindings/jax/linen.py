@@ -150,10 +150,18 @@ def _link_bwd(link, state, cts):
 _link.defvjp(_link_fwd, _link_bwd)
 
 # The layers' state chains within one apply (flax's root scope: one per apply, per trace of a lifted
-# transform), weakly keyed so that nothing outlives the apply: {scope path: ((variables read, trace), next
-# call's state)}
-_CHAINS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[tuple[Any, Any], tuple[Any, ...]]]]" = \
-    weakref.WeakKeyDictionary()
+# transform), by the root's identity (a Scope's hash and equality follow its variables) and dropped with it:
+# {id(root): (weakref to root, {scope path: ((variables read, trace), next call's state)})}
+_CHAINS: dict[int, tuple[Any, dict[tuple[str, ...], Any]]] = {}
+
+
+def _chains(root: Any) -> dict[tuple[str, ...], Any]:
+    entry = _CHAINS.get(id(root))
+    if entry is None or entry[0]() is not root:
+        entry = _CHAINS[id(root)] = (weakref.ref(root), {})
+        weakref.finalize(root, _CHAINS.pop, id(root), None)
+    return entry[1]
+
 
 _KEYS = ("amax_history", "scale", "scale_inv")
 
@@ -301,7 +309,7 @@ class Fp8DotGeneral(nn.Module):
                               or jnp.dtype(read[3].dtype) != jnp.float32):
             raise ValueError(f"state['interval_step']: expected a float32 scalar, got {jnp.dtype(read[3].dtype).name} "
                              f"{tuple(read[3].shape)}")
-        chains = _CHAINS.setdefault(self.scope.root, {})
+        chains = _chains(self.scope.root)
         previous = chains.get(self.scope.path)
         # the same variables read in the same trace: a module bound once (Module.bind) reads the same arrays in
         # every jit it is traced in, and a token of a finished trace must not reach the next one

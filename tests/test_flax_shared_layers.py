@@ -47,10 +47,11 @@ class Tied(nn.Module):
 class OneCall(nn.Module):
     """The same Dense (same variables) called once on the inputs concatenated: its output split per input."""
     recipe: object
+    features: int = D_OUT
 
     @nn.compact
     def __call__(self, xs):
-        d = nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=self.recipe), name="d")
+        d = nn.Dense(self.features, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=self.recipe), name="d")
         return jnp.split(d(jnp.concatenate(xs)), len(xs))
 
 
@@ -132,8 +133,9 @@ class Block(nn.Module):
 
 
 def test_calls_inside_an_nn_scan_body_each_layer_its_own_state():
-    """nn.scan over 3 layers (parameters and state stacked): each layer's state and the output equal those of
-    the same 3 blocks unrolled, which the tests above check against one call."""
+    """nn.scan over 3 layers (parameters and state stacked), each calling its Dense twice: each layer's state
+    and the output equal those of the same 3 blocks unrolled, and layer 0's state that of one call over both
+    of its calls' inputs."""
     recipe, layers = RECIPES["max"], 3
     x = jax.random.normal(jax.random.PRNGKey(2), (TOKENS, D_IN))
     scanned = nn.scan(Block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True}, length=layers)(recipe)
@@ -155,6 +157,18 @@ def test_calls_inside_an_nn_scan_body_each_layer_its_own_state():
         assert_same(jax.tree.map(lambda a: a[i], got), want[i][OWG], f"layer {i}")
     np.testing.assert_array_equal(bits(jax.jit(scanned.apply)(variables, x, None)[0]),
                                   bits(jax.jit(unrolled)(per_layer)))
+    # and layer 0's two calls, d(x) and d(x*x), both fed the grad_output of the layers above: one call
+    h1 = Block(recipe).apply(per_layer[0], x, None)[0]
+    g1 = jax.grad(lambda h: jnp.sum(jnp.sin(unrolled_from(h, per_layer[1:], recipe))))(h1)
+    one = {"params": {"d": per_layer[0]["params"]["d"]}, OWG: {"d": per_layer[0][OWG]["d"]}}
+    _, want0 = step(OneCall(recipe, D_IN), one, [x, x * x], [g1, g1])
+    assert_same(jax.tree.map(lambda a: a[0], got)["d"], want0["d"], "layer 0 as one call")
+
+
+def unrolled_from(h, per_layer, recipe):
+    for v in per_layer:
+        h = Block(recipe).apply(v, h, None)[0]
+    return h
 
 
 def test_two_layers_keep_their_chains_apart():

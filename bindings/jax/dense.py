@@ -118,10 +118,17 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
 
 
 def next_state(state: dict[str, jax.Array], state_grad: dict[str, jax.Array], recipe: DelayedScaling,
-               axis_name: Any = None) -> dict[str, jax.Array]:
+               axis_name: Any = None, update_scale: bool | None = None) -> dict[str, jax.Array]:
     """Fold the grad_output amax (from ``state_grad``) into row 0, MAX-reduce row 0 over ``axis_name``
-    (inside shard_map) when given, then the batched update of the contract."""
+    (inside shard_map) when given, then the batched update of the contract. The state keeps no step count:
+    with ``recipe.interval > 1`` pass ``update_scale`` (ScalingState's ``steps % interval == 0``, a Python
+    bool); with interval 1 it defaults to True."""
     _args.layer_state(state, _args.delayed(recipe))
+    if update_scale is None:
+        if recipe.interval != 1:
+            raise ValueError(f"update_scale: next_state's state has no step count, so recipe interval "
+                             f"{recipe.interval} needs update_scale= (steps % interval == 0), got None")
+        update_scale = True
     if not isinstance(state_grad, Mapping) or "amax_history" not in state_grad:
         raise TypeError(f"state_grad: expected the gradient of dense's state (a dict with amax_history), got "
                         f"{type(state_grad).__name__}")
@@ -131,5 +138,5 @@ def next_state(state: dict[str, jax.Array], state_grad: dict[str, jax.Array], re
         row0 = reduce_amax(row0, axis_name)
     fmt = recipe.fp8_format
     hist, scale, scale_inv = update(h.at[0].set(row0), state["scale"], state["scale_inv"], recipe,
-                                    [fmt.fwd, fmt.fwd, fmt.bwd])
+                                    [fmt.fwd, fmt.fwd, fmt.bwd], update_scale)
     return {"amax_history": hist, "scale": scale, "scale_inv": scale_inv}

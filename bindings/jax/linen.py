@@ -11,15 +11,26 @@ pass one cast and two GEMMs, all fp8core kernels through ``fp8core.jax`` (CPU an
 
 Delayed scaling keeps its state in flax's ``_overwrite_with_gradient`` collection: ``amax_history`` [L, 3],
 ``scale`` [3] and ``scale_inv`` [3], the columns being lhs (input), rhs (kernel) and grad_output, laid out like
-:class:`fp8core.ScalingState`. The backward pass returns the updated state as the "gradient" of these
-variables (this step's amaxes in row 0, MAX-reduced over ``axis_name``, then the batched update of the
-contract), so ``flax.training.train_state.TrainState.apply_gradients`` writes it back. Take gradients inside
-``shard_map`` (every device then holds the same reduced state); call each instance once per step (two calls
-would add their updated states).
+:class:`fp8core.ScalingState` (with ``interval > 1``, ``interval_step`` [], float32: its ``steps % interval``).
+The backward pass returns the updated state as the "gradient" of these variables (this step's amaxes in row 0,
+MAX-reduced over ``axis_name``, then the batched update of the contract), so
+``flax.training.train_state.TrainState.apply_gradients`` writes it back. Take gradients inside ``shard_map``
+(every device then holds the same reduced state).
+
+A layer called more than once in a step (weight tying, a shared encoder) updates its state once, from the MAX
+of its calls' amaxes: the state one call over all the calls' inputs would leave. JAX adds the gradients of a
+variable read twice, and the update is not additive (nor is a max of updated scales the scale of the max amax),
+so the calls do not each return an updated state: within one trace, each call hands its amaxes to the call
+before it (:func:`_link`), and the first call, the only one reading the variables, updates. A layer whose
+calls are traced apart (each call under its own ``nn.remat``, or one state broadcast over ``nn.scan``'s
+iterations) has its updated states added by JAX, as flax's own op does with float32 state: wrap the calls
+together (``nn.remat`` around the module calling the layer), or give each iteration its own state
+(``variable_axes={OVERWRITE_WITH_GRADIENT: 0}``).
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -27,7 +38,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core.tracers import current_trace
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from jax import lax
 
 import fp8core
 from fp8core import DelayedScaling
@@ -89,27 +102,87 @@ def _dot_bwd(cfg, res, g):
     qg, qgt, sg, ag = _cast(g, 2, cfg, scale, scale_inv)
     dx = gemm(qg, qk, sg, sk, cfg.lhs_dtype)     # [M, N] · [K, N]ᵀ
     dk = gemm(qxt, qgt, sx, sg, cfg.rhs_dtype)   # [K, M] · [N, M]ᵀ
-    if not isinstance(cfg.recipe, DelayedScaling):  # no state: the placeholders get zero cotangents
-        return dx, dk, jnp.zeros_like(history), jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
-    row0 = jnp.maximum(history[0], jnp.concatenate([ax, ak, ag]))
-    if cfg.axis_name is not None and cfg.recipe.reduce_amax:
-        row0 = reduce_amax(row0, cfg.axis_name)
-    new = update(history.at[0].set(row0), scale, scale_inv, cfg.recipe, _formats(cfg.recipe))
-    return (dx, dk, *new)
+    h = jnp.zeros_like(history)
+    if isinstance(cfg.recipe, DelayedScaling):  # this call's amaxes, for _link to combine and update
+        h = h.at[0].set(jnp.concatenate([ax, ak, ag]))
+    return dx, dk, h, jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
 
 
 _fp8_dot.defvjp(_dot_fwd, _dot_bwd)
 
 
-def _check_recipe(recipe: Any) -> None:
+class _Link(NamedTuple):
+    recipe: Any
+    axis_name: Any
+    first: bool  # reads the variables themselves: the call that updates
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _link(state, link):
+    """(the state for this call's GEMMs, the same state for the layer's next call); state: (amax_history,
+    scale, scale_inv) and, with ``interval > 1``, interval_step (ScalingState's steps % interval, float32 []).
+    Backward: this call's amaxes (from its GEMMs' cotangent) MAX the later calls' (from the next call's), handed
+    on as row 0 of the previous call's cotangent, or, in the first call, folded into row 0 and updated."""
+    return state, state
+
+
+def _link_fwd(state, link):
+    return (state, state), state
+
+
+def _link_bwd(link, state, cts):
+    history, scale, scale_inv = state[:3]
+    mine, later = cts
+    row = jnp.maximum(mine[0][0], later[0][0])  # amaxes >= 0, and 0 where no later call; NaN propagates
+    if not link.first:
+        return ((jnp.zeros_like(history).at[0].set(row), *(jnp.zeros_like(v) for v in state[1:])),)
+    row0 = jnp.maximum(history[0], row)
+    if link.axis_name is not None and link.recipe.reduce_amax:
+        row0 = reduce_amax(row0, link.axis_name)
+    args = (history.at[0].set(row0), scale, scale_inv, link.recipe, _formats(link.recipe))
+    if len(state) == 3:
+        return (update(*args),)
+    step = state[3]  # ScalingState's schedule: the scales move when steps % interval == 0, the history each step
+    new = lax.cond(step == 0, lambda: update(*args, update_scale=True), lambda: update(*args, update_scale=False))
+    return ((*new, jnp.where(step + 1 == link.recipe.interval, 0.0, step + 1).astype(jnp.float32)),)
+
+
+_link.defvjp(_link_fwd, _link_bwd)
+
+# The layers' state chains within one apply (flax's root scope: one per apply, per trace of a lifted
+# transform), by the root's identity (a Scope's hash and equality follow its variables) and dropped with it:
+# {id(root): (weakref to root, {scope path: ((variables read, trace), next call's state)})}
+_CHAINS: dict[int, tuple[Any, dict[tuple[str, ...], Any]]] = {}
+
+
+def _chains(root: Any) -> dict[tuple[str, ...], Any]:
+    entry = _CHAINS.get(id(root))
+    if entry is None or entry[0]() is not root:
+        entry = _CHAINS[id(root)] = (weakref.ref(root), {})
+        weakref.finalize(root, _CHAINS.pop, id(root), None)
+    return entry[1]
+
+
+_KEYS = ("amax_history", "scale", "scale_inv")
+
+
+# interval_step is float32 state (its next value comes back as its gradient, which an int cannot carry):
+# exact up to 2**24
+_MAX_INTERVAL = 2**24
+
+
+def _check_recipe(recipe: Any, functional: bool = False) -> None:
     _args.dense_recipe(recipe)
     if isinstance(recipe, DelayedScaling):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
             raise ValueError("recipe: Fp8DotGeneral's functional update takes amax_compute_algo 'max' or "
                              "'most_recent' and no scaling_factor_compute_algo")
-        if recipe.interval != 1:
-            raise ValueError(f"recipe: Fp8DotGeneral updates the scales every step (interval 1), "
-                             f"got interval {recipe.interval}")
+        if functional and recipe.interval != 1:
+            raise ValueError(f"recipe: fp8_dot_general's state has no step count, so it updates the scales every "
+                             f"step (interval 1), got interval {recipe.interval}; Fp8DotGeneral keeps the count")
+        if recipe.interval > _MAX_INTERVAL:
+            raise ValueError(f"recipe: Fp8DotGeneral counts an interval's steps in float32: interval at most "
+                             f"2**24, got {recipe.interval}")
 
 
 def _layout(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
@@ -136,20 +209,45 @@ def _dtype_name(dtype: Any, arg: str) -> str:
     return name
 
 
+def _precision(precision: Any) -> None:
+    """None or DEFAULT (per operand too): the GEMM is fp8 with float32 accumulation whatever is asked, so a
+    request for more (HIGH, HIGHEST, an algorithm) is refused rather than ignored."""
+    pair = isinstance(precision, (tuple, list))
+    for p in (precision if pair else (precision,)):
+        try:
+            ok = p is None or (isinstance(p, (str, lax.Precision)) and lax.Precision(p) == lax.Precision.DEFAULT)
+        except ValueError:
+            ok = False
+        if not ok or (pair and len(precision) != 2):
+            raise ValueError(f"precision: fp8 GEMMs take None or lax.Precision.DEFAULT (fp8 operands, float32 "
+                             f"accumulation), got {precision!r}; use a plain dot_general where a layer needs more")
+
+
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: dict[str, jax.Array] | None,
-                    recipe: Any, axis_name: Any = None, preferred_element_type: Any = None) -> jax.Array:
+                    recipe: Any, axis_name: Any = None, preferred_element_type: Any = None,
+                    precision: Any = None) -> jax.Array:
     """``lax.dot_general`` without batch dimensions, in fp8 by fp8core's kernels; the functional core of
     :class:`Fp8DotGeneral`. ``state`` (delayed scaling): ``{"amax_history", "scale", "scale_inv"}``; its
-    gradient is its next value. The contracted size K and the rhs free size N must be multiples of 16."""
-    _check_recipe(recipe)
+    gradient is its next value (a state passed to several calls gets the sum of theirs: JAX adds the gradients
+    of a value used twice; :class:`Fp8DotGeneral` combines its calls by MAX). Any K and N: the GEMMs' operands
+    are zero-padded to their multiples of 16 and the results cut back; ``precision`` None or
+    ``lax.Precision.DEFAULT``."""
+    _check_recipe(recipe, functional=True)
+    _args.layer_state(state, recipe)
+    if isinstance(recipe, DelayedScaling):
+        linked, _ = _link(tuple(state[k] for k in _KEYS), _Link(recipe, axis_name, True))
+        state = dict(zip(_KEYS, linked))
+    return _dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type, precision)
+
+
+def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: dict[str, jax.Array] | None,
+                 recipe: Any, axis_name: Any, preferred_element_type: Any, precision: Any) -> jax.Array:
+    """fp8_dot_general over a state already linked (its cotangent is this call's amaxes, see _link)."""
+    _precision(precision)
     for arg, t in (("lhs", lhs), ("rhs", rhs)):
         if len(_args.array(t, arg).shape) == 0:
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
-    _args.layer_state(state, recipe)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
-    if k % MULTIPLE or n % MULTIPLE:
-        raise ValueError(f"dimension_numbers: the contracted size K = {k} and the rhs free size N = {n} must be "
-                         f"multiples of 16 (the fp8 GEMM's limit)")
     lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
     out = _dtype_name(preferred_element_type if preferred_element_type is not None
                       else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
@@ -159,14 +257,20 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     x = (lhs if lperm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lperm)).reshape(-1, k)
     w = (rhs if rperm == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rperm)).reshape(k, n)
     rows = x.shape[0]
-    if rows % MULTIPLE or rows == 0:  # the wgrad GEMM contracts over the tokens (K > 0): zero rows change
-        x = jnp.pad(x, ((0, -rows % MULTIPLE or MULTIPLE), (0, 0)))  # no amax and add nothing
+    # Every GEMM dimension (K, N, and the tokens, which the wgrad GEMM contracts over and needs > 0) padded
+    # to the GEMM's multiple of 16 with zeros: they change no amax and add nothing, and the padded outputs
+    # are cut off, so the result is the unpadded definition's
+    pad_rows, pad_k, pad_n = -rows % MULTIPLE or (MULTIPLE if rows == 0 else 0), -k % MULTIPLE, -n % MULTIPLE
+    if pad_rows or pad_k:
+        x = jnp.pad(x, ((0, pad_rows), (0, pad_k)))
+    if pad_k or pad_n:
+        w = jnp.pad(w, ((0, pad_k), (0, pad_n)))
     if isinstance(recipe, DelayedScaling):
-        h, s, si = state["amax_history"], state["scale"], state["scale_inv"]
+        h, s, si = (state[key] for key in _KEYS)
     else:
         h = s = si = jnp.zeros(1, jnp.float32)
     y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname))
-    return y[:rows].reshape(out_shape)
+    return y[:rows, :n].reshape(out_shape)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -174,39 +278,60 @@ class Fp8DotGeneral(nn.Module):
     matmul in fp8 with fp8core's kernels; call signature of ``lax.dot_general`` (no batch dimensions).
 
     recipe: ``fp8core.DelayedScaling`` (amax_history_len, amax_compute_algo "max"/"most_recent", margin,
-    power_of_2, epsilon; interval 1) or ``fp8core.Float8CurrentScaling``; fp8_format HYBRID (E4M3 forward, E5M2
+    power_of_2, epsilon, interval: the scales move every interval-th step as in ScalingState, counted by an
+    ``interval_step`` variable) or ``fp8core.Float8CurrentScaling``; fp8_format HYBRID (E4M3 forward, E5M2
     gradients) or E4M3. axis_name: the mesh axis (or axes) of ``shard_map`` over which amaxes are
     MAX-reduced, so every device quantizes with the same scales (needs ``recipe.reduce_amax`` for delayed
-    scaling). Shapes: K (contracted) and N (rhs free) multiples of 16; lhs/rhs float32, bfloat16 or float16.
+    scaling). Shapes: any (``nn.Dense(10)`` too): K (contracted), N (rhs free) and the tokens are zero-padded to
+    the fp8 GEMM's multiples of 16 inside the op, which changes no amax and no result (the padded rows and
+    columns are cut off); lhs/rhs float32, bfloat16 or float16.
+    precision: None or ``lax.Precision.DEFAULT`` (the GEMM is fp8 with float32 accumulation; a layer asking
+    for HIGH, HIGHEST or a dot algorithm is refused, naming precision).
     """
 
     recipe: Any = DelayedScaling(amax_history_len=1024)
     axis_name: Any = None
 
     def _scaling_variables(self) -> dict[str, jax.Array] | None:
+        """The state this call's GEMMs use, linked to the layer's previous call in this trace if there was one
+        (see _link): the first call reads the variables and updates them, the later ones hand it their amaxes."""
         _check_recipe(self.recipe)
         if not isinstance(self.recipe, DelayedScaling):
             return None
         L = self.recipe.amax_history_len
-        return {
-            "amax_history": self.variable(OVERWRITE_WITH_GRADIENT, "amax_history",
-                                          lambda: jnp.zeros((L, 3), jnp.float32)).value,
-            "scale": self.variable(OVERWRITE_WITH_GRADIENT, "scale", lambda: jnp.ones(3, jnp.float32)).value,
-            "scale_inv": self.variable(OVERWRITE_WITH_GRADIENT, "scale_inv", lambda: jnp.ones(3, jnp.float32)).value,
-        }
+        inits = {"amax_history": lambda: jnp.zeros((L, 3), jnp.float32), "scale": lambda: jnp.ones(3, jnp.float32),
+                 "scale_inv": lambda: jnp.ones(3, jnp.float32)}
+        keys = _KEYS + (("interval_step",) if self.recipe.interval > 1 else ())  # interval 1: no count to keep
+        inits["interval_step"] = lambda: jnp.zeros((), jnp.float32)
+        read = tuple(self.variable(OVERWRITE_WITH_GRADIENT, k, inits[k]).value for k in keys)
+        _args.layer_state(dict(zip(keys, read)), self.recipe)
+        if len(read) > 3 and (_args.array(read[3], "state['interval_step']").shape != ()
+                              or jnp.dtype(read[3].dtype) != jnp.float32):
+            raise ValueError(f"state['interval_step']: expected a float32 scalar, got {jnp.dtype(read[3].dtype).name} "
+                             f"{tuple(read[3].shape)}")
+        chains = _chains(self.scope.root)
+        previous = chains.get(self.scope.path)
+        # the same variables read in the same trace: a module bound once (Module.bind) reads the same arrays in
+        # every jit it is traced in, and a token of a finished trace must not reach the next one
+        here = (read, current_trace())
+        first = (previous is None or previous[0][1] != here[1]
+                 or any(a is not b for a, b in zip(previous[0][0], read)))
+        mine, following = _link(read if first else previous[1], _Link(self.recipe, self.axis_name, first))
+        chains[self.scope.path] = (here, following)
+        return dict(zip(keys, mine))
 
     @nn.compact
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                  preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
         if out_sharding is not None:
             raise ValueError("out_sharding: Fp8DotGeneral takes its sharding from shard_map, not out_sharding")
-        return fp8_dot_general(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe, self.axis_name,
-                               preferred_element_type)
+        return _dot_general(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe, self.axis_name,
+                            preferred_element_type, precision)
 
 
 def _einsum_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                 preferred_element_type: Any = None, *, state: Any, recipe: Any, axis_name: Any) -> jax.Array:
-    return fp8_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type)
+    return _dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type, precision)
 
 
 class Fp8Einsum(Fp8DotGeneral):
@@ -218,6 +343,7 @@ class Fp8Einsum(Fp8DotGeneral):
     @nn.compact
     def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,  # type: ignore[override]
                  preferred_element_type: Any = None) -> jax.Array:
+        _precision(precision)
         dot = partial(_einsum_dot, state=self._scaling_variables(), recipe=self.recipe, axis_name=self.axis_name)
         return jnp.einsum(eqn, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type,
                           _dot_general=dot)

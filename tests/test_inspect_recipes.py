@@ -363,12 +363,13 @@ def test_the_sqnr_chart_of_a_large_checkpoint_stops_growing(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1, 256, 1000])
 def test_the_figures_do_not_depend_on_the_chunks_of_the_statistics(monkeypatch, rng, chunk):
+    from fp8core import numerics_stats
     from fp8core.cli import recipes
 
     x = sample(rng)
     x[9, 40] = np.inf  # these chunks take the masked path, the others the fast one
     x[11, 70] = np.nan  # MXFP8 makes its block NaN: lost, SQNR -inf
-    monkeypatch.setattr(recipes, "_CHUNK", chunk)  # a row (or 128 rows) a chunk, or a few rows
+    monkeypatch.setattr(numerics_stats, "_CHUNK", chunk)  # a row (or 128 rows) a chunk, or a few rows
     for name, recipe in recipes.RECIPES.items():
         got = recipes.measure(x, recipe)
         keep = np.isfinite(x)  # the statistics are of the finite values

@@ -35,7 +35,7 @@ def recipe_notes(r: dict) -> Iterator[str]:
 
 
 def summary_lines(s: dict) -> Iterator[str]:
-    """The summary (:func:`fp8core.cli.recipes.summary`) as a table, then the block rule."""
+    """The summary (:func:`fp8core.numerics_stats.summary`) as a table, then the block rule."""
     yield f"over {s['tensors']} tensor(s) with a signal: how often each recipe is the best (*), or within 1 dB of it"
     yield f"  {'recipe':<14} {'best':>6} {'within 1 dB':>12}"
     for name, c in s["recipes"].items():

@@ -1,0 +1,166 @@
+"""Quantization error statistics of one tensor in one recipe: SQNR, underflow, clipped, at +-max, largest
+relative error. ``fp8core inspect --recipes`` compares recipes with them, and ``fp8core.torch.record_numerics``
+measures the casts of a training run with them (each recipe a :class:`Recipe`: how to quantize, how to read
+rows back).
+
+The statistics are computed over row chunks of the dequantized result so that no float64 copy of a whole tensor
+exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from fp8core.formats import Format
+
+_CHUNK = 1 << 18  # elements per step of the statistics: two float64 copies of it stay in cache
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One way to quantize a tensor. ``quantize`` takes the tensor as [rows, cols] (float32/bfloat16/float16);
+    ``dequantize_rows(q, r0, r1)`` gives rows r0:r1 back as (fp8 data, float32 values); ``row_step`` is the row
+    granularity of its scales (r0 is always a multiple of it); ``block`` the block's (rows, cols), None for
+    one scale per tensor."""
+
+    name: str
+    what: str
+    fmt: Format
+    quantize: Callable[[np.ndarray], Any]
+    dequantize_rows: Callable[[Any, int, int], tuple[np.ndarray, np.ndarray]]
+    row_step: int = 1
+    block: tuple[int, int] | None = None
+    scale_inv: Callable[[Any], float] | None = None
+
+
+def as_rows(x: np.ndarray) -> np.ndarray:
+    """x as [rows, last dim] in a dtype the quantizers take: float32/bfloat16/float16 as they are (native byte
+    order, C order), anything else converted to float32."""
+    if not x.dtype.isnative:
+        x = x.astype(x.dtype.newbyteorder("="))
+    if x.dtype.name not in ("float32", "bfloat16", "float16"):
+        with np.errstate(over="ignore"):
+            x = x.astype(np.float32)
+    x = np.ascontiguousarray(x)
+    return x.reshape(1, x.size) if x.ndim <= 1 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _chunk_stats(v32: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: int, beyond: float,
+                 work: np.ndarray) -> tuple[list[int], float, float, float]:
+    """([finite, nonzero, underflow, clipped, at_max, lost], signal, noise, max_rel) of one flat chunk: the
+    values, their round trip (float32) and its fp8 bytes. ``work``: float64 [2, >= chunk size], reused from
+    chunk to chunk (fresh memory each time costs more in page faults than the arithmetic)."""
+    top = (codes & 0x7F) == max_code
+    v, d = work[0, :v32.size], work[1, :v32.size]
+    np.copyto(v, v32)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, and the masked path below takes over
+        np.subtract(y32, v, out=d)
+    signal, noise = float(np.dot(v, v)), float(np.dot(d, d))  # f32 squares cannot overflow float64
+    if math.isfinite(signal) and math.isfinite(noise):  # all finite: nothing to gather through masks
+        at = np.flatnonzero(top)
+        clipped = np.count_nonzero(np.abs(v[at]) > np.abs(y32[at].astype(np.float64)) * beyond)
+        # 0 comes back 0, so the nonzero results are a subset of the nonzero inputs
+        nonzero = np.count_nonzero(v32)
+        counts = [v.size, nonzero, nonzero - np.count_nonzero(y32), clipped, at.size, 0]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d /= v  # 0/0 where x is 0: NaN, which fmax passes over
+        np.abs(d, out=d)
+        max_rel = float(np.fmax.reduce(d)) if d.size else 0.0
+        return counts, signal, noise, 0.0 if math.isnan(max_rel) else max_rel
+    v, y = v32.astype(np.float64), y32.astype(np.float64)
+    fin = np.isfinite(v)
+    bad = fin & ~np.isfinite(y)
+    ok = fin & ~bad
+    nz = ok & (v != 0)
+    top &= ok
+    counts = [fin.sum(), (fin & (v != 0)).sum(), (nz & (y == 0)).sum(),
+              (top & (np.abs(v) > np.abs(y) * beyond)).sum(), top.sum(), bad.sum()]
+    signal, noise = float(np.sum(v[fin] ** 2)), float(np.sum((y[ok] - v[ok]) ** 2))
+    max_rel = float(np.max(np.abs((y[nz] - v[nz]) / v[nz]))) if nz.any() else 0.0
+    return [int(c) for c in counts], signal, noise, max_rel
+
+
+def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
+    """How x fares in one recipe, over its finite values (x: any shape; :func:`as_rows` is applied).
+
+    sqnr_db: 10 log10(sum x^2 / sum (y - x)^2), inf when exact, None without signal, -inf when a finite value
+    came out NaN or inf (an MXFP8 block holding a NaN is NaN throughout: counted in ``lost``). underflow:
+    fraction of the nonzero values that become 0. clipped: fraction more than half a step beyond the largest
+    magnitude their block represents (they land on it: saturated, where rounding would have gone higher).
+    at_max: fraction that land on +-max, clipped ones included. max_rel_error: over the nonzero values.
+    padded: a block recipe whose blocks do not tile the shape. scale_inv: a per-tensor recipe's one scale
+    inverse.
+    """
+    if recipe.block is not None and x.ndim == 0:
+        return {"n/a": "a scalar has no blocks"}
+    rows2d = as_rows(x)
+    q = recipe.quantize(rows2d)
+    max_code = int(np.array(recipe.fmt.max, np.float32).astype(recipe.fmt.numpy_dtype).view(np.uint8))
+    below_max = float(np.array(max_code - 1, np.uint8).view(recipe.fmt.numpy_dtype))
+    # Within half a step above max a value rounds onto max like any other value; beyond it, it saturates.
+    beyond = 1 + (recipe.fmt.max - below_max) / (2 * recipe.fmt.max)
+    n_rows, n_cols = rows2d.shape
+    step = max(1, _CHUNK // max(n_cols, 1) // recipe.row_step) * recipe.row_step
+    totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
+    work = np.empty((2, min(step, n_rows) * n_cols))
+    signal = noise = max_rel = 0.0
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        codes, y32 = recipe.dequantize_rows(q, r0, r1)
+        counts, s, n, m = _chunk_stats(np.asarray(rows2d[r0:r1], np.float32).ravel(), np.asarray(y32).ravel(),
+                                       np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work)
+        totals += counts
+        signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
+    finite, nonzero, under, clipped, at_max, lost = (int(t) for t in totals)
+    if lost:
+        sqnr: float | None = -math.inf
+        max_rel = math.inf
+    elif signal > 0:
+        sqnr = math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    else:
+        sqnr = None
+    row: dict[str, Any] = {
+        "sqnr_db": sqnr,
+        "underflow": under / nonzero if nonzero else 0.0,
+        "clipped": clipped / finite if finite else 0.0,
+        "at_max": at_max / finite if finite else 0.0,
+        "max_rel_error": max_rel,
+        "lost": lost / finite if finite else 0.0,
+    }
+    if recipe.scale_inv is not None:
+        row["scale_inv"] = recipe.scale_inv(q)
+    if recipe.block is not None:
+        row["padded"] = bool(n_cols % recipe.block[1] or (recipe.block[0] > 1 and n_rows % recipe.block[0]))
+    return row
+
+
+def winner(results: dict[str, dict]) -> str | None:
+    """The recipe with the highest SQNR (the first listed on a tie), None when no recipe has one."""
+    best, name = None, None
+    for n, r in results.items():
+        s = r.get("sqnr_db")
+        if s is not None and (best is None or s > best):
+            best, name = s, n
+    return name
+
+
+def summary(per_tensor: list[dict[str, dict]], names: list[str]) -> dict[str, Any]:
+    """Over the tensors that have a winner: per recipe, how many it wins and how many it serves within 1 dB of
+    that tensor's best SQNR."""
+    out: dict[str, Any] = {"tensors": 0, "recipes": {n: {"best": 0, "within_1db": 0} for n in names}}
+    for results in per_tensor:
+        top = winner(results)
+        if top is None:
+            continue
+        out["tensors"] += 1
+        out["recipes"][top]["best"] += 1
+        best = results[top]["sqnr_db"]
+        for n, r in results.items():
+            s = r.get("sqnr_db")
+            if s is not None and s >= best - 1.0:
+                out["recipes"][n]["within_1db"] += 1
+    return out

@@ -1,7 +1,7 @@
 """Quantization error statistics of one tensor in one recipe: SQNR, underflow, clipped, at +-max, largest
-relative error. ``fp8core inspect --recipes`` compares recipes with them, and ``fp8core.torch.record_numerics``
-measures the casts of a training run with them (each recipe a :class:`Recipe`: how to quantize, how to read
-rows back).
+relative error (and strict JSON for them). ``fp8core inspect --recipes`` compares recipes with them, and
+``fp8core.torch.record_numerics`` measures the casts of a training run with them (each recipe a
+:class:`Recipe`: how to quantize, how to read rows back).
 
 The statistics are computed over row chunks of the dequantized result so that no float64 copy of a whole tensor
 exists.
@@ -164,3 +164,14 @@ def summary(per_tensor: list[dict[str, dict]], names: list[str]) -> dict[str, An
             if s is not None and s >= best - 1.0:
                 out["recipes"][n]["within_1db"] += 1
     return out
+
+
+def strict_json(obj: Any) -> Any:
+    """JSON has no inf or NaN: infinities become the strings "inf"/"-inf", NaN the string "nan"."""
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [strict_json(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj

@@ -15,6 +15,7 @@ import numpy as np
 import fp8core
 from fp8core import Format
 from fp8core.extras import install_hint
+from fp8core.numerics_stats import strict_json
 from fp8core.selftest.gpu import one_line
 
 from .common import TABLE_WIDTH, CliError, cell, plot_target, printable, progress, status
@@ -41,17 +42,6 @@ def _raw_bytes_dtype(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray, str | Non
     if x.dtype.itemsize == 2:
         return x.view(ml_dtypes.bfloat16), "raw 2-byte data (|V2) read as bfloat16 (how ml_dtypes saves it)"
     return x, None
-
-
-def _strict(obj: Any) -> Any:
-    """JSON has no inf or NaN: infinities become the strings "inf"/"-inf", NaN the string "nan"."""
-    if isinstance(obj, dict):
-        return {k: _strict(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_strict(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    return obj
 
 
 def _measurable(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray | None, str | None]:
@@ -312,7 +302,7 @@ def _inspect(args: argparse.Namespace) -> None:
         if recipes:
             out = {"recipes": {r.name: r.what for r in recipes}, "padded": BLOCK_RULE, "tensors": rows,
                    "summary": summary([r["recipes"] for r in measured.values()], names)}
-        print(json.dumps(_strict(out), indent=1, allow_nan=False))
+        print(json.dumps(strict_json(out), indent=1, allow_nan=False))
         return
     for line in _table(rows, bool(recipes)):
         print(line)

@@ -1,0 +1,200 @@
+"""``record_numerics``: what the fp8 casts of a model's Float8Linear layers do to their operands, measured
+during real forward and backward passes.
+
+Recording is hooks, installed on entry to the context and removed on exit: outside it nothing of fp8core's is
+called. A forward hook measures the input and weight a layer just cast (delayed scaling: with the scale the
+layer's state held, which a forward does not change; current scaling: with the scale the cast computed, by the
+same op from the same amax) and, when the output takes part in a backward, puts a hook on the output's gradient,
+which is the grad_output the layer's backward casts next. The hooks read; they return nothing, so nothing they
+do reaches the results. The statistics are :mod:`fp8core.numerics_stats`'s (``fp8core inspect --recipes``'s),
+computed on the host: each measured operand is copied there (on CUDA that synchronises; it is a study tool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+import fp8core
+from fp8core import DelayedScaling, Float8CurrentScaling, Format
+from fp8core.numerics_stats import Recipe, measure, strict_json, winner
+
+from . import ops
+from .fsdp import Float8AllGatherWeight, Float8GatheredWeight
+from .linear import Float8Linear
+from .scaling import current_context
+
+__all__ = ["NumericsRecord", "record_numerics"]
+
+OPERANDS = ("input", "weight", "grad_output")  # the slots of a Float8Linear's state, in order
+
+
+class NumericsRecord:
+    """The rows :func:`record_numerics` collected, in the order the casts ran: one per Float8Linear (``module``:
+    its qualified name in the model, "" for the model itself), per ``operand`` (input, weight, grad_output), per
+    ``step`` (the layer's n-th forward while recording, from 0; a grad_output row carries its forward's step).
+    Each row: ``recipe`` (DelayedScaling or Float8CurrentScaling), ``format`` (E4M3/E5M2), ``amax`` (max |x|
+    of the operand), ``scale`` and ``scale_inv`` (the cast's), then :func:`fp8core.numerics_stats.measure`'s
+    statistics against the high-precision operand: ``sqnr_db``, ``underflow``, ``clipped`` (saturated),
+    ``at_max``, ``max_rel_error``, ``lost``.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def to_json(self, **kwargs: Any) -> str:
+        """The rows as strict JSON (inf and NaN as the strings "inf", "-inf", "nan", as ``fp8core inspect
+        --json`` writes them); ``kwargs`` go to :func:`json.dumps`."""
+        return json.dumps(strict_json(self.rows), allow_nan=False, **kwargs)
+
+    def recipes(self) -> list[str]:
+        """The recipes of the recorded layers, in the order they first cast."""
+        return list(dict.fromkeys(r["recipe"] for r in self.rows))
+
+    def by_tensor(self) -> dict[str, dict[str, Any]]:
+        """The rows in ``fp8core inspect --recipes``'s shape, one per cast, keyed ``"module.operand@step"``:
+        ``{"recipes": {recipe: statistics, other recipe: {"n/a": ...}}, "winner": recipe}``, which its table
+        lines (``fp8core.cli.compare.recipe_lines``) and its SQNR chart (``plot_recipes``, with
+        :meth:`recipes` as the series) take."""
+        names = self.recipes()
+        out = {}
+        for r in self.rows:
+            stats = {k: r[k] for k in ("sqnr_db", "underflow", "clipped", "at_max", "max_rel_error", "lost")}
+            recipes = {n: stats if n == r["recipe"] else {"n/a": "not this layer's recipe"} for n in names}
+            key = f"{r['module'] or '<model>'}.{r['operand']}@{r['step']}"
+            out[key] = {"recipes": recipes, "winner": winner({r["recipe"]: stats})}
+        return out
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per layer and operand, over its steps: how many, the SQNR range, the worst underflow, clipped and
+        at_max fractions, and the last step's amax and scale."""
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for r in self.rows:
+            groups.setdefault((r["module"], r["operand"]), []).append(r)
+        out = []
+        for (module, operand), rows in groups.items():
+            sqnr = [r["sqnr_db"] for r in rows if r["sqnr_db"] is not None]
+            last = max(rows, key=lambda r: r["step"])
+            out.append({"module": module, "operand": operand, "format": last["format"], "steps": len(rows),
+                        "sqnr_db_min": min(sqnr, default=None), "sqnr_db_max": max(sqnr, default=None),
+                        "underflow_max": max(r["underflow"] for r in rows),
+                        "clipped_max": max(r["clipped"] for r in rows),
+                        "at_max_max": max(r["at_max"] for r in rows),
+                        "amax_last": last["amax"], "scale_last": last["scale"]})
+        return out
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __str__(self) -> str:
+        lines = [f"{'layer':<20} {'operand':<11} {'fmt':<4} {'steps':>5} {'SQNR dB min':>11} {'max':>7} "
+                 f"{'underflow':>9} {'clipped':>8} {'at max':>8} {'amax':>9} {'scale':>9}"]
+        for s in self.summary():
+            lines.append(f"{(s['module'] or '<model>')[-20:]:<20} {s['operand']:<11} {s['format']:<4} "
+                         f"{s['steps']:>5} {_cell(s['sqnr_db_min'], 11)} {_cell(s['sqnr_db_max'], 7)} "
+                         f"{s['underflow_max']:>9.2%} {s['clipped_max']:>8.2%} {s['at_max_max']:>8.2%} "
+                         f"{s['amax_last']:>9.3g} {s['scale_last']:>9.3g}")
+        lines.append("(worst over the steps: least SQNR, most underflow/clipped/at max; amax and scale of the last)")
+        return "\n".join(lines)
+
+
+def _cell(v: Optional[float], width: int) -> str:
+    return f"{'n/a':>{width}}" if v is None else f"{v:>{width}.2f}"
+
+
+def _given_scale(fmt: Format, scale: np.ndarray, scale_inv: np.ndarray) -> Recipe:
+    """The per-tensor cast with a scale already chosen, as :func:`fp8core.numerics_stats.measure` takes it."""
+    def rows(q: np.ndarray, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        return q[r0:r1], fp8core.dequantize(q[r0:r1], scale_inv)
+
+    return Recipe("given", f"Format.{fmt.name}, one given scale", fmt, lambda x: fp8core.quantize(x, scale, fmt),
+                  rows)
+
+
+class _Recorder:
+    """The hooks of one :func:`record_numerics` context, and the rows they write to."""
+
+    def __init__(self, record: NumericsRecord, names: dict[Float8Linear, str]) -> None:
+        self.record, self.names = record, names
+        self.steps: dict[str, int] = {}
+
+    def forward_hook(self, module: Float8Linear, args: tuple, output: Any) -> None:
+        x = args[0] if args else None
+        if current_context() is None or not isinstance(x, torch.Tensor) or x.numel() == 0:
+            return  # high precision (outside autocast), or nothing cast
+        name = self.names[module]
+        step = self.steps.get(name, 0)
+        self.steps[name] = step + 1
+        fmt = module.recipe.fp8_format
+        delayed = isinstance(module.recipe, DelayedScaling)
+        state = (module.fp8_scale, module.fp8_scale_inv) if delayed else (None, None)
+        self.measure(module, name, step, "input", x, fmt.fwd, state)
+        weight = module.weight
+        if isinstance(weight, Float8AllGatherWeight):
+            weight = weight.high_precision
+        if not isinstance(weight, Float8GatheredWeight):  # gathered in fp8 by FSDP2: cast before this layer ran
+            self.measure(module, name, step, "weight", weight, fmt.fwd, state)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda g: self.measure(module, name, step, "grad_output", g, fmt.bwd, state))
+
+    def measure(self, module: Float8Linear, name: str, step: int, operand: str, t: torch.Tensor, fmt: Format,
+                state: tuple) -> None:
+        """One row: ``t`` cast as the layer casts it. ``state``: (scale [3], scale_inv [3]) of delayed scaling, as
+        the cast reads them (the forward's tensors: the backward reads those), or (None, None) for current."""
+        t = t.detach()
+        amax = ops.amax(t)
+        slot = OPERANDS.index(operand)
+        scale, scale_inv = state
+        if scale is None:
+            r = module.recipe
+            scale, scale_inv = ops.compute_scale(amax, fmt.value, r.margin, r.power_of_2, float(r.amax_epsilon))
+        else:
+            scale, scale_inv = scale[slot:slot + 1], scale_inv[slot:slot + 1]
+        s = scale.detach().cpu().numpy().copy()
+        s_inv = scale_inv.detach().cpu().numpy().copy()
+        x = t.to(torch.float32).cpu().numpy()  # exact from bfloat16/float16: the cast sees the same values
+        row: dict[str, Any] = {"module": name, "step": step, "operand": operand,
+                               "recipe": type(module.recipe).__name__, "format": fmt.name,
+                               "amax": float(amax[0]), "scale": float(s[0]), "scale_inv": float(s_inv[0])}
+        row.update(measure(x, _given_scale(fmt, s, s_inv)))
+        self.record.rows.append(row)
+
+
+@contextlib.contextmanager
+def record_numerics(model: torch.nn.Module) -> Iterator[NumericsRecord]:
+    """Record, while the context is open, what the fp8 casts of every Float8Linear in ``model`` do: per layer,
+    per operand (input, weight, grad_output), per step, the amax, the scale the cast used, underflow, saturation
+    and SQNR against the high-precision operand (see :class:`NumericsRecord`). Yields the record; ``print`` it
+    for a summary, ``.rows`` for every row, ``.to_json()``.
+
+    Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`); under ``torch.no_grad`` only
+    the forward rows. The backward of a forward recorded here is recorded wherever it runs. Off by default and
+    free when off: no hook outside the context. The results are the same bits with or without it.
+    ``model``: a torch.nn.Module holding Float8Linear layers of a per-tensor recipe (DelayedScaling or
+    Float8CurrentScaling).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    names: dict[Float8Linear, str] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, Float8Linear):
+            continue
+        if not isinstance(m.recipe, (DelayedScaling, Float8CurrentScaling)):
+            raise TypeError(f"model: {name or 'the model'} uses {type(m.recipe).__name__}; record_numerics measures "
+                            "per-tensor recipes (DelayedScaling, Float8CurrentScaling), not block scaling")
+        names[m] = name
+    if not names:
+        raise ValueError(f"model: no Float8Linear in this {type(model).__name__} (convert_to_float8 it first)")
+    record = NumericsRecord()
+    recorder = _Recorder(record, names)
+    handles = [m.register_forward_hook(recorder.forward_hook) for m in names]
+    try:
+        yield record
+    finally:
+        for h in handles:
+            h.remove()
+

@@ -206,6 +206,18 @@ def test_the_backward_of_a_recorded_forward_is_recorded_after_the_exit(casts, re
     assert rec.rows[-2]["amax"] == g.abs().max().item()
     assert [r["scale"] for r in rec.rows[-2:]] == [scale.item() for _, scale, _ in casts[-2:]]
 
+def test_a_keyword_input_and_a_hook_that_replaces_the_output(casts):
+    """The grad_output row is the gradient the layer's backward casts, not the one of a replaced output."""
+    layer = Float8Linear(32, 16, recipe=CURRENT)
+    layer.register_forward_hook(lambda m, a, out: out * 3.0)
+    x, g = batches(1)[0]
+    with record_numerics(layer) as rec, autocast():
+        (layer(x=x) * g).sum().backward()
+    assert [r["operand"] for r in rec.rows] == ["input", "weight", "grad_output"]
+    assert rec.rows[0]["amax"] == x.abs().max().item()
+    assert rec.rows[2]["amax"] == (3.0 * g).abs().max().item() == casts[2][0].abs().max().item()
+
+
 def test_the_hooks_go_when_the_body_raises():
     net = model(DELAYED)
     hooks = [dict(m._forward_hooks) for m in net.modules()]

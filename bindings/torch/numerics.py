@@ -122,8 +122,8 @@ class _Recorder:
         self.record, self.names = record, names
         self.steps: dict[str, int] = {}
 
-    def forward_hook(self, module: Float8Linear, args: tuple, output: Any) -> None:
-        x = args[0] if args else None
+    def forward_hook(self, module: Float8Linear, args: tuple, kwargs: dict, output: Any) -> None:
+        x = args[0] if args else kwargs.get("x")  # Float8Linear.forward(x)
         if current_context() is None or not isinstance(x, torch.Tensor) or x.numel() == 0:
             return  # high precision (outside autocast), or nothing cast
         name = self.names[module]
@@ -191,7 +191,9 @@ def record_numerics(model: torch.nn.Module) -> Iterator[NumericsRecord]:
         raise ValueError(f"model: no Float8Linear in this {type(model).__name__} (convert_to_float8 it first)")
     record = NumericsRecord()
     recorder = _Recorder(record, names)
-    handles = [m.register_forward_hook(recorder.forward_hook) for m in names]
+    # first among the forward hooks: the output a hook of the caller's may replace is not the one the layer's
+    # backward takes its gradient for
+    handles = [m.register_forward_hook(recorder.forward_hook, prepend=True, with_kwargs=True) for m in names]
     try:
         yield record
     finally:

@@ -1,8 +1,9 @@
 """``record_numerics``: what the fp8 casts of a model's Float8Linear layers do to their operands, measured
 during real forward and backward passes.
 
-Recording is hooks, installed on entry to the context and removed on exit: outside it nothing of fp8core's is
-called. A forward hook measures the input and weight a layer just cast (delayed scaling: with the scale the
+Recording is hooks, installed on entry to the context and removed on exit: a forward outside it reaches
+nothing of the recorder (the backward of a forward recorded inside still records). A forward hook, first among
+the layer's, measures the input and weight a layer just cast (delayed scaling: with the scale the
 layer's state held, which a forward does not change; current scaling: with the scale the cast computed, by the
 same op from the same amax) and, when the output takes part in a backward, puts a hook on the output's gradient,
 which is the grad_output the layer's backward casts next. The hooks read; they return nothing, so nothing they

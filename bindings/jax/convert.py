@@ -15,10 +15,13 @@ t (docs/numerics.md, "delayed scaling"): it holds step t+1's scale and the histo
 * :func:`from_flax_fp8_state` runs flax's pending update with fp8core's scale rule (max over the L amaxes,
   margin 0, formats E4M3, E4M3, E5M2; a max of 0, inf or NaN keeps flax's scale: ``scale = 1 / flax scale``),
   then rolls the history; flax's next step and fp8core's next step use the same scale, bit for bit.
-* :func:`to_flax_fp8_state` puts fp8core's history back in flax's order, with the consumed oldest slot set to
-  0, or, where fp8core's scale came from that consumed amax, to an amax giving fp8core's scale; flax's scale is
-  set so that flax's next step computes fp8core's ``scale_inv``. A scale no amax gives under flax's recipe (a
-  ``margin``, ``power_of_2`` or ``most_recent`` recipe's state) is refused, naming the layer and operand.
+* :func:`to_flax_fp8_state` puts fp8core's history back in flax's order, the consumed oldest slot set to 0,
+  or, where fp8core's scale did not come from the amaxes it still holds, to an amax giving fp8core's scale
+  (the consumed amax was the max), else to NaN (fp8core kept its scale after a non-finite amax, or a
+  ``margin``/``most_recent`` recipe chose it: flax then keeps its scale, set so that ``1 / (1 / it)`` is
+  fp8core's). Flax's next step then quantizes by fp8core's ``scale_inv``, bit for bit; from then on flax's
+  recipe applies. A scale flax can neither compute nor keep (about 14% of float32 scales are no float32
+  number's reciprocal) is refused, naming the layer and operand.
 
 Continue a flax checkpoint with ``fp8core.DelayedScaling(amax_history_len=L, amax_compute_algo="max")``
 (HYBRID, margin 0: flax's recipe; interval 1, flax's ops have no interval). The layers' module names follow
@@ -134,14 +137,15 @@ def _to_flax_layer(layer: Mapping[str, Any], path: str) -> dict[str, Any]:
         oldest = 1 if L > 1 else 0  # the slot fp8core's state has already consumed
         with np.errstate(divide="ignore", over="ignore"):
             guess = np.float32(_FORMATS[j].max) / s
-        for amax in [np.float32(0)] + _nearby(guess):
+        # NaN last: flax then keeps its scale, as fp8core kept its own after a non-finite amax it has consumed
+        for amax in [np.float32(0)] + _nearby(guess) + [np.float32(np.nan)]:
             column[oldest] = amax
             if _scale_of(column.max(), j, np.float32(1) / flax_scale[j]) == s:
                 break
         else:
-            raise ValueError(f"{path}['scale'][{j}] ({_OPERANDS[j]}): {s!r} is not the scale flax's op would "
-                             f"compute next from this history (max over it, margin 0, no power_of_2); a "
-                             f"margin, power_of_2 or 'most_recent' recipe's state does not convert")
+            raise ValueError(f"{path}['scale'][{j}] ({_OPERANDS[j]}): {float(s)} is neither the scale flax's op "
+                             f"would compute next from this history (max over it, margin 0) nor one it can "
+                             f"keep (no float32 flax scale has 1 / it == {float(s)})")
         hist[:, j] = column
     t = layer["amax_history"]
     out = {f"{o}_amax_history": _like(t, hist[:, j].copy()) for j, o in enumerate(_OPERANDS)}

@@ -45,7 +45,8 @@ class Two(nn.Module):
 
 
 _rng = np.random.default_rng(3)
-COEF = (_rng.standard_normal((TOKENS, 16)).astype(np.float32), _rng.standard_normal((TOKENS, 10)).astype(np.float32) * 3)
+COEF = (_rng.standard_normal((TOKENS, 16)).astype(np.float32),
+        _rng.standard_normal((TOKENS, 10)).astype(np.float32) * 3)
 # amaxes that rise and fall, so the oldest amax of a window is sometimes its max
 XS = [(_rng.standard_normal((TOKENS, D_IN)) * s).astype(np.float32) for s in (1, 8, 2, 3, 0.5, 1, 0.25, 2, 4)]
 
@@ -218,7 +219,8 @@ def _core_layer(**changes):
     (_flax_layer(kernel_scale=None), r"holds exactly .*input_scale"),
     ({"params": {}}, r"no flax fp8 op state"),
     ({OWG: {"Fp8DotGeneralOp_0": _flax_layer()[OWG]["Fp8DirectDotGeneralOp_0"],
-            "Fp8DirectDotGeneralOp_0": _flax_layer()[OWG]["Fp8DirectDotGeneralOp_0"]}}, r"renamed to 'Fp8DotGeneral_0'"),
+            "Fp8DirectDotGeneralOp_0": _flax_layer()[OWG]["Fp8DirectDotGeneralOp_0"]}},
+     r"renamed to 'Fp8DotGeneral_0'"),
 ])
 def test_from_flax_refuses_by_name(tree, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -26,7 +26,8 @@ t (docs/numerics.md, "delayed scaling"): it holds step t+1's scale and the histo
 Continue a flax checkpoint with ``fp8core.DelayedScaling(amax_history_len=L, amax_compute_algo="max")``
 (HYBRID, margin 0: flax's recipe; interval 1, flax's ops have no interval). The layers' module names follow
 the class (``Fp8DirectDotGeneralOp_0`` and ``Fp8DotGeneralOp_0`` become ``Fp8DotGeneral_0``, back to
-``Fp8DirectDotGeneralOp_0``; ``Fp8Einsum_0`` stays); explicitly named layers keep their names.
+``Fp8DirectDotGeneralOp_0``; ``Fp8Einsum_0`` stays); explicitly named layers keep their names. The
+converters run on the host, on concrete arrays (a checkpoint between steps), not under ``jit``.
 """
 
 from __future__ import annotations

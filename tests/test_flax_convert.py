@@ -6,6 +6,7 @@ their outputs: the grad_output is the loss's coefficients), flax's own next step
 bit for bit, with flax's next scale equal to the converted scale_inv. fp8core -> flax -> fp8core is the
 identity, bit for bit (states from the contract's update, every path of the converter); refusals by name."""
 
+import contextlib
 from functools import partial
 
 import numpy as np
@@ -116,6 +117,16 @@ def test_flax_checkpoint_continues_with_fp8core_as_the_contract_and_as_flax(flax
                                for o in ("input", "kernel", "output_grad")])
         assert bits(used) == bits(layers(converted, "Fp8DotGeneral")[name]["scale_inv"]), name
     assert bits(fj.from_flax_fp8_state(theirs)[OWG]) == bits(ours[OWG])
+
+
+@pytest.mark.parametrize("flax_cls", ["Fp8DirectDotGeneralOp", "Fp8DotGeneralOp"])
+def test_a_fresh_flax_init_converts_to_a_fresh_fp8core_init(flax_cls):
+    x = jnp.asarray(XS[0])
+    with pytest.warns(DeprecationWarning) if flax_cls == "Fp8DotGeneralOp" else contextlib.nullcontext():
+        theirs = Two(partial(getattr(fp8_ops, flax_cls), amax_history_length=L)).init(jax.random.PRNGKey(0), x)
+    ours = Two(FP8CORE).init(jax.random.PRNGKey(0), x)
+    assert bits(fj.from_flax_fp8_state(theirs)[OWG]) == bits(ours[OWG])
+    assert bits(fj.to_flax_fp8_state(ours)[OWG]) == bits(Two(FLAX).init(jax.random.PRNGKey(0), x)[OWG])
 
 
 def test_fp8core_checkpoint_continues_with_flax(flax_k):

@@ -27,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from . import linen
 
         return getattr(linen, name)
+    if name in ("from_flax_fp8_state", "to_flax_fp8_state"):
+        from . import convert
+
+        return getattr(convert, name)
     raise AttributeError(f"module 'fp8core.jax' has no attribute {name!r}")

@@ -4,7 +4,6 @@ plot, and tensors read one at a time."""
 
 from __future__ import annotations
 
-import json
 import math
 import tracemalloc
 import weakref
@@ -14,27 +13,13 @@ import numpy as np
 import pytest
 
 import fp8core
+from test_cli import inspect, strict_json
 
 ALL = ["e4m3", "e5m2", "mxfp8_rceil", "mxfp8_floor", "block_1x128", "block_128x128"]
 BLOCK = ALL[2:]
 # Per format: the byte of +max (sign bit cleared), max, and max plus half a step (beyond it a value saturates
 # instead of rounding onto max).
 TOP = {"e4m3": (0x7E, 448.0, 464.0), "e5m2": (0x7B, 57344.0, 61440.0)}
-
-
-def inspect(capsys, *args):
-    from fp8core.cli import main
-
-    code = main(["inspect", *map(str, args)])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def strict_json(text):
-    def refuse(name):
-        raise AssertionError(f"not strict JSON: {name}")
-
-    return json.loads(text, parse_constant=refuse)
 
 
 def roundtrip(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:

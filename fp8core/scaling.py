@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import args, backends
+from .backends.cpu import roll
 from ._fpenv import ieee
 from ._tensor import Tensor, wrap
 from .args import as_format, reduce_amaxes
@@ -386,7 +387,7 @@ class ScalingState:
             s, s_inv, ok = new
             scale[ok] = s[ok]
             scale_inv[ok] = s_inv[ok]
-        _roll(H, ran, cur)
+        roll(H, ran, cur, self.history_len)  # the CPU reference's roll: array-generic, CuPy arrays too
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
@@ -428,14 +429,6 @@ def _allocate(xp: Any, size: int, n: int, L: int, device: tuple) -> Any:
     raise MemoryError(f"num_tensors, amax_history_len: a state of {n} tensors x {L} history rows needs "
                       f"{size * 4} bytes of float32 on {_device_str(device)}, which could not be allocated "
                       f"({type(oom).__name__}); use fewer tensors or a shorter history") from oom
-
-
-def _roll(history: Any, ran: Any, cur: Any) -> None:
-    """[cur, h1, ..., h_{L-1}] -> [0, h2, ..., h_{L-1}, cur] in the columns that ran (NumPy or CuPy)."""
-    cols = ran.nonzero()[0]
-    history[1:-1, cols] = history[2:, cols]
-    history[-1, cols] = cur[cols]
-    history[0, cols] = 0
 
 
 def _np(value: Any) -> np.ndarray:

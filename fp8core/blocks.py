@@ -48,17 +48,6 @@ class BlockScaledTensor(NamedTuple):
     scale_inv: Array
 
 
-def _backend(t: Tensor) -> Any:
-    # the block kernels are modules of their own beside backends.for_device's
-    if t.is_cuda:
-        from .backends import cuda_blocks
-
-        return cuda_blocks
-    from .backends import cpu_blocks
-
-    return cpu_blocks
-
-
 def _scale_tensor(obj: Any, arg: str, like: Tensor, dtypes: tuple[str, ...]) -> Tensor:
     t = args.contiguous(wrap(obj, arg), arg)
     args.same_device(t, like, arg, "data")
@@ -88,7 +77,7 @@ def quantize_mxfp8(x: Array, fmt: Format | str = Format.E4M3, *, scale_mode: str
     mode = args.scale_mode(scale_mode)
     cw = args.flag(columnwise, "columnwise")
     t2 = args.as_2d(t, "x")
-    q, s = _backend(t).quantize_mxfp8(t2, f, mode, cw)
+    q, s = backends.blocks_for_device(t.device).quantize_mxfp8(t2, f, mode, cw)
     return MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t))
 
 
@@ -99,7 +88,7 @@ def quantize_mxfp8_both(x: Array, fmt: Format | str = Format.E4M3, *,
     t = args.high_precision(x, "x")
     f = args.fmt(fmt)
     mode = args.scale_mode(scale_mode)
-    q, s, qc, sc = _backend(t).quantize_mxfp8_both(args.as_2d(t, "x"), f, mode)
+    q, s, qc, sc = backends.blocks_for_device(t.device).quantize_mxfp8_both(args.as_2d(t, "x"), f, mode)
     return (MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t)),
             MXTensor(export(qc.reshape(t.shape), f.dtype_name, t), export(sc, E8M0, t)))
 
@@ -135,7 +124,7 @@ def dequantize_mxfp8(t: MXTensor, out_dtype: Any = "float32", *, fmt: Format | s
     """
     tq, ts, f, columnwise = _mx_parts(t, "t", fmt)
     name = args.out_dtype(out_dtype)
-    y = _backend(tq).dequantize_mxfp8(tq, ts, f, columnwise, name)
+    y = backends.blocks_for_device(tq.device).dequantize_mxfp8(tq, ts, f, columnwise, name)
     shape = wrap(t[0]).shape
     return export(y.reshape(shape), name, tq)
 
@@ -155,7 +144,8 @@ def quantize_blockwise(x: Array, fmt: Format | str = Format.E4M3, *, block: Any 
     f = args.fmt(fmt)
     br = args.block_rows(block)
     pow2 = args.flag(power_of_2, "power_of_2")
-    q, s_inv = _backend(t).quantize_blockwise(args.as_2d(t, "x"), f, br, pow2, args.epsilon(epsilon))
+    q, s_inv = backends.blocks_for_device(t.device).quantize_blockwise(args.as_2d(t, "x"), f, br, pow2,
+                                                                       args.epsilon(epsilon))
     return BlockScaledTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s_inv, "float32", t))
 
 
@@ -190,7 +180,7 @@ def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = "float32", *,
     """
     tq, ts, f, br = _block_parts(t, "t", fmt)
     name = args.out_dtype(out_dtype)
-    y = _backend(tq).dequantize_blockwise(tq, ts, f, br, name)
+    y = backends.blocks_for_device(tq.device).dequantize_blockwise(tq, ts, f, br, name)
     return export(y.reshape(wrap(t[0]).shape), name, tq)
 
 
@@ -212,7 +202,7 @@ def transpose_blocks(t: MXTensor | BlockScaledTensor, *, fmt: Format | str | Non
             raise ValueError("t: 1x128 blocks lie along rows and have no transpose; quantize the transposed "
                              "tensor instead")
     q_t = backends.for_device(tq.device).transpose(tq)
-    s_t = _backend(tq).transpose_scale(ts)
+    s_t = backends.blocks_for_device(tq.device).transpose_scale(ts)
     return type(t)(export(q_t, f.dtype_name, tq), export(s_t, ts.dtype, tq))
 
 

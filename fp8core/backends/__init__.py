@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 from .._views import Tensor
 from ..formats import Format
 
-__all__ = ["Backend", "BlockBackend", "for_device"]
+__all__ = ["Backend", "BlockBackend", "blocks_for_device", "for_device"]
 
 
 class Backend(Protocol):
@@ -73,3 +73,14 @@ def for_device(device: tuple) -> Any:
     from . import cuda
 
     return cuda
+
+
+def blocks_for_device(device: tuple) -> Any:
+    """The :class:`BlockBackend` module for ``device``: block scaling's kernels are modules of their own."""
+    if device[0] == "cpu":
+        from . import cpu_blocks
+
+        return cpu_blocks
+    from . import cuda_blocks
+
+    return cuda_blocks

@@ -106,7 +106,7 @@ def _number(v: Any, where: str) -> float:
 
 def _stats(d: Any, where: str) -> dict[str, Any]:
     if not isinstance(d, dict):
-        raise ValueError(f"{where} is a {type(d).__name__}, not an object")
+        raise ValueError(f"{where} is not an object ({type(d).__name__})")
     if "n/a" in d:
         return {"n/a": str(d["n/a"])}
     out: dict[str, Any] = {}
@@ -124,8 +124,8 @@ def from_json(data: Any) -> list[dict[str, Any]]:
     """The rows of a record from its parsed JSON (``json.loads`` of ``.to_json()``), checked, with "inf", "-inf"
     and "nan" back as floats. ValueError saying what is not a record, and what one is."""
     if not isinstance(data, list):
-        raise ValueError(f"not a record: its top level is a JSON {type(data).__name__.replace('dict', 'object')}; "
-                         + _EXPECTED)
+        kind = {dict: "object", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(data), "null")
+        raise ValueError(f"not a record: its top level is a JSON {kind}; " + _EXPECTED)
     if not data:
         raise ValueError("an empty record: no cast was recorded (were the layers run under "
                          "fp8core.torch.autocast inside record_numerics?)")
@@ -134,7 +134,7 @@ def from_json(data: Any) -> list[dict[str, Any]]:
         where = f"row {i}"
         try:
             if not isinstance(r, dict):
-                raise ValueError(f"{where} is a {type(r).__name__}, not an object")
+                raise ValueError(f"{where} is not an object ({type(r).__name__})")
             missing = [k for k in ("module", "operand", "step", "recipe", "format") + _NUMBERS if k not in r]
             if missing:
                 raise ValueError(f"{where} has no {', '.join(map(repr, missing))}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 
 import pytest
 
@@ -138,7 +139,8 @@ def test_two_records_are_keyed_by_file_and_plotted_at_the_given_path(tmp_path, c
     code, out, err = inspect(capsys, a, b, "--json", "--plot", tmp_path / "chart.png")
     assert code == 0, err
     assert list(strict_json(out)["tensors"]) == [f"{a}:l.input", f"{a}:<model>.grad_output", f"{b}:l.input"]
-    assert (tmp_path / "chart.png").stat().st_size > 0
+    width = struct.unpack(">I", (tmp_path / "chart.png").read_bytes()[16:20])[0]  # the PNG's IHDR
+    assert width == 12 * 90  # two panels, SQNR and underflow: 12 inches at 90 dpi (one panel is 9)
     assert not (tmp_path / "chart.recipes.png").exists()
 
 

@@ -52,9 +52,10 @@ def summary_lines(s: dict, what: str = "tensor(s)") -> Iterator[str]:
 
 
 def plot_recipes(rows: dict[str, dict], names: list[str], out: str, beside: bool = True,
-                 title: str | None = None) -> Path:
+                 title: str | None = None, underflow: bool = False) -> Path:
     """SQNR per tensor (one row each) per recipe (a marker series each), beside the histograms' file
-    (``out``.recipes.png), or with ``beside=False`` at ``out`` itself."""
+    (``out``.recipes.png), or with ``beside=False`` at ``out`` itself. ``underflow``: a second panel, the
+    fraction of nonzero values each recipe flushes to 0 (which SQNR, weighted by energy, barely shows)."""
     import matplotlib.pyplot as plt  # the histograms were drawn first: matplotlib is there, on the Agg backend
 
     first = plot_target(out)
@@ -67,7 +68,11 @@ def plot_recipes(rows: dict[str, dict], names: list[str], out: str, beside: bool
     # Past _LABELLED tensors the picture stops growing (matplotlib refuses images over 2^16 pixels) and every
     # k-th tensor is named: a large checkpoint reads as a profile down its layers.
     every = -(-len(keys) // _LABELLED)
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.28 * min(len(keys), _LABELLED)))
+    height = 1.2 + 0.28 * min(len(keys), _LABELLED)
+    if underflow:
+        fig, (ax, flushed) = plt.subplots(1, 2, figsize=(12, height), sharey=True, width_ratios=(3, 2))
+    else:
+        fig, ax = plt.subplots(figsize=(9, height))
     ys = np.arange(len(keys))
     markers = "osD^vP*X"
     for j, name in enumerate(names):
@@ -75,8 +80,11 @@ def plot_recipes(rows: dict[str, dict], names: list[str], out: str, beside: bool
         for k in keys:
             s = rows[k]["recipes"][name].get("sqnr_db")
             xs.append(np.nan if s is None else top if s == math.inf else low if s == -math.inf else s)
-        ax.plot(xs, ys, linestyle="none", marker=markers[j % len(markers)], markersize=6 / every ** 0.5, label=name,
-                alpha=0.85)
+        style = {"linestyle": "none", "marker": markers[j % len(markers)], "markersize": 6 / every ** 0.5,
+                 "alpha": 0.85}
+        ax.plot(xs, ys, label=name, **style)
+        if underflow:
+            flushed.plot([100 * rows[k]["recipes"][name].get("underflow", np.nan) for k in keys], ys, **style)
     best = [rows[k]["recipes"][rows[k]["winner"]]["sqnr_db"] if rows[k]["winner"] else np.nan for k in keys]
     best = [top if b == math.inf else low if b == -math.inf else b for b in best]
     ax.barh(ys, np.nan_to_num(np.array(best, float) - low, nan=0.0), left=low, height=0.8, color="0.9", zorder=0)
@@ -85,9 +93,16 @@ def plot_recipes(rows: dict[str, dict], names: list[str], out: str, beside: bool
     ax.set_xlim(low - 1, top + 1)
     ax.set_xlabel(f"SQNR dB (grey: the best recipe; exact at {top:.0f}, NaN-poisoned at {low:.0f})")
     ax.grid(axis="x", linewidth=0.5, alpha=0.5)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="recipe")
+    legend_at = ax
+    if underflow:
+        flushed.set_xlabel("underflow % (nonzero values that become 0)")
+        flushed.set_xlim(left=-0.5)
+        flushed.grid(axis="x", linewidth=0.5, alpha=0.5)
+        legend_at = flushed
+    handles, labels = ax.get_legend_handles_labels()
+    legend_at.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="recipe")
     if title:
-        ax.set_title(printable(title).replace("$", r"\$"), fontsize=9)
+        fig.suptitle(printable(title).replace("$", r"\$"), fontsize=9)
     fig.tight_layout()
     fig.savefig(target, dpi=90)
     plt.close(fig)

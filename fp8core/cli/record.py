@@ -88,7 +88,7 @@ def inspect_records(files: list[str], as_json: bool, plot: str | None, max_bytes
             raise CliError(f"--plot needs matplotlib ({install_hint('plot')})") from None
         steps = max(e["steps"] for e in entries.values())
         chart = plot_recipes(entries, names, plot, beside=False,
-                             title=f"least SQNR over the steps (up to {steps}) per layer and operand")
+                             title=f"worst over the steps (up to {steps}) per layer and operand", underflow=True)
     if as_json:
         out = {"recipes": {n: _what(n, rows_all) for n in names}, "aggregate": AGGREGATE, "padded": BLOCK_RULE,
                "tensors": entries, "summary": over}

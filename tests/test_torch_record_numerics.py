@@ -357,3 +357,14 @@ def test_a_saved_record_loads_back_and_inspect_prints_it(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"rows": rec.to_json()}))
     with pytest.raises(ValueError, match=f"{tmp_path / 'bad.json'}: not a record: its top level is a JSON object"):
         ft.NumericsRecord.load(tmp_path / "bad.json")
+
+
+def test_an_expanded_gradient_is_measured():
+    """The backward of a sum hands the layer a gradient of stride 0 (expanded ones): measured as its values."""
+    layer = Float8Linear(32, 16, recipe=CURRENT)
+    x, _ = batches(1)[0]
+    with record_numerics(layer, recipes="e4m3") as rec, autocast():
+        layer(x).sum().backward()
+    g = rec.rows[2]
+    assert (g["operand"], g["amax"], g["sqnr_db"], g["recipes"]["e4m3"]["sqnr_db"]) == ("grad_output", 1.0, math.inf,
+                                                                                       math.inf)

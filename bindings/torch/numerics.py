@@ -188,7 +188,7 @@ class _Recorder:
                 state: tuple) -> None:
         """One row: ``t`` cast as the layer casts it. ``state``: (scale [3], scale_inv [3]) of delayed scaling, as
         the cast reads them (the forward's tensors: the backward reads those), or (None, None) for current."""
-        t = t.detach()
+        t = t.detach().contiguous()  # a gradient may come expanded (the backward of a sum): stride 0
         amax = ops.amax(t)
         slot = OPERANDS.index(operand)
         scale, scale_inv = state

@@ -20,7 +20,7 @@ from fp8core.numerics_stats import winner
 
 __all__ = ["OPERANDS", "STATS", "contenders", "from_json", "per_cast", "per_operand"]
 
-OPERANDS = ("input", "weight", "grad_output")
+OPERANDS = ("input", "weight", "grad_output")  # in the order of a Float8Linear's state slots (fp8_scale[0:3])
 STATS = ("sqnr_db", "underflow", "clipped", "at_max", "max_rel_error", "lost")
 _NUMBERS = ("amax", "scale", "scale_inv") + STATS
 _WORST_MAX = ("underflow", "clipped", "at_max", "max_rel_error", "lost")  # the worst over steps is the largest
@@ -75,9 +75,10 @@ def _worst(stats: list[dict[str, Any]], won: int) -> dict[str, Any]:
 
 def per_operand(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """One entry per layer and operand, keyed ``"module.operand"``, over its steps: ``module``, ``operand``,
-    ``recipe`` and ``format`` (the layer's cast), ``steps``, ``amax_min``/``amax_max``, and per contender the worst over the steps (least SQNR;
-    largest underflow, clipped, at_max, max_rel_error, lost; ``best_steps``: the steps it won), with ``winner``:
-    the contender whose least SQNR is the highest, the one that serves every step best."""
+    ``recipe`` and ``format`` (the layer's cast), ``steps``, ``amax_min``/``amax_max``, and per contender the
+    worst over the steps (least SQNR; largest underflow, clipped, at_max, max_rel_error, lost; ``best_steps``: the
+    steps it won), with ``winner``: the contender whose least SQNR is the highest, the one that serves every step
+    best."""
     names, own = _names(rows), {r["recipe"] for r in rows}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:

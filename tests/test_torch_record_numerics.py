@@ -14,6 +14,8 @@ import fp8core  # noqa: E402
 import fp8core.torch as ft  # noqa: E402
 from fp8core.torch import Float8Linear, autocast, convert_to_float8, record_numerics  # noqa: E402
 from fp8core.torch import numerics  # noqa: E402
+from test_cli import inspect, strict_json  # noqa: E402
+from test_inspect_recipes import ALL, expected  # noqa: E402
 
 DELAYED, CURRENT = fp8core.DelayedScaling(amax_history_len=4), fp8core.Float8CurrentScaling()
 TOKENS = 16  # a multiple of 16: the layers cast the operands themselves, unpadded
@@ -131,13 +133,14 @@ def test_each_row_is_the_cast_the_layer_ran(casts, recipe):
         assert all(r["scale"] != 1.0 for r in rec.rows if r["step"] == 1)
 
 
+@pytest.mark.parametrize("compare", [None, "all"], ids=["casts", "all-recipes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
-def test_recording_changes_no_bit_against_a_twin(recipe, dtype):
+def test_recording_changes_no_bit_against_a_twin(recipe, dtype, compare):
     nets = [model(recipe, dtype=dtype), model(recipe, dtype=dtype)]
     opts = [torch.optim.SGD(n.parameters(), lr=0.05) for n in nets]
     data = batches(4, dtype)
-    with record_numerics(nets[0]) as rec:
+    with record_numerics(nets[0], recipes=compare) as rec:
         for x, g in data:
             ys, grads = [], []
             for net, opt in zip(nets, opts):
@@ -157,6 +160,7 @@ def test_recording_changes_no_bit_against_a_twin(recipe, dtype):
                 assert torch.equal(bits(a), bits(b))
     assert len(rec.rows) == 4 * 6
     assert len(fp8_state(nets[0])) == (6 if recipe is DELAYED else 0)
+    assert all(len(r.get("recipes", ())) == (6 if compare else 0) for r in rec.rows)
 
 
 def test_under_no_grad_only_the_forward_rows():
@@ -271,3 +275,96 @@ def test_json_summary_and_the_inspect_chart(tmp_path):
     assert rec.recipes() == ["DelayedScaling"]
     chart = plot_recipes(tensors, rec.recipes(), str(tmp_path / "run.png"))
     assert chart.exists() and chart.stat().st_size > 0
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_each_compared_recipe_is_the_public_apis_round_trip_of_the_operand(casts, recipe):
+    """Per row and recipe, the statistics of dequantize(quantize(x)) by the public API, x the operand the layer
+    cast (its cast_transpose's input); the winner the best SQNR among the layer's cast and the recipes."""
+    net = model(recipe)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    with record_numerics(net, recipes="all") as rec:
+        for x, g in batches(2):
+            step(net, x, g, opt)
+    order = [1, 0, 3, 2, 4, 5]  # the layers cast weight then input; the rows list input then weight
+    pairs = [(rec.rows[6 * s + i], casts[6 * s + order[i]]) for s in range(2) for i in range(6)]
+    for row, (x, _, _) in pairs:
+        assert list(row["recipes"]) == ALL
+        for name in ALL:
+            want, have = expected(x.numpy(), name), row["recipes"][name]
+            assert have["sqnr_db"] == pytest.approx(want["sqnr_db"], rel=1e-9), (row["operand"], name)
+            for field in ("underflow", "clipped", "at_max", "max_rel_error"):
+                assert have[field] == want[field], (row["operand"], name, field)
+        best = max([row["recipe"], *ALL], key=lambda n: row["sqnr_db"] if n == row["recipe"]
+                   else row["recipes"][n]["sqnr_db"])  # max keeps the first of equals: the layer's cast on a tie
+        assert row["winner"] == best
+
+
+def test_off_by_default_one_measure_per_cast(monkeypatch):
+    calls = []
+    real = numerics.measure
+    monkeypatch.setattr(numerics, "measure", lambda x, r: calls.append(r.name) or real(x, r))
+    x, g = batches(1)[0]
+    net = model(CURRENT)
+    with record_numerics(net) as rec:
+        step(net, x, g)
+    assert calls == ["given"] * 6 and not any("recipes" in r or "winner" in r for r in rec.rows)
+    calls.clear()
+    with record_numerics(net, recipes=["block_1x128", "e5m2", "block_1x128"]) as rec:
+        step(net, x, g)
+    assert calls == ["given", "block_1x128", "e5m2"] * 6  # in the order given, repeats dropped
+    assert [list(r["recipes"]) for r in rec.rows] == [["block_1x128", "e5m2"]] * 6
+
+
+def test_recipes_refusals_name_the_argument_and_install_nothing():
+    net = model(DELAYED)
+    hooks = [dict(m._forward_hooks) for m in net.modules()]
+    for bad, err, says in [("e4m3,bogus", ValueError, "recipes: unknown recipe 'bogus'; expected 'all' or a "
+                            "comma-separated list of e4m3, e5m2, mxfp8_rceil"),
+                           (["e4m3", ""], ValueError, "recipes: an empty name"),
+                           (3, TypeError, "recipes: expected 'all', a comma-separated string or a list"),
+                           ([fp8core.Format.E4M3], TypeError, "recipes: expected recipe names")]:
+        with pytest.raises(err, match=says):
+            with record_numerics(net, recipes=bad):
+                pass
+    assert [dict(m._forward_hooks) for m in net.modules()] == hooks
+
+
+def test_a_saved_record_loads_back_and_inspect_prints_it(tmp_path, capsys):
+    net = model(DELAYED)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    data = batches(3)
+    data[0] = (torch.randint(-8, 9, (TOKENS, 32)).float(), data[0][1])  # small integers: exact at scale 1.0
+    with record_numerics(net, recipes="e4m3,mxfp8_rceil") as rec:
+        for x, g in data:
+            step(net, x, g, opt)
+    assert rec.rows[0]["sqnr_db"] == math.inf  # step 0's input: strict JSON's "inf", a float again on loading
+    path = rec.save(tmp_path / "run.json")
+    assert ft.NumericsRecord.load(path).rows == rec.rows
+    assert "least SQNR dB over the steps in each recipe" in str(rec)
+    code, out, err = inspect(capsys, path, "--json")
+    assert code == 0, err
+    assert strict_json(out)["tensors"] == strict_json(json.dumps(numerics.strict_json(rec.by_operand())))
+    by = rec.by_operand()
+    assert list(by) == ["body.0.input", "body.0.weight", "head.input", "head.weight", "head.grad_output",
+                        "body.0.grad_output"]
+    inputs = [r for r in rec.rows if (r["module"], r["operand"]) == ("body.0", "input")]
+    assert by["body.0.input"]["recipes"]["e4m3"]["sqnr_db"] == min(r["recipes"]["e4m3"]["sqnr_db"] for r in inputs)
+    assert by["body.0.input"]["recipes"]["DelayedScaling"]["sqnr_db"] == min(r["sqnr_db"] for r in inputs)
+    code, out, err = inspect(capsys, path, "--plot", tmp_path / "run.png")
+    assert code == 0, err
+    assert "body.0.input  DelayedScaling E4M3  3 step(s)" in out and (tmp_path / "run.png").stat().st_size > 0
+    (tmp_path / "bad.json").write_text(json.dumps({"rows": rec.to_json()}))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'bad.json'}: not a record: its top level is a JSON object"):
+        ft.NumericsRecord.load(tmp_path / "bad.json")
+
+
+def test_an_expanded_gradient_is_measured():
+    """The backward of a sum hands the layer a gradient of stride 0 (expanded ones): measured as its values."""
+    layer = Float8Linear(32, 16, recipe=CURRENT)
+    x, _ = batches(1)[0]
+    with record_numerics(layer, recipes="e4m3") as rec, autocast():
+        layer(x).sum().backward()
+    g = rec.rows[2]
+    assert (g["operand"], g["amax"], g["sqnr_db"], g["recipes"]["e4m3"]["sqnr_db"]) == ("grad_output", 1.0, math.inf,
+                                                                                       math.inf)

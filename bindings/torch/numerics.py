@@ -9,19 +9,24 @@ same op from the same amax) and, when the output takes part in a backward, puts 
 which is the grad_output the layer's backward casts next. The hooks read; they return nothing, so nothing they
 do reaches the results. The statistics are :mod:`fp8core.numerics_stats`'s (``fp8core inspect --recipes``'s),
 computed on the host: each measured operand is copied there (on CUDA that synchronises; it is a study tool).
+With ``recipes=``, each operand is also quantized in those recipes (:mod:`fp8core.numerics_recipes`, as
+``fp8core inspect --recipes`` does), from the same high-precision values: what the layer would see in each.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Iterator, Optional
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling, Format
+from fp8core.numerics_record import OPERANDS, contenders, from_json, per_cast, per_operand
+from fp8core.numerics_recipes import select
 from fp8core.numerics_stats import Recipe, measure, strict_json, winner
 
 from . import ops
@@ -31,9 +36,6 @@ from .scaling import current_context
 
 __all__ = ["NumericsRecord", "record_numerics"]
 
-OPERANDS = ("input", "weight", "grad_output")  # the slots of a Float8Linear's state, in order
-
-
 class NumericsRecord:
     """The rows :func:`record_numerics` collected, in the order the casts ran: one per Float8Linear (``module``:
     its qualified name in the model, "" for the model itself), per ``operand`` (input, weight, grad_output), per
@@ -41,42 +43,66 @@ class NumericsRecord:
     Each row: ``recipe`` (DelayedScaling or Float8CurrentScaling), ``format`` (E4M3/E5M2), ``amax`` (max |x|
     of the operand), ``scale`` and ``scale_inv`` (the cast's), then :func:`fp8core.numerics_stats.measure`'s
     statistics against the high-precision operand: ``sqnr_db``, ``underflow``, ``clipped`` (saturated),
-    ``at_max``, ``max_rel_error``, ``lost``.
+    ``at_max``, ``max_rel_error``, ``lost``. With ``record_numerics(..., recipes=...)`` also ``recipes``: per
+    compared recipe, the same statistics of the operand quantized in it (``scale_inv`` for a per-tensor recipe,
+    ``padded`` for a block recipe whose blocks do not tile the operand, viewed as [rows, last dim]), and
+    ``winner``: the best SQNR among the layer's cast (under its recipe's name) and those recipes.
     """
 
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
+    def __init__(self, rows: Optional[list[dict[str, Any]]] = None) -> None:
+        self.rows: list[dict[str, Any]] = [] if rows is None else rows
 
     def to_json(self, **kwargs: Any) -> str:
         """The rows as strict JSON (inf and NaN as the strings "inf", "-inf", "nan", as ``fp8core inspect
         --json`` writes them); ``kwargs`` go to :func:`json.dumps`."""
         return json.dumps(strict_json(self.rows), allow_nan=False, **kwargs)
 
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write :meth:`to_json` to ``path`` (what ``fp8core inspect path`` reads); returns the path."""
+        target = Path(path)
+        target.write_text(self.to_json(indent=1) + "\n", encoding="utf-8")
+        return target
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "NumericsRecord":
+        """A record :meth:`save` wrote. ValueError naming the file when it holds no record."""
+        try:
+            rows = from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        return cls(rows)
+
     def recipes(self) -> list[str]:
-        """The recipes of the recorded layers, in the order they first cast."""
-        return list(dict.fromkeys(r["recipe"] for r in self.rows))
+        """Every recipe of the rows: the recorded layers' own, in the order they first cast, then the compared
+        ones."""
+        own = dict.fromkeys(r["recipe"] for r in self.rows)
+        return list(own) + [n for n in dict.fromkeys(n for r in self.rows for n in r.get("recipes", {}))
+                            if n not in own]
 
     def by_tensor(self) -> dict[str, dict[str, Any]]:
         """The rows in ``fp8core inspect --recipes``'s shape, one per cast, keyed ``"module.operand@step"``:
-        ``{"recipes": {recipe: statistics, other recipe: {"n/a": ...}}, "winner": recipe}``, which its table
-        lines (``fp8core.cli.compare.recipe_lines``) and its SQNR chart (``plot_recipes``, with
-        :meth:`recipes` as the series) take."""
-        names = self.recipes()
-        out = {}
-        for r in self.rows:
-            stats = {k: r[k] for k in ("sqnr_db", "underflow", "clipped", "at_max", "max_rel_error", "lost")}
-            recipes = {n: stats if n == r["recipe"] else {"n/a": "not this layer's recipe"} for n in names}
-            key = f"{r['module'] or '<model>'}.{r['operand']}@{r['step']}"
-            out[key] = {"recipes": recipes, "winner": winner({r["recipe"]: stats})}
-        return out
+        ``{"recipes": {recipe: statistics, other recipe: {"n/a": ...}}, "winner": recipe}`` (the layer's own
+        cast under its recipe's name, and each compared recipe), which its table lines
+        (``fp8core.cli.compare.recipe_lines``) and its SQNR chart (``plot_recipes``, with :meth:`recipes` as the
+        series) take."""
+        return per_cast(self.rows)
+
+    def by_operand(self) -> dict[str, dict[str, Any]]:
+        """Per layer and operand, keyed ``"module.operand"``, every recipe's worst over the steps (least SQNR,
+        most underflow/clipped/at_max) and the ``winner``: the one whose least SQNR is the highest (what
+        ``fp8core inspect`` prints for a saved record; :func:`fp8core.numerics_record.per_operand`)."""
+        return per_operand(self.rows)
 
     def summary(self) -> list[dict[str, Any]]:
         """Per layer and operand, over its steps: how many, the SQNR range, the worst underflow, clipped and
-        at_max fractions, and the last step's amax and scale."""
+        at_max fractions, the last step's amax and scale, and the ``winner`` of :meth:`by_operand`."""
         groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for r in self.rows:
             groups.setdefault((r["module"], r["operand"]), []).append(r)
         out = []
+        winners = {(e["module"], e["operand"]): e["winner"] for e in per_operand(self.rows).values()}
         for (module, operand), rows in groups.items():
             sqnr = [r["sqnr_db"] for r in rows if r["sqnr_db"] is not None]
             last = max(rows, key=lambda r: r["step"])
@@ -85,7 +111,8 @@ class NumericsRecord:
                         "underflow_max": max(r["underflow"] for r in rows),
                         "clipped_max": max(r["clipped"] for r in rows),
                         "at_max_max": max(r["at_max"] for r in rows),
-                        "amax_last": last["amax"], "scale_last": last["scale"]})
+                        "amax_last": last["amax"], "scale_last": last["scale"],
+                        "winner": winners[(module, operand)]})
         return out
 
     def __len__(self) -> int:
@@ -100,11 +127,26 @@ class NumericsRecord:
                          f"{s['underflow_max']:>9.2%} {s['clipped_max']:>8.2%} {s['at_max_max']:>8.2%} "
                          f"{s['amax_last']:>9.3g} {s['scale_last']:>9.3g}")
         lines.append("(worst over the steps: least SQNR, most underflow/clipped/at max; amax and scale of the last)")
+        compared = [n for n in self.recipes() if n not in {r["recipe"] for r in self.rows}]
+        if compared:
+            lines += ["", "least SQNR dB over the steps in each recipe (cast: the layer's own), * the best:"]
+            lines.append(f"{'layer':<14} {'operand':<11}{'cast':>7} " + "".join(f"{n:>{max(7, len(n))}} "
+                                                                          for n in compared).rstrip())
+            for e in per_operand(self.rows).values():
+                cells = [_best(e, e["recipe"], 7)] + [_best(e, n, max(7, len(n))) for n in compared]
+                lines.append(f"{(e['module'] or '<model>')[-14:]:<14} {e['operand']:<11}" + "".join(cells).rstrip())
         return "\n".join(lines)
 
 
 def _cell(v: Optional[float], width: int) -> str:
     return f"{'n/a':>{width}}" if v is None else f"{v:>{width}.2f}"
+
+
+def _best(entry: dict[str, Any], name: str, width: int) -> str:
+    """One recipe's least SQNR in a :func:`per_operand` entry, starred when it is the winner."""
+    f = entry["recipes"][name]
+    mark = "*" if name == entry["winner"] else " "
+    return (f"{'n/a':>{width}}" if f.get("sqnr_db") is None else f"{f['sqnr_db']:>{width}.2f}") + mark
 
 
 def _given_scale(fmt: Format, scale: np.ndarray, scale_inv: np.ndarray) -> Recipe:
@@ -119,8 +161,8 @@ def _given_scale(fmt: Format, scale: np.ndarray, scale_inv: np.ndarray) -> Recip
 class _Recorder:
     """The hooks of one :func:`record_numerics` context, and the rows they write to."""
 
-    def __init__(self, record: NumericsRecord, names: dict[Float8Linear, str]) -> None:
-        self.record, self.names = record, names
+    def __init__(self, record: NumericsRecord, names: dict[Float8Linear, str], compare: list[Recipe]) -> None:
+        self.record, self.names, self.compare = record, names, compare
         self.steps: dict[str, int] = {}
 
     def forward_hook(self, module: Float8Linear, args: tuple, kwargs: dict, output: Any) -> None:
@@ -146,7 +188,7 @@ class _Recorder:
                 state: tuple) -> None:
         """One row: ``t`` cast as the layer casts it. ``state``: (scale [3], scale_inv [3]) of delayed scaling, as
         the cast reads them (the forward's tensors: the backward reads those), or (None, None) for current."""
-        t = t.detach()
+        t = t.detach().contiguous()  # a gradient may come expanded (the backward of a sum): stride 0
         amax = ops.amax(t)
         slot = OPERANDS.index(operand)
         scale, scale_inv = state
@@ -162,15 +204,25 @@ class _Recorder:
                                "recipe": type(module.recipe).__name__, "format": fmt.name,
                                "amax": float(amax[0]), "scale": float(s[0]), "scale_inv": float(s_inv[0])}
         row.update(measure(x, _given_scale(fmt, s, s_inv)))
+        if self.compare:
+            row["recipes"] = {r.name: measure(x, r) for r in self.compare}
+            row["winner"] = winner(contenders(row))
         self.record.rows.append(row)
 
 
 @contextlib.contextmanager
-def record_numerics(model: torch.nn.Module) -> Iterator[NumericsRecord]:
+def record_numerics(model: torch.nn.Module,
+                    recipes: Union[None, str, Sequence[str]] = None) -> Iterator[NumericsRecord]:
     """Record, while the context is open, what the fp8 casts of every Float8Linear in ``model`` do: per layer,
     per operand (input, weight, grad_output), per step, the amax, the scale the cast used, underflow, saturation
     and SQNR against the high-precision operand (see :class:`NumericsRecord`). Yields the record; ``print`` it
     for a summary, ``.rows`` for every row, ``.to_json()``.
+
+    ``recipes``: also quantize each operand, from its high-precision values, in these recipes to compare
+    (``"all"``, or names of :data:`fp8core.numerics_recipes.RECIPES`: ``e4m3``, ``e5m2``, ``mxfp8_rceil``,
+    ``mxfp8_floor``, ``block_1x128``, ``block_128x128``, as a list or one comma-separated string; block recipes
+    along the operand's last dimension) and name the ``winner`` per row; None (the default): the layers' casts
+    only. :meth:`NumericsRecord.save` writes the record that ``fp8core inspect record.json`` prints and plots.
 
     Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`); under ``torch.no_grad`` only
     the forward rows. The backward of a forward recorded here is recorded wherever it runs. Off by default and
@@ -180,6 +232,7 @@ def record_numerics(model: torch.nn.Module) -> Iterator[NumericsRecord]:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    compare = [] if recipes is None else select(recipes, "recipes")
     names: dict[Float8Linear, str] = {}
     for name, m in model.named_modules():
         if not isinstance(m, Float8Linear):
@@ -191,7 +244,7 @@ def record_numerics(model: torch.nn.Module) -> Iterator[NumericsRecord]:
     if not names:
         raise ValueError(f"model: no Float8Linear in this {type(model).__name__} (convert_to_float8 it first)")
     record = NumericsRecord()
-    recorder = _Recorder(record, names)
+    recorder = _Recorder(record, names, compare)
     # first among the forward hooks: the output a hook of the caller's may replace is not the one the layer's
     # backward takes its gradient for
     handles = [m.register_forward_hook(recorder.forward_hook, prepend=True, with_kwargs=True) for m in names]

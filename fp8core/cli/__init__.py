@@ -41,13 +41,15 @@ def parser() -> argparse.ArgumentParser:
                        "the format's max before the cast: they saturate), at ±max (values that land on ±max, "
                        "clipped ones included), the largest relative error, and counts of NaN and inf inputs. "
                        "Nothing in the files is unpickled.")
-    p.add_argument("files", nargs="+", help=".npy, .npz, .safetensors or .pt files")
+    p.add_argument("files", nargs="+", help=".npy, .npz, .safetensors or .pt files, or records of "
+                   "fp8core.torch.record_numerics (.json, rec.save(path)): per layer and operand, each recipe's "
+                   "worst step")
     p.add_argument("--json", action="store_true",
                    help="machine-readable output, strict JSON: inf and NaN are written as the strings "
                         '"inf", "-inf", "nan"; a SQNR with no signal (an all-zero or empty tensor) is null')
     p.add_argument("--plot", metavar="OUT.png", help="histograms of log2|x| with each format's range "
                    "(.png is added to a name without an image extension); with --recipes also OUT.recipes.png, "
-                   "SQNR per tensor per recipe")
+                   "SQNR per tensor per recipe; for a record OUT.png is that chart, per layer and operand")
     p.add_argument("--raw-fp8", choices=sorted(RAW_FP8), default="e4m3",
                    help="how to read 1-byte raw (|V1) .npy data, which is how ml_dtypes fp8 arrays are saved "
                         "(default e4m3); 2-byte raw data is read as bfloat16")
@@ -62,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
                         "Block recipes run along the last dimension, partial blocks zero-padded in effect, n/a for "
                         "a scalar")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
-                   help=f"refuse an .npz file whose members would inflate to more than N bytes in all (default "
+                   help=f"refuse an .npz file whose members would inflate to more than N bytes in all, or a larger "
+                        f"record (default "
                         f"{DEFAULT_MAX_BYTES})")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("demo", help="train a small MLP with Float8Linear next to an fp32 twin")

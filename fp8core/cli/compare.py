@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import textwrap
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -15,14 +15,20 @@ from .recipes import BLOCK_RULE
 _LABELLED = 200  # tensors named on the SQNR chart's axis, at most
 
 
+def name_width(names: Iterable[str]) -> int:
+    """The recipe column's width: 14, or the longest name (a record's Float8CurrentScaling)."""
+    return max([14, *map(len, names)])
+
+
 def recipe_lines(r: dict) -> Iterator[str]:
     """A line per recipe of one tensor's row (``r["recipes"]``), the winner starred."""
+    width = name_width(r["recipes"])
     for name, f in r["recipes"].items():
         mark = "*" if name == r["winner"] else " "
         if "n/a" in f:
-            yield f" {mark}{name:<14} n/a: {f['n/a']}"
+            yield f" {mark}{name:<{width}} n/a: {f['n/a']}"
             continue
-        yield (f" {mark}{name:<14} {cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} {f['clipped']:>8.2%} "
+        yield (f" {mark}{name:<{width}} {cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} {f['clipped']:>8.2%} "
                f"{f['at_max']:>8.2%} {f['max_rel_error']:>11.3g} {'padded' if f.get('padded') else ''}".rstrip())
 
 
@@ -34,21 +40,26 @@ def recipe_notes(r: dict) -> Iterator[str]:
                "whole block NaN; SQNR -inf")
 
 
-def summary_lines(s: dict) -> Iterator[str]:
-    """The summary (:func:`fp8core.numerics_stats.summary`) as a table, then the block rule."""
-    yield f"over {s['tensors']} tensor(s) with a signal: how often each recipe is the best (*), or within 1 dB of it"
-    yield f"  {'recipe':<14} {'best':>6} {'within 1 dB':>12}"
+def summary_lines(s: dict, what: str = "tensor(s)") -> Iterator[str]:
+    """The summary (:func:`fp8core.numerics_stats.summary`) as a table, then the block rule. ``what``: what it
+    counts."""
+    yield f"over {s['tensors']} {what} with a signal: how often each recipe is the best (*), or within 1 dB of it"
+    width = name_width(s["recipes"])
+    yield f"  {'recipe':<{width}} {'best':>6} {'within 1 dB':>12}"
     for name, c in s["recipes"].items():
-        yield f"  {name:<14} {c['best']:>6} {c['within_1db']:>12}"
+        yield f"  {name:<{width}} {c['best']:>6} {c['within_1db']:>12}"
     yield from textwrap.wrap(f"padded: {BLOCK_RULE}", TABLE_WIDTH)
 
 
-def plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
-    """SQNR per tensor (one row each) per recipe (a marker series each), beside the histograms' file."""
+def plot_recipes(rows: dict[str, dict], names: list[str], out: str, beside: bool = True,
+                 title: str | None = None, underflow: bool = False) -> Path:
+    """SQNR per tensor (one row each) per recipe (a marker series each), beside the histograms' file
+    (``out``.recipes.png), or with ``beside=False`` at ``out`` itself. ``underflow``: a second panel, the
+    fraction of nonzero values each recipe flushes to 0 (which SQNR, weighted by energy, barely shows)."""
     import matplotlib.pyplot as plt  # the histograms were drawn first: matplotlib is there, on the Agg backend
 
     first = plot_target(out)
-    target = first.with_name(f"{first.stem}.recipes{first.suffix}")
+    target = first.with_name(f"{first.stem}.recipes{first.suffix}") if beside else first
     keys = list(rows)
     finite = [s for r in rows.values() for f in r["recipes"].values()
               if isinstance(s := f.get("sqnr_db"), float) and math.isfinite(s)]
@@ -57,7 +68,11 @@ def plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
     # Past _LABELLED tensors the picture stops growing (matplotlib refuses images over 2^16 pixels) and every
     # k-th tensor is named: a large checkpoint reads as a profile down its layers.
     every = -(-len(keys) // _LABELLED)
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.28 * min(len(keys), _LABELLED)))
+    height = 1.2 + 0.28 * min(len(keys), _LABELLED)
+    if underflow:
+        fig, (ax, flushed) = plt.subplots(1, 2, figsize=(12, height), sharey=True, width_ratios=(3, 2))
+    else:
+        fig, ax = plt.subplots(figsize=(9, height))
     ys = np.arange(len(keys))
     markers = "osD^vP*X"
     for j, name in enumerate(names):
@@ -65,8 +80,11 @@ def plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
         for k in keys:
             s = rows[k]["recipes"][name].get("sqnr_db")
             xs.append(np.nan if s is None else top if s == math.inf else low if s == -math.inf else s)
-        ax.plot(xs, ys, linestyle="none", marker=markers[j % len(markers)], markersize=6 / every ** 0.5, label=name,
-                alpha=0.85)
+        style = {"linestyle": "none", "marker": markers[j % len(markers)], "markersize": 6 / every ** 0.5,
+                 "alpha": 0.85}
+        ax.plot(xs, ys, label=name, **style)
+        if underflow:
+            flushed.plot([100 * rows[k]["recipes"][name].get("underflow", np.nan) for k in keys], ys, **style)
     best = [rows[k]["recipes"][rows[k]["winner"]]["sqnr_db"] if rows[k]["winner"] else np.nan for k in keys]
     best = [top if b == math.inf else low if b == -math.inf else b for b in best]
     ax.barh(ys, np.nan_to_num(np.array(best, float) - low, nan=0.0), left=low, height=0.8, color="0.9", zorder=0)
@@ -75,7 +93,16 @@ def plot_recipes(rows: dict[str, dict], names: list[str], out: str) -> Path:
     ax.set_xlim(low - 1, top + 1)
     ax.set_xlabel(f"SQNR dB (grey: the best recipe; exact at {top:.0f}, NaN-poisoned at {low:.0f})")
     ax.grid(axis="x", linewidth=0.5, alpha=0.5)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="recipe")
+    legend_at = ax
+    if underflow:
+        flushed.set_xlabel("underflow % (nonzero values that become 0)")
+        flushed.set_xlim(left=-0.5)
+        flushed.grid(axis="x", linewidth=0.5, alpha=0.5)
+        legend_at = flushed
+    handles, labels = ax.get_legend_handles_labels()
+    legend_at.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="recipe")
+    if title:
+        fig.suptitle(printable(title).replace("$", r"\$"), fontsize=9)
     fig.tight_layout()
     fig.savefig(target, dpi=90)
     plt.close(fig)

@@ -21,6 +21,8 @@ from fp8core.selftest.gpu import one_line
 from .common import TABLE_WIDTH, CliError, cell, plot_target, printable, progress, status
 from .compare import plot_recipes, recipe_lines, recipe_notes, summary_lines
 from .files import iter_tensors
+from .record import SUFFIX as RECORD_SUFFIX
+from .record import inspect_records
 from .recipes import BLOCK_RULE, Recipe, measure, parse_recipes, summary, winner
 
 _CHUNK = 1 << 20  # elements per step of the statistics
@@ -265,6 +267,17 @@ def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe])
 
 
 def _inspect(args: argparse.Namespace) -> None:
+    records = [f for f in args.files if Path(f).suffix.lower() == RECORD_SUFFIX]
+    if records:
+        if len(records) < len(args.files):
+            raise CliError(f"{records[0]}: a record (.json) is inspected on its own, not with tensor files")
+        if args.recipes is not None:
+            raise CliError("--recipes: not with a record (it holds the recipes compared while recording: "
+                           "record_numerics(model, recipes=...))")
+        if args.scale is not None:
+            raise CliError("--scale: not with a record (its casts used their own scales)")
+        inspect_records(records, args.json, args.plot, args.max_bytes)
+        return
     recipes = parse_recipes(args.recipes) if args.recipes is not None else None
     if recipes and args.scale is not None:
         raise CliError("--scale: not with --recipes (each recipe makes its own scales)")

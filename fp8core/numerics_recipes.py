@@ -1,0 +1,82 @@
+"""The recipes a numerics study compares (``fp8core inspect --recipes``, ``fp8core.torch.record_numerics``'s
+``recipes=``), by name, each a :class:`fp8core.numerics_stats.Recipe`: per-tensor current scaling in E4M3 and
+E5M2, MXFP8 (rceil and floor scales), 1x128 and 128x128 blocks.
+
+The quantization is the library's (its public functions, whole tensor at a time).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from fp8core.blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequantize_mxfp8, quantize_blockwise,
+                            quantize_mxfp8)
+from fp8core.formats import Format
+from fp8core.numerics_stats import Recipe
+from fp8core.ops import dequantize, quantize_dynamic
+
+__all__ = ["RECIPES", "BLOCK_RULE", "select"]
+
+
+def _current(fmt: Format) -> Recipe:
+    def rows(q: Any, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        data, scale_inv = q
+        return data[r0:r1], dequantize(data[r0:r1], scale_inv)
+
+    return Recipe(fmt.value, f"Float8CurrentScaling, Format.{fmt.name}: one scale per tensor from its amax", fmt,
+                  lambda x: quantize_dynamic(x, fmt)[:2], rows, scale_inv=lambda q: float(q[1][0]))
+
+
+def _mxfp8(mode: str) -> Recipe:
+    def rows(t: MXTensor, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        part = MXTensor(t.data[r0:r1], t.scale[r0:r1])
+        return part.data, dequantize_mxfp8(part)
+
+    return Recipe(f"mxfp8_{mode}", f"MXFP8BlockScaling, E4M3, scale_mode {mode}: an E8M0 scale per 1x32 block",
+                  Format.E4M3, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode), rows, block=(1, 32))
+
+
+def _blockwise(rows_per_block: int) -> Recipe:
+    block = f"{rows_per_block}x128"
+
+    def rows(t: BlockScaledTensor, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        scale = t.scale_inv[r0 // rows_per_block:-(-r1 // rows_per_block)]
+        part = BlockScaledTensor(t.data[r0:r1], scale)
+        return part.data, dequantize_blockwise(part)
+
+    return Recipe(f"block_{block}", f"Float8BlockScaling, E4M3: a power-of-2 fp32 scale per {block} block",
+                  Format.E4M3, lambda x: quantize_blockwise(x, Format.E4M3, block=block), rows,
+                  row_step=rows_per_block, block=(rows_per_block, 128))
+
+
+# A tie in SQNR goes to the recipe listed first: one scale per tensor before any block recipe, which has
+# scales to keep per block.
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    _current(Format.E4M3), _current(Format.E5M2), _mxfp8("rceil"), _mxfp8("floor"), _blockwise(1),
+    _blockwise(128))}
+
+BLOCK_RULE = ("block recipes run along the last dimension (a tensor is viewed as [rows, last dim]; 1-D is one "
+              "row); a partial block at an edge is zero-padded in effect (its scale comes from its own elements); "
+              "a scalar has no blocks: n/a")
+
+
+def select(names: str | Sequence[str], arg: str = "recipes") -> list[Recipe]:
+    """``"all"``, or names from :data:`RECIPES` (a sequence, or one string of comma-separated names), in the
+    order given, repeats dropped. ValueError naming ``arg`` for an unknown or empty name."""
+    if isinstance(names, str):
+        if names.strip() == "all":
+            return list(RECIPES.values())
+        names = [n.strip() for n in names.split(",")]
+    elif not isinstance(names, (list, tuple)):
+        raise TypeError(f"{arg}: expected 'all', a comma-separated string or a list of recipe names, got "
+                        f"{type(names).__name__}")
+    valid = ", ".join(RECIPES)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"{arg}: expected recipe names (str), got {type(n).__name__}")
+        if n not in RECIPES:
+            what = "an empty name" if not n else f"unknown recipe {n!r}"
+            raise ValueError(f"{arg}: {what}; expected 'all' or a comma-separated list of {valid}")
+    return [RECIPES[n] for n in dict.fromkeys(names)]

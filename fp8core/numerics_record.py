@@ -1,0 +1,159 @@
+"""The rows of a numerics record (``fp8core.torch.record_numerics``): one per cast a layer ran, per layer
+(``module``), ``operand`` and ``step``, with the statistics of the layer's own cast and, when other recipes
+were compared, theirs. Here: the rows read back from their JSON (checked), and the rows in ``fp8core inspect
+--recipes``'s shape, per cast or per layer and operand over the steps. No framework: ``fp8core inspect`` reads
+a saved record without torch.
+
+A row is a dict: ``module`` (str), ``operand`` (``input``, ``weight`` or ``grad_output``), ``step`` (int),
+``recipe`` (the layer's: ``DelayedScaling`` or ``Float8CurrentScaling``), ``format`` (``E4M3``/``E5M2``),
+``amax``, ``scale``, ``scale_inv``, the statistics of :func:`fp8core.numerics_stats.measure` (:data:`STATS`),
+and optionally ``recipes`` (name -> statistics, or ``{"n/a": why}``) with ``winner`` (the best SQNR among the
+layer's cast and those recipes; None when none has one).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fp8core.numerics_stats import winner
+
+__all__ = ["OPERANDS", "STATS", "contenders", "from_json", "per_cast", "per_operand"]
+
+OPERANDS = ("input", "weight", "grad_output")  # in the order of a Float8Linear's state slots (fp8_scale[0:3])
+STATS = ("sqnr_db", "underflow", "clipped", "at_max", "max_rel_error", "lost")
+_NUMBERS = ("amax", "scale", "scale_inv") + STATS
+_WORST_MAX = ("underflow", "clipped", "at_max", "max_rel_error", "lost")  # the worst over steps is the largest
+_EXPECTED = ("expected a JSON list of rows as NumericsRecord.save and .to_json() write them (each an object with "
+             "module, operand, step, recipe, format, amax, scale, scale_inv, " + ", ".join(STATS) + ")")
+
+
+def contenders(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The layer's own cast (under its recipe's name) and the compared recipes of one row, each its statistics."""
+    return {row["recipe"]: {k: row[k] for k in STATS}, **row.get("recipes", {})}
+
+
+def _names(rows: list[dict[str, Any]]) -> list[str]:
+    """Every contender's name, in the order first seen: the layers' recipes, then the compared ones."""
+    own = dict.fromkeys(r["recipe"] for r in rows)
+    return list(own) + [n for n in dict.fromkeys(n for r in rows for n in r.get("recipes", {})) if n not in own]
+
+
+def _filled(row: dict[str, Any], names: list[str], own: set[str]) -> dict[str, dict[str, Any]]:
+    """Every name of the record for one row; those the row lacks n/a, saying why."""
+    mine = contenders(row)
+    return {n: mine.get(n, {"n/a": "not this layer's recipe" if n in own else "not compared at this cast"})
+            for n in names}
+
+
+def per_cast(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One entry per row, keyed ``"module.operand@step"`` (``<model>`` for the model itself):
+    ``{"recipes": {name: statistics or {"n/a": why}}, "winner": name}`` over every contender of the record."""
+    names, own = _names(rows), {r["recipe"] for r in rows}
+    out = {}
+    for r in rows:
+        recipes = _filled(r, names, own)
+        out[f"{r['module'] or '<model>'}.{r['operand']}@{r['step']}"] = {"recipes": recipes,
+                                                                      "winner": winner(recipes)}
+    return out
+
+
+def _worst(stats: list[dict[str, Any]], won: int) -> dict[str, Any]:
+    """One contender over the steps: the least SQNR (None where no step had a signal), the largest fractions and
+    relative error, padded if any step was; ``best_steps``: in how many steps it had the best SQNR."""
+    measured = [s for s in stats if "n/a" not in s]
+    if not measured:
+        return {"n/a": stats[0]["n/a"]}
+    sqnr = [s["sqnr_db"] for s in measured if s["sqnr_db"] is not None]
+    out: dict[str, Any] = {"sqnr_db": min(sqnr) if sqnr else None}
+    out.update({k: max(s[k] for s in measured) for k in _WORST_MAX})
+    if any("padded" in s for s in measured):
+        out["padded"] = any(s.get("padded", False) for s in measured)
+    out["best_steps"] = won
+    return out
+
+
+def per_operand(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One entry per layer and operand, keyed ``"module.operand"``, over its steps: ``module``, ``operand``,
+    ``recipe`` and ``format`` (the layer's cast), ``steps``, ``amax_min``/``amax_max``, and per contender the
+    worst over the steps (least SQNR; largest underflow, clipped, at_max, max_rel_error, lost; ``best_steps``: the
+    steps it won), with ``winner``: the contender whose least SQNR is the highest, the one that serves every step
+    best."""
+    names, own = _names(rows), {r["recipe"] for r in rows}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["module"], r["operand"]), []).append(r)
+    out = {}
+    for (module, operand), group in groups.items():
+        casts = [_filled(r, names, own) for r in group]
+        wins = [winner(c) for c in casts]
+        recipes = {n: _worst([c[n] for c in casts], wins.count(n)) for n in names}
+        amax = [r["amax"] for r in group if not math.isnan(r["amax"])]
+        out[f"{module or '<model>'}.{operand}"] = {
+            "module": module, "operand": operand, "recipe": group[-1]["recipe"], "format": group[-1]["format"],
+            "steps": len(group),
+            "amax_min": min(amax, default=math.nan), "amax_max": max(amax, default=math.nan),
+            "recipes": recipes, "winner": winner(recipes)}
+    return out
+
+
+def _number(v: Any, where: str) -> float:
+    if isinstance(v, str) and v in ("inf", "-inf", "nan"):  # strict JSON's infinities and NaN
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{where} is {v!r}, not a number")
+    return float(v)
+
+
+def _stats(d: Any, where: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} is not an object ({type(d).__name__})")
+    if "n/a" in d:
+        return {"n/a": str(d["n/a"])}
+    out: dict[str, Any] = {}
+    for k in STATS:
+        if k not in d:
+            raise ValueError(f"{where} has no {k!r}")
+        out[k] = None if k == "sqnr_db" and d[k] is None else _number(d[k], f"{where}'s {k!r}")
+    for k, v in d.items():
+        if k not in out:
+            out[k] = v if isinstance(v, bool) or k == "padded" else _number(v, f"{where}'s {k!r}")
+    return out
+
+
+def from_json(data: Any) -> list[dict[str, Any]]:
+    """The rows of a record from its parsed JSON (``json.loads`` of ``.to_json()``), checked, with "inf", "-inf"
+    and "nan" back as floats. ValueError saying what is not a record, and what one is."""
+    if not isinstance(data, list):
+        kind = {dict: "object", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(data), "null")
+        raise ValueError(f"not a record: its top level is a JSON {kind}; " + _EXPECTED)
+    if not data:
+        raise ValueError("an empty record: no cast was recorded (were the layers run under "
+                         "fp8core.torch.autocast inside record_numerics?)")
+    rows = []
+    for i, r in enumerate(data):
+        where = f"row {i}"
+        try:
+            if not isinstance(r, dict):
+                raise ValueError(f"{where} is not an object ({type(r).__name__})")
+            missing = [k for k in ("module", "operand", "step", "recipe", "format") + _NUMBERS if k not in r]
+            if missing:
+                raise ValueError(f"{where} has no {', '.join(map(repr, missing))}")
+            for k in ("module", "recipe", "format"):
+                if not isinstance(r[k], str):
+                    raise ValueError(f"{where}'s {k!r} is {r[k]!r}, not a string")
+            if r["operand"] not in OPERANDS:
+                raise ValueError(f"{where}'s 'operand' is {r['operand']!r}, not one of {', '.join(OPERANDS)}")
+            if isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0:
+                raise ValueError(f"{where}'s 'step' is {r['step']!r}, not a count from 0")
+            row = dict(r)
+            row.update({k: None if k == "sqnr_db" and r[k] is None else _number(r[k], f"{where}'s {k!r}")
+                        for k in _NUMBERS})
+            if "recipes" in r:
+                if not isinstance(r["recipes"], dict):
+                    raise ValueError(f"{where}'s 'recipes' is not an object of recipe names")
+                row["recipes"] = {n: _stats(s, f"{where}'s recipe {n!r}") for n, s in r["recipes"].items()}
+            rows.append(row)
+        except ValueError as e:
+            raise ValueError(f"not a record: {e}; {_EXPECTED}") from None
+    return rows

@@ -72,7 +72,8 @@ class Contract(nn.Module):
 
     @nn.compact
     def __call__(self, lhs, rhs):
-        dot = partial(fj.Fp8DotGeneral(recipe=self.recipe, name="dot"), preferred_element_type=self.preferred_element_type)
+        dot = partial(fj.Fp8DotGeneral(recipe=self.recipe, name="dot"),
+                      preferred_element_type=self.preferred_element_type)
         return dot(lhs, rhs, self.dn) if self.batched else per_element(dot, lhs, rhs, self.dn)
 
 
@@ -135,6 +136,25 @@ def test_batched_is_the_unbatched_op_per_element(case, recipe):
 @pytest.mark.parametrize("case", ["qk", "batch_last_unordered"])
 def test_batched_is_the_unbatched_op_per_element_eagerly(case, recipe):
     check_against_twin(case, recipe, jit=False)
+
+
+def test_interval_two_over_two_steps():
+    """recipe.interval 2 (the interval_step count): two steps from the same state, each the twin's."""
+    recipe = fp8core.DelayedScaling(amax_history_len=4, interval=2)
+    lhs, rhs, dn, g = inputs("pv")
+    ours, twin = Contract(dn, recipe, True), Contract(dn, recipe, False)
+    v = ours.init(jax.random.PRNGKey(0), lhs, rhs)
+    tv = v
+    for step in range(2):
+        y, (dv, dl, dr) = vjp(ours, v, lhs * (step + 1), rhs, g)
+        ty, (tdv, tdl, tdr) = vjp(twin, tv, lhs * (step + 1), rhs, g)
+        assert_same(y, ty, f"y {step}")
+        assert_same(dl, tdl, f"dlhs {step}")
+        assert_same(dr, tdr, f"drhs {step}")
+        for key in KEYS + ("interval_step",):
+            assert_same(dv[OWG]["dot"][key], tdv[OWG]["dot"][key], f"{key} {step}")
+        v, tv = {OWG: dv[OWG]}, {OWG: tdv[OWG]}
+    assert float(v[OWG]["dot"]["interval_step"]) == 0 and (np.asarray(v[OWG]["dot"]["scale"]) != 1).all()
 
 
 def test_bfloat16_operands_float32_output():

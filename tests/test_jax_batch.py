@@ -138,6 +138,34 @@ def test_batched_is_the_unbatched_op_per_element_eagerly(case, recipe):
     check_against_twin(case, recipe, jit=False)
 
 
+def callbacks(jaxpr: Any) -> int:
+    """The buffer callbacks a jaxpr runs, inner jaxprs (jit, custom_vjp, cond) included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "buffer_callback"
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += callbacks(inner)
+    return count
+
+
+def test_one_callback_per_gemm_whatever_the_batch():
+    """A training step's callbacks do not grow with the batch: one batched GEMM primitive per product."""
+    def count(batch):
+        lhs, rhs, dn = jnp.ones((batch, 5, 3, 10)), jnp.ones((batch, 7, 3, 10)), CASES["qk"][2]
+        model = Contract(dn, DELAYED, True)
+        v = model.init(jax.random.PRNGKey(0), lhs, rhs)
+        step = jax.grad(lambda v, a, b: model.apply(v, a, b).sum(), argnums=(0, 1, 2))
+        return callbacks(jax.make_jaxpr(step)(v, lhs, rhs).jaxpr)
+
+    n = count(1)
+    assert n >= 6 and count(4) == n  # at least 3 casts and 3 GEMMs
+    assert callbacks(jax.make_jaxpr(partial(fj.gemm, a_scale_inv=1.0, b_scale_inv=1.0))(
+        q8((4, 3, 16, 16), 1), q8((4, 3, 16, 16), 2)).jaxpr) == 1
+
+
 def test_interval_two_over_two_steps():
     """recipe.interval 2 (the interval_step count): two steps from the same state, each the twin's."""
     recipe = fp8core.DelayedScaling(amax_history_len=4, interval=2)

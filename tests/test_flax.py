@@ -222,16 +222,18 @@ class Einsum(nn.Module):
 
 
 @pytest.mark.parametrize("case, recipe", [("DenseGeneral", DELAYED), ("DenseGeneral", fp8core.Float8CurrentScaling()),
-                                          ("einsum-bsk,kn", DELAYED), ("einsum-bsk,nk", fp8core.Float8CurrentScaling())],
+                                          ("einsum-bsk,kn", DELAYED), ("einsum-bsk,nk", fp8core.Float8CurrentScaling()),
+                                          ("einsum-bsk,bkn", DELAYED)],
                          ids=["DenseGeneral-delayed", "DenseGeneral-current", "einsum-bsk,kn-delayed",
-                              "einsum-bsk,nk-current"])
+                              "einsum-bsk,nk-current", "einsum-bsk,bkn-delayed"])
 def test_dense_general_and_einsum_against_float32(case, recipe):
     x = jax.random.normal(jax.random.PRNGKey(3), (5, 4, 16))
     if case == "DenseGeneral":
         dot = partial(fj.Fp8DotGeneral, recipe=recipe)
         ours, ref = (nn.DenseGeneral((2, 16), axis=(-2, -1), dot_general_cls=d) for d in (dot, None))
     else:
-        eqn, kshape = ("bsk,kn->bsn", (16, 32)) if case.endswith("kn") else ("bsk,nk->bsn", (32, 16))
+        eqn, kshape = {"einsum-bsk,kn": ("bsk,kn->bsn", (16, 32)), "einsum-bsk,nk": ("bsk,nk->bsn", (32, 16)),
+                       "einsum-bsk,bkn": ("bsk,bkn->bsn", (5, 16, 32))}[case]  # the last: a batch dim
         ours, ref = Einsum(eqn, kshape, partial(fj.Fp8Einsum, recipe=recipe)), Einsum(eqn, kshape)
     v = ours.init(jax.random.PRNGKey(4), x)
     params = {"params": v["params"]}
@@ -252,7 +254,6 @@ def test_dense_general_and_einsum_against_float32(case, recipe):
 
 
 @pytest.mark.parametrize("build, match", [
-    (lambda: Einsum("bsk,bkn->bsn", (5, 16, 16), fj.Fp8Einsum), r"dimension_numbers: .*no batch dimensions"),
     (lambda: nn.Dense(16, dot_general_cls=partial(fj.Fp8DotGeneral,
                                                   recipe=fp8core.DelayedScaling(interval=2**24 + 1))),
      r"recipe: .*interval at most 2\*\*24, got 16777217"),

@@ -133,6 +133,21 @@ def gemm_operands(a: Any, b: Any) -> tuple[Format, Format, int, int]:
     return fa, fb, k, n
 
 
+def batched_gemm_operands(a: Any, b: Any) -> tuple[tuple[int, ...], int]:
+    """(the batch shape, N) of fp8 a [..., M, K] and b [..., N, K] with the same leading (batch) dims, each
+    batch element's GEMM by cuBLASLt's FP8 limits (fp8core.gemm)."""
+    fa, fb = fp8(a, "a"), fp8(b, "b")
+    for arg, x, dims in (("a", a, "[..., M, K]"), ("b", b, "[..., N, K]")):
+        if len(x.shape) < 2:
+            raise ValueError(f"{arg}: expected a {dims} array, got shape {tuple(x.shape)}")
+    batch = tuple(a.shape[:-2])
+    if tuple(b.shape[:-2]) != batch:
+        raise ValueError(f"b: expected batch dims {batch} (a's leading dims, a {tuple(a.shape)}), got shape "
+                         f"{tuple(b.shape)}")
+    _, _, n = check_shapes(tuple(a.shape[-2:]), tuple(b.shape[-2:]), fa, fb)
+    return batch, n
+
+
 def bias(b: Any, n: int, out_name: str) -> None:
     if b is not None:
         check_bias(_name(array(b, "bias")), tuple(b.shape), n, out_name)

@@ -8,6 +8,8 @@ FP8 goes on with one argument, the way flax users (and MaxText-style configs) sw
 and ``jnp.einsum(eqn, x, kernel, _dot_general=Fp8DotGeneral())`` inside a compact module (flax 0.12's
 ``nn.Einsum`` takes no custom dot_general). The forward pass is two fp8 casts and one fp8 GEMM, the backward
 pass one cast and two GEMMs, all fp8core kernels through ``fp8core.jax`` (CPU and GPU, under ``jit``).
+``dot_general``'s batch dimensions (attention's ``"bqhd,bkhd->bhqk"``, ``nn.DenseGeneral(batch_dims=...)``) run
+as one batched GEMM per product: each batch element's GEMM the unbatched one, each operand with one scale.
 
 Delayed scaling keeps its state in flax's ``_overwrite_with_gradient`` collection: ``amax_history`` [L, 3],
 ``scale`` [3] and ``scale_inv`` [3], the columns being lhs (input), rhs (kernel) and grad_output, laid out like
@@ -47,7 +49,8 @@ from fp8core import DelayedScaling
 from fp8core.gemm import MULTIPLE
 
 from . import _args
-from .primitives import amax, cast_transpose, compute_scale, gemm, quantize_dynamic, reduce_amax, transpose, update
+from .primitives import (amax, cast_transpose, compute_scale, gemm, quantize, quantize_dynamic, reduce_amax,
+                         transpose, update)
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT"]
 
@@ -187,11 +190,8 @@ def _check_recipe(recipe: Any, functional: bool = False) -> None:
 
 def _layout(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
     """Permutations that put lhs as [free..., contracting...] and rhs as [contracting..., free...], and K, N."""
-    (lc, rc), (lb, rb) = dimension_numbers
+    (lc, rc), _ = dimension_numbers  # no batch dims: _dot_general sends those to _batched_dot_general
     lc, rc = tuple(int(d) % lhs.ndim for d in lc), tuple(int(d) % rhs.ndim for d in rc)
-    if tuple(lb) or tuple(rb):
-        raise ValueError(f"dimension_numbers: Fp8DotGeneral has no batch dimensions, got lhs {tuple(lb)} "
-                         f"and rhs {tuple(rb)}; use a plain dot_general for batched contractions")
     if len(lc) != len(rc) or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lc, rc)):
         raise ValueError(f"dimension_numbers: contracting dims {lc} of lhs {lhs.shape} and {rc} of rhs "
                          f"{rhs.shape} do not match")
@@ -226,12 +226,15 @@ def _precision(precision: Any) -> None:
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: dict[str, jax.Array] | None,
                     recipe: Any, axis_name: Any = None, preferred_element_type: Any = None,
                     precision: Any = None) -> jax.Array:
-    """``lax.dot_general`` without batch dimensions, in fp8 by fp8core's kernels; the functional core of
+    """``lax.dot_general`` (batch dimensions too) in fp8 by fp8core's kernels; the functional core of
     :class:`Fp8DotGeneral`. ``state`` (delayed scaling): ``{"amax_history", "scale", "scale_inv"}``; its
     gradient is its next value (a state passed to several calls gets the sum of theirs: JAX adds the gradients
     of a value used twice; :class:`Fp8DotGeneral` combines its calls by MAX). Any K and N: the GEMMs' operands
     are zero-padded to their multiples of 16 and the results cut back; ``precision`` None or
-    ``lax.Precision.DEFAULT``."""
+    ``lax.Precision.DEFAULT``. Batch dims anywhere (as dot_general allows): moved to the front by transposes
+    in JAX, each batch element's GEMMs those of the unbatched op with the operand's one per-tensor scale (its
+    amax over the whole operand, batch included), all elements in one batched GEMM primitive, the output in
+    dot_general's layout (batch, lhs free, rhs free)."""
     _check_recipe(recipe, functional=True)
     _args.layer_state(state, recipe)
     if isinstance(recipe, DelayedScaling):
@@ -247,6 +250,8 @@ def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: 
     for arg, t in (("lhs", lhs), ("rhs", rhs)):
         if len(_args.array(t, arg).shape) == 0:
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
+    if any(len(tuple(d)) for d in dimension_numbers[1]):
+        return _batched_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
     lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
     out = _dtype_name(preferred_element_type if preferred_element_type is not None
@@ -273,9 +278,123 @@ def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: 
     return y[:rows, :n].reshape(out_shape)
 
 
+def _dims(dims: Any, x: jax.Array, arg: str, kind: str) -> tuple[int, ...]:
+    """dot_general's dims of one operand, each in range (a negative one counted from the end)."""
+    out = []
+    for d in tuple(dims):
+        if not isinstance(d, (int, np.integer)) or not -x.ndim <= int(d) < x.ndim:
+            raise ValueError(f"dimension_numbers: {kind} dim {d!r} of {arg} is not a dimension of its shape "
+                             f"{tuple(x.shape)}")
+        out.append(int(d) % x.ndim)
+    return tuple(out)
+
+
+def _batched_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
+                    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int, int, int], tuple[int, ...]]:
+    """Permutations that put lhs as [batch..., free..., contracting...] and rhs as [batch..., contracting...,
+    free...]; (B, M, K, N), the sizes of the [B, M, K] · [B, K, N] they reshape to; and dot_general's output
+    shape (batch..., lhs free..., rhs free...)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc = _dims(lc, lhs, "lhs", "contracting"), _dims(rc, rhs, "rhs", "contracting")
+    lb, rb = _dims(lb, lhs, "lhs", "batch"), _dims(rb, rhs, "rhs", "batch")
+    for arg, x, b, c in (("lhs", lhs, lb, lc), ("rhs", rhs, rb, rc)):
+        if len(set(b + c)) != len(b + c):
+            raise ValueError(f"dimension_numbers: {arg}'s batch dims {b} and contracting dims {c} repeat a "
+                             f"dimension (shape {tuple(x.shape)})")
+    if len(lb) != len(rb) or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lb, rb)):
+        raise ValueError(f"dimension_numbers: batch dims {lb} of lhs {tuple(lhs.shape)} and {rb} of rhs "
+                         f"{tuple(rhs.shape)} do not match")
+    if len(lc) != len(rc) or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lc, rc)):
+        raise ValueError(f"dimension_numbers: contracting dims {lc} of lhs {tuple(lhs.shape)} and {rc} of rhs "
+                         f"{tuple(rhs.shape)} do not match")
+    lfree = tuple(d for d in range(lhs.ndim) if d not in lb + lc)
+    rfree = tuple(d for d in range(rhs.ndim) if d not in rb + rc)
+
+    def size(x: jax.Array, dims: tuple[int, ...]) -> int:
+        return int(np.prod([x.shape[d] for d in dims], dtype=np.int64))
+
+    sizes = (size(lhs, lb), size(lhs, lfree), size(lhs, lc), size(rhs, rfree))
+    out_shape = tuple(lhs.shape[d] for d in lb + lfree) + tuple(rhs.shape[d] for d in rfree)
+    return lb + lfree + lc, rb + rc + rfree, sizes, out_shape
+
+
+def _batched_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                         state: dict[str, jax.Array] | None, recipe: Any, axis_name: Any,
+                         preferred_element_type: Any) -> jax.Array:
+    """_dot_general with batch dims: the batch dims moved to the front (transposes in JAX), each batch element
+    a GEMM [M, K] · [K, N] of the one batched GEMM primitive, the operands' scales per tensor (the amax over
+    the whole operand); padded like the unbatched op (M, K, N to multiples of 16, and an empty batch to one
+    element of zeros), and the output put back in dot_general's order."""
+    lperm, rperm, (b, m, k, n), out_shape = _batched_layout(lhs, rhs, dimension_numbers)
+    lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
+    out = _dtype_name(preferred_element_type if preferred_element_type is not None
+                      else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
+    x = jnp.transpose(lhs, lperm).reshape(b, m, k)
+    w = jnp.transpose(rhs, rperm).reshape(b, k, n)
+    pad_b, pad_m = int(b == 0), -m % MULTIPLE or (MULTIPLE if m == 0 else 0)
+    pad_k, pad_n = -k % MULTIPLE, -n % MULTIPLE
+    if pad_b or pad_m or pad_k:
+        x = jnp.pad(x, ((0, pad_b), (0, pad_m), (0, pad_k)))
+    if pad_b or pad_k or pad_n:
+        w = jnp.pad(w, ((0, pad_b), (0, pad_k), (0, pad_n)))
+    if isinstance(recipe, DelayedScaling):
+        h, s, si = (state[key] for key in _KEYS)
+    else:
+        h = s = si = jnp.zeros(1, jnp.float32)
+    y = _fp8_batched_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname))
+    return y[:b, :m, :n].reshape(out_shape)
+
+
+def _cast_whole(x: jax.Array, slot: int, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q, scale_inv, amax) of one operand of any shape, as _cast but with no 2-D transpose: the batched GEMMs
+    transpose each element's fp8 matrix in JAX instead (bits moved, not changed)."""
+    r, fmt = cfg.recipe, _formats(cfg.recipe)[slot].value
+    if isinstance(r, DelayedScaling):
+        q, a = quantize(x, scale[slot:slot + 1], fmt)
+        return q, scale_inv[slot:slot + 1], a
+    if cfg.axis_name is None:
+        return quantize_dynamic(x, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
+    a = reduce_amax(amax(x), cfg.axis_name)
+    s, s_inv = compute_scale(a, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
+    return quantize(x, s, fmt)[0], s_inv, a
+
+
+def _swap(q: jax.Array) -> jax.Array:
+    return jnp.swapaxes(q, -1, -2)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fp8_batched_dot(x, w, history, scale, scale_inv, cfg):
+    """y[B, M, N] = x[B, M, K] · w[B, K, N] in fp8 (M, K, N multiples of 16); as _fp8_dot, per batch element."""
+    return _batched_fwd(x, w, history, scale, scale_inv, cfg)[0]
+
+
+def _batched_fwd(x, w, history, scale, scale_inv, cfg):
+    qx, sx, ax = _cast_whole(x, 0, cfg, scale, scale_inv)
+    qw, sw, aw = _cast_whole(w, 1, cfg, scale, scale_inv)
+    y = gemm(qx, _swap(qw), sx, sw, cfg.out_dtype)
+    return y, (qx, qw, sx, sw, ax, aw, history, scale, scale_inv)
+
+
+def _batched_bwd(cfg, res, g):
+    qx, qw, sx, sw, ax, aw, history, scale, scale_inv = res
+    qg, sg, ag = _cast_whole(g, 2, cfg, scale, scale_inv)
+    dx = gemm(qg, qw, sg, sw, cfg.lhs_dtype)                  # [B, M, N] · [B, K, N]ᵀ
+    dw = gemm(_swap(qx), _swap(qg), sx, sg, cfg.rhs_dtype)    # [B, K, M] · [B, N, M]ᵀ
+    h = jnp.zeros_like(history)
+    if isinstance(cfg.recipe, DelayedScaling):  # this call's amaxes, for _link to combine and update
+        h = h.at[0].set(jnp.concatenate([ax, aw, ag]))
+    return dx, dw, h, jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
+
+
+_fp8_batched_dot.defvjp(_batched_fwd, _batched_bwd)
+
+
 class Fp8DotGeneral(nn.Module):
     """A ``dot_general`` for flax's ``dot_general_cls`` slot (``nn.Dense``, ``nn.DenseGeneral``) doing the
-    matmul in fp8 with fp8core's kernels; call signature of ``lax.dot_general`` (no batch dimensions).
+    matmul in fp8 with fp8core's kernels; call signature of ``lax.dot_general``, batch dimensions included
+    (see :func:`fp8_dot_general`: one scale per operand over all its batch elements).
 
     recipe: ``fp8core.DelayedScaling`` (amax_history_len, amax_compute_algo "max"/"most_recent", margin,
     power_of_2, epsilon, interval: the scales move every interval-th step as in ScalingState, counted by an
@@ -284,7 +403,8 @@ class Fp8DotGeneral(nn.Module):
     MAX-reduced, so every device quantizes with the same scales (needs ``recipe.reduce_amax`` for delayed
     scaling). Shapes: any (``nn.Dense(10)`` too): K (contracted), N (rhs free) and the tokens are zero-padded to
     the fp8 GEMM's multiples of 16 inside the op, which changes no amax and no result (the padded rows and
-    columns are cut off); lhs/rhs float32, bfloat16 or float16.
+    columns are cut off), per batch element with batch dims (an empty batch too); lhs/rhs float32, bfloat16
+    or float16.
     precision: None or ``lax.Precision.DEFAULT`` (the GEMM is fp8 with float32 accumulation; a layer asking
     for HIGH, HIGHEST or a dot algorithm is refused, naming precision).
     """
@@ -336,9 +456,11 @@ def _einsum_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precisio
 
 class Fp8Einsum(Fp8DotGeneral):
     """``jnp.einsum(eqn, lhs, rhs)`` of two operands in fp8, as :class:`Fp8DotGeneral` (same recipe, state,
-    axis_name; no batch dimensions), for modules that write their einsums out: ``Fp8Einsum()(eqn, x, kernel)``.
-    jnp.einsum hashes its dot_general, which a flax module holding variables cannot be, so this module hands
-    it a plain function over the state instead."""
+    axis_name; batch dimensions too: attention's ``"bqhd,bkhd->bhqk"`` and ``"bhqk,bkhd->bqhd"``), for modules
+    that write their einsums out: ``Fp8Einsum()(eqn, x, kernel)``. jnp.einsum hashes its dot_general, which a
+    flax module holding variables cannot be, so this module hands it a plain function over the state instead.
+    The state's lhs/rhs columns are the operands in the order jnp.einsum passes them to its dot_general, which
+    may be the equation's reverse (jax 0.10 passes ``"bhqk,bkhd->bqhd"``'s v first)."""
 
     @nn.compact
     def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,  # type: ignore[override]

@@ -241,7 +241,17 @@ def _cast_transpose(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array, Ar
 def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | float,
          out_dtype: Any = jnp.bfloat16, bias: Array | None = None) -> Array:
     """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias), per fp8core.gemm's limits;
-    out_dtype float32, bfloat16 or float16; bias [N] bfloat16 (float16 for a float16 output)."""
+    out_dtype float32, bfloat16 or float16; bias [N] bfloat16 (float16 for a float16 output).
+
+    Batched: a [..., M, K] and b [..., N, K] with the same leading dims give [..., M, N], each batch element
+    the GEMM above with the same two scales (and bias), in one primitive (its callback runs the core's GEMM
+    per element, on XLA's stream on a GPU)."""
+    if len(_args.array(a, "a").shape) > 2 or len(_args.array(b, "b").shape) > 2:
+        _, n = _args.batched_gemm_operands(a, b)
+        _args.out_dtype(out_dtype)
+        _args.bias(bias, n, jnp.dtype(out_dtype).name)
+        return _batched_gemm(a, b, _scale_arg(a_scale_inv, "a_scale_inv"), _scale_arg(b_scale_inv, "b_scale_inv"),
+                             bias, out_dtype=out_dtype)
     _, _, _, n = _args.gemm_operands(a, b)
     _args.out_dtype(out_dtype)
     _args.bias(bias, n, jnp.dtype(out_dtype).name)
@@ -261,6 +271,30 @@ def _gemm(a: Array, b: Array, a_scale_inv: Any, b_scale_inv: Any, bias: Array | 
 
     args = (a, b, _f32(a_scale_inv), _f32(b_scale_inv)) + (() if bias is None else (bias,))
     return primitive(run, shape)(*args)
+
+
+def _elements(t: Tensor) -> list[Tensor]:
+    """The views t[i] along the first dim (each contiguous: t is XLA's row-major buffer)."""
+    return [Tensor(t.data[i], t.dtype, t.device, t.origin, t.readonly, t.place) for i in range(t.shape[0])]
+
+
+@jitted("out_dtype")
+def _batched_gemm(a: Array, b: Array, a_scale_inv: Any, b_scale_inv: Any, bias: Array | None, *,
+                  out_dtype: Any) -> Array:
+    fa, fb = fp8core.as_format(a.dtype), fp8core.as_format(b.dtype)
+    name = jnp.dtype(out_dtype).name
+    batch, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-2]
+    count = int(np.prod(batch, dtype=np.int64))
+    shape = jax.ShapeDtypeStruct((count, m, n), out_dtype)
+
+    # One callback for the whole batch: the per-element loop costs a core call each, not a callback each
+    def run(outs, ta, tb, sa, sb, tbias=None):
+        for ai, bi, oi in zip(_elements(ta), _elements(tb), _elements(outs[0])):
+            fp8core.gemm(ai, bi, sa.data, sb.data, out_dtype=name, a_fmt=fa, b_fmt=fb, bias=tbias, out=oi)
+
+    args = (a.reshape(count, m, k), b.reshape(count, n, k), _f32(a_scale_inv), _f32(b_scale_inv)) + \
+        (() if bias is None else (bias,))
+    return primitive(run, shape)(*args).reshape(*batch, m, n)
 
 
 def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.DelayedScaling,

@@ -424,6 +424,11 @@ def test_functional_and_sharded_paths():
     ((2, 5, 16), (2, 16, 16), (((2,), (1,)), ((3,), (0,))), r"dimension_numbers: batch dim 3 of lhs is not a "
      r"dimension of its shape \(2, 5, 16\)"),
     ((2, 5, 16), (2, 12, 16), (((2,), (1,)), ((0,), (0,))), r"dimension_numbers: contracting dims \(2,\) of lhs"),
+    # no batch dims: the unbatched layout checks its dims the same way (it once wrapped 3 to 0 silently)
+    ((5, 16), (16, 16), (((3,), (0,)), ((), ())), r"dimension_numbers: contracting dim 3 of lhs is not a "
+     r"dimension of its shape \(5, 16\)"),
+    ((16, 16), (16, 16), (((0, 0), (0, 1)), ((), ())), r"dimension_numbers: lhs's contracting dims \(0, 0\) "
+     r"repeat a dimension"),
 ])
 def test_bad_batch_dims_refused_by_name(lshape, rshape, dn, message):
     lhs, rhs = jnp.ones(lshape), jnp.ones(rshape)

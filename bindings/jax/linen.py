@@ -191,7 +191,11 @@ def _check_recipe(recipe: Any, functional: bool = False) -> None:
 def _layout(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
     """Permutations that put lhs as [free..., contracting...] and rhs as [contracting..., free...], and K, N."""
     (lc, rc), _ = dimension_numbers  # no batch dims: _dot_general sends those to _batched_dot_general
-    lc, rc = tuple(int(d) % lhs.ndim for d in lc), tuple(int(d) % rhs.ndim for d in rc)
+    lc, rc = _dims(lc, lhs, "lhs", "contracting"), _dims(rc, rhs, "rhs", "contracting")
+    for arg, x, c in (("lhs", lhs, lc), ("rhs", rhs, rc)):
+        if len(set(c)) != len(c):
+            raise ValueError(f"dimension_numbers: {arg}'s contracting dims {c} repeat a dimension (shape "
+                             f"{tuple(x.shape)})")
     if len(lc) != len(rc) or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lc, rc)):
         raise ValueError(f"dimension_numbers: contracting dims {lc} of lhs {lhs.shape} and {rc} of rhs "
                          f"{rhs.shape} do not match")

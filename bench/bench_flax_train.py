@@ -6,7 +6,7 @@ activations in ``--dtype``, float32 parameters), mean squared error against a fi
 ``flax.training.train_state.TrainState`` (which writes the fp8 state back from its "gradient"), the whole step
 under one ``jax.jit``. Variants, each its own jitted step: fp8core.jax.Fp8DotGeneral (delayed scaling,
 amax_history_len 1024 like flax's op), flax's Fp8DotGeneralOp (the op the issue measured) and
-Fp8DirectDotGeneralOp, and plain Dense in bfloat16 and float32.
+Fp8DirectDotGeneralOp, and plain Dense in ``--dtype`` and in float32.
 
 Timing: rounds of ``--steps`` training steps per variant, the variants interleaved within every round (a shared
 VM's speed drifts: every variant sees the same moments), the result waited for at the end of each round. Per
@@ -110,19 +110,22 @@ def make_step(dot: Any, batch: int, width: int, dtype: Any) -> tuple[Callable, T
     return step, state, (x, target)
 
 
-def variants(base: Any) -> dict[str, Any]:
-    out = {"fp8core Fp8DotGeneral": fj.Fp8DotGeneral}
+def variants(base: Any, dtype: Any) -> dict[str, tuple[Any, Any]]:
+    """name -> (dot_general_cls, activation dtype): the fp8 variants and plain Dense in ``dtype``, and plain Dense
+    in float32."""
+    out = {"fp8core Fp8DotGeneral": (fj.Fp8DotGeneral, dtype)}
     if base is not None:
-        out["fp8core (base) Fp8DotGeneral"] = base.Fp8DotGeneral
-    out.update({REFERENCE: fp8_ops.Fp8DotGeneralOp, "flax Fp8DirectDotGeneralOp": fp8_ops.Fp8DirectDotGeneralOp,
-                "plain Dense": None})
+        out["fp8core (base) Fp8DotGeneral"] = (base.Fp8DotGeneral, dtype)
+    out.update({REFERENCE: (fp8_ops.Fp8DotGeneralOp, dtype),
+                "flax Fp8DirectDotGeneralOp": (fp8_ops.Fp8DirectDotGeneralOp, dtype),
+                f"plain Dense {jnp.dtype(dtype).name}": (None, dtype), "plain Dense float32": (None, jnp.float32)})
     return out
 
 
 def run_config(batch: int, width: int, dtype: Any, rounds: int, steps: int, base: Any) -> list[dict]:
     runs = {}
-    for name, dot in variants(base).items():
-        step, state, data = make_step(dot, batch, width, dtype)
+    for name, (dot, dt) in variants(base, dtype).items():
+        step, state, data = make_step(dot, batch, width, dt)
         state, loss = step(state, *data)  # compile
         jax.block_until_ready(loss)
         runs[name] = [step, state, data, []]
@@ -141,7 +144,7 @@ def run_config(batch: int, width: int, dtype: Any, rounds: int, steps: int, base
         q = statistics.quantiles(times, n=5, method="inclusive")
         ratio = statistics.median(a / b for a, b in zip(times, ref))
         _, loss = runs[name][0](state, *data)
-        rows.append({"batch": batch, "width": width, "dtype": jnp.dtype(dtype).name, "variant": name,
+        rows.append({"batch": batch, "width": width, "variant": name,
                      "ms_per_step": statistics.median(times) * 1e3, "ms_p20": q[0] * 1e3, "ms_p80": q[3] * 1e3,
                      "ratio_to_flax_op": ratio, "final_loss": float(loss)})
     return rows
@@ -210,6 +213,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     info = meta()
+    info.update(dtype=args.dtype, openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
+                xla_flags=os.environ.get("XLA_FLAGS"))
     print("# flax training step, 3-layer MLP, same process, interleaved", json.dumps(info), flush=True)
     base = load_base(args.base) if args.base else None
     dtype = jnp.dtype(args.dtype)
@@ -227,7 +232,7 @@ def main() -> None:
             load0 = os.getloadavg()[0]
             for r in run_config(batch, width, dtype, args.rounds, args.steps, base):
                 rows.append(r)
-                print(f"batch {batch:4d} width {width:5d} {r['dtype']:<8} {r['variant']:<30} "
+                print(f"batch {batch:4d} width {width:5d} {r['variant']:<30} "
                       f"{r['ms_per_step']:9.2f} ms/step (p20 {r['ms_p20']:.2f}, p80 {r['ms_p80']:.2f})  "
                       f"x{r['ratio_to_flax_op']:.2f} of flax op  loss {r['final_loss']:.4f}", flush=True)
             print(f"   load (1 min) {load0:.2f} -> {os.getloadavg()[0]:.2f}", flush=True)

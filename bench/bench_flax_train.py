@@ -150,44 +150,59 @@ def run_config(batch: int, width: int, dtype: Any, rounds: int, steps: int, base
     return rows
 
 
-def callback_profile(batch: int, width: int, dtype: Any, steps: int) -> dict:
-    """fp8core's training step: the host callbacks one step runs (counted as they run) and the time spent
-    inside them (the callback's Python body, from entry to return, by callback), against the step's wall time.
-    What is outside the callbacks is XLA's own work (gelu, adam, pads, copies) and each callback's launch."""
+def _step_with(callbacks: Callable, batch: int, width: int, dtype: Any, steps: int,
+               warmed: Callable = lambda: None) -> float:
+    """fp8core's step time (seconds) with every primitive's callback replaced by ``callbacks(callback, label)``
+    (label: the primitive's name); ``warmed()`` runs after the warm-up steps."""
     from fp8core.jax import primitives
 
-    spent: dict[str, list[float]] = collections.defaultdict(list)
     original = primitives.buffer_callback
 
-    def counting(callback, shapes, **kw):
-        def timed(ctx, out, *bufs):
-            t = time.perf_counter()
-            callback(ctx, out, *bufs)
-            spent[label].append(time.perf_counter() - t)
+    def patched(callback, shapes, **kw):
+        label = sys._getframe(1).f_back.f_code.co_name  # primitive() is called from the primitive's jitted body
+        return original(callbacks(callback, label), shapes, **kw)
 
-        frame = sys._getframe(1)
-        label = frame.f_back.f_code.co_name  # the primitive: primitive() is called from its jitted body
-        return original(timed, shapes, **kw)
-
-    primitives.buffer_callback = counting
-    jax.clear_caches()  # the primitives' inner jits keep their traces: retrace them with the timed callbacks
+    primitives.buffer_callback = patched
+    jax.clear_caches()  # the primitives' inner jits keep their traces: retrace them with these callbacks
     try:
         step, state, data = make_step(fj.Fp8DotGeneral, batch, width, dtype)
-        state, loss = step(state, *data)
+        for _ in range(2):
+            state, loss = step(state, *data)
         jax.block_until_ready(loss)
-        spent.clear()
+        warmed()
         t = time.perf_counter()
         for _ in range(steps):
             state, loss = step(state, *data)
         jax.block_until_ready((state, loss))
-        wall = (time.perf_counter() - t) / steps
+        return (time.perf_counter() - t) / steps
     finally:
         primitives.buffer_callback = original
         jax.clear_caches()
+
+
+def callback_profile(batch: int, width: int, dtype: Any, steps: int) -> dict:
+    """fp8core's training step: the host callbacks one step runs (counted as they run) and the time spent
+    inside them (the callback's Python body, from entry to return, by primitive), against the step's wall time;
+    and the step with callbacks that do nothing (its outputs garbage): what XLA's own work (gelu, adam, the
+    layers' glue) and the callbacks' launches cost without the core's work."""
+    spent: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(callback, label):
+        def run(ctx, out, *bufs):
+            t = time.perf_counter()
+            callback(ctx, out, *bufs)
+            spent[label].append(time.perf_counter() - t)
+        return run
+
+    def nothing(callback, label):
+        return lambda ctx, out, *bufs: None
+
+    noop = _step_with(nothing, batch, width, dtype, steps)
+    wall = _step_with(timed, batch, width, dtype, steps, spent.clear)
     per = {k: {"calls_per_step": len(v) / steps, "us_per_call": statistics.median(v) * 1e6,
                "ms_per_step": sum(v) / steps * 1e3} for k, v in spent.items()}
-    return {"batch": batch, "width": width, "step_ms": wall * 1e3, "callbacks": per,
-            "inside_callbacks_ms": sum(p["ms_per_step"] for p in per.values())}
+    return {"batch": batch, "width": width, "step_ms": wall * 1e3, "noop_callbacks_step_ms": noop * 1e3,
+            "callbacks": per, "inside_callbacks_ms": sum(p["ms_per_step"] for p in per.values())}
 
 
 def meta() -> dict:
@@ -206,7 +221,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--width", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="0: --profile only")
     ap.add_argument("--steps", type=int, default=10, help="training steps per variant per round")
     ap.add_argument("--base", help="another checkout whose fp8core.jax runs as a further variant")
     ap.add_argument("--profile", action="store_true", help="callbacks per step and their own time")
@@ -225,10 +240,13 @@ def main() -> None:
                 p = callback_profile(batch, width, dtype, args.steps)
                 profiles.append(p)
                 print(f"## profile batch {batch} width {width}: step {p['step_ms']:.2f} ms, inside callbacks "
-                      f"{p['inside_callbacks_ms']:.2f} ms", flush=True)
+                      f"{p['inside_callbacks_ms']:.2f} ms; the step with callbacks doing nothing "
+                      f"{p['noop_callbacks_step_ms']:.2f} ms", flush=True)
                 for k, v in sorted(p["callbacks"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
                     print(f"   {k:<20} {v['calls_per_step']:4.0f}/step  {v['us_per_call']:9.1f} us/call  "
                           f"{v['ms_per_step']:8.2f} ms/step", flush=True)
+            if not args.rounds:
+                continue
             load0 = os.getloadavg()[0]
             for r in run_config(batch, width, dtype, args.rounds, args.steps, base):
                 rows.append(r)

@@ -181,9 +181,9 @@ def every_finite_pair(fmt):
 
 @pytest.mark.parametrize("a_fmt,b_fmt,out_dtype", [c for c in CASES if not c[2].startswith("float8")])
 def test_cpu_emulation_is_the_float64_definition_bit_for_bit(rng, a_fmt, b_fmt, out_dtype):
-    """The CPU backend widens operands by a table of code pairs (not ml_dtypes' cast): operands holding every
-    pair of finite codes give the bits of the oracle's float64 definition rounded once to fp32, then to the
-    output type; a NaN (or E5M2 inf) code makes its row or column NaN there too."""
+    """The CPU backend widens operands by a table lookup (not ml_dtypes' cast): operands holding every pair of
+    finite codes give the bits of the oracle's float64 definition rounded once to fp32, then to the output
+    type; a NaN (or E5M2 inf) code makes its row or column NaN there too."""
     ac = every_finite_pair(a_fmt)
     bc = np.ascontiguousarray(rng.permutation(every_finite_pair(b_fmt), axis=0)[:48])
     nan_a, nan_b = (0x7F, 0xFF)[rng.integers(2)], (0x7C, 0xFE)[rng.integers(2)] if b_fmt == "e5m2" else 0xFF

@@ -571,19 +571,16 @@ def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
 
 @lru_cache(maxsize=None)
 @ieee
-def _widen_pairs(fmt: Format) -> np.ndarray:
-    """The float64 values of every pair of fp8 codes, [65536, 2] (1 MiB a format), made by ml_dtypes' cast:
-    widening an operand viewed as uint16 is one lookup per two elements (6x faster than the cast itself at a
-    1024 x 1024 operand: bench/results/cpu-2core-2026-11-25-flax-train.txt), with the cast's bits, NaN's too."""
-    pairs = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
-    return np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype).astype(np.float64)[pairs]
+def _widen_table(fmt: Format) -> np.ndarray:
+    """The float64 value of each of the 256 codes, made by ml_dtypes' cast (its bits, NaN's too)."""
+    return np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype).astype(np.float64)
 
 
 def _widen(data: np.ndarray, fmt: Format) -> np.ndarray:
-    """An fp8 GEMM operand [rows, K] (its codes in any 1-byte dtype) as float64, exactly; K is even (a multiple
-    of 16, or of the block size)."""
-    pairs = np.ascontiguousarray(data).view(np.uint8).view(np.uint16)
-    return _widen_pairs(fmt).take(pairs, axis=0, mode="clip").reshape(data.shape)
+    """An fp8 operand (its codes in any 1-byte dtype) as float64, exactly: one lookup per element in a 2 KiB
+    table that stays in L1, 1.3x faster than ml_dtypes' astype in a flax training step and ahead of a 1 MiB
+    table of code pairs there (bench/results/cpu-2core-2026-11-25-flax-train.txt)."""
+    return _widen_table(fmt)[np.asarray(data).view(np.uint8)]
 
 
 @ieee

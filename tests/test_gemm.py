@@ -168,3 +168,35 @@ def test_errors(case, call, exc, message):
     a, b = _operands()
     with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
         call(a, b)
+
+
+def every_finite_pair(fmt):
+    """Rows of K = 512 fp8 codes holding every finite code of fmt beside every other one (zero-padded)."""
+    codes = np.arange(256, dtype=np.uint8)
+    finite = codes[np.isfinite(as_fp8(codes, fmt).astype(np.float32))]
+    pairs = np.stack(np.meshgrid(finite, finite, indexing="ij"), -1).reshape(-1)
+    return np.concatenate([pairs, np.zeros(-pairs.size % 512, np.uint8)]).reshape(-1, 512)
+
+
+@pytest.mark.parametrize("a_fmt,b_fmt,out_dtype", [c for c in CASES if not c[2].startswith("float8")])
+def test_cpu_emulation_is_the_float64_definition_bit_for_bit(rng, a_fmt, b_fmt, out_dtype):
+    """The CPU backend widens operands by a table lookup (not ml_dtypes' cast): operands holding every finite
+    code give the bits of the oracle's float64 definition rounded once to fp32, then to the output type; a NaN
+    code makes its row or column NaN, and an E5M2 inf gives the definition's infs and NaNs."""
+    ac = every_finite_pair(a_fmt)
+    bc = np.ascontiguousarray(rng.permutation(every_finite_pair(b_fmt), axis=0)[:48])
+    ac[5, 7], bc[3, 9] = 0x7F, 0xFF  # NaN in both formats
+    if a_fmt == "e5m2":
+        ac[8, 11] = 0x7C  # +inf
+    if b_fmt == "e5m2":
+        bc[10, 20] = 0xFC  # -inf
+    d = fp8core.gemm(as_fp8(ac, a_fmt), as_fp8(bc, b_fmt), 0.5, 3.0, out_dtype=out_dtype)
+    with np.errstate(all="ignore"):
+        exact = gemm_reference(ac, a_fmt, bc, b_fmt, 0.5, 3.0)
+        ref = exact.astype(np.float32).astype(d.dtype)
+    nan = np.isnan(d.astype(np.float32))
+    assert nan[5].all() and nan[:, 3].all() and (~nan).any()
+    assert np.isinf(exact).any() == ("e5m2" in (a_fmt, b_fmt))
+    assert np.array_equal(nan, np.isnan(ref.astype(np.float32)))
+    storage = np.uint32 if out_dtype == "float32" else np.uint16
+    assert np.array_equal(d.view(storage)[~nan], ref.view(storage)[~nan])

@@ -569,6 +569,20 @@ def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
     return np.repeat(f, _BLOCK_ROWS[kind], axis=0)[:rows]
 
 
+@lru_cache(maxsize=None)
+@ieee
+def _widen_table(fmt: Format) -> np.ndarray:
+    """The float64 value of each of the 256 codes, made by ml_dtypes' cast (its bits, NaN's too)."""
+    return np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype).astype(np.float64)
+
+
+def _widen(data: np.ndarray, fmt: Format) -> np.ndarray:
+    """An fp8 operand (its codes in any 1-byte dtype) as float64, exactly: one lookup per element in a 2 KiB
+    table that stays in L1, 1.3x faster than ml_dtypes' astype in a flax training step and ahead of a 1 MiB
+    table of code pairs there (bench/results/cpu-2core-2026-11-25-flax-train.txt)."""
+    return _widen_table(fmt)[np.asarray(data).view(np.uint8)]
+
+
 @ieee
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
          out_scale: Any | None, out_amax: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
@@ -579,10 +593,11 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     roundings are the factors' products and the sum over K-blocks, far inside the GPU's tolerance.
     """
     with np.errstate(all="ignore"):
-        a64 = a.data.view(spec.a_fmt.numpy_dtype).astype(np.float64)
-        b64 = b.data.view(spec.b_fmt.numpy_dtype).astype(np.float64)
+        a64, b64 = _widen(a.data, spec.a_fmt), _widen(b.data, spec.b_fmt)
         if spec.a_block is None:
-            d = (a64 @ b64.T) * np.float64(scale_value(a_scale_inv)) * np.float64(scale_value(b_scale_inv))
+            d = a64 @ b64.T
+            d *= np.float64(scale_value(a_scale_inv))  # in place: (d * sa) * sb, the same roundings
+            d *= np.float64(scale_value(b_scale_inv))
         else:
             bk = _BLOCK_K[spec.a_block]
             fa = _block_factors(a_scale_inv, spec.a_block, spec.m)

@@ -18,7 +18,7 @@ from typing import Any
 
 from fp8core.numerics_stats import winner
 
-__all__ = ["OPERANDS", "STATS", "contenders", "from_json", "per_cast", "per_operand"]
+__all__ = ["OPERANDS", "STATS", "contender_names", "contenders", "from_json", "per_cast", "per_operand"]
 
 OPERANDS = ("input", "weight", "grad_output")  # in the order of a Float8Linear's state slots (fp8_scale[0:3])
 STATS = ("sqnr_db", "underflow", "clipped", "at_max", "max_rel_error", "lost")
@@ -33,7 +33,7 @@ def contenders(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {row["recipe"]: {k: row[k] for k in STATS}, **row.get("recipes", {})}
 
 
-def _names(rows: list[dict[str, Any]]) -> list[str]:
+def contender_names(rows: list[dict[str, Any]]) -> list[str]:
     """Every contender's name, in the order first seen: the layers' recipes, then the compared ones."""
     own = dict.fromkeys(r["recipe"] for r in rows)
     return list(own) + [n for n in dict.fromkeys(n for r in rows for n in r.get("recipes", {})) if n not in own]
@@ -49,7 +49,7 @@ def _filled(row: dict[str, Any], names: list[str], own: set[str]) -> dict[str, d
 def per_cast(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """One entry per row, keyed ``"module.operand@step"`` (``<model>`` for the model itself):
     ``{"recipes": {name: statistics or {"n/a": why}}, "winner": name}`` over every contender of the record."""
-    names, own = _names(rows), {r["recipe"] for r in rows}
+    names, own = contender_names(rows), {r["recipe"] for r in rows}
     out = {}
     for r in rows:
         recipes = _filled(r, names, own)
@@ -79,7 +79,7 @@ def per_operand(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     worst over the steps (least SQNR; largest underflow, clipped, at_max, max_rel_error, lost; ``best_steps``: the
     steps it won), with ``winner``: the contender whose least SQNR is the highest, the one that serves every step
     best."""
-    names, own = _names(rows), {r["recipe"] for r in rows}
+    names, own = contender_names(rows), {r["recipe"] for r in rows}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["module"], r["operand"]), []).append(r)

@@ -25,7 +25,7 @@ import torch
 
 import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling, Format
-from fp8core.numerics_record import OPERANDS, contenders, from_json, per_cast, per_operand
+from fp8core.numerics_record import OPERANDS, contender_names, contenders, from_json, per_cast, per_operand
 from fp8core.numerics_recipes import select
 from fp8core.numerics_stats import Recipe, measure, strict_json, winner
 
@@ -77,9 +77,7 @@ class NumericsRecord:
     def recipes(self) -> list[str]:
         """Every recipe of the rows: the recorded layers' own, in the order they first cast, then the compared
         ones."""
-        own = dict.fromkeys(r["recipe"] for r in self.rows)
-        return list(own) + [n for n in dict.fromkeys(n for r in self.rows for n in r.get("recipes", {}))
-                            if n not in own]
+        return contender_names(self.rows)
 
     def by_tensor(self) -> dict[str, dict[str, Any]]:
         """The rows in ``fp8core inspect --recipes``'s shape, one per cast, keyed ``"module.operand@step"``:

@@ -5,6 +5,7 @@ plot, and tensors read one at a time."""
 from __future__ import annotations
 
 import math
+import os
 import tracemalloc
 import weakref
 
@@ -266,6 +267,43 @@ def test_safetensors_tensors_are_read_one_at_a_time(tmp_path, monkeypatch):
     for i, (name, x) in enumerate(iter_tensors(str(tmp_path / "m.safetensors"))):
         assert reads == [f"w{j}" for j in range(i + 1)], reads  # nothing read ahead
         assert float(x[0, 0]) == i
+
+
+def _mapped_resident(path) -> int:
+    """Bytes of ``path`` resident in this process's memory maps (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: address range, perms, ..., path
+                inside = line.rstrip().endswith(str(path))
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's smaps")
+@pytest.mark.parametrize("mapped", ["bounded", "one map"])
+def test_safetensors_pages_read_leave_memory_as_the_file_is_read(tmp_path, monkeypatch, mapped):
+    """Tensors of 1 MiB, maps of 2 MiB: the file's resident pages stay near two maps' worth; through one map
+    (the twin, as the file was read before) they grow to the whole file."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from fp8core.cli import files
+
+    path = tmp_path / "big.safetensors"
+    save_file({f"w{i:02}": torch.full((512, 512), float(i)) for i in range(16)}, str(path))
+    monkeypatch.setattr(files, "_MAPPED_BYTES", 2 << 20 if mapped == "bounded" else 1 << 40)
+    peak = 0
+    for i, (name, x) in enumerate(files.iter_tensors(str(path))):
+        assert float(x.sum()) == i * x.size  # every page of it read
+        del x
+        peak = max(peak, _mapped_resident(path))
+    if mapped == "bounded":
+        assert peak <= 4 << 20, peak
+    else:
+        assert peak >= 15 << 20, peak
 
 
 def test_a_terminal_sees_which_tensor_is_being_measured_and_a_log_does_not(tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ plot, and tensors read one at a time."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tracemalloc
@@ -408,3 +409,21 @@ def test_the_figures_do_not_depend_on_the_chunks_of_the_statistics(monkeypatch, 
         nz = keep & (v != 0)
         assert got["underflow"] == (nz & (y == 0)).sum() / nz.sum(), name
         assert got["max_rel_error"] == float(np.max(np.abs(y[nz] - v[nz]) / np.abs(v[nz]))), name
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_the_counts_of_a_chunk_without_nan_or_inf_are_skipped_only_where_none_can_be(monkeypatch, rng, dtype):
+    """tensor_stats counts NaN and inf only in chunks whose amax says they hold some; the twin (a histogram
+    asked for: every chunk goes through the counting) gives the same row, and the counts are the known ones."""
+    from fp8core.cli import inspect as module
+
+    monkeypatch.setattr(module, "_CHUNK", 64)
+    x = rng.standard_normal(640).astype(dtype)
+    x[70], x[200], x[201], x[500] = np.nan, np.inf, -np.inf, np.nan  # in 3 of 10 chunks
+    x[300] = 7.5  # the finite amax, in a chunk with neither
+    fast = module.tensor_stats(x)
+    twin = module.tensor_stats(x, hist=np.zeros(len(module._HIST_BINS) - 1, np.int64))
+    assert json.dumps(fast) == json.dumps(twin)  # NaN amax included
+    assert fast["nan"] == 2 and fast["inf"] == 2 and math.isnan(fast["amax"])
+    assert fast["E4M3"]["scale"] == float(fp8core.compute_scale(np.array([7.5], np.float32), "e4m3",
+                                                                 power_of_2=True)[0][0])

@@ -26,7 +26,7 @@ DEFAULT_MAX_BYTES = 1 << 30  # what a compressed .npz may inflate to, all member
 MAX_DEPTH = 64  # nesting levels of a .pt checkpoint's containers that are walked
 MAX_ENTRIES = 1_000_000  # container entries walked in a .pt checkpoint
 _READ_STEP = 1 << 20  # bytes inflated per step of an .npz member
-_MAPPED_BYTES = 1 << 26  # bytes of tensors read through one memory map of a .safetensors file
+_MAPPED_BYTES = 1 << 24  # bytes of tensors read through one memory map of a .safetensors file
 
 
 def _as_numpy(t: Any) -> np.ndarray:

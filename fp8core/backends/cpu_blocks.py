@@ -275,12 +275,16 @@ def _scaled_widen(q: np.ndarray, factor_of: Any, br: int, bc: int, out_dtype: st
     storage, nan = CANONICAL_NAN[out_dtype]
     with np.errstate(all="ignore"):
         for r0, r1, c0, c1 in _tiles(rows, cols, br, bc, TILE // 4):  # the lookup's indices are 8 bytes each
-            y32 = widen.take(q[r0:r1, c0:c1].view(np.uint8))
+            codes, part = q[r0:r1, c0:c1].view(np.uint8), y[r0:r1, c0:c1]
+            direct = y.dtype == np.float32 and part.flags.c_contiguous  # whole rows: computed in place
+            y32 = widen.take(codes, out=part) if direct else widen.take(codes)
             blocks = _blocks(y32, br, bc)
             np.multiply(blocks, factor_of(*_block_slices(r0, r1, c0, c1, br, bc))[:, None, :, None], out=blocks)
             t = y32 if y.dtype == np.float32 else y32.astype(y.dtype)
-            t.view(storage)[np.isnan(y32)] = nan
-            y[r0:r1, c0:c1] = t
+            if np.isnan(y32.max(initial=0.0)):  # max passes NaN on: one reduction where there is none to mend
+                t.view(storage)[np.isnan(y32)] = nan
+            if not direct:
+                part[...] = t
     return y
 
 

@@ -2,9 +2,10 @@
 the peak resident memory of the inspect process against its largest tensor, and each recipe's GB/s on one tensor (its
 quantize, dequantize and statistics together, as inspect runs them).
 
-The peak RSS (Linux's VmHWM of the inspect process) is printed beside that of the same command on a file of one small tensor (the interpreter, NumPy and
-torch: what any file costs), so what the file's size adds is their difference. The machine is shared: the load
-average before and after, and the inspect process's CPU seconds (user + system), are printed with the time.
+The peak RSS (Linux's VmHWM of the inspect process) is printed beside that of the same command on a file of one
+small tensor (the interpreter, NumPy and torch: what any file costs), so what the file's size adds is their
+difference. The machine is shared: the load average before and after, and the inspect process's CPU seconds
+(user + system), are printed with the time.
 
 Issue 26's bar: a 1 GiB bf16 file through all recipes on the CPU in under a minute on 2 cores. The process is
 pinned to ``--cores`` cores (default 2, the bar's machine); the default file is 256 MiB, and the time 1 GiB

@@ -4,21 +4,18 @@ relative error (and strict JSON for them). ``fp8core inspect --recipes`` compare
 :class:`Recipe`: how to quantize, how to read rows back).
 
 The statistics are computed over row chunks of the dequantized result so that no float64 copy of a whole tensor
-exists, on the calling thread and the CPU backend's pool (in chunk order, so the sums do not depend on which thread
-ran a chunk).
+exists.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from fp8core._fpenv import ieee
-from fp8core.backends.cpu import map_tasks
 from fp8core.formats import Format
 
 _CHUNK = 1 << 18  # elements per step of the statistics: two float64 copies of it stay in cache
@@ -59,6 +56,7 @@ def _sum_of_squares(a: np.ndarray) -> float:
     return float(np.einsum("i,i->", a, a))
 
 
+@ieee  # the caller's flush-to-zero would read float32 subnormals as 0 in the float64 widening
 def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: int, beyond: float,
                  work: np.ndarray) -> tuple[list[int], float, float, float]:
     """([finite, nonzero, underflow, clipped, at_max, lost], signal, noise, max_rel) of one flat chunk: the
@@ -119,22 +117,14 @@ def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
     beyond = 1 + (recipe.fmt.max - below_max) / (2 * recipe.fmt.max)
     n_rows, n_cols = rows2d.shape
     step = max(1, _CHUNK // max(n_cols, 1) // recipe.row_step) * recipe.row_step
-    starts = range(0, n_rows, step)
-    work: dict[int, np.ndarray] = {}  # per thread, reused from chunk to chunk
-
-    @ieee  # every thread in one floating-point environment: the figures do not depend on which ran a chunk
-    def chunk(i: int) -> tuple[list[int], float, float, float]:
-        r0, r1 = starts[i], min(starts[i] + step, n_rows)
-        buf = work.get(threading.get_ident())
-        if buf is None:
-            buf = work[threading.get_ident()] = np.empty((3, min(step, n_rows) * n_cols))
-        codes, y32 = recipe.dequantize_rows(q, r0, r1)
-        return _chunk_stats(rows2d[r0:r1].ravel(), np.asarray(y32).ravel(), np.asarray(codes).view(np.uint8).ravel(),
-                            max_code, beyond, buf)
-
     totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
+    work = np.empty((3, min(step, n_rows) * n_cols))
     signal = noise = max_rel = 0.0
-    for counts, s, n, m in map_tasks(len(starts), chunk):  # in chunk order: the sums do not depend on timing
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        codes, y32 = recipe.dequantize_rows(q, r0, r1)
+        counts, s, n, m = _chunk_stats(rows2d[r0:r1].ravel(), np.asarray(y32).ravel(),
+                                       np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work)
         totals += counts
         signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
     finite, nonzero, under, clipped, at_max, lost = (int(t) for t in totals)

@@ -56,43 +56,34 @@ def _get_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _drain(fn: Callable[[int], Any], tasks: Any, results: list[Any]) -> None:
-    # tasks: one iterator shared by all threads (its next() is atomic under the GIL)
-    for i in tasks:
-        results[i] = fn(i)
+def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any]) -> None:
+    # tasks: one list iterator shared by all threads (its next() is atomic under the GIL)
+    for i, a, b in tasks:
+        results[i] = fn(a, b)
 
 
-def map_tasks(count: int, fn: Callable[[int], Any]) -> list[Any]:
-    """``fn(i)`` for i in ``range(count)`` on the calling thread and the pool's threads, results in order.
+def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
+    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``, results in chunk order.
 
-    They take tasks from one queue as each gets to it: the caller starts at once and never waits for a thread
-    to wake, only for tasks already begun. A pool task that has not started when the queue runs dry is
-    cancelled, not waited for, so a task may itself map (its caller drains its own queue). Pool threads run
-    in the IEEE default floating-point environment.
+    From ``_POOL_MIN[kind]`` elements up the calling thread and the pool's threads take chunks from one queue
+    as each gets to it: the caller starts at once and never waits for a thread to wake, only for chunks
+    already begun. A pool task that has not started when the queue runs dry is cancelled, not waited for.
     """
-    if count <= 1 or _THREADS == 1:
-        return [fn(i) for i in range(count)]
-    results: list[Any] = [None] * count
-    tasks = iter(range(count))
+    if n < _POOL_MIN[kind] or _THREADS == 1:
+        return [fn(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
+    size = min(CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
+    starts = range(0, n, size)
+    results: list[Any] = [None] * len(starts)
+    tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
     pool = _pool or _get_pool()
-    futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(_THREADS - 1, count - 1))]
+    futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(_THREADS - 1, len(starts) - 1))]
     try:
         _drain(fn, tasks, results)
     finally:
         for f in futures:
             if not f.cancel():
-                f.result()  # a task still running writes into the caller's arrays: wait for it
+                f.result()  # a chunk still running writes into the caller's arrays: wait for it
     return results
-
-
-def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
-    """``fn(start, stop)`` over cache-sized chunks of ``range(n)``, results in chunk order: from
-    ``_POOL_MIN[kind]`` elements up on the pool (:func:`map_tasks`), below on the calling thread alone."""
-    if n < _POOL_MIN[kind] or _THREADS == 1:
-        return [fn(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
-    size = min(CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
-    starts = range(0, n, size)
-    return map_tasks(len(starts), lambda i: fn(starts[i], min(starts[i] + size, n)))
 
 
 def _flat(t: Tensor) -> np.ndarray:

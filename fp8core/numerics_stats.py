@@ -18,7 +18,7 @@ import numpy as np
 from fp8core._fpenv import ieee
 from fp8core.formats import Format
 
-_CHUNK = 1 << 18  # elements per step of the statistics: two float64 copies of it stay in cache
+_CHUNK = 1 << 18  # elements per step of the statistics: its float64 scratch (3 rows, 6 MiB) stays in cache
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,11 @@
 the peak resident memory of the inspect process against its largest tensor, and each recipe's GB/s on one tensor (its
 quantize, dequantize and statistics together, as inspect runs them).
 
+The peak RSS (Linux's VmHWM of the inspect process) is printed beside that of the same command on a file of one
+small tensor (the interpreter, NumPy and torch: what any file costs), so what the file's size adds is their
+difference. The machine is shared: the load average before and after, and the inspect process's CPU seconds
+(user + system), are printed with the time.
+
 Issue 26's bar: a 1 GiB bf16 file through all recipes on the CPU in under a minute on 2 cores. The process is
 pinned to ``--cores`` cores (default 2, the bar's machine); the default file is 256 MiB, and the time 1 GiB
 would take at the same rate is printed beside it (``--size-mib 1024`` measures it).
@@ -24,26 +29,49 @@ from pathlib import Path
 
 import numpy as np
 
+import fp8core
 from fp8core.cli.recipes import RECIPES, measure
 
 _TENSOR = (4096, 4096)  # 32 MiB in bf16: a 7B model's attention projection
 
 
-def write_checkpoint(path: Path, size_mib: int) -> tuple[int, int]:
-    """A bf16 checkpoint of about size_mib MiB: (bytes of tensor data, bytes of the largest tensor)."""
+def write_checkpoint(path: Path, size_mib: int, rows: int = 0) -> tuple[int, int]:
+    """A bf16 checkpoint of about size_mib MiB (one tensor of ``rows`` rows if given): (bytes of tensor data,
+    bytes of the largest tensor)."""
     import torch
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
     per = _TENSOR[0] * _TENSOR[1] * 2
-    count = max(1, size_mib * (1 << 20) // per)
-    rows = max(1, size_mib * (1 << 20) // (_TENSOR[1] * 2)) if count == 1 else _TENSOR[0]
+    count = 1 if rows else max(1, size_mib * (1 << 20) // per)
+    rows = rows or (max(1, size_mib * (1 << 20) // (_TENSOR[1] * 2)) if count == 1 else _TENSOR[0])
     tensors = {}
     for i in range(count):
         scale = 10.0 ** (i % 7 - 3)  # layers whose magnitudes differ, as a checkpoint's do
         tensors[f"layers.{i}.weight"] = (torch.randn(rows, _TENSOR[1], generator=g) * scale).to(torch.bfloat16)
     save_file(tensors, str(path))
     return count * rows * _TENSOR[1] * 2, rows * _TENSOR[1] * 2
+
+
+# The child's own peak (Linux's VmHWM, of the process image exec made), printed to stderr as it exits: the
+# rusage of children counts the parent's pages at the fork as the child's too.
+_CHILD = ("import atexit, sys\n"
+          "def peak():\n"
+          "    with open('/proc/self/status') as f:\n"
+          "        print('VmHWM', *[l.split()[1] for l in f if l.startswith('VmHWM')], file=sys.stderr)\n"
+          "atexit.register(peak)\n"
+          "from fp8core.cli import main\n"
+          "sys.exit(main(sys.argv[1:]))\n")
+
+
+def inspect(path: Path) -> tuple[dict, int]:
+    """``fp8core inspect PATH --recipes all --json`` in a child process: (its tensors' rows, its peak RSS in
+    bytes)."""
+    run = subprocess.run([sys.executable, "-c", _CHILD, "inspect", str(path), "--recipes", "all", "--json"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    peak = [line.split()[1] for line in run.stderr.splitlines() if line.startswith("VmHWM")]
+    return json.loads(run.stdout)["tensors"], int(peak[-1]) * 1024
 
 
 def main_bench() -> None:
@@ -58,14 +86,17 @@ def main_bench() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint.safetensors"
         data_bytes, largest = write_checkpoint(path, args.size_mib)
-        # In a child: its peak RSS is inspect's alone, not the generator's (RUSAGE_CHILDREN holds the largest).
+        small = Path(tmp) / "small.safetensors"
+        write_checkpoint(small, 0, rows=1)
+        _, base_rss = inspect(small)
+        load_before = os.getloadavg()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
-        run = subprocess.run([sys.executable, "-m", "fp8core", "inspect", str(path), "--recipes", "all", "--json"],
-                             capture_output=True, text=True)
+        rows, peak = inspect(path)
         wall = time.perf_counter() - t
-        assert run.returncode == 0, run.stderr
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        rows = json.loads(run.stdout)["tensors"]
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
+        load_after = os.getloadavg()
     import ml_dtypes
 
     x = (np.random.default_rng(0).standard_normal(_TENSOR) * 0.02).astype(ml_dtypes.bfloat16)
@@ -79,14 +110,18 @@ def main_bench() -> None:
         per_recipe[name] = x.nbytes / statistics.median(times) / 1e9
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, pinned to {len(os.sched_getaffinity(0))}",
+        "fp8core": str(Path(fp8core.__file__).parent),
         "file_bytes": data_bytes, "tensors": len(rows),
-        "seconds": wall, "gb_per_s": data_bytes / wall / 1e9, "peak_rss_bytes": peak,
-        "largest_tensor_bytes": largest, "recipe_gb_per_s": per_recipe, "seconds_per_gib": wall * 2**30 / data_bytes,
+        "seconds": wall, "cpu_seconds": cpu, "gb_per_s": data_bytes / wall / 1e9, "peak_rss_bytes": peak,
+        "peak_rss_small_file_bytes": base_rss, "largest_tensor_bytes": largest, "recipe_gb_per_s": per_recipe,
+        "seconds_per_gib": wall * 2**30 / data_bytes, "load_before": load_before, "load_after": load_after,
     }
     print(f"{data_bytes / 2**20:.0f} MiB bf16 in {len(rows)} tensors, all {len(RECIPES)} recipes: {wall:.1f} s "
-          f"({result['gb_per_s']:.3f} GB/s of file, the interpreter's start included); peak RSS "
-          f"{peak / 2**20:.0f} MiB (largest tensor {largest / 2**20:.0f} MiB); 1 GiB at this rate: "
-          f"{result['seconds_per_gib']:.0f} s; {result['machine']}")
+          f"({result['gb_per_s']:.3f} GB/s of file, the interpreter's start included; {cpu:.1f} CPU s); peak RSS "
+          f"{peak / 2**20:.0f} MiB, {(peak - base_rss) / 2**20:.0f} above a one-small-tensor file's "
+          f"{base_rss / 2**20:.0f} (largest tensor {largest / 2**20:.0f} MiB); 1 GiB at this rate: "
+          f"{result['seconds_per_gib']:.0f} s; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+          f"{result['machine']}; fp8core from {result['fp8core']}")
     for name, gbs in per_recipe.items():
         print(f"  {name:<14} {gbs:.3f} GB/s of bf16 input (quantize + dequantize + statistics)")
     if args.json:

@@ -15,9 +15,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fp8core._fpenv import ieee
 from fp8core.formats import Format
 
-_CHUNK = 1 << 18  # elements per step of the statistics: two float64 copies of it stay in cache
+_CHUNK = 1 << 18  # elements per step of the statistics: its float64 scratch (3 rows, 6 MiB) stays in cache
 
 
 @dataclass(frozen=True)
@@ -49,29 +50,40 @@ def as_rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(1, x.size) if x.ndim <= 1 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def _chunk_stats(v32: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: int, beyond: float,
+def _sum_of_squares(a: np.ndarray) -> float:
+    # einsum, not np.dot: BLAS's dot runs on its own threads, which on a loaded machine wait for cores (measured
+    # 100x slower) and busy-wait afterwards, taking cores from fp8core's pool
+    return float(np.einsum("i,i->", a, a))
+
+
+@ieee  # the caller's flush-to-zero would read float32 subnormals as 0 in the float64 widening
+def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: int, beyond: float,
                  work: np.ndarray) -> tuple[list[int], float, float, float]:
     """([finite, nonzero, underflow, clipped, at_max, lost], signal, noise, max_rel) of one flat chunk: the
-    values, their round trip (float32) and its fp8 bytes. ``work``: float64 [2, >= chunk size], reused from
-    chunk to chunk (fresh memory each time costs more in page faults than the arithmetic)."""
-    top = (codes & 0x7F) == max_code
-    v, d = work[0, :v32.size], work[1, :v32.size]
-    np.copyto(v, v32)
+    values x (float32/bfloat16/float16), their round trip y32 (float32) and its fp8 bytes. ``work``: float64
+    [3, >= chunk size], reused from chunk to chunk (fresh memory each time costs more in page faults than the
+    arithmetic); its third row is the scratch of the counts."""
+    v, d = work[0, :x.size], work[1, :x.size]
+    np.copyto(v, x)  # exact: every float32/bfloat16/float16 is a float64
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, and the masked path below takes over
         np.subtract(y32, v, out=d)
-    signal, noise = float(np.dot(v, v)), float(np.dot(d, d))  # f32 squares cannot overflow float64
+    signal, noise = _sum_of_squares(v), _sum_of_squares(d)  # f32 squares cannot overflow float64
     if math.isfinite(signal) and math.isfinite(noise):  # all finite: nothing to gather through masks
-        at = np.flatnonzero(top)
+        at = np.flatnonzero((codes & 0x7F) == max_code)
         clipped = np.count_nonzero(np.abs(v[at]) > np.abs(y32[at].astype(np.float64)) * beyond)
+        # a comparison into a bool scratch, then a count of bools: several times faster than counting floats
+        flags = work[2].view(np.bool_)[:x.size]
+        nonzero = np.count_nonzero(np.not_equal(v, 0, out=flags))
         # 0 comes back 0, so the nonzero results are a subset of the nonzero inputs
-        nonzero = np.count_nonzero(v32)
-        counts = [v.size, nonzero, nonzero - np.count_nonzero(y32), clipped, at.size, 0]
+        counts = [v.size, nonzero, nonzero - np.count_nonzero(np.not_equal(y32, 0, out=flags)), clipped, at.size,
+                  0]
         with np.errstate(divide="ignore", invalid="ignore"):
             d /= v  # 0/0 where x is 0: NaN, which fmax passes over
         np.abs(d, out=d)
         max_rel = float(np.fmax.reduce(d)) if d.size else 0.0
         return counts, signal, noise, 0.0 if math.isnan(max_rel) else max_rel
-    v, y = v32.astype(np.float64), y32.astype(np.float64)
+    top = (codes & 0x7F) == max_code
+    v, y = x.astype(np.float64), y32.astype(np.float64)
     fin = np.isfinite(v)
     bad = fin & ~np.isfinite(y)
     ok = fin & ~bad
@@ -106,12 +118,12 @@ def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
     n_rows, n_cols = rows2d.shape
     step = max(1, _CHUNK // max(n_cols, 1) // recipe.row_step) * recipe.row_step
     totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
-    work = np.empty((2, min(step, n_rows) * n_cols))
+    work = np.empty((3, min(step, n_rows) * n_cols))
     signal = noise = max_rel = 0.0
     for r0 in range(0, n_rows, step):
         r1 = min(r0 + step, n_rows)
         codes, y32 = recipe.dequantize_rows(q, r0, r1)
-        counts, s, n, m = _chunk_stats(np.asarray(rows2d[r0:r1], np.float32).ravel(), np.asarray(y32).ravel(),
+        counts, s, n, m = _chunk_stats(rows2d[r0:r1].ravel(), np.asarray(y32).ravel(),
                                        np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work)
         totals += counts
         signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)

@@ -4,7 +4,9 @@ plot, and tensors read one at a time."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import tracemalloc
 import weakref
 
@@ -268,6 +270,43 @@ def test_safetensors_tensors_are_read_one_at_a_time(tmp_path, monkeypatch):
         assert float(x[0, 0]) == i
 
 
+def _mapped_resident(path) -> int:
+    """Bytes of ``path`` resident in this process's memory maps (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: address range, perms, ..., path
+                inside = line.rstrip().endswith(str(path))
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's smaps")
+@pytest.mark.parametrize("mapped", ["bounded", "one map"])
+def test_safetensors_pages_read_leave_memory_as_the_file_is_read(tmp_path, monkeypatch, mapped):
+    """Tensors of 1 MiB, maps of 2 MiB: the file's resident pages stay near two maps' worth; through one map
+    (the twin, as the file was read before) they grow to the whole file."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from fp8core.cli import files
+
+    path = tmp_path / "big.safetensors"
+    save_file({f"w{i:02}": torch.full((512, 512), float(i)) for i in range(16)}, str(path))
+    monkeypatch.setattr(files, "_MAPPED_BYTES", 2 << 20 if mapped == "bounded" else 1 << 40)
+    peak = 0
+    for i, (name, x) in enumerate(files.iter_tensors(str(path))):
+        assert float(x.sum()) == i * x.size  # every page of it read
+        del x
+        peak = max(peak, _mapped_resident(path))
+    if mapped == "bounded":
+        assert peak <= 4 << 20, peak
+    else:
+        assert peak >= 15 << 20, peak
+
+
 def test_a_terminal_sees_which_tensor_is_being_measured_and_a_log_does_not(tmp_path, monkeypatch, capsys):
     import io
     import sys
@@ -370,3 +409,45 @@ def test_the_figures_do_not_depend_on_the_chunks_of_the_statistics(monkeypatch, 
         nz = keep & (v != 0)
         assert got["underflow"] == (nz & (y == 0)).sum() / nz.sum(), name
         assert got["max_rel_error"] == float(np.max(np.abs(y[nz] - v[nz]) / np.abs(v[nz]))), name
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_the_counts_of_a_chunk_without_nan_or_inf_are_skipped_only_where_none_can_be(monkeypatch, rng, dtype):
+    """tensor_stats counts NaN and inf only in chunks whose amax says they hold some; the twin (a histogram
+    asked for: every chunk goes through the counting) gives the same row, and the counts are the known ones."""
+    from fp8core.cli import inspect as module
+
+    monkeypatch.setattr(module, "_CHUNK", 64)
+    x = rng.standard_normal(640).astype(dtype)
+    x[70], x[200], x[201], x[500] = np.nan, np.inf, -np.inf, np.nan  # in 3 of 10 chunks
+    x[300] = 7.5  # the finite amax, in a chunk with neither
+    fast = module.tensor_stats(x)
+    twin = module.tensor_stats(x, hist=np.zeros(len(module._HIST_BINS) - 1, np.int64))
+    assert json.dumps(fast) == json.dumps(twin)  # NaN amax included
+    assert fast["nan"] == 2 and fast["inf"] == 2 and math.isnan(fast["amax"])
+    assert fast["E4M3"]["scale"] == float(fp8core.compute_scale(np.array([7.5], np.float32), "e4m3",
+                                                                 power_of_2=True)[0][0])
+
+
+def test_the_figures_do_not_depend_on_a_caller_that_flushes_subnormals(monkeypatch, rng):
+    """A caller that flushes subnormals (torch.set_flush_denormal) gets the figures of the IEEE default
+    environment: float32 subnormals are not read as zero."""
+    torch = pytest.importorskip("torch")
+    from fp8core.cli import recipes
+
+    x = sample(rng)
+    x[20:40] *= 1e-39  # float32 subnormals: read as zero under denormals-are-zero
+
+    def run() -> dict:
+        return {name: recipes.measure(x, r) for name, r in recipes.RECIPES.items()}
+
+    want = run()
+    assert want["e4m3"]["underflow"] > 0  # the subnormal rows are in the figures
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        assert np.float32(1e-39) * np.float32(1) == 0, "torch.set_flush_denormal(True) did not flush"
+        got = run()
+    finally:
+        torch.set_flush_denormal(False)
+    assert got == want

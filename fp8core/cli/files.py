@@ -26,6 +26,7 @@ DEFAULT_MAX_BYTES = 1 << 30  # what a compressed .npz may inflate to, all member
 MAX_DEPTH = 64  # nesting levels of a .pt checkpoint's containers that are walked
 MAX_ENTRIES = 1_000_000  # container entries walked in a .pt checkpoint
 _READ_STEP = 1 << 20  # bytes inflated per step of an .npz member
+_MAPPED_BYTES = 1 << 24  # bytes of tensors read through one memory map of a .safetensors file
 
 
 def _as_numpy(t: Any) -> np.ndarray:
@@ -178,9 +179,22 @@ def _read_safetensors(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray
     except ImportError:
         raise CliError(f"{p}: reading .safetensors needs the safetensors package (pip install safetensors)") from None
     framework = "pt" if installed_version("torch") else "np"
+    # The file is memory-mapped, and every page a read touches stays resident while its map lives: one open
+    # file for the whole checkpoint would hold all of it by the end. It is opened again once _MAPPED_BYTES of
+    # tensors have been read through one map; a map goes (with its pages) once it is closed and the tensors
+    # read through it (views of it with torch) are freed. The resident pages stay near _MAPPED_BYTES plus one
+    # tensor whatever the file's size, and the header is parsed once per _MAPPED_BYTES at most.
     with safe_open(str(p), framework=framework) as f:
-        for k in f.keys():
-            yield k, _as_numpy(f.get_tensor(k))
+        keys = list(f.keys())
+    at = 0
+    while at < len(keys):
+        with safe_open(str(p), framework=framework) as f:
+            read = 0
+            while at < len(keys) and read < _MAPPED_BYTES:
+                k, t = keys[at], f.get_tensor(keys[at])
+                at, read = at + 1, read + t.nbytes
+                yield k, _as_numpy(t)
+                del t  # held by the caller alone, which frees it before the next is read
 
 
 def _tensors_in(obj: Any, prefix: str, skipped: dict[str, int]) -> Iterator[tuple[str, Any]]:

@@ -100,7 +100,11 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     amax_bits, finite_amax, nans, infs = 0, 0.0, 0, 0
     for a, b in bounds:
         c = _chunk_f32(flat, a, b)
-        amax_bits = max(amax_bits, int(fp8core.amax(c).view(np.uint32)[0]))
+        bits = int(fp8core.amax(c).view(np.uint32)[0])
+        amax_bits = max(amax_bits, bits)
+        if bits < 0x7F800000 and hist is None:  # all finite: nothing to count, the amax is the finite amax
+            finite_amax = max(finite_amax, float(np.array([bits], np.uint32).view(np.float32)[0]))
+            continue
         v = c.astype(np.float64)
         fin = np.isfinite(v)
         nans += int(np.isnan(v).sum())

@@ -102,3 +102,32 @@ def test_dense_10_head_trains_under_jit():
         loss, v = step(v)
         losses.append(float(loss))
     assert np.isfinite(losses).all() and losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+@pytest.mark.parametrize("lshape, rshape, dn", [
+    ((5, 0), (0, 3), (((1,), (0,)), ((), ()))),               # K = 0: a sum over nothing, zeros
+    ((5, 20), (20, 0), (((1,), (0,)), ((), ()))),             # N = 0: an empty output
+    ((2, 5, 0), (2, 0, 3), (((2,), (1,)), ((0,), (0,)))),     # the same with a batch dim
+    ((2, 5, 20), (2, 20, 0), (((2,), (1,)), ((0,), (0,)))),
+], ids=["k0", "n0", "batched-k0", "batched-n0"])
+def test_an_empty_contraction_or_output_is_dot_generals(lshape, rshape, dn, recipe):
+    """K = 0 or N = 0 (any K and N, as the docstring says): padded to 16 like zero tokens, so the output and
+    both gradients are lax.dot_general's (zeros, or empty) and the state takes the operands' own amaxes."""
+    lhs = jax.random.normal(jax.random.PRNGKey(1), lshape) * 3
+    rhs = jax.random.normal(jax.random.PRNGKey(2), rshape)
+    g = jnp.ones(jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dn), lhs, rhs).shape)
+    delayed = isinstance(recipe, fp8core.DelayedScaling)
+    state = fj.init_state(recipe) if delayed else None
+    y, back = jax.vjp(jax.jit(lambda s, a, b: fj.fp8_dot_general(a, b, dn, s, recipe)), state, lhs, rhs)
+    ty, tback = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn), lhs, rhs)
+    dv, dl, dr = back(g)
+    for ours, twin in ((y, ty), (dl, tback(g)[0]), (dr, tback(g)[1])):
+        assert ours.shape == twin.shape and ours.dtype == twin.dtype
+        np.testing.assert_array_equal(bits(ours), bits(twin))
+    if delayed:
+        ref = fp8core.ScalingState(3, recipe, formats=["e4m3", "e4m3", "e5m2"])
+        ref.amax_history[0] = [np.abs(np.asarray(v, np.float32)).max(initial=0) for v in (lhs, rhs, g)]
+        ref.update()
+        for key in ("amax_history", "scale", "scale_inv"):
+            np.testing.assert_array_equal(bits(dv[key]), bits(getattr(ref, key)), key)

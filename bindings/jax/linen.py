@@ -263,13 +263,13 @@ def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: 
     ncontract = len(dimension_numbers[0][0])
     out_shape = tuple(lhs.shape[d] for d in lperm[:lhs.ndim - ncontract]) + \
         tuple(rhs.shape[d] for d in rperm[ncontract:])
-    x = (lhs if lperm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lperm)).reshape(-1, k)
+    rows = int(np.prod(out_shape[:lhs.ndim - ncontract], dtype=np.int64))  # not reshape's -1: K may be 0
+    x = (lhs if lperm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lperm)).reshape(rows, k)
     w = (rhs if rperm == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rperm)).reshape(k, n)
-    rows = x.shape[0]
-    # Every GEMM dimension (K, N, and the tokens, which the wgrad GEMM contracts over and needs > 0) padded
-    # to the GEMM's multiple of 16 with zeros: they change no amax and add nothing, and the padded outputs
-    # are cut off, so the result is the unpadded definition's
-    pad_rows, pad_k, pad_n = -rows % MULTIPLE or (MULTIPLE if rows == 0 else 0), -k % MULTIPLE, -n % MULTIPLE
+    # Every GEMM dimension (K, N, and the tokens, which the wgrad GEMM contracts over) padded to the GEMM's
+    # multiple of 16 with zeros, an empty one to 16 (the GEMMs need each > 0): they change no amax and add
+    # nothing, and the padded outputs are cut off, so the result is the unpadded definition's
+    pad_rows, pad_k, pad_n = _pad(rows), _pad(k), _pad(n)
     if pad_rows or pad_k:
         x = jnp.pad(x, ((0, pad_rows), (0, pad_k)))
     if pad_k or pad_n:
@@ -280,6 +280,12 @@ def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: 
         h = s = si = jnp.zeros(1, jnp.float32)
     y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname))
     return y[:rows, :n].reshape(out_shape)
+
+
+def _pad(size: int) -> int:
+    """The zeros that take one GEMM dimension to the GEMM's multiple of 16, and an empty one to 16: a
+    contraction over nothing is zeros, an empty output is cut from the padded one."""
+    return -size % MULTIPLE or (MULTIPLE if size == 0 else 0)
 
 
 def _dims(dims: Any, x: jax.Array, arg: str, kind: str) -> tuple[int, ...]:
@@ -335,8 +341,7 @@ def _batched_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                       else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
     x = jnp.transpose(lhs, lperm).reshape(b, m, k)
     w = jnp.transpose(rhs, rperm).reshape(b, k, n)
-    pad_b, pad_m = int(b == 0), -m % MULTIPLE or (MULTIPLE if m == 0 else 0)
-    pad_k, pad_n = -k % MULTIPLE, -n % MULTIPLE
+    pad_b, pad_m, pad_k, pad_n = int(b == 0), _pad(m), _pad(k), _pad(n)
     if pad_b or pad_m or pad_k:
         x = jnp.pad(x, ((0, pad_b), (0, pad_m), (0, pad_k)))
     if pad_b or pad_k or pad_n:

@@ -116,8 +116,10 @@ def _stats(d: Any, where: str) -> dict[str, Any]:
             raise ValueError(f"{where} has no {k!r}")
         out[k] = None if k == "sqnr_db" and d[k] is None else _number(d[k], f"{where}'s {k!r}")
     for k, v in d.items():
+        if k == "padded" and not isinstance(v, bool):  # what the table and chart print as a flag
+            raise ValueError(f"{where}'s 'padded' is {v!r}, not true or false")
         if k not in out:
-            out[k] = v if isinstance(v, bool) or k == "padded" else _number(v, f"{where}'s {k!r}")
+            out[k] = v if isinstance(v, bool) else _number(v, f"{where}'s {k!r}")
     return out
 
 
@@ -152,6 +154,9 @@ def from_json(data: Any) -> list[dict[str, Any]]:
             if "recipes" in r:
                 if not isinstance(r["recipes"], dict):
                     raise ValueError(f"{where}'s 'recipes' is not an object of recipe names")
+                if r["recipe"] in r["recipes"]:  # contenders() would put it in place of the layer's own cast
+                    raise ValueError(f"{where}'s 'recipes' has {r['recipe']!r}, the name of the layer's own cast, "
+                                     "whose statistics are the row's")
                 row["recipes"] = {n: _stats(s, f"{where}'s recipe {n!r}") for n, s in r["recipes"].items()}
             rows.append(row)
         except ValueError as e:

@@ -95,6 +95,10 @@ def test_from_json_gives_the_rows_back_with_infinities():
     ([row("l", "input", 0, stats(1.0), {"e4m3": [1]})], "row 0's recipe 'e4m3' is not an object (list)"),
     ([row("l", "input", 0, stats(1.0), {"e4m3": {"sqnr_db": 1.0}})], "row 0's recipe 'e4m3' has no 'underflow'"),
     ([row("l", "input", 0, stats(1.0), ["e4m3"])], "row 0's 'recipes' is not an object of recipe names"),
+    ([row("l", "input", 0, stats(1.0), {"DelayedScaling": stats(90.0)})],
+     "row 0's 'recipes' has 'DelayedScaling', the name of the layer's own cast"),
+    ([row("l", "input", 0, stats(1.0), {"e4m3": stats(1.0, padded="no")})],
+     "row 0's recipe 'e4m3''s 'padded' is 'no', not true or false"),
 ])
 def test_what_is_not_a_record_is_refused_saying_what_one_is(data, says):
     with pytest.raises(ValueError) as e:

@@ -153,6 +153,7 @@ def test_two_records_are_keyed_by_file_and_plotted_at_the_given_path(tmp_path, c
     ('{"weight": [1, 2]}', "not a record: its top level is a JSON object; expected a JSON list of rows"),
     ("[]", "an empty record"),
     ('[{"module": "x"}]', "not a record: row 0 has no 'operand'"),
+    ("[" * 100_000, "JSON nested too deeply to be a record"),  # json's decoder: RecursionError
 ])
 def test_inspect_names_the_file_that_is_not_a_record(tmp_path, capsys, content, says):
     path = tmp_path / "other.json"

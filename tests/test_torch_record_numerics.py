@@ -357,6 +357,9 @@ def test_a_saved_record_loads_back_and_inspect_prints_it(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"rows": rec.to_json()}))
     with pytest.raises(ValueError, match=f"{tmp_path / 'bad.json'}: not a record: its top level is a JSON object"):
         ft.NumericsRecord.load(tmp_path / "bad.json")
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'deep.json'}: JSON nested too deeply to be a record"):
+        ft.NumericsRecord.load(tmp_path / "deep.json")
 
 
 def test_an_expanded_gradient_is_measured():

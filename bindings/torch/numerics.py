@@ -70,6 +70,8 @@ class NumericsRecord:
             rows = from_json(json.loads(Path(path).read_text(encoding="utf-8")))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON ({e})") from None
+        except RecursionError:  # json's decoder recurses per level of nesting
+            raise ValueError(f"{path}: JSON nested too deeply to be a record (a list of flat rows)") from None
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         return cls(rows)

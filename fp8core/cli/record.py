@@ -36,6 +36,9 @@ def read_record(path: str, max_bytes: int) -> list[dict[str, Any]]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CliError(f"{path}: not JSON ({e}); expected a record of fp8core.torch.record_numerics "
                        "(rec.save(path))") from None
+    except RecursionError:  # json's decoder recurses per level of nesting
+        raise CliError(f"{path}: JSON nested too deeply to be a record of fp8core.torch.record_numerics "
+                       "(rec.save(path): a list of flat rows)") from None
     try:
         return from_json(data)
     except ValueError as e:

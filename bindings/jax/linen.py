@@ -9,7 +9,8 @@ and ``jnp.einsum(eqn, x, kernel, _dot_general=Fp8DotGeneral())`` inside a compac
 ``nn.Einsum`` takes no custom dot_general). The forward pass is two fp8 casts and one fp8 GEMM, the backward
 pass one cast and two GEMMs, all fp8core kernels through ``fp8core.jax`` (CPU and GPU, under ``jit``).
 ``dot_general``'s batch dimensions (attention's ``"bqhd,bkhd->bhqk"``, ``nn.DenseGeneral(batch_dims=...)``) run
-as one batched GEMM per product: each batch element's GEMM the unbatched one, each operand with one scale.
+as one batched GEMM primitive per product (one callback; inside it a GEMM per batch element, not a
+strided-batched cuBLASLt call): each batch element's GEMM the unbatched one, each operand with one scale.
 
 Delayed scaling keeps its state in flax's ``_overwrite_with_gradient`` collection: ``amax_history`` [L, 3],
 ``scale`` [3] and ``scale_inv`` [3], the columns being lhs (input), rhs (kernel) and grad_output, laid out like

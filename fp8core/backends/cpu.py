@@ -572,8 +572,11 @@ def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
 @lru_cache(maxsize=None)
 @ieee
 def _widen_table(fmt: Format) -> np.ndarray:
-    """The float64 value of each of the 256 codes, made by ml_dtypes' cast (its bits, NaN's too)."""
-    return np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype).astype(np.float64)
+    """The float64 value of each of the 256 codes, made by ml_dtypes' cast (its bits, NaN's too); read only:
+    every GEMM of every thread reads this one cached array."""
+    table = np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype).astype(np.float64)
+    table.flags.writeable = False
+    return table
 
 
 def _widen(data: np.ndarray, fmt: Format) -> np.ndarray:

@@ -20,6 +20,12 @@ def name_width(names: Iterable[str]) -> int:
     return max([14, *map(len, names)])
 
 
+def recipe_head(width: int = 14) -> str:
+    """The header of :func:`recipe_lines`' columns, the recipe column ``width`` wide (see :func:`name_width`)."""
+    return (f"  {'recipe':<{width}} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} "
+            f"{'max rel err':>11} blocks")
+
+
 def recipe_lines(r: dict) -> Iterator[str]:
     """A line per recipe of one tensor's row (``r["recipes"]``), the winner starred."""
     width = name_width(r["recipes"])

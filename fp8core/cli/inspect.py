@@ -19,7 +19,7 @@ from fp8core.numerics_stats import strict_json
 from fp8core.selftest.gpu import one_line
 
 from .common import TABLE_WIDTH, CliError, cell, plot_target, printable, progress, status
-from .compare import plot_recipes, recipe_lines, recipe_notes, summary_lines
+from .compare import plot_recipes, recipe_head, recipe_lines, recipe_notes, summary_lines
 from .files import iter_tensors
 from .record import SUFFIX as RECORD_SUFFIX
 from .record import inspect_records
@@ -219,8 +219,7 @@ def _table(rows: dict[str, dict], recipes: bool = False) -> Iterator[str]:
     """The inspect table, TABLE_WIDTH columns at most: a line naming each tensor, then a line per format (per
     recipe with ``recipes``, the best one starred)."""
     if recipes:
-        fields = f"{'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11} blocks"
-        head = f"  {'recipe':<14} {fields}"
+        head = recipe_head()
     else:
         fields = f"{'scale':>10} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} {'max rel err':>11}"
         head = f"  {'fmt':<4} {fields}"

@@ -16,7 +16,7 @@ from fp8core.numerics_record import from_json, per_operand
 from fp8core.numerics_stats import strict_json, summary
 
 from .common import TABLE_WIDTH, CliError, cell, printable
-from .compare import name_width, plot_recipes, recipe_lines, recipe_notes, summary_lines
+from .compare import name_width, plot_recipes, recipe_head, recipe_lines, recipe_notes, summary_lines
 
 SUFFIX = ".json"  # what inspect reads as a record
 AGGREGATE = ("per layer and operand, each recipe's worst over the steps: least SQNR, most underflow, clipped, at "
@@ -55,8 +55,7 @@ def _what(name: str, rows: list[dict[str, Any]]) -> str:
 
 def _lines(entries: dict[str, dict[str, Any]]) -> Iterator[str]:
     width = name_width(n for e in entries.values() for n in e["recipes"])
-    head = (f"  {'recipe':<{width}} {'SQNR dB':>8} {'underflow':>9} {'clipped':>8} {'at ±max':>8} "
-            f"{'max rel err':>11} blocks")
+    head = recipe_head(width)
     yield "layer.operand  the layer's cast  steps  amax"
     yield head
     yield "-" * min(len(head), TABLE_WIDTH)

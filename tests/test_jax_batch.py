@@ -429,6 +429,8 @@ def test_functional_and_sharded_paths():
      r"dimension of its shape \(5, 16\)"),
     ((16, 16), (16, 16), (((0, 0), (0, 1)), ((), ())), r"dimension_numbers: lhs's contracting dims \(0, 0\) "
      r"repeat a dimension"),
+    ((16, 16), (16, 16), (((True,), (0,)), ((), ())), r"dimension_numbers: contracting dim True of lhs is not a "
+     r"dimension"),  # a bool is not a dimension (it was taken as 1)
 ])
 def test_bad_batch_dims_refused_by_name(lshape, rshape, dn, message):
     lhs, rhs = jnp.ones(lshape), jnp.ones(rshape)

@@ -293,7 +293,7 @@ def _dims(dims: Any, x: jax.Array, arg: str, kind: str) -> tuple[int, ...]:
     """dot_general's dims of one operand, each in range (a negative one counted from the end)."""
     out = []
     for d in tuple(dims):
-        if not isinstance(d, (int, np.integer)) or not -x.ndim <= int(d) < x.ndim:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not -x.ndim <= int(d) < x.ndim:
             raise ValueError(f"dimension_numbers: {kind} dim {d!r} of {arg} is not a dimension of its shape "
                              f"{tuple(x.shape)}")
         out.append(int(d) % x.ndim)

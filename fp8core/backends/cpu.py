@@ -581,8 +581,9 @@ def _widen_table(fmt: Format) -> np.ndarray:
 
 def _widen(data: np.ndarray, fmt: Format) -> np.ndarray:
     """An fp8 operand (its codes in any 1-byte dtype) as float64, exactly: one lookup per element in a 2 KiB
-    table that stays in L1, 1.3x faster than ml_dtypes' astype in a flax training step and ahead of a 1 MiB
-    table of code pairs there (bench/results/cpu-2core-2026-11-25-flax-train.txt)."""
+    table that stays in L1. A flax training step took 1.23-1.35x as long with ml_dtypes' astype, and longer
+    with a 1 MiB table of code pairs, which the matmul evicts
+    (bench/results/cpu-2core-2026-11-25-flax-train.txt)."""
     return _widen_table(fmt)[np.asarray(data).view(np.uint8)]
 
 

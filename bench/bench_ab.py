@@ -1,8 +1,10 @@
 """A change's effect on host time: the public primitives of this checkout against a base checkout of fp8core,
 both imported in one process and timed in alternating blocks (bench_cpu.interleaved), 16 elements, NumPy and
 torch CPU inputs. On a VM whose speed drifts 2x within a minute, only such a same-moment ratio measures a change.
+``--large``: instead, NumPy inputs at a flax training step's shapes and beyond (GEMMs of a 3-layer MLP at width 256
+and 1024, batch 64; transposes up to 4096x4096).
 
-    git worktree add /tmp/base <commit> && python bench/bench_ab.py /tmp/base [--repeat 80] [--json out.json]
+    git worktree add /tmp/base <commit> && python bench/bench_ab.py /tmp/base [--repeat 80] [--large] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,11 +49,38 @@ def calls(x, scale, slot) -> dict:
     }
 
 
+def large_calls() -> dict:
+    """op -> f(module) at training shapes: GEMM [M, K] x [N, K] with a bf16 result (out=), transpose of fp8 and
+    cast_transpose of the float32 weight / bf16 activations (out=)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    one = np.ones(1, np.float32)
+    ops = {}
+    for m, n, k in [(64, 256, 256), (256, 256, 64), (64, 1024, 1024), (1024, 1024, 64), (1024, 1024, 1024)]:
+        a = rng.standard_normal((m, k)).astype(ml_dtypes.float8_e4m3fn)
+        b = rng.standard_normal((n, k)).astype(ml_dtypes.float8_e4m3fn)
+        out = np.empty((m, n), ml_dtypes.bfloat16)
+        ops[f"gemm {m}x{n}x{k}"] = lambda fc, a=a, b=b, out=out: fc.gemm(a, b, one, one, out_dtype="bfloat16", out=out)
+    for r, c in [(256, 256), (1024, 1024), (1000, 3000), (4096, 64), (4096, 4096)]:
+        q = rng.standard_normal((r, c)).astype(ml_dtypes.float8_e4m3fn)
+        qt = np.empty((c, r), q.dtype)
+        ops[f"transpose {r}x{c}"] = lambda fc, q=q, qt=qt: fc.transpose(q, out=qt)
+    for r, c, dt in [(64, 1024, ml_dtypes.bfloat16), (1024, 1024, np.float32)]:
+        x = rng.standard_normal((r, c)).astype(dt)
+        outs = (np.empty((r, c), ml_dtypes.float8_e4m3fn), np.empty((c, r), ml_dtypes.float8_e4m3fn))
+        slot = np.zeros(1, np.float32)
+        ops[f"cast_transpose {r}x{c} {np.dtype(dt).name}"] = (
+            lambda fc, x=x, outs=outs, slot=slot: fc.cast_transpose(x, one, amax_out=slot, out=outs))
+    return ops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("base", help="a checkout (git worktree) of the fp8core to compare with")
     ap.add_argument("--repeat", type=int, default=80, help="blocks per candidate")
     ap.add_argument("--block", type=int, default=200, help="calls per block")
+    ap.add_argument("--large", action="store_true", help="training-step shapes (NumPy) instead of 16 elements")
     ap.add_argument("--json")
     args = ap.parse_args()
     base = load_base(args.base)
@@ -60,7 +89,8 @@ def main() -> None:
     try:
         import torch
 
-        inputs.append(("torch", torch.from_numpy(x.copy()), torch.tensor([2.0]), torch.zeros(1)))
+        if not args.large:  # --large: NumPy only
+            inputs.append(("torch", torch.from_numpy(x.copy()), torch.tensor([2.0]), torch.zeros(1)))
     except ImportError:
         pass
     commit = lambda path: subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"],  # noqa: E731
@@ -68,15 +98,15 @@ def main() -> None:
     here = str(pathlib.Path(__file__).resolve().parents[1])
     print(f"# host time per call (us), this checkout ({commit(here)}) vs {args.base} ({commit(args.base)}), "
           f"numpy {np.__version__}; interleaved blocks of {args.block} calls; this/base = median over blocks")
-    print(f"{'op':18s} {'input':6s} {'base':>8s} {'this':>8s} {'this/base':>10s}")
+    print(f"{'op':32s} {'input':6s} {'base':>8s} {'this':>8s} {'this/base':>10s}")
     rows = []
     for name, xin, scale, slot in inputs:
-        for op, f in calls(xin, scale, slot).items():
+        for op, f in (large_calls() if args.large else calls(xin, scale, slot)).items():
             stats, r = interleaved({"base": lambda: f(base), "this": lambda: f(fp8core)}, args.repeat, args.block,
                                    ratio=("this", "base"))
             rows.append({"op": op, "input": name, "base_us": stats["base"][0] * 1e6,
                          "this_us": stats["this"][0] * 1e6, "this_over_base": r})
-            print(f"{op:18s} {name:6s} {rows[-1]['base_us']:8.1f} {rows[-1]['this_us']:8.1f} {r:10.2f}")
+            print(f"{op:32s} {name:6s} {rows[-1]['base_us']:8.1f} {rows[-1]['this_us']:8.1f} {r:10.2f}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
 

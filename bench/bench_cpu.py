@@ -2,6 +2,7 @@
 
 GB/s counts the bytes each primitive must read and write. Prints a table; --json writes the rows.
 Usage: python bench/bench_cpu.py [--sizes-mib 1 16 64 256] [--sizes-kib 64 256] [--quick] [--json out.json]
+       [--crossover | --gemm-crossover]
 """
 
 from __future__ import annotations
@@ -169,6 +170,96 @@ def crossover(repeat: int) -> list[dict]:
     return rows
 
 
+def _faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def gemm_transpose_crossover(repeat: int) -> list[dict]:
+    """The CPU GEMM and transpose with their choices forced each way, by shape (backend calls, medians of
+    ``repeat`` interleaved, each timed call right after an untimed one of the same variant, which leaves the
+    caches as that variant does (data the pool's thread wrote sits in the other core's cache); p20/p80: a page
+    fault costs some calls and not others, so no minimum; page faults per call): the GEMM's scratch (``_SCRATCH_MAX`` 0: every temporary freshly
+    allocated) and its split into column spans (``_GEMM_POOL_MIN``); the transpose's strips (32 rows against
+    :func:`cpu._strip_rows`) and its pool (``_TRANSPOSE_POOL_MIN``)."""
+    from fp8core.backends import cpu
+    from fp8core.gemm import GemmSpec
+    from fp8core._tensor import wrap
+
+    saved = (cpu._SCRATCH_MAX, cpu._GEMM_POOL_MIN, cpu._TRANSPOSE_POOL_MIN, cpu._strip_rows)
+    rng = np.random.default_rng(0)
+    e4m3, one = fp8core.Format.E4M3, np.ones(1, np.float32)
+    rows = []
+
+    def variant(**settings):
+        def run(fn):
+            def call():
+                for name, value in settings.items():
+                    setattr(cpu, name, value)
+                if cpu._SCRATCH_MAX == 0:
+                    cpu._scratch_buffers.kinds.clear()  # no buffer kept from the other variants either
+                f0 = _faults()
+                fn()
+                call.faults += _faults() - f0
+            call.faults = 0
+            return call
+        return run
+
+    def measure(label, shape, fn, variants):
+        calls = {name: variant(**v)(fn) for name, v in variants.items()}
+        names = list(calls)
+        times = {name: [] for name in names}
+        for i in range(repeat):
+            for name in names:
+                calls[name]()  # untimed: the timed call finds the caches as its own variant leaves them
+                t = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - t)
+        row = {"op": label, "shape": shape}
+        for name, call in calls.items():
+            q = statistics.quantiles(times[name], n=5, method="inclusive")
+            row.update({name + "_us": statistics.median(times[name]) * 1e6, name + "_p20_us": q[0] * 1e6,
+                        name + "_p80_us": q[3] * 1e6, name + "_faults": call.faults / (2 * repeat)})
+        rows.append(row)
+        print(f"{label:<10} {shape:<14}" + "".join(
+            f"  {name} {row[name + '_us']:6.0f} us ({row[name + '_p20_us']:.0f}-{row[name + '_p80_us']:.0f}) "
+            f"{row[name + '_faults']:4.0f} faults" for name in variants), flush=True)
+
+    try:
+        print(f"# CPU GEMM (bf16 out) and transpose, choices forced (us per call: median (p20-p80) of {repeat} "
+              f"interleaved calls, each after an untimed one of its own; page faults per call)")
+        for m, n, k in [(64, 256, 256), (256, 256, 64), (128, 256, 256), (64, 512, 512), (256, 256, 256),
+                        (128, 512, 512), (64, 1024, 1024), (256, 1024, 1024), (1024, 1024, 256)]:
+            a = wrap(rng.standard_normal((m, k)).astype(ml_dtypes.float8_e4m3fn))
+            b = wrap(rng.standard_normal((n, k)).astype(ml_dtypes.float8_e4m3fn))
+            spec = GemmSpec(m, n, k, e4m3, e4m3, "bfloat16", None, False)
+            out = np.empty((m, n), ml_dtypes.bfloat16)
+            fn = lambda a=a, b=b, spec=spec, out=out: cpu.gemm(spec, a, b, one, one, None, None, None, out)
+            variants = {"fresh": {"_SCRATCH_MAX": 0, "_GEMM_POOL_MIN": 1 << 62},
+                        "one": {"_SCRATCH_MAX": saved[0], "_GEMM_POOL_MIN": 1 << 62},
+                        "split": {"_SCRATCH_MAX": saved[0], "_GEMM_POOL_MIN": 0}}
+            measure("gemm", f"{m}x{n}x{k}", fn, variants)
+            # Also each of the first two alone, call after call: the heap then settles into its own pattern
+            for name in ("fresh", "one"):
+                call = variant(**variants[name])(fn)
+                med, p20, p80 = timeit(call, repeat)
+                rows[-1].update({f"{name}_alone_us": med * 1e6, f"{name}_alone_faults": call.faults / (repeat + 1)})
+                print(f"{'':<10} {'':<14}  {name} alone {med * 1e6:6.0f} us ({p20 * 1e6:.0f}-{p80 * 1e6:.0f}) "
+                      f"{call.faults / (repeat + 1):4.0f} faults", flush=True)
+        for r, c in [(64, 256), (256, 256), (256, 1024), (1024, 256), (1024, 1024), (4096, 64), (4096, 128),
+                     (64, 4096), (1000, 3000), (2048, 2048), (4096, 4096), (2048, 8192)]:
+            q = wrap(rng.integers(0, 256, (r, c), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn))
+            out = np.empty((c, r), ml_dtypes.float8_e4m3fn)
+            measure("transpose", f"{r}x{c}", lambda q=q, out=out: cpu.transpose(q, out=out),
+                    {"strips32": {"_strip_rows": lambda cols: 32, "_TRANSPOSE_POOL_MIN": 1 << 62},
+                     "strips": {"_strip_rows": saved[3], "_TRANSPOSE_POOL_MIN": 1 << 62},
+                     "pool": {"_strip_rows": saved[3], "_TRANSPOSE_POOL_MIN": 0}})
+    finally:
+        cpu._SCRATCH_MAX, cpu._GEMM_POOL_MIN, cpu._TRANSPOSE_POOL_MIN, cpu._strip_rows = saved
+    return rows
+
+
 def _fixed(v: float | None, width: int) -> str:
     """A figure with two decimals, or "—" where the peer has no such primitive (or is not installed)."""
     return f"{'—' if v is None else f'{v:.2f}':>{width}}"
@@ -185,6 +276,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="64 KiB, 1 and 64 MiB, bf16, few repeats")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--crossover", action="store_true", help="only the thread pool's crossover, by size")
+    ap.add_argument("--gemm-crossover", action="store_true",
+                    help="only the GEMM's scratch and column split, and the transpose's strips and pool, by shape")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch's intra-op threads (default: as many as fp8core's CPU pool uses; 1 compares "
                          "single-threaded code, and on a loaded machine keeps torch's thread team from stalling on "
@@ -208,8 +301,9 @@ def main() -> None:
     print(f"# torch eager runs with {meta['torch_threads']} intra-op threads (--torch-threads to change); "
           if torch else "# torch is not installed: its columns are '—'; ", end="")
     print("'x torch' and 'x ml_dtypes' are fp8core's speed over the peer's (>1: fp8core is faster)")
-    if args.crossover:
-        rows = [dict(r, **meta) for r in crossover(5 if args.quick else 21)]
+    if args.crossover or args.gemm_crossover:
+        run = gemm_transpose_crossover if args.gemm_crossover else crossover
+        rows = [dict(r, **meta) for r in run(5 if args.quick else 21)]
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

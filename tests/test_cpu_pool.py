@@ -159,3 +159,124 @@ def test_the_backend_amax_takes_a_strided_tensor_whole():
     x[500, 7] = -1e9
     got = cpu.amax(wrap(x))
     assert got.view(np.uint32)[0] == np.array(1e9, np.float32).view(np.uint32)
+
+
+# ---- the GEMM's column spans and scratch, the transpose's strips --------------------------------------------
+
+def _gemm_cases(rng):
+    """(name, thunk) pairs: every operand pair and output (an fp8 output with its amax slot), bias, an empty M,
+    and the block-scaled GEMMs, with N = 80 (spans of 48 and 32 columns on 2 threads) and a NaN operand row."""
+    from fp8core.blocks import quantize_blockwise, quantize_mxfp8
+    from gemm_cases import CASES, as_fp8, fp8_codes
+
+    cases = []
+    for a_fmt, b_fmt, out_dtype in CASES:
+        ac, bc = fp8_codes(rng, (37, 96), a_fmt), fp8_codes(rng, (80, 96), b_fmt)
+        ac[4, 9] = 0x7F
+        a, b = as_fp8(ac, a_fmt), as_fp8(bc, b_fmt)
+        bias = rng.standard_normal(80).astype(ml_dtypes.bfloat16)
+        fp8_out = out_dtype.startswith("float8")
+
+        def run(a=a, b=b, bias=bias if out_dtype in ("bfloat16", "float32") or fp8_out else None,
+                out_dtype=out_dtype, fp8_out=fp8_out):
+            slot = np.zeros(1, np.float32) if fp8_out else None
+            d = fp8core.gemm(a, b, 0.5, 3.0, out_dtype=out_dtype, bias=bias, out_scale=0.25 if fp8_out else None,
+                             out_amax=slot)
+            return [np.asarray(d).view(np.uint8)] + ([slot.view(np.uint32)] if fp8_out else [])
+
+        cases.append((f"{a_fmt}x{b_fmt}->{out_dtype}", run))
+    empty = as_fp8(np.zeros((0, 32), np.uint8), "e4m3"), as_fp8(fp8_codes(rng, (48, 32), "e4m3"), "e4m3")
+    cases.append(("empty M", lambda: [np.asarray(fp8core.gemm(*empty, 1.0, 1.0, out_dtype="float32")).view(np.uint8)]))
+    x = (rng.standard_normal((37, 256)) * 2.0 ** rng.uniform(-6, 6, (37, 256))).astype(np.float32)
+    w = (rng.standard_normal((80, 256)) * 2.0 ** rng.uniform(-6, 6, (80, 1))).astype(np.float32)
+    blocked = {"mx": (quantize_mxfp8(x), quantize_mxfp8(w))}
+    for a_block, b_block in [("1x128", "128x128"), ("128x128", "1x128")]:
+        blocked[f"{a_block},{b_block}"] = (quantize_blockwise(x, block=a_block, power_of_2=False),
+                                           quantize_blockwise(w, block=b_block, power_of_2=False))
+    for scheme, (a, b) in blocked.items():
+        cases.append((scheme, lambda a=a, b=b: [np.asarray(fp8core.gemm(a, b, out_dtype="float32")).view(np.uint8)]))
+    return cases
+
+
+def test_a_gemm_split_into_column_spans_has_the_bits_of_one_span(monkeypatch):
+    """From cpu._GEMM_POOL_MIN multiply-adds the GEMM's columns are split between threads: every output element
+    is still computed whole in one span, so the split changes no bit (nor the fp8 output's amax)."""
+    for name, run in _gemm_cases(np.random.default_rng(11)):
+        monkeypatch.setattr(cpu, "_GEMM_POOL_MIN", 1 << 62)
+        whole = run()
+        monkeypatch.setattr(cpu, "_GEMM_POOL_MIN", 0)
+        split = run()
+        for w, s in zip(whole, split, strict=True):
+            np.testing.assert_array_equal(s, w, err_msg=name)
+
+
+def test_gemm_results_and_outs_do_not_share_the_scratch(rng):
+    """The widened operands and the float64 product live in a scratch buffer per thread, reused by the next
+    GEMM: what a GEMM returns (or wrote into ``out``) must not be that buffer."""
+    from gemm_cases import as_fp8, fp8_codes
+
+    a1, b1 = as_fp8(fp8_codes(rng, (16, 64), "e4m3"), "e4m3"), as_fp8(fp8_codes(rng, (32, 64), "e4m3"), "e4m3")
+    a2, b2 = as_fp8(fp8_codes(rng, (64, 128), "e4m3"), "e4m3"), as_fp8(fp8_codes(rng, (64, 128), "e5m2"), "e5m2")
+    for out_dtype in ["float32", "bfloat16"]:
+        d1 = fp8core.gemm(a1, b1, 1.0, 1.0, out_dtype=out_dtype)
+        given = np.empty_like(d1)
+        fp8core.gemm(a1, b1, 1.0, 1.0, out_dtype=out_dtype, out=given)
+        kept, kept_given = d1.copy(), given.copy()
+        fp8core.gemm(a2, b2, 2.0, 0.5, out_dtype=out_dtype)
+        np.testing.assert_array_equal(d1.view(np.uint8), kept.view(np.uint8))
+        np.testing.assert_array_equal(given.view(np.uint8), kept_given.view(np.uint8))
+
+
+def test_gemms_on_several_threads_at_once_each_get_their_own_bits(monkeypatch):
+    """Each thread's GEMMs use that thread's scratch: four threads running GEMMs of different shapes at the same
+    time (each split across the pool as well) get the bits they get alone."""
+    from gemm_cases import as_fp8, fp8_codes
+
+    monkeypatch.setattr(cpu, "_GEMM_POOL_MIN", 0)
+    rng = np.random.default_rng(4)
+    jobs = [(as_fp8(fp8_codes(rng, (m, k), "e4m3"), "e4m3"), as_fp8(fp8_codes(rng, (n, k), "e4m3"), "e4m3"))
+            for m, n, k in [(8, 48, 32), (64, 96, 160), (33, 256, 64), (128, 16, 512)]]
+    alone = [fp8core.gemm(a, b, 0.5, 2.0, out_dtype="float32") for a, b in jobs]
+    wrong = []
+
+    def worker(i):
+        a, b = jobs[i]
+        for _ in range(40):
+            if not np.array_equal(fp8core.gemm(a, b, 0.5, 2.0, out_dtype="float32").view(np.uint32),
+                                  alone[i].view(np.uint32)):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
+@pytest.mark.parametrize("shape", [(1, 5000), (33, 4097), (4099, 7), (700, 96), (96, 700), (257, 1025)])
+def test_a_transpose_split_across_the_pool_moves_every_byte(monkeypatch, shape):
+    """From cpu._TRANSPOSE_POOL_MIN elements the transpose's strips of rows go to the pool in spans: odd sizes,
+    a last short strip, a single row, and narrow rows (taller strips) all land where q.T puts them."""
+    monkeypatch.setattr(cpu, "_TRANSPOSE_POOL_MIN", 0)
+    codes = np.random.default_rng(sum(shape)).integers(0, 256, size=shape, dtype=np.uint16).astype(np.uint8)
+    q = codes.view(ml_dtypes.float8_e5m2)
+    np.testing.assert_array_equal(fp8core.transpose(q).view(np.uint8), codes.T)
+    out = np.empty(shape[::-1], ml_dtypes.float8_e5m2)
+    fp8core.transpose(q, out=out)
+    np.testing.assert_array_equal(out.view(np.uint8), codes.T)
+
+
+def test_the_gemm_scratch_keeps_at_most_its_cap_per_thread_and_kind(monkeypatch, rng):
+    """A GEMM needing more scratch than cpu._SCRATCH_MAX gets fresh memory for that call alone: the thread keeps
+    no buffer above the cap, and the result is the same as with the buffers kept."""
+    from gemm_cases import as_fp8, fp8_codes
+
+    a, b = as_fp8(fp8_codes(rng, (64, 256), "e4m3"), "e4m3"), as_fp8(fp8_codes(rng, (128, 256), "e5m2"), "e5m2")
+    kept = fp8core.gemm(a, b, 0.5, 2.0, out_dtype="bfloat16")
+    monkeypatch.setattr(cpu, "_scratch_buffers", type(cpu._scratch_buffers)())
+    monkeypatch.setattr(cpu, "_SCRATCH_MAX", 64 * 256 * 8)  # room for the widened a alone
+    fresh = fp8core.gemm(a, b, 0.5, 2.0, out_dtype="bfloat16")
+    np.testing.assert_array_equal(fresh.view(np.uint16), kept.view(np.uint16))
+    sizes = {kind: buf.size for kind, buf in cpu._scratch_buffers.kinds.items()}
+    assert sizes == {"operand": 64 * 256 * 8}

@@ -5,6 +5,7 @@ Arrays here are NumPy arrays in their logical dtype (ml_dtypes for fp8 and bf16)
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -65,16 +66,26 @@ def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any]) -> Non
 def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
     """``fn(start, stop)`` over cache-sized chunks of ``range(n)``, results in chunk order.
 
-    From ``_POOL_MIN[kind]`` elements up the calling thread and the pool's threads take chunks from one queue
-    as each gets to it: the caller starts at once and never waits for a thread to wake, only for chunks
-    already begun. A pool task that has not started when the queue runs dry is cancelled, not waited for.
+    From ``_POOL_MIN[kind]`` elements up the chunks go to the pool (:func:`map_spans`).
     """
     if n < _POOL_MIN[kind] or _THREADS == 1:
         return [fn(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
-    size = min(CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS))))
+    return map_spans(n, min(CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS)))), fn)
+
+
+def map_spans(n: int, size: int, fn: Callable[[int, int], Any]) -> list[Any]:
+    """``fn(start, stop)`` over spans of ``size`` of ``range(n)`` on the pool, results in span order.
+
+    The calling thread and the pool's threads take spans from one queue as each gets to it: the caller starts at
+    once and never waits for a thread to wake, only for spans already begun. A pool task that has not started
+    when the queue runs dry is cancelled, not waited for.
+    """
     starts = range(0, n, size)
     results: list[Any] = [None] * len(starts)
     tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
+    if _THREADS == 1 or len(starts) < 2:
+        _drain(fn, tasks, results)
+        return results
     pool = _pool or _get_pool()
     futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(_THREADS - 1, len(starts) - 1))]
     try:
@@ -82,7 +93,7 @@ def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> l
     finally:
         for f in futures:
             if not f.cancel():
-                f.result()  # a chunk still running writes into the caller's arrays: wait for it
+                f.result()  # a span still running writes into the caller's arrays: wait for it
     return results
 
 
@@ -438,17 +449,38 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
 
 # ---- transpose --------------------------------------------------------------------------------------------
 
+def _strip_rows(cols: int) -> int:
+    """Source rows per strip of the transpose, each strip copied column by column: 32, or more where rows are
+    short, so that a strip moves at least 16 KiB (a strip's Python step costs more than copying a few hundred
+    bytes: 4096x64 took 1.8x as long in strips of 32 rows). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt."""
+    return max(32, 16384 // max(cols, 1) // 32 * 32)
+
+
+# From this many elements the transpose's strips go to the pool: 2048x2048 and above took 0.5-0.66 of their time
+# on one thread (1000x3000: 0.85); at 1024x1024 and below the pool lost 1.3-2x (waking a thread, the GIL between
+# strips).
+# bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
+_TRANSPOSE_POOL_MIN = 1 << 22
+
+
 def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     rows, cols = q.shape
-    block = 256  # square tiles keep both the reads and the writes in cache
-    # Small ones: one allocating copy (the tiles pay once the array outgrows the cache)
+    # Small ones: one allocating copy (the strips pay once the array outgrows the cache)
     if out is None and not q.caller.allocates and rows * cols <= _SMALL:
         return q.data.T.copy()
     out = q.caller.empty((cols, rows), q.data.dtype, q.device) if out is None else out
     src = q.data.view(np.uint8)
     dst = out.view(np.uint8)
-    for r in range(0, rows, block):
-        dst[:, r:r + block] = src[r:r + block].T
+    strip = _strip_rows(cols)
+
+    def strips(r0: int, r1: int) -> None:
+        for r in range(r0, r1, strip):
+            dst[:, r:min(r + strip, r1)] = src[r:min(r + strip, r1)].T
+
+    if rows * cols < _TRANSPOSE_POOL_MIN or _THREADS == 1:
+        strips(0, rows)
+    else:  # spans of whole strips: disjoint columns of out
+        map_spans(rows, -(-rows // (2 * _THREADS * strip)) * strip, strips)
     return out
 
 
@@ -579,12 +611,57 @@ def _widen_table(fmt: Format) -> np.ndarray:
     return table
 
 
-def _widen(data: np.ndarray, fmt: Format) -> np.ndarray:
-    """An fp8 operand (its codes in any 1-byte dtype) as float64, exactly: one lookup per element in a 2 KiB
-    table that stays in L1. A flax training step took 1.23-1.35x as long with ml_dtypes' astype, and longer
-    with a 1 MiB table of code pairs, which the matmul evicts
-    (bench/results/cpu-2core-2026-11-25-flax-train.txt)."""
-    return _widen_table(fmt)[np.asarray(data).view(np.uint8)]
+def _widen(data: np.ndarray, fmt: Format, out: np.ndarray) -> np.ndarray:
+    """An fp8 operand (its codes in any 1-byte dtype) as float64 into ``out`` (of data's shape), exactly: one
+    lookup per element in a 2 KiB table that stays in L1. A flax training step took 1.23-1.35x as long with
+    ml_dtypes' astype, and longer with a 1 MiB table of code pairs, which the matmul evicts
+    (bench/results/cpu-2core-2026-11-25-flax-train.txt). ``mode="clip"``: with the default "raise", ``take``
+    writes through a temporary copy of ``out`` (7x slower at 64K elements)."""
+    return _widen_table(fmt).take(np.asarray(data).view(np.uint8), out=out, mode="clip")
+
+
+# The GEMM's float64 temporaries (widened operands, the product) come from a scratch buffer per thread, reused
+# from call to call. Freshly allocated, they are page-faulted in again whenever glibc has handed the freed
+# blocks back to the OS, which depends on what else the program allocates and frees (14-100 faults per call
+# among other GEMMs, none in a loop of one shape; 130 per flax training step at batch 64, width 256, where
+# the scratch made the step 3-4% faster: bench/results/cpu-2core-2026-11-26-gemm-transpose.txt). The buffers
+# hold no caller's memory, only what the last GEMM on the thread needed, at most _SCRATCH_MAX bytes per thread
+# and kind; a larger need gets fresh memory for that call alone.
+_SCRATCH_MAX = 1 << 24
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.kinds: dict[str, np.ndarray] = {}
+
+
+_scratch_buffers = _Scratch()
+
+
+def _scratch(kind: str, *specs: tuple[tuple[int, ...], Any]) -> list[np.ndarray]:
+    """Arrays of the given (shape, dtype), contents undefined, carved from this thread's buffer of ``kind``
+    (each starting a multiple of 64 bytes in): two kinds may be in use at once, one kind by one caller at a
+    time. ``kind`` "operand": the GEMM's widened ``a``; "span": a span of its columns (see :func:`gemm`)."""
+    sizes = [math.prod(shape) * np.dtype(dt).itemsize for shape, dt in specs]
+    total = sum(-(-size // 64) * 64 for size in sizes)
+    buf = _scratch_buffers.kinds.get(kind)
+    if buf is None or buf.size < total:
+        buf = np.empty(total, np.uint8)
+        if total <= _SCRATCH_MAX:
+            _scratch_buffers.kinds[kind] = buf
+    views, at = [], 0
+    for (shape, dt), size in zip(specs, sizes):
+        views.append(buf[at:at + size].view(dt).reshape(shape))
+        at += -(-size // 64) * 64
+    return views
+
+
+# From this many multiply-adds a GEMM's N columns are split between the calling thread and the pool, one span
+# per thread: on 2 cores, 64x512x512 and up then took 0.6-0.8 of their time on one thread, 256x256x256 the same;
+# below, waking a thread (30-50 us on the 2-core VM) costs more than the half it takes over saves (64x256x256
+# split: 1.4x as long). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt. BLAS's own threads stay whatever
+# the process set.
+_GEMM_POOL_MIN = 1 << 24
 
 
 @ieee
@@ -595,28 +672,52 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     Deterministic: no dependence on BLAS's order of summation. Block-scaled: D[m, n] = sum_kb fa[m, kb] *
     fb[n, kb] * (sum_{k in kb} a[m, k] * b[n, k]); a sum over one K-block is exact in float64, so the only
     roundings are the factors' products and the sum over K-blocks, far inside the GPU's tolerance.
+
+    Each output element is computed whole within one span of columns (see _GEMM_POOL_MIN), so how the columns
+    are split changes no bit.
     """
-    with np.errstate(all="ignore"):
-        a64, b64 = _widen(a.data, spec.a_fmt), _widen(b.data, spec.b_fmt)
-        if spec.a_block is None:
-            d = a64 @ b64.T
-            d *= np.float64(scale_value(a_scale_inv))  # in place: (d * sa) * sb, the same roundings
-            d *= np.float64(scale_value(b_scale_inv))
-        else:
-            bk = _BLOCK_K[spec.a_block]
-            fa = _block_factors(a_scale_inv, spec.a_block, spec.m)
-            fb = _block_factors(b_scale_inv, spec.b_block, spec.n)
-            d = np.zeros((spec.m, spec.n), np.float64)
-            for kb in range(-(-spec.k // bk)):
-                d += (a64[:, kb * bk:(kb + 1) * bk] @ b64[:, kb * bk:(kb + 1) * bk].T) * fa[:, kb:kb + 1] * fb[:, kb]
-        if bias is not None:
-            d += bias.data.astype(np.float64)
-        d32 = d.astype(np.float32)
-        if spec.out_fmt is not None:
-            result = _quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt, out_amax, None)
-        else:
-            result = d32.astype(logical_numpy_dtype(spec.out_dtype))
-    if out is None:
-        return result
-    out.view(result.dtype)[...] = result
-    return out
+    m, n, k = spec.m, spec.n, spec.k
+    fp8_out = spec.out_fmt is not None
+    dtype = spec.out_fmt.numpy_dtype if fp8_out else logical_numpy_dtype(spec.out_dtype)
+    dst = np.empty((m, n), dtype) if out is None else out.view(dtype)
+    a64 = _widen(a.data, spec.a_fmt, *_scratch("operand", ((m, k), np.float64)))
+    if spec.a_block is None:
+        sa, sb = np.float64(scale_value(a_scale_inv)), np.float64(scale_value(b_scale_inv))
+    else:
+        fa = _block_factors(a_scale_inv, spec.a_block, m)
+        fb = _block_factors(b_scale_inv, spec.b_block, n)
+    bias64 = None if bias is None else bias.data.astype(np.float64)
+
+    def columns(n0: int, n1: int) -> int:
+        """dst[:, n0:n1]; the amax bits of its fp32 values where an fp8 output's amax is asked for."""
+        b64, d, d32 = _scratch("span", ((n1 - n0, k), np.float64), ((m, n1 - n0), np.float64),
+                               ((m, n1 - n0), np.float32))
+        with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
+            _widen(b.data[n0:n1], spec.b_fmt, b64)
+            if spec.a_block is None:
+                np.matmul(a64, b64.T, out=d)
+                d *= sa  # in place: (d * sa) * sb, the same roundings
+                d *= sb
+            else:
+                bk = _BLOCK_K[spec.a_block]
+                d.fill(0)
+                for kb in range(-(-k // bk)):
+                    ks = slice(kb * bk, (kb + 1) * bk)
+                    d += (a64[:, ks] @ b64[:, ks].T) * fa[:, kb:kb + 1] * fb[n0:n1, kb]
+            if bias64 is not None:
+                d += bias64[n0:n1]
+            np.copyto(d32, d)  # rounded once to fp32
+            if not fp8_out:
+                dst[:, n0:n1] = d32  # NumPy's / ml_dtypes' RTNE cast
+                return 0
+            codes = _quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt, None, None)
+            dst[:, n0:n1] = codes.view(dtype)
+            return _amax_bits(d32.reshape(-1)) if out_amax is not None else 0
+
+    if m * n * k >= _GEMM_POOL_MIN and _THREADS > 1:
+        bits = map_spans(n, -(-n // (16 * _THREADS)) * 16, columns)
+    else:
+        bits = [columns(0, n)]
+    if out_amax is not None and bits:
+        _accumulate(out_amax, max(bits))
+    return dst if out is None else out

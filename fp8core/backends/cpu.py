@@ -452,13 +452,13 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
 def _strip_rows(cols: int) -> int:
     """Source rows per strip of the transpose, each strip copied column by column: 32, or more where rows are
     short, so that a strip moves at least 16 KiB (a strip's Python step costs more than copying a few hundred
-    bytes: 4096x64 took 1.8x as long in strips of 32 rows). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt."""
+    bytes: 4096x64 took about 2x as long in strips of 32 rows). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt."""
     return max(32, 16384 // max(cols, 1) // 32 * 32)
 
 
-# From this many elements the transpose's strips go to the pool: 2048x2048 and above took 0.5-0.66 of their time
-# on one thread (1000x3000: 0.85); at 1024x1024 and below the pool lost 1.3-2x (waking a thread, the GIL between
-# strips).
+# From this many elements the transpose's strips go to the pool: 2048x2048 and above took 0.45-0.7 of their time
+# on one thread (1000x3000: 0.8-0.85); at 1024x1024 and below the pool lost 1.25-2.6x (waking a thread, the GIL
+# between strips).
 # bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
 _TRANSPOSE_POOL_MIN = 1 << 22
 
@@ -477,7 +477,7 @@ def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
         for r in range(r0, r1, strip):
             dst[:, r:min(r + strip, r1)] = src[r:min(r + strip, r1)].T
 
-    if rows * cols < _TRANSPOSE_POOL_MIN or _THREADS == 1:
+    if rows * cols < _TRANSPOSE_POOL_MIN:
         strips(0, rows)
     else:  # spans of whole strips: disjoint columns of out
         map_spans(rows, -(-rows // (2 * _THREADS * strip)) * strip, strips)
@@ -622,7 +622,7 @@ def _widen(data: np.ndarray, fmt: Format, out: np.ndarray) -> np.ndarray:
 
 # The GEMM's float64 temporaries (widened operands, the product) come from a scratch buffer per thread, reused
 # from call to call. Freshly allocated, they are page-faulted in again whenever glibc has handed the freed
-# blocks back to the OS, which depends on what else the program allocates and frees (14-100 faults per call
+# blocks back to the OS, which depends on what else the program allocates and frees (up to 100 faults per call
 # among other GEMMs, none in a loop of one shape; 130 per flax training step at batch 64, width 256, where
 # the scratch made the step 3-4% faster: bench/results/cpu-2core-2026-11-26-gemm-transpose.txt). The buffers
 # hold no caller's memory, only what the last GEMM on the thread needed, at most _SCRATCH_MAX bytes per thread
@@ -659,7 +659,7 @@ def _scratch(kind: str, *specs: tuple[tuple[int, ...], Any]) -> list[np.ndarray]
 # From this many multiply-adds a GEMM's N columns are split between the calling thread and the pool, one span
 # per thread: on 2 cores, 64x512x512 and up then took 0.6-0.8 of their time on one thread, 256x256x256 the same;
 # below, waking a thread (30-50 us on the 2-core VM) costs more than the half it takes over saves (64x256x256
-# split: 1.4x as long). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt. BLAS's own threads stay whatever
+# split: 1.4-1.5x as long). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt. BLAS's own threads stay whatever
 # the process set.
 _GEMM_POOL_MIN = 1 << 24
 
@@ -714,7 +714,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
             dst[:, n0:n1] = codes.view(dtype)
             return _amax_bits(d32.reshape(-1)) if out_amax is not None else 0
 
-    if m * n * k >= _GEMM_POOL_MIN and _THREADS > 1:
+    if m * n * k >= _GEMM_POOL_MIN:
         bits = map_spans(n, -(-n // (16 * _THREADS)) * 16, columns)
     else:
         bits = [columns(0, n)]

@@ -180,14 +180,14 @@ def gemm_transpose_crossover(repeat: int) -> list[dict]:
     """The CPU GEMM and transpose with their choices forced each way, by shape (backend calls, medians of
     ``repeat`` interleaved, each timed call right after an untimed one of the same variant, which leaves the
     caches as that variant does (data the pool's thread wrote sits in the other core's cache); p20/p80: a page
-    fault costs some calls and not others, so no minimum; page faults per call): the GEMM's scratch (``_SCRATCH_MAX`` 0: every temporary freshly
-    allocated) and its split into column spans (``_GEMM_POOL_MIN``); the transpose's strips (32 rows against
-    :func:`cpu._strip_rows`) and its pool (``_TRANSPOSE_POOL_MIN``)."""
+    fault costs some calls and not others, so no minimum; page faults per call): the GEMM in one span or split
+    into column spans (``_GEMM_POOL_MIN``, forced either way whatever BLAS's threads); the transpose's strips
+    (32 rows against :func:`cpu._strip_rows`) and its pool (``_TRANSPOSE_POOL_MIN``)."""
     from fp8core.backends import cpu
     from fp8core.gemm import GemmSpec
     from fp8core._tensor import wrap
 
-    saved = (cpu._SCRATCH_MAX, cpu._GEMM_POOL_MIN, cpu._TRANSPOSE_POOL_MIN, cpu._strip_rows)
+    saved = (cpu._GEMM_POOL_MIN, cpu._TRANSPOSE_POOL_MIN, cpu._strip_rows)
     rng = np.random.default_rng(0)
     e4m3, one = fp8core.Format.E4M3, np.ones(1, np.float32)
     rows = []
@@ -197,8 +197,6 @@ def gemm_transpose_crossover(repeat: int) -> list[dict]:
             def call():
                 for name, value in settings.items():
                     setattr(cpu, name, value)
-                if cpu._SCRATCH_MAX == 0:
-                    cpu._scratch_buffers.kinds.clear()  # no buffer kept from the other variants either
                 f0 = _faults()
                 fn()
                 call.faults += _faults() - f0
@@ -235,28 +233,19 @@ def gemm_transpose_crossover(repeat: int) -> list[dict]:
             b = wrap(rng.standard_normal((n, k)).astype(ml_dtypes.float8_e4m3fn))
             spec = GemmSpec(m, n, k, e4m3, e4m3, "bfloat16", None, False)
             out = np.empty((m, n), ml_dtypes.bfloat16)
-            fn = lambda a=a, b=b, spec=spec, out=out: cpu.gemm(spec, a, b, one, one, None, None, None, out)
-            variants = {"fresh": {"_SCRATCH_MAX": 0, "_GEMM_POOL_MIN": 1 << 62},
-                        "one": {"_SCRATCH_MAX": saved[0], "_GEMM_POOL_MIN": 1 << 62},
-                        "split": {"_SCRATCH_MAX": saved[0], "_GEMM_POOL_MIN": 0}}
-            measure("gemm", f"{m}x{n}x{k}", fn, variants)
-            # Also each of the first two alone, call after call: the heap then settles into its own pattern
-            for name in ("fresh", "one"):
-                call = variant(**variants[name])(fn)
-                med, p20, p80 = timeit(call, repeat)
-                rows[-1].update({f"{name}_alone_us": med * 1e6, f"{name}_alone_faults": call.faults / (repeat + 1)})
-                print(f"{'':<10} {'':<14}  {name} alone {med * 1e6:6.0f} us ({p20 * 1e6:.0f}-{p80 * 1e6:.0f}) "
-                      f"{call.faults / (repeat + 1):4.0f} faults", flush=True)
+            measure("gemm", f"{m}x{n}x{k}", lambda a=a, b=b, spec=spec, out=out:
+                    cpu.gemm(spec, a, b, one, one, None, None, None, out),
+                    {"one": {"_GEMM_POOL_MIN": 1 << 62}, "split": {"_GEMM_POOL_MIN": 0}})
         for r, c in [(64, 256), (256, 256), (256, 1024), (1024, 256), (1024, 1024), (4096, 64), (4096, 128),
                      (64, 4096), (1000, 3000), (2048, 2048), (4096, 4096), (2048, 8192)]:
             q = wrap(rng.integers(0, 256, (r, c), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn))
             out = np.empty((c, r), ml_dtypes.float8_e4m3fn)
             measure("transpose", f"{r}x{c}", lambda q=q, out=out: cpu.transpose(q, out=out),
                     {"strips32": {"_strip_rows": lambda cols: 32, "_TRANSPOSE_POOL_MIN": 1 << 62},
-                     "strips": {"_strip_rows": saved[3], "_TRANSPOSE_POOL_MIN": 1 << 62},
-                     "pool": {"_strip_rows": saved[3], "_TRANSPOSE_POOL_MIN": 0}})
+                     "strips": {"_strip_rows": saved[2], "_TRANSPOSE_POOL_MIN": 1 << 62},
+                     "pool": {"_strip_rows": saved[2], "_TRANSPOSE_POOL_MIN": 0}})
     finally:
-        cpu._SCRATCH_MAX, cpu._GEMM_POOL_MIN, cpu._TRANSPOSE_POOL_MIN, cpu._strip_rows = saved
+        cpu._GEMM_POOL_MIN, cpu._TRANSPOSE_POOL_MIN, cpu._strip_rows = saved
     return rows
 
 

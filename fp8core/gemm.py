@@ -114,7 +114,7 @@ def _bias(bias: Any, ta: Tensor, n: int, out_name: str) -> Tensor | None:
     return t
 
 
-def _out(obj: Any, ta: Tensor, m: int, n: int, out_name: str) -> Any:
+def _out(obj: Any, ta: Tensor, m: int, n: int, out_name: str) -> Tensor:
     t = args.contiguous(wrap(obj, "out"), "out")
     args.same_device(t, ta, "out", "a")
     storage_ok = ta.is_cuda and out_name in FP8_DTYPES and t.dtype == "uint8"
@@ -125,7 +125,7 @@ def _out(obj: Any, ta: Tensor, m: int, n: int, out_name: str) -> Any:
     if t.readonly:
         raise ValueError("out: is read-only")
     _aligned(t, "out")
-    return t.data
+    return t
 
 
 def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_inv: Array | float | None = None, *,
@@ -141,7 +141,8 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     output needs ``out_scale`` and is ``quantize(D, out_scale)``; ``out_amax`` (1-element float32) becomes
     ``max(out_amax, amax(D))`` with D taken before the cast. bias: [N], bfloat16 (float16 for float16 output;
     either for fp8 output). use_fast_accum: Hopper's fast fp8 accumulation (no effect on the CPU).
-    out: an optional preallocated [M, N] result. a_fmt/b_fmt name the format of uint8 storage (CuPy).
+    out: an optional preallocated [M, N] result, sharing no memory with the other arguments. a_fmt/b_fmt name
+    the format of uint8 storage (CuPy).
 
     Block-scaled operands (:mod:`fp8core.blocks`) carry their scales, so a_scale_inv and b_scale_inv stay
     None: rowwise ``MXTensor`` x ``MXTensor`` (1x32 E8M0 blocks along K, K a multiple of 32; cuBLASLt on
@@ -188,7 +189,13 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     so = args.scalar(out_scale, ta, "out_scale", "a") if fp8_out else None
     am = args.f32_slots(out_amax, ta, "out_amax", "a") if out_amax is not None else None
     tbias = _bias(bias, ta, n, out_name)
-    dst = _out(out, ta, m, n, out_name) if out is not None else None
+    dst = None
+    if out is not None:
+        to = _out(out, ta, m, n, out_name)
+        # the CPU's column spans write out while others still read b (and cuBLASLt reads and writes at once)
+        args.no_overlap([("out", to)], [("a", ta), ("b", tb), ("bias", tbias), ("a_scale_inv", sa),
+                                         ("b_scale_inv", sb), ("out_scale", so), ("out_amax", am)])
+        dst = to.data
     spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, fast_accum,
                     a_block, b_block)
     d = backends.for_device(ta.device).gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)

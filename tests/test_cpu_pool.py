@@ -59,6 +59,37 @@ def test_a_failing_chunk_raises_once_every_begun_chunk_has_finished(pool_always,
     assert state["done"] >= 4
 
 
+def test_map_spans_raises_only_once_every_begun_span_has_finished(monkeypatch):
+    """Several threads: spans that fail at once must not let map_spans raise while another span still runs (it
+    writes into the caller's arrays, and a GEMM's span reads the caller's scratch, which its next GEMM reuses).
+    Which thread takes the slow span is up to the threads, so the call is made a dozen times."""
+    monkeypatch.setattr(cpu, "_THREADS", 4)
+    monkeypatch.setattr(cpu, "_pool", None)  # a pool of 3 threads for this test
+    lock = threading.Lock()
+    try:
+        for _ in range(12):
+            started, state = threading.Barrier(4, timeout=30), {"running": 0}
+
+            def fn(a, b, started=started, state=state):
+                with lock:
+                    state["running"] += 1
+                try:
+                    started.wait()  # all four spans begun, one per thread
+                    if a == 3:
+                        threading.Event().wait(0.05)
+                    else:
+                        raise RuntimeError(f"span {a}")
+                finally:
+                    with lock:
+                        state["running"] -= 1
+
+            with pytest.raises(RuntimeError, match="span"):
+                cpu.map_spans(4, 1, fn)
+            assert state["running"] == 0
+    finally:
+        cpu._pool.shutdown(wait=True)
+
+
 def test_a_pooled_chunk_that_maps_again_does_not_deadlock(pool_always):
     """A chunk running on a pool thread may itself call map_chunks (the pool's queue holds only that thread's
     tasks): the inner caller drains the queue itself and cancels the tasks no thread has started."""
@@ -195,12 +226,28 @@ def _gemm_cases(rng):
                                            quantize_blockwise(w, block=b_block, power_of_2=False))
     for scheme, (a, b) in blocked.items():
         cases.append((scheme, lambda a=a, b=b: [np.asarray(fp8core.gemm(a, b, out_dtype="float32")).view(np.uint8)]))
+    # fp8 outputs with no NaN: the amax is the largest |D|, in the last span (b's last rows the largest), or in
+    # spans of 1024 x 512 whose output cast uses the pool again from inside the span
+    for m, n, k in [(37, 80, 96), (1024, 1024, 16)]:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w[-16:] *= 16
+        a = fp8core.quantize(rng.standard_normal((m, k)).astype(np.float32), 1.0, "e4m3")
+        b = fp8core.quantize(w, 1.0, "e4m3")
+
+        def run(a=a, b=b):
+            slot = np.zeros(1, np.float32)
+            d = fp8core.gemm(a, b, 0.5, 3.0, out_dtype="float8_e4m3fn", out_scale=0.25, out_amax=slot)
+            return [d.view(np.uint8), slot.view(np.uint32)]
+
+        cases.append((f"{m}x{n}x{k} amax", run))
     return cases
 
 
 def test_a_gemm_split_into_column_spans_has_the_bits_of_one_span(monkeypatch):
     """From cpu._GEMM_POOL_MIN multiply-adds the GEMM's columns are split between threads: every output element
-    is still computed whole in one span, so the split changes no bit (nor the fp8 output's amax)."""
+    is still computed whole in one span, so the split changes no bit (nor the fp8 output's amax). Two threads
+    whatever the machine has (a one-core machine would not split)."""
+    monkeypatch.setattr(cpu, "_THREADS", 2)
     for name, run in _gemm_cases(np.random.default_rng(11)):
         monkeypatch.setattr(cpu, "_GEMM_POOL_MIN", 1 << 62)
         whole = run()
@@ -210,19 +257,24 @@ def test_a_gemm_split_into_column_spans_has_the_bits_of_one_span(monkeypatch):
             np.testing.assert_array_equal(s, w, err_msg=name)
 
 
-def test_gemm_results_and_outs_do_not_share_the_scratch(rng):
+def test_gemm_results_and_outs_do_not_share_the_scratch(monkeypatch, rng):
     """The widened operands and the float64 product live in a scratch buffer per thread, reused by the next
-    GEMM: what a GEMM returns (or wrote into ``out``) must not be that buffer."""
+    GEMM: what a GEMM returns (or wrote into ``out``) must not be that buffer, nor change with the next GEMM."""
     from gemm_cases import as_fp8, fp8_codes
 
+    monkeypatch.setattr(cpu, "_scratch_buffers", type(cpu._scratch_buffers)())
+    big = as_fp8(fp8_codes(rng, (64, 128), "e4m3"), "e4m3"), as_fp8(fp8_codes(rng, (64, 128), "e5m2"), "e5m2")
+    fp8core.gemm(*big, 2.0, 0.5, out_dtype="float32")  # the buffers now fit the smaller GEMMs below
     a1, b1 = as_fp8(fp8_codes(rng, (16, 64), "e4m3"), "e4m3"), as_fp8(fp8_codes(rng, (32, 64), "e4m3"), "e4m3")
-    a2, b2 = as_fp8(fp8_codes(rng, (64, 128), "e4m3"), "e4m3"), as_fp8(fp8_codes(rng, (64, 128), "e5m2"), "e5m2")
+    a2, b2 = as_fp8(fp8_codes(rng, (16, 64), "e4m3"), "e4m3"), as_fp8(fp8_codes(rng, (32, 64), "e4m3"), "e4m3")
     for out_dtype in ["float32", "bfloat16"]:
         d1 = fp8core.gemm(a1, b1, 1.0, 1.0, out_dtype=out_dtype)
         given = np.empty_like(d1)
         fp8core.gemm(a1, b1, 1.0, 1.0, out_dtype=out_dtype, out=given)
+        for buf in cpu._scratch_buffers.kinds.values():
+            assert not np.shares_memory(d1, buf) and not np.shares_memory(given, buf)
         kept, kept_given = d1.copy(), given.copy()
-        fp8core.gemm(a2, b2, 2.0, 0.5, out_dtype=out_dtype)
+        fp8core.gemm(a2, b2, 2.0, 0.5, out_dtype=out_dtype)  # the same shape: the same scratch
         np.testing.assert_array_equal(d1.view(np.uint8), kept.view(np.uint8))
         np.testing.assert_array_equal(given.view(np.uint8), kept_given.view(np.uint8))
 
@@ -280,3 +332,25 @@ def test_the_gemm_scratch_keeps_at_most_its_cap_per_thread_and_kind(monkeypatch,
     np.testing.assert_array_equal(fresh.view(np.uint16), kept.view(np.uint16))
     sizes = {kind: buf.size for kind, buf in cpu._scratch_buffers.kinds.items()}
     assert sizes == {"operand": 64 * 256 * 8}
+
+
+@pytest.mark.parametrize("env,one", [
+    ({}, False),
+    ({"OPENBLAS_NUM_THREADS": "1"}, True),
+    ({"OPENBLAS_NUM_THREADS": " 1 "}, True),
+    ({"OPENBLAS_NUM_THREADS": "2"}, False),
+    ({"OMP_NUM_THREADS": "1"}, True),
+    ({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "4"}, False),
+    ({"OMP_NUM_THREADS": "8", "OPENBLAS_NUM_THREADS": "1"}, True),
+    ({"MKL_NUM_THREADS": "1"}, True),
+    ({"MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "2"}, False),
+    ({"VECLIB_MAXIMUM_THREADS": "1", "OPENBLAS_NUM_THREADS": ""}, True),
+])
+def test_the_gemm_splits_only_where_blas_runs_on_one_thread(monkeypatch, env, one):
+    """With BLAS's own threads the split put two teams of threads on the same cores (1.1-1.3x slower): the GEMM
+    splits its columns only where the environment runs BLAS on one thread."""
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert cpu._blas_on_one_thread() is one

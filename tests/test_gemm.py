@@ -124,6 +124,12 @@ def _operands():
     return a, b
 
 
+def _out_over_amax(a, b):
+    buf = np.zeros(64, np.float32)
+    return fp8core.gemm(a, b, 1.0, 1.0, out_dtype="e4m3", out_scale=1.0, out_amax=buf[:1],
+                        out=buf.view(E4)[:128].reshape(8, 16))
+
+
 def _misaligned():
     buf = np.zeros(8 * 32 + 1, ml_dtypes.float8_e4m3fn)
     return buf[1:].reshape(8, 32)
@@ -160,6 +166,13 @@ ERRORS = [
      ValueError, "out: expected shape (8, 16)"),
     ("out_dtype_mismatch", lambda a, b: fp8core.gemm(a, b, 1.0, 1.0, out=np.zeros((8, 16), np.float32)),
      TypeError, "out: expected bfloat16"),
+    ("out_is_b", lambda a, b: fp8core.gemm(np.zeros((16, 32), E4), b, 1.0, 1.0, out_dtype="e4m3", out_scale=1.0,
+                                           out=b.reshape(-1)[:256].reshape(16, 16)), ValueError,
+     "out: overlaps b in memory"),
+    ("out_in_a", lambda a, b: fp8core.gemm(a, b, 1.0, 1.0, out_dtype="e4m3", out_scale=1.0,
+                                           out=a.reshape(-1)[:128].reshape(8, 16)), ValueError,
+     "out: overlaps a in memory"),
+    ("out_over_amax", lambda a, b: _out_over_amax(a, b), ValueError, "out: overlaps out_amax in memory"),
 ]
 
 

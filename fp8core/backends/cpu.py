@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Callable
@@ -91,9 +91,12 @@ def map_spans(n: int, size: int, fn: Callable[[int, int], Any]) -> list[Any]:
     try:
         _drain(fn, tasks, results)
     finally:
-        for f in futures:
-            if not f.cancel():
-                f.result()  # a span still running writes into the caller's arrays: wait for it
+        # A span still running writes into the caller's arrays (and reads its scratch): every one begun is waited
+        # for before anything is raised, a failed one's error included
+        begun = [f for f in futures if not f.cancel()]
+        wait(begun)
+        for f in begun:
+            f.result()
     return results
 
 
@@ -452,12 +455,12 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
 def _strip_rows(cols: int) -> int:
     """Source rows per strip of the transpose, each strip copied column by column: 32, or more where rows are
     short, so that a strip moves at least 16 KiB (a strip's Python step costs more than copying a few hundred
-    bytes: 4096x64 took about 2x as long in strips of 32 rows). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt."""
+    bytes: 4096x64 took 1.6-2x as long in strips of 32 rows). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt."""
     return max(32, 16384 // max(cols, 1) // 32 * 32)
 
 
-# From this many elements the transpose's strips go to the pool: 2048x2048 and above took 0.45-0.7 of their time
-# on one thread (1000x3000: 0.8-0.85); at 1024x1024 and below the pool lost 1.25-2.6x (waking a thread, the GIL
+# From this many elements the transpose's strips go to the pool: 2048x2048 and above took 0.43-0.7 of their time
+# on one thread (1000x3000: 0.8-0.85); at 1024x1024 and below the pool lost 1.25-2.9x (waking a thread, the GIL
 # between strips).
 # bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
 _TRANSPOSE_POOL_MIN = 1 << 22
@@ -473,9 +476,9 @@ def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     dst = out.view(np.uint8)
     strip = _strip_rows(cols)
 
-    def strips(r0: int, r1: int) -> None:
+    def strips(r0: int, r1: int) -> None:  # r0, r1: multiples of strip, or rows (slices stop there)
         for r in range(r0, r1, strip):
-            dst[:, r:min(r + strip, r1)] = src[r:min(r + strip, r1)].T
+            dst[:, r:r + strip] = src[r:r + strip].T
 
     if rows * cols < _TRANSPOSE_POOL_MIN:
         strips(0, rows)
@@ -622,12 +625,14 @@ def _widen(data: np.ndarray, fmt: Format, out: np.ndarray) -> np.ndarray:
 
 # The GEMM's float64 temporaries (widened operands, the product) come from a scratch buffer per thread, reused
 # from call to call. Freshly allocated, they are page-faulted in again whenever glibc has handed the freed
-# blocks back to the OS, which depends on what else the program allocates and frees (up to 100 faults per call
-# among other GEMMs, none in a loop of one shape; 130 per flax training step at batch 64, width 256, where
-# the scratch made the step 3-4% faster: bench/results/cpu-2core-2026-11-26-gemm-transpose.txt). The buffers
-# hold no caller's memory, only what the last GEMM on the thread needed, at most _SCRATCH_MAX bytes per thread
-# and kind; a larger need gets fresh memory for that call alone.
-_SCRATCH_MAX = 1 << 24
+# blocks back to the OS, which depends on the sizes and order of what the program allocates and frees: a
+# variant allocating them took 2x as long at 64x256x256 and 256x256x64 called in a loop (0.49 against 0.25 ms),
+# 1.2-1.45x at 64x1024x1024 and 256x1024x1024 called in turn (1200-1800 page faults per call against 50);
+# bench/results/cpu-2core-2026-11-26-gemm-transpose.txt. The buffers hold no caller's memory, only what the last
+# GEMM on the thread needed, at most _SCRATCH_MAX bytes per thread and kind (a thread calling gemm keeps up to
+# 16 MiB until it ends, a pool thread 8 MiB: enough for the GEMMs of a width-1024 layer at 256 tokens, split in
+# two); a larger need gets fresh memory for that call alone.
+_SCRATCH_MAX = 1 << 23
 
 
 class _Scratch(threading.local):
@@ -656,25 +661,36 @@ def _scratch(kind: str, *specs: tuple[tuple[int, ...], Any]) -> list[np.ndarray]
     return views
 
 
+def _blas_on_one_thread() -> bool:
+    """Whether the environment runs NumPy's BLAS on one thread, as its libraries read it when they load:
+    OPENBLAS_NUM_THREADS, MKL_NUM_THREADS or VECLIB_MAXIMUM_THREADS set to 1 (each where set), else
+    OMP_NUM_THREADS=1, which OpenBLAS and MKL follow when their own is unset."""
+    own = [v for v in map(os.environ.get, ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"))
+           if v]
+    return all(v.strip() == "1" for v in own) if own else os.environ.get("OMP_NUM_THREADS", "").strip() == "1"
+
+
 # From this many multiply-adds a GEMM's N columns are split between the calling thread and the pool, one span
-# per thread: on 2 cores, 64x512x512 and up then took 0.6-0.8 of their time on one thread, 256x256x256 the same;
-# below, waking a thread (30-50 us on the 2-core VM) costs more than the half it takes over saves (64x256x256
-# split: 1.4-1.5x as long). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt. BLAS's own threads stay whatever
-# the process set.
-_GEMM_POOL_MIN = 1 << 24
+# per thread, where BLAS runs on one thread (the README's advice for JAX on the CPU): on 2 cores, 64x512x512 and
+# up then took 0.57-0.83 of one span's time, 256x256x256 the same; below, waking the pool's thread and handing
+# the GIL back and forth cost more than the half it takes over saves (64x256x256 split: 1.4-1.6x as long). With BLAS's own threads
+# (OpenBLAS's default) the split took 1.0-1.25x one span's time, two teams of threads on the same cores, so there
+# the GEMM stays one span and BLAS's threads do the sharing. bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
+# fp8core reads BLAS's environment once and changes no BLAS setting.
+_GEMM_POOL_MIN = 1 << 24 if _blas_on_one_thread() else 1 << 62
 
 
 @ieee
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
          out_scale: Any | None, out_amax: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
     """The emulation: fp8 operands widened exactly, products summed and scaled in float64, the result (+ bias)
-    rounded once to fp32, then cast to the output like :func:`quantize` and NumPy's RTNE casts do.
-    Deterministic: no dependence on BLAS's order of summation. Block-scaled: D[m, n] = sum_kb fa[m, kb] *
-    fb[n, kb] * (sum_{k in kb} a[m, k] * b[n, k]); a sum over one K-block is exact in float64, so the only
-    roundings are the factors' products and the sum over K-blocks, far inside the GPU's tolerance.
-
-    Each output element is computed whole within one span of columns (see _GEMM_POOL_MIN), so how the columns
-    are split changes no bit.
+    rounded once to fp32, then cast to the output like :func:`quantize` and NumPy's RTNE casts do. E4M3 x E4M3
+    products are multiples of 2^-18 below 2^17.6, so float64 sums them exactly for K up to 2^17: their bits then
+    depend neither on BLAS's order of summation nor on how the columns are split into spans (see _GEMM_POOL_MIN:
+    each output element is computed whole within one span). With an E5M2 operand the products' range spans
+    up to 2^49.6 units of the smallest, and a sum of such extremes can round, in BLAS's order. Block-scaled: D[m, n] = sum_kb fa[m, kb] * fb[n, kb] *
+    (sum_{k in kb} a[m, k] * b[n, k]); the roundings beyond the K-block sums' are the factors' products and the
+    sum over K-blocks, far inside the GPU's tolerance.
     """
     m, n, k = spec.m, spec.n, spec.k
     fp8_out = spec.out_fmt is not None

@@ -461,8 +461,7 @@ def _strip_rows(cols: int) -> int:
 
 # From this many elements the transpose's strips go to the pool: 2048x2048 and above took 0.43-0.7 of their time
 # on one thread (1000x3000: 0.8-0.85); at 1024x1024 and below the pool lost 1.25-2.9x (waking a thread, the GIL
-# between strips).
-# bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
+# between strips). bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
 _TRANSPOSE_POOL_MIN = 1 << 22
 
 
@@ -673,9 +672,10 @@ def _blas_on_one_thread() -> bool:
 # From this many multiply-adds a GEMM's N columns are split between the calling thread and the pool, one span
 # per thread, where BLAS runs on one thread (the README's advice for JAX on the CPU): on 2 cores, 64x512x512 and
 # up then took 0.57-0.83 of one span's time, 256x256x256 the same; below, waking the pool's thread and handing
-# the GIL back and forth cost more than the half it takes over saves (64x256x256 split: 1.4-1.6x as long). With BLAS's own threads
-# (OpenBLAS's default) the split took 1.0-1.25x one span's time, two teams of threads on the same cores, so there
-# the GEMM stays one span and BLAS's threads do the sharing. bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
+# the GIL back and forth cost more than the half it takes over saves (64x256x256 split: 1.4-1.6x as long). With
+# BLAS's own threads (OpenBLAS's default) the split took 1.0-1.25x one span's time, two teams of threads on the
+# same cores, so there the GEMM stays one span and BLAS's threads do the sharing. Either way the same code runs
+# and the same bits come out; only the span count differs. bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
 # fp8core reads BLAS's environment once and changes no BLAS setting.
 _GEMM_POOL_MIN = 1 << 24 if _blas_on_one_thread() else 1 << 62
 
@@ -688,9 +688,9 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     products are multiples of 2^-18 below 2^17.6, so float64 sums them exactly for K up to 2^17: their bits then
     depend neither on BLAS's order of summation nor on how the columns are split into spans (see _GEMM_POOL_MIN:
     each output element is computed whole within one span). With an E5M2 operand the products' range spans
-    up to 2^49.6 units of the smallest, and a sum of such extremes can round, in BLAS's order. Block-scaled: D[m, n] = sum_kb fa[m, kb] * fb[n, kb] *
-    (sum_{k in kb} a[m, k] * b[n, k]); the roundings beyond the K-block sums' are the factors' products and the
-    sum over K-blocks, far inside the GPU's tolerance.
+    up to 2^49.6 units of the smallest, and a sum of such extremes can round, in BLAS's order.
+    Block-scaled: D[m, n] = sum_kb fa[m, kb] * fb[n, kb] * (sum_{k in kb} a[m, k] * b[n, k]); the roundings
+    beyond the K-block sums' are the factors' products and the sum over K-blocks, far inside the GPU's tolerance.
     """
     m, n, k = spec.m, spec.n, spec.k
     fp8_out = spec.out_fmt is not None
@@ -734,6 +734,6 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
         bits = map_spans(n, -(-n // (16 * _THREADS)) * 16, columns)
     else:
         bits = [columns(0, n)]
-    if out_amax is not None and bits:
+    if out_amax is not None:  # N >= 16: one span at least
         _accumulate(out_amax, max(bits))
     return dst if out is None else out

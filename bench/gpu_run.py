@@ -140,6 +140,8 @@ class Run:
         step.status = "running"
         self.summary()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
+        # JAX takes 75% of the GPU at its first use by default: pytest-xdist's workers would starve each other.
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH), env.get("PYTHONPATH", "")) if p)
         t0 = time.monotonic()
         with open(self.results / step.log, "ab") as log:

@@ -111,10 +111,12 @@ def _inputs_cpu(kind: str, n: int, torch: Any) -> tuple[Any, Any, Any, Any, Any]
         x = torch.from_numpy(xf).to(torch.bfloat16)
         s, slot = torch.tensor([0.5]), torch.ones(1)
     else:
+        import jax
         import jax.numpy as jnp
 
-        x = jnp.asarray(xf, dtype=jnp.bfloat16)
-        s, slot = jnp.asarray([0.5], jnp.float32), np.ones(1, np.float32)  # JAX arrays are immutable
+        with jax.default_device(jax.devices("cpu")[0]):  # JAX's default device is a GPU where one is
+            x = jnp.asarray(xf, dtype=jnp.bfloat16)
+            s, slot = jnp.asarray([0.5], jnp.float32), np.ones(1, np.float32)  # JAX arrays are immutable
     q = fp8core.quantize(x, s, "e4m3")
     return x, s, slot, q, x.reshape(rows, -1)
 

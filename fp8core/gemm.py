@@ -111,6 +111,7 @@ def _bias(bias: Any, ta: Tensor, n: int, out_name: str) -> Tensor | None:
     t = args.contiguous(wrap(bias, "bias"), "bias")
     args.same_device(t, ta, "bias", "a")
     check_bias(t.dtype, t.shape, n, out_name)
+    _aligned(t, "bias")  # cuBLASLt 13.1 refused a bias 2 bytes off (CUBLAS_STATUS_INVALID_VALUE, H200)
     return t
 
 
@@ -140,7 +141,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     out_dtype: float32, bfloat16, float16, or an fp8 format (E5M2 only when an operand is E5M2); an fp8
     output needs ``out_scale`` and is ``quantize(D, out_scale)``; ``out_amax`` (1-element float32) becomes
     ``max(out_amax, amax(D))`` with D taken before the cast. bias: [N], bfloat16 (float16 for float16 output;
-    either for fp8 output). use_fast_accum: Hopper's fast fp8 accumulation (no effect on the CPU).
+    either for fp8 output), 16-byte aligned. use_fast_accum: Hopper's fast fp8 accumulation (no effect on the CPU).
     out: an optional preallocated [M, N] result, sharing no memory with the other arguments. a_fmt/b_fmt name
     the format of uint8 storage (CuPy).
 

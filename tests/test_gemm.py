@@ -111,7 +111,8 @@ def test_torch_and_jax_arrays_come_back_in_kind(rng):
     got = fp8core.gemm(ta, tb, torch.ones(1), torch.ones(1))
     assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
     np.testing.assert_array_equal(got.view(torch.int16).numpy(), expected.view(np.int16))
-    ja, jb = jax.numpy.asarray(as_fp8(ac, "e4m3")), jax.numpy.asarray(as_fp8(bc, "e4m3"))
+    cpu = jax.devices("cpu")[0]  # the CPU's GEMM, bit for bit (a GPU's tensor cores round otherwise)
+    ja, jb = jax.device_put(as_fp8(ac, "e4m3"), cpu), jax.device_put(as_fp8(bc, "e4m3"), cpu)
     jgot = fp8core.gemm(ja, jb, 1.0, 1.0, out_dtype="float32")
     assert isinstance(jgot, jax.Array) and jgot.dtype == jax.numpy.float32
     np.testing.assert_array_equal(np.asarray(jgot), fp8core.gemm(as_fp8(ac, "e4m3"), as_fp8(bc, "e4m3"), 1.0, 1.0,
@@ -133,6 +134,12 @@ def _out_over_amax(a, b):
 def _misaligned():
     buf = np.zeros(8 * 32 + 1, ml_dtypes.float8_e4m3fn)
     return buf[1:].reshape(8, 32)
+
+
+def _misaligned_bias():
+    buf = np.zeros(32, ml_dtypes.bfloat16)
+    start = 1 if buf.ctypes.data % 16 == 0 else 0  # 2 bytes past a 16-byte boundary
+    return buf[start:start + 16]
 
 
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -160,6 +167,8 @@ ERRORS = [
      "bias: expected shape (16,)"),
     ("out_dtype", lambda a, b: fp8core.gemm(a, b, 1.0, 1.0, out_dtype="int8"), ValueError, "out_dtype"),
     ("misaligned", lambda a, b: fp8core.gemm(_misaligned(), b, 1.0, 1.0), ValueError, "16-byte aligned"),
+    ("bias_misaligned", lambda a, b: fp8core.gemm(a, b, 1.0, 1.0, bias=_misaligned_bias()), ValueError,
+     "bias: its data pointer must be 16-byte aligned"),
     ("strided", lambda a, b: fp8core.gemm(np.zeros((8, 64), E4)[:, ::2], b, 1.0, 1.0), ValueError,
      "contiguous"),
     ("out_shape", lambda a, b: fp8core.gemm(a, b, 1.0, 1.0, out_dtype="float32", out=np.zeros((8, 8), np.float32)),

@@ -57,12 +57,13 @@ def _gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None
                     emu = fp8core.gemm(a, b, sa, sb, out_dtype=out, bias=bias, out_scale=out_scale,
                                        out_amax=amax_ref)
                 emu64 = emu.astype(np.float64)
+                exact_atol, exact_rtol = _oracle.gemm_tolerance(ac, fa.value, bc, fb.value, sa * sb, out,
+                                                                out_scale or 1.0)
+                r.close(f"{label}: emulation vs float64", want, emu64, exact_atol, exact_rtol)
                 for fast in fast_modes:
-                    eps = _oracle.FAST_ACCUM_EPS if fast else 2.0 ** -23
-                    atol, rtol = _oracle.gemm_tolerance(ac, fa.value, bc, fb.value, sa * sb, out,
-                                                        out_scale or 1.0, accumulation_eps=eps)
-                    if not fast:
-                        r.close(f"{label}: emulation vs float64", want, emu64, atol, rtol)
+                    eps = _oracle.FAST_ACCUM_EPS if fast else _oracle.FP32_ACCUM_EPS
+                    atol, rtol = _oracle.gemm_tolerance(ac, fa.value, bc, fb.value, sa * sb, out, out_scale or 1.0,
+                                                        accumulation_eps=eps, tensor_core=isinstance(t, CudaTarget))
                     label_fast = label + (" fast accum" if fast else "")
                     amax_d = t.put(f32([0.0])) if fp8_out else None
                     bias_d = t.put(bias) if bias is not None else None

@@ -85,6 +85,21 @@ def gemm_reference(a_codes: np.ndarray, a_fmt: str, b_codes: np.ndarray, b_fmt: 
     return d if bias is None else d + np.asarray(bias, np.float64)
 
 
+def block_operand64(t: tuple) -> np.ndarray:
+    """float64 values of a CPU block-scaled operand, (fp8 data [R, C], scales): an MXTensor's E8M0 bytes [R,
+    ceil(C/32)] (0xFF is NaN) or a BlockScaledTensor's fp32 scale_inv in 1x128 [R, ceil(C/128)] or 128x128
+    [ceil(R/128), ceil(C/128)] blocks; each code decoded, times its block's factor (exact)."""
+    data, scale = np.asarray(t[0]), np.asarray(t[1])
+    v = decode("e4m3" if data.dtype.name == "float8_e4m3fn" else "e5m2")[data.view(np.uint8)]
+    rows, cols = v.shape
+    if scale.dtype != np.float32:
+        e = scale.view(np.uint8).astype(np.float64)
+        f = np.where(e == 0xFF, np.nan, 2.0 ** (e - 127))
+        return v * np.repeat(f, 32, 1)[:, :cols]
+    f = np.repeat(scale.astype(np.float64), 1 if scale.shape[0] == rows else 128, 0)[:rows]
+    return v * np.repeat(f, 128, 1)[:, :cols]
+
+
 def accumulation_tolerance(absprod: np.ndarray, k: int, out_dtype: str, accumulation_eps: float = FP32_ACCUM_EPS,
                            tensor_core: bool = False) -> tuple[np.ndarray, float]:
     """(atol per element, rtol) of a GEMM whose exact sum_k |a||b| is ``absprod`` (in the output's domain): K

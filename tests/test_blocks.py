@@ -12,7 +12,7 @@ import fp8core
 from fp8core import Format, MXTensor, BlockScaledTensor
 from fp8core.blocks import (dequantize_blockwise, dequantize_mxfp8, quantize_blockwise, quantize_mxfp8,
                             quantize_mxfp8_both, transpose_blocks)
-from oracle import accumulation_tolerance, decode, encode
+from oracle import accumulation_tolerance, block_operand64, decode, encode
 
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 EMAX = {"e4m3": 8, "e5m2": 15}
@@ -420,18 +420,7 @@ def test_torch_and_jax_arrays_come_back_in_kind(rng):
 
 # ---- the block-scaled GEMM emulation ----------------------------------------------------------------------
 
-def dequantized_operand(t) -> np.ndarray:
-    """float64 values of a block-scaled operand from the oracle's decoding and its block factors (exact)."""
-    fmt = "e4m3" if t.data.dtype == ml_dtypes.float8_e4m3fn else "e5m2"
-    v = decode(fmt)[bits(t.data)]
-    rows, cols = v.shape
-    if isinstance(t, MXTensor):
-        f = 2.0 ** (bits(t.scale).astype(np.float64) - 127)
-        f[bits(t.scale) == 0xFF] = np.nan
-        return v * np.repeat(f, 32, 1)[:, :cols]
-    br = 1 if t.scale_inv.shape[0] == rows else 128
-    f = np.repeat(np.repeat(t.scale_inv.astype(np.float64), br, 0)[:rows], 128, 1)[:, :cols]
-    return v * f
+dequantized_operand = block_operand64
 
 
 def block_gemm_tolerance(a, b, out_dtype: str, tensor_core: bool = False) -> tuple[np.ndarray, float]:

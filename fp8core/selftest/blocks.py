@@ -333,18 +333,6 @@ def block_gemm_refusal(t: Target, scheme: str) -> str:
     return "" if int(cublaslt.lt_bindings().get_version()) >= cublaslt.MIN_BLOCK_VERSION else "cuBLAS 12.9"
 
 
-def _dequantized64(pair: Any, scheme_block: str, fmt: Format) -> np.ndarray:
-    """A CPU block-scaled operand as exact float64 values (codes decoded, times their block's factor)."""
-    codes = np.asarray(pair[0]).view(np.uint8)
-    v = _oracle.decode(fmt.value)[codes]
-    if scheme_block == "1x32":
-        f = np.array([[_pow2(int(e), 1) for e in row] for row in np.asarray(pair[1]).view(np.uint8)])
-        return v * np.repeat(f, _MX, axis=1)[:, :codes.shape[1]]
-    f = np.asarray(pair[1], np.float64)
-    rows = np.repeat(f, _FP32_BLOCK if scheme_block == "128x128" else 1, axis=0)[:codes.shape[0]]
-    return v * np.repeat(rows, _FP32_BLOCK, axis=1)[:, :codes.shape[1]]
-
-
 @check("block gemm: MXFP8 and 1x128/128x128 against the emulation and float64, tolerance growing with K",
        needs=gemm_unavailable)
 def _block_gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
@@ -365,7 +353,7 @@ def _block_gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -
                 else:
                     a = blocks.quantize_blockwise(x, fa, block=a_block, power_of_2=False)
                     b = blocks.quantize_blockwise(w, fb, block=b_block, power_of_2=False)
-            a64, b64 = _dequantized64(a, a_block, fa), _dequantized64(b, b_block, fb)
+            a64, b64 = _oracle.block_operand64(a), _oracle.block_operand64(b)
             exact = a64 @ b64.T
             absprod = np.abs(a64) @ np.abs(b64).T
             for out in ("float32", "bfloat16"):
@@ -373,7 +361,8 @@ def _block_gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -
                 with t.ref():
                     emu = fp8core.gemm(a, b, out_dtype=out)
                 emu64 = np.asarray(emu).astype(np.float64)
-                r.close(f"{label}: emulation vs float64", exact, emu64, *_oracle.accumulation_tolerance(absprod, k, out))
+                r.close(f"{label}: emulation vs float64", exact, emu64,
+                        *_oracle.accumulation_tolerance(absprod, k, out))
                 atol, rtol = _oracle.accumulation_tolerance(absprod, k, out, tensor_core=isinstance(t, CudaTarget))
                 if refusal:
                     try:

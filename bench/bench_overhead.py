@@ -272,6 +272,27 @@ def _jax_section(n: int, repeat: int, meta: dict[str, Any], export_sizes: bool) 
     return rows
 
 
+def _cprofile(op: str, inputs: tuple[Any, ...], repeat: int) -> None:
+    import cProfile
+    import pstats
+
+    cases = _fp8_cases(*inputs)
+    if op == "gemm":  # fp8core.gemm of the smallest FP8 GEMM (16 x 16 x 16), the host cost alone
+        q = fp8core.quantize(inputs[0].reshape(-1)[:1].repeat(256).reshape(16, 16), inputs[1], "e4m3")
+        cases["gemm"] = lambda: fp8core.gemm(q, q, inputs[1], inputs[1], out_dtype="bfloat16")
+    fn = cases[op]
+    for _ in range(20):  # compile and plan outside the profile
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(repeat):
+        fn()
+    prof.disable()
+    print(f"# cProfile of {repeat} calls of {op}: the functions of most own time (tottime), then of most cumulative")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpu", action="store_true", help="torch CUDA and CuPy inputs (needs a GPU)")
@@ -280,6 +301,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="300 calls per figure")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--jax-export", action="store_true", help="with the JAX section: export cost by size")
+    ap.add_argument("--cprofile", metavar="OP", help="instead of timing: where the host time of OP (quantize, "
+                    "gemm, ...) on the first input kind goes, by cProfile, the 25 functions of most own time")
     args = ap.parse_args()
     repeat = 300 if args.quick else args.repeat
     torch = _torch()
@@ -295,6 +318,9 @@ def main() -> None:
     else:
         kinds, make = ["numpy", "torch", "jax"], _inputs_cpu
         sample = None
+    if args.cprofile:
+        _cprofile(args.cprofile, make(kinds[0], args.n, torch), repeat)
+        return
     print("# fp8core host time per call (us)", json.dumps(meta))
     if sample is None:
         print("# interleaved: fp8core, the backend alone and torch eager's chain (on the same data, for NumPy inputs "

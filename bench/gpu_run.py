@@ -384,6 +384,8 @@ def phase2(run: Run) -> int:
         cmd = [sys.executable, str(script.relative_to(ROOT))] + (["--json", str(out)] if _takes_json(script) else [])
         if script.name == "bench_cpu.py":
             cmd.append("--quick")
+        elif '"--gpu"' in script.read_text():  # a benchmark of both kinds: here, its GPU half
+            cmd.append("--gpu")
         step = run.execute(Step(script.name, cmd, caps.get(script.name, 60), f"{script.stem}.log"))
         failed += step.status in ("failed", "timed out")
     goals = collect_goals(run.results)

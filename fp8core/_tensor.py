@@ -490,9 +490,18 @@ def export(data: Any, dtype: str, like: Tensor) -> Any:
 
     # On a GPU the kernels ran on CuPy's current stream (the caller's stream for non-torch arrays); XLA reads on
     # its own (non-blocking) stream, which the exporter makes wait for them. The import lands on the GPU that
-    # holds the memory (x's) and commits to it whatever x was.
+    # holds the memory (x's) and commits to it whatever x was: an uncommitted x's results are uncommitted again.
     stream = None if type(data) is np.ndarray else _cupy_module().cuda.get_current_stream().ptr
-    return jax.dlpack.from_dlpack(_exporter(data, dtype, like, stream), device=place)
+    out = jax.dlpack.from_dlpack(_exporter(data, dtype, like, stream), device=place)
+    return out if place is not None else _jax_uncommitted(out)
+
+
+def _jax_uncommitted(arr: Any) -> Any:
+    """``arr`` (a single-device jax.Array) uncommitted, over the same buffer. JAX has no public call for this
+    (jax.device_put with no device keeps a committed array committed): this is the constructor JAX's own
+    make_array_from_single_device_arrays calls, with committed=False, as jit gives results of uncommitted
+    arguments."""
+    return type(arr)(arr.aval, arr.sharding, [arr], committed=False)
 
 
 # Up to this many bytes a NumPy result goes to JAX as an argument of a jitted identity, copied by jit's C++

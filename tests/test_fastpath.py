@@ -21,6 +21,9 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The host readers are the ones under test (torch's tensors here are CPU tensors too): JAX arrays are placed on
+# the CPU device, which is not JAX's default on a machine with a GPU.
+JAX_CPU = jax.devices("cpu")[0]
 
 
 def _own(a):
@@ -43,7 +46,7 @@ def _make(kind, v, dtype):
         return v.astype(getattr(ml_dtypes, dtype, dtype))
     if kind == "torch":
         return torch.from_numpy(v.copy()).to(getattr(torch, dtype))
-    return jnp.asarray(v).astype(getattr(jnp, dtype))
+    return jax.device_put(v.astype(getattr(ml_dtypes, dtype, dtype)), JAX_CPU)
 
 
 def _bits(a):
@@ -62,7 +65,7 @@ def _ops(kind, dtype, read):
     q = fp8core.quantize(_make(kind, v, "float32"), 0.25, "e4m3")
     slot = np.zeros(1, np.float32) if kind != "torch" else torch.zeros(1)
     scale = {"numpy": np.array([0.25], np.float32), "torch": torch.tensor([0.25]),
-             "jax": jnp.array([0.25], jnp.float32)}[kind]
+             "jax": jax.device_put(np.array([0.25], np.float32), JAX_CPU)}[kind]
     return {
         "amax": lambda: fp8core.amax(read(x)),
         "quantize": lambda: fp8core.quantize(read(x), read(scale), "e4m3"),

@@ -18,6 +18,7 @@ jnp = jax.numpy
 
 import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
+from conftest import GPU_REASON  # noqa: E402
 from flax.core import FrozenDict  # noqa: E402
 from flax.linen import fp8_ops  # noqa: E402
 
@@ -62,13 +63,31 @@ def _step(model, variables, x):
     return {"params": jax.tree.map(lambda p, d: p - 0.05 * d, variables["params"], g["params"]), OWG: g[OWG]}
 
 
-def train(dot, steps, variables=None, first=0):
-    model = Two(dot)
-    if variables is None:
-        variables = model.init(jax.random.PRNGKey(0), jnp.asarray(XS[0]))
-    for x in XS[first:first + steps]:
-        variables = _step(model, variables, jnp.asarray(x))
+# flax's steps are compared with fp8core's bit for bit where XLA divides as IEEE does: on the CPU. XLA:GPU lowers
+# float32 division to PTX's div.full (within 2 ulp), and flax computes its scale as 1 / (fp8_max / amax): the H200
+# run found it 1 ulp from the contract's (NumPy's, fp8core's). So training runs on the CPU device unless told.
+JAX_CPU = jax.devices("cpu")[0]
+
+
+def train(dot, steps, variables=None, first=0, device=JAX_CPU):
+    with jax.default_device(device):
+        model = Two(dot)
+        if variables is None:
+            variables = model.init(jax.random.PRNGKey(0), jnp.asarray(XS[0]))
+        for x in XS[first:first + steps]:
+            variables = _step(model, variables, jnp.asarray(x))
     return variables
+
+
+def _jax_gpu():
+    """JAX's first GPU, or a skip that says why there is none."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if GPU_REASON is not None or not gpus:
+        pytest.skip(f"GPU test: {GPU_REASON or 'JAX sees no GPU'}")
+    return gpus[0]
 
 
 def bits(tree):
@@ -99,17 +118,22 @@ def flax_k():
     return train(FLAX, K_STEPS)
 
 
-def test_flax_checkpoint_continues_with_fp8core_as_the_contract_and_as_flax(flax_k):
-    converted = fj.from_flax_fp8_state(flax_k)
-    assert jax.tree.structure(converted["params"]) == jax.tree.structure(flax_k["params"])
-    assert all(a is b for a, b in zip(jax.tree.leaves(converted["params"]), jax.tree.leaves(flax_k["params"])))
-    ours = train(FP8CORE, 1, converted, first=K_STEPS)
+def assert_the_contracts_step(ours, converted, flax_k):
+    """fp8core's step from the converted state, ``ours``, is the contract's on the step's amaxes."""
     x = XS[K_STEPS]
     for name, coef in zip(("a", "inner"), COEF):
         amaxes = np.array([np.abs(x).max(), np.abs(np.asarray(kernels(flax_k)[name])).max(), np.abs(coef).max()],
                           np.float32)
         want = contract_step(jax.tree.map(np.asarray, layers(converted, "Fp8DotGeneral")[name]), amaxes)
         assert bits(layers(ours, "Fp8DotGeneral")[name]) == bits(want), name
+
+
+def test_flax_checkpoint_continues_with_fp8core_as_the_contract_and_as_flax(flax_k):
+    converted = fj.from_flax_fp8_state(flax_k)
+    assert jax.tree.structure(converted["params"]) == jax.tree.structure(flax_k["params"])
+    assert all(a is b for a, b in zip(jax.tree.leaves(converted["params"]), jax.tree.leaves(flax_k["params"])))
+    ours = train(FP8CORE, 1, converted, first=K_STEPS)
+    assert_the_contracts_step(ours, converted, flax_k)
     # where the recipes agree (the same amaxes here): flax's own next step
     theirs = train(FLAX, 1, flax_k, first=K_STEPS)
     for name in ("a", "inner"):
@@ -117,6 +141,14 @@ def test_flax_checkpoint_continues_with_fp8core_as_the_contract_and_as_flax(flax
                                for o in ("input", "kernel", "output_grad")])
         assert bits(used) == bits(layers(converted, "Fp8DotGeneral")[name]["scale_inv"]), name
     assert bits(fj.from_flax_fp8_state(theirs)[OWG]) == bits(ours[OWG])
+
+
+def test_on_a_gpu_fp8core_continues_a_flax_checkpoint_as_the_contract(flax_k):
+    gpu = _jax_gpu()
+    converted = fj.from_flax_fp8_state(flax_k)
+    ours = train(FP8CORE, 1, converted, first=K_STEPS, device=gpu)
+    assert all(v.devices() == {gpu} for v in jax.tree.leaves(ours[OWG]))
+    assert_the_contracts_step(ours, converted, flax_k)
 
 
 @pytest.mark.parametrize("flax_cls", ["Fp8DirectDotGeneralOp", "Fp8DotGeneralOp"])

@@ -22,6 +22,14 @@ DELAYED = fp8core.DelayedScaling(amax_history_len=4)
 CURRENT = fp8core.Float8CurrentScaling()
 
 
+@pytest.fixture
+def on_the_cpu():
+    """JAX's default device the CPU for the test: the NumPy definition's GEMM bits are the CPU backend's; a GPU's
+    GEMM sums in its own order (NUMERICS.md), compared with tolerances in tests/test_gpu_gemm.py."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def bits(v):
     return np.asarray(v).view(np.uint32)
 
@@ -43,6 +51,7 @@ def gemm(a, sa, b, sb):
     return ((a @ b) * sa * sb).astype(np.float32)
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 @pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
 @pytest.mark.parametrize("tokens, k, n", [(16, 20, 10), (5, 32, 10), (24, 7, 16), (3, 1, 1), (40, 33, 17)])
 def test_any_shape_is_the_unpadded_definition(tokens, k, n, recipe):

@@ -6,7 +6,7 @@ import pytest
 
 import fp8core
 from fp8core._dlpack import CPU, Exporter
-from fp8core._tensor import wrap
+from fp8core._tensor import _pointer, wrap
 from oracle import quantize_bits
 
 torch = pytest.importorskip("torch")
@@ -60,8 +60,9 @@ def test_inputs_are_zero_copy_views():
     assert w.dtype == "float8_e4m3fn" and w.data.ctypes.data == f8.data_ptr()
     offset = t[3:]
     assert wrap(offset).data.ctypes.data == offset.data_ptr()
-    j = jnp.arange(8, dtype=jnp.float32)
-    assert wrap(j).data.ctypes.data == j.unsafe_buffer_pointer()
+    for device in {jax.devices("cpu")[0], jax.devices()[0]}:  # and the GPU's memory where JAX's default is one
+        j = jax.device_put(np.arange(8, dtype=np.float32), device)
+        assert _pointer(wrap(j).data) == j.unsafe_buffer_pointer()
     n = np.zeros(8, np.float16)
     assert wrap(n).data is n
 
@@ -113,8 +114,8 @@ BAD = [
     ("bad out_dtype", lambda: fp8core.dequantize(np.zeros(4, ml_dtypes.float8_e4m3fn), 1.0, "int8"), ValueError,
      "out_dtype"),
     ("non-contiguous", lambda: fp8core.quantize(np.zeros((4, 4), F32).T, 1.0), ValueError, "contiguous"),
-    ("read-only amax_out", lambda: fp8core.quantize(np.zeros(4, F32), 1.0, amax_out=jnp.zeros(1)), ValueError,
-     "read-only"),
+    ("read-only amax_out", lambda: fp8core.quantize(np.zeros(4, F32), 1.0, amax_out=jax.device_put(
+        np.zeros(1, F32), jax.devices("cpu")[0])), ValueError, "read-only"),  # on x's device, as a GPU's default is not
     ("negative epsilon", lambda: fp8core.quantize_dynamic(np.zeros(4, F32), epsilon=-1.0), ValueError, "epsilon"),
     ("not an array", lambda: fp8core.amax("hello"), TypeError, "x: expected"),
     ("mismatched devices", lambda: fp8core.quantize(np.zeros(4, F32), _FakeCudaScale()), ValueError,

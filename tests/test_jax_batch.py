@@ -40,6 +40,14 @@ CASES = {
 }
 
 
+@pytest.fixture
+def on_the_cpu():
+    """JAX's default device the CPU for the test: the NumPy definition's GEMM bits are the CPU backend's; a GPU's
+    GEMM sums in its own order (NUMERICS.md), compared with tolerances in tests/test_gpu_gemm.py."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def bits(v: Any) -> np.ndarray:
     v = np.asarray(v)
     return v.view({4: np.uint32, 2: np.uint16}[v.dtype.itemsize])
@@ -226,6 +234,7 @@ def sat_cast(x: np.ndarray, scale: np.float32, dtype: Any) -> np.ndarray:
     return np.clip(np.asarray(x, np.float32) * scale, -big, big).astype(dtype).astype(np.float64)
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 def test_attention_scores_equal_numpy():
     """ "bqhd,bkhd->bhqk" (d = 10, seq 5 and 7: every GEMM dim padded) against NumPy: quantize with the
     delayed scales, D = (sum q·k) · sa · sb in float64 rounded once to fp32, both gradients, next state."""

@@ -22,6 +22,7 @@ jnp = jax.numpy
 import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
 from fp8core import _tensor  # noqa: E402
+from fp8core._dlpack import CPU, Exporter  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 
@@ -54,6 +55,16 @@ def test_default_device_committed_in_committed_out_and_uncommitted_stays_so(n):
         assert all(o.devices() == {d0} and o.committed is (name == "pinned") for o in r)
         got[name] = [_bits(o) for o in r]
     assert got["free"] == got["pinned"]
+
+
+def test_an_imported_result_made_uncommitted_keeps_its_buffer():
+    """The step a GPU result takes for an uncommitted x (DLPack's import commits), here on a CPU import."""
+    v = np.resize(np.arange(65536, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)[::7], 4096)
+    imported = jax.dlpack.from_dlpack(Exporter(v.ctypes.data, v.shape, "bfloat16", CPU, 0, owner=v))
+    free = _tensor._jax_uncommitted(imported)
+    assert imported.committed and not free.committed and free.devices() == imported.devices()
+    assert free.unsafe_buffer_pointer() == imported.unsafe_buffer_pointer() and _bits(free) == _bits(v)
+    assert not (free + 1).committed
 
 
 def test_an_uncommitted_input_takes_the_one_shared_identity():

@@ -25,10 +25,15 @@ from fp8core._dlpack import CPU, Exporter  # noqa: E402
 from producers import DLPackOnly  # noqa: E402
 
 
+# The CPU fast paths are the subject here: their arrays are made on the CPU device, which is not JAX's default
+# on a machine with a GPU (there a jax.Array is read through DLPack, as tests/test_gpu*.py do).
+JAX_CPU = jax.devices("cpu")[0]
+
+
 def _named(x):
-    """x placed by a one-device NamedSharding: fp8core asks DLPack where it lives (a SingleDeviceSharding
-    tells it without asking)."""
-    mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+    """x placed by a one-device NamedSharding on its own device: fp8core asks DLPack where it lives (a
+    SingleDeviceSharding tells it without asking)."""
+    mesh = jax.sharding.Mesh(list(x.devices()), ("d",))
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
@@ -70,7 +75,8 @@ READS = [
 
 @pytest.mark.parametrize("case,make", READS, ids=[r[0] for r in READS])
 def test_jax_cpu_read_gives_the_general_paths_view(case, make, place):
-    x = place(make())
+    with jax.default_device(JAX_CPU):
+        x = place(make())
     t = _tensor.wrap(x, "x")
     assert t.origin == "jax" and t.device == ("cpu", 0) and t.readonly
     assert t.dtype == np.dtype(x.dtype).name and t.data.shape == x.shape
@@ -92,13 +98,14 @@ OPS = {
 @pytest.mark.parametrize("op", list(OPS))
 def test_generic_api_on_jax_arrays_same_bits_every_way_in(op):
     v = _every_code(ml_dtypes.bfloat16)[::7][:9360].copy()  # every exponent, NaNs, infs, subnormals, -0
-    x, s = jnp.asarray(v), jnp.asarray([0.25], jnp.float32)
     got = {}
-    for way, read in (("single", lambda a: a), ("named", _named), ("dlpack", DLPackOnly)):
-        out = OPS[op](x, s, read)
-        outs = out if isinstance(out, tuple) else (out,)
-        assert all(isinstance(o, jax.Array if way != "dlpack" else np.ndarray) for o in outs)
-        got[way] = [_bits(o) for o in outs]
+    with jax.default_device(JAX_CPU):
+        x, s = jnp.asarray(v), jnp.asarray([0.25], jnp.float32)
+        for way, read in (("single", lambda a: a), ("named", _named), ("dlpack", DLPackOnly)):
+            out = OPS[op](x, s, read)
+            outs = out if isinstance(out, tuple) else (out,)
+            assert all(isinstance(o, jax.Array if way != "dlpack" else np.ndarray) for o in outs)
+            got[way] = [_bits(o) for o in outs]
     assert got["single"] == got["named"] == got["dlpack"]
 
 
@@ -163,7 +170,9 @@ PRIMS = {
     "gemm": lambda x, s, p: p["gemm"](fj.quantize(x, 0.01)[0], fj.quantize(x[:16], 0.02)[0], s, 2.0, None,
                                       out_dtype=jnp.float32),
 }
-# The same on NumPy arrays through the core API: x NumPy, s a float32 [1] NumPy scale.
+# The same through the core API: x NumPy, s a float32 [1] NumPy scale; the GEMM's on x's own device (jax arrays),
+# since its bits are the device's (NUMERICS.md: cuBLASLt sums in its own order), the others' the same on every one.
+ON_X_DEVICE = {"gemm"}
 TWINS = {
     "amax": lambda x, s: fp8core.amax(x),
     "quantize": lambda x, s: (fp8core.quantize(x, s, "e4m3"), fp8core.amax(x)),
@@ -189,7 +198,8 @@ def _leaves(out):
 @pytest.mark.parametrize("op", list(PRIMS))
 def test_eager_primitives_same_bits_as_the_core(op, scale):
     x = _x()
-    twin = _leaves(TWINS[op](np.asarray(x), np.asarray(scale, np.float32).reshape(1)))
+    s32 = np.asarray(scale, np.float32).reshape(1)
+    twin = _leaves(TWINS[op](x, jnp.asarray(s32)) if op in ON_X_DEVICE else TWINS[op](np.asarray(x), s32))
     for path in ("jitted", "untraced"):
         s = fj.primitives._scale_arg(scale) if path == "jitted" else scale
         assert _leaves(PRIMS[op](x, s, _prims(path))) == twin

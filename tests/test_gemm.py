@@ -111,9 +111,12 @@ def test_torch_and_jax_arrays_come_back_in_kind(rng):
     got = fp8core.gemm(ta, tb, torch.ones(1), torch.ones(1))
     assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
     np.testing.assert_array_equal(got.view(torch.int16).numpy(), expected.view(np.int16))
-    ja, jb = jax.numpy.asarray(as_fp8(ac, "e4m3")), jax.numpy.asarray(as_fp8(bc, "e4m3"))
+    # on the CPU device, as the torch tensors are (JAX's default device is the GPU where there is one): the CPU's
+    # bits; a GPU GEMM's are tests/test_gpu_gemm.py's to compare
+    cpu = jax.devices("cpu")[0]
+    ja, jb = (jax.device_put(as_fp8(c, "e4m3"), cpu) for c in (ac, bc))
     jgot = fp8core.gemm(ja, jb, 1.0, 1.0, out_dtype="float32")
-    assert isinstance(jgot, jax.Array) and jgot.dtype == jax.numpy.float32
+    assert isinstance(jgot, jax.Array) and jgot.dtype == jax.numpy.float32 and jgot.devices() == {cpu}
     np.testing.assert_array_equal(np.asarray(jgot), fp8core.gemm(as_fp8(ac, "e4m3"), as_fp8(bc, "e4m3"), 1.0, 1.0,
                                                                  out_dtype="float32"))
 

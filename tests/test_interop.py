@@ -14,6 +14,11 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 
+def on_cpu(a):
+    """A JAX array on the CPU device: on a machine with a GPU, JAX's default device is the GPU."""
+    return jax.device_put(a, jax.devices("cpu")[0])
+
+
 def test_torch_in_torch_out_with_fp8_and_bf16():
     x = torch.randn(33, 17, dtype=torch.bfloat16)
     q = fp8core.quantize(x, 2.0, "e4m3")
@@ -60,7 +65,7 @@ def test_inputs_are_zero_copy_views():
     assert w.dtype == "float8_e4m3fn" and w.data.ctypes.data == f8.data_ptr()
     offset = t[3:]
     assert wrap(offset).data.ctypes.data == offset.data_ptr()
-    j = jnp.arange(8, dtype=jnp.float32)
+    j = on_cpu(jnp.arange(8, dtype=jnp.float32))
     assert wrap(j).data.ctypes.data == j.unsafe_buffer_pointer()
     n = np.zeros(8, np.float16)
     assert wrap(n).data is n
@@ -113,8 +118,9 @@ BAD = [
     ("bad out_dtype", lambda: fp8core.dequantize(np.zeros(4, ml_dtypes.float8_e4m3fn), 1.0, "int8"), ValueError,
      "out_dtype"),
     ("non-contiguous", lambda: fp8core.quantize(np.zeros((4, 4), F32).T, 1.0), ValueError, "contiguous"),
-    ("read-only amax_out", lambda: fp8core.quantize(np.zeros(4, F32), 1.0, amax_out=jnp.zeros(1)), ValueError,
-     "read-only"),
+    # x on the CPU, so the JAX array must be too: on another device, that is the error (before read-only)
+    ("read-only amax_out", lambda: fp8core.quantize(np.zeros(4, F32), 1.0, amax_out=on_cpu(jnp.zeros(1))),
+     ValueError, "amax_out: is read-only"),
     ("negative epsilon", lambda: fp8core.quantize_dynamic(np.zeros(4, F32), epsilon=-1.0), ValueError, "epsilon"),
     ("not an array", lambda: fp8core.amax("hello"), TypeError, "x: expected"),
     ("mismatched devices", lambda: fp8core.quantize(np.zeros(4, F32), _FakeCudaScale()), ValueError,

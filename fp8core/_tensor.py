@@ -195,7 +195,10 @@ def _cupy_module() -> Any:
 
 
 def _from_cupy(arr: Any, arg: str) -> Tensor:
-    return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), ("cuda", arr.data.device_id), "cupy")
+    name = _numpy_dtype_name(arr.dtype, arg)
+    # CuPy has no bfloat16: its bf16 is uint16 storage, as fp8core's own bf16 results for CuPy are (float16 is
+    # CuPy's own, and no argument of fp8core is 16-bit integer data). fp8's uint8 names no format: fmt= does.
+    return Tensor(arr, "bfloat16" if name == "uint16" else name, ("cuda", arr.data.device_id), "cupy")
 
 
 # jax sharding -> (whether it places a whole array on one CPU device (then the array is one host buffer), the

@@ -94,14 +94,29 @@ def test_demo_on_cuda_without_a_gpu_is_a_clear_error():
     assert r.returncode == 2 and r.stderr.startswith("fp8core: error: --device cuda") and "Traceback" not in r.stderr
 
 
+# What each script's table gives as (median, p20, p80): bench_cpu.py columns of GB/s ("1.11   0.98-1.22"); on a GPU
+# times ("118.7 us (p20 113.6, p80 132.3)"; the MLP step in ms) and bench_gemm.py's TFLOP/s
+# ("1242.5 TFLOP/s (p20-p80 1215.5-1269.7)").
+_RANGES = {
+    "bench_cpu.py": [r" (\d+\.\d+) +(\d+\.\d+)-(\d+\.\d+) "],
+    "bench_gpu.py": [r" (\d+\.\d+) us \(p20 (\d+\.\d+), p80 (\d+\.\d+)\)"],
+    "bench_gemm.py": [r" (\d+\.\d+) TFLOP/s \(p20-p80 (\d+\.\d+)-(\d+\.\d+)\)"],
+    "bench_mlp.py": [r" (\d+\.\d+) ms \(p20 (\d+\.\d+), p80 (\d+\.\d+)\)"],
+}
+
+
 def test_bench_quick_prints_the_table():
     r = run("bench", "--quick", timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "GB/s" in r.stdout
-    ranges = re.findall(r" (\d+\.\d+) +(\d+\.\d+)-(\d+\.\d+) ", r.stdout)  # median, then p20-p80 in GB/s
-    assert ranges
-    for med, lo, hi in ranges:
-        assert float(lo) <= float(med) <= float(hi), (med, lo, hi)
+    sections = re.split(r"^== (\S+) on the (?:GPU|CPU)$", r.stdout, flags=re.M)[1:]
+    scripts = sections[::2]
+    assert scripts in (["bench_cpu.py"], ["bench_gpu.py", "bench_gemm.py", "bench_mlp.py"]), scripts
+    assert "GB/s" in sections[1]  # the bandwidth table, on either device
+    for script, text in zip(scripts, sections[1::2]):
+        ranges = [m for pattern in _RANGES[script] for m in re.findall(pattern, text)]
+        assert ranges, f"{script}: no median with its p20-p80 range"
+        for med, lo, hi in ranges:
+            assert float(lo) <= float(med) <= float(hi), (script, med, lo, hi)
 
 
 # ---- inspect against hostile and odd files (in process: fast; each must give one line, never a traceback) ----

@@ -594,11 +594,12 @@ def test_gpu_block_gemm_refused_inside_a_cupy_capture(cp):
 
     a = blocks.quantize_blockwise(_data(cp, 128 * 256, 2).reshape(128, 256), block="1x128")
     b = blocks.quantize_blockwise(_data(cp, 64 * 256, 3).reshape(64, 256), block="1x128")
-    fp8core.gemm(a, b, out_dtype="bfloat16")  # handle, plan and workspace outside the capture
+    fmts = {"a_fmt": "e4m3", "b_fmt": "e4m3"}  # CuPy's fp8 is uint8 storage: the GEMM is told its format
+    fp8core.gemm(a, b, out_dtype="bfloat16", **fmts)  # handle, plan and workspace outside the capture
     stream, graphs = cp.cuda.Stream(non_blocking=True), []
     with pytest.raises(ValueError, match="^a, b: a block-scaled GEMM"):
         with _captured(cp, stream, graphs):
-            fp8core.gemm(a, b, out_dtype="bfloat16")
+            fp8core.gemm(a, b, out_dtype="bfloat16", **fmts)
 
 
 @requires_gpu

@@ -30,12 +30,22 @@ def _suite_command(path: Path) -> list[str]:
             f"--confcutdir={HERE / 'emulation'}", "--rootdir", str(HERE / "emulation"), str(path)]
 
 
+def _child_env(**extra: str) -> dict[str, str]:
+    """The child's environment: the parent's, less what configures the parent's own pytest run. No third-party
+    plugin loads in the child (its command line is all its configuration; pytest-benchmark, loaded there from
+    a parent run under xdist, warned about the parent's workers), and no real CUDA device is visible (the child's
+    CuPy and driver are stand-ins)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != "PYTEST_ADDOPTS"}
+    env.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", CUDA_VISIBLE_DEVICES="", **extra)
+    return env
+
+
 def test_a_report_written_as_the_child_dies_reaches_the_output(tmp_path):
     """What a sanitizer does on a bad access (report to fd 2, then exit) shows in the suite's output."""
     probe = tmp_path / "test_dies.py"
     probe.write_text("import os\n\ndef test_dies():\n    os.write(2, b'fp8emu-probe: runtime error\\n')\n"
                      "    os._exit(1)\n")
-    done = subprocess.run(_suite_command(probe), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(_suite_command(probe), env=_child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert "fp8emu-probe: runtime error" in done.stderr
 
@@ -43,9 +53,9 @@ def test_a_report_written_as_the_child_dies_reaches_the_output(tmp_path):
 @pytest.mark.skipif(build.compiler() is None, reason="no host C++ compiler (g++ or clang++): the CUDA emulator "
                                                      "cannot build the kernels")
 def test_kernels_under_emulation(capsys):
-    env = dict(os.environ, LD_PRELOAD=build.sanitizer_runtime(),
-               ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:halt_on_error=1",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", PYTHONDONTWRITEBYTECODE="1")
+    env = _child_env(LD_PRELOAD=build.sanitizer_runtime(),
+                     ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:halt_on_error=1",
+                     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", PYTHONDONTWRITEBYTECODE="1")
     done = subprocess.run(_suite_command(HERE / "emulation"), env=env, capture_output=True, text=True, timeout=1500)
     out = done.stdout + done.stderr
     summary = [line for line in out.splitlines() if line.strip()][-1:] or ["(no output)"]

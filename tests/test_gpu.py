@@ -22,8 +22,8 @@ def cp():
 
 
 def to_gpu(cp, x):
-    """numpy (ml_dtypes allowed) -> cupy storage array; fp8core reads uint16 as bf16 only through torch/DLPack,
-    so bf16 travels to the device inside a torch tensor."""
+    """numpy (ml_dtypes allowed) -> cupy storage array; bf16 travels to the device inside a torch tensor (the
+    torch caller's path; CuPy's own bf16, uint16 storage, is tests/test_out.py's)."""
     import torch
 
     if x.dtype == ml_dtypes.bfloat16:

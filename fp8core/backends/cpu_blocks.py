@@ -242,20 +242,35 @@ def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, b
     codes = x.view(np.uint16).reshape(-1)
     flat = q.reshape(-1)
 
+    def spread(w: np.ndarray, lo: int, hi: int, b: int, axis: int) -> np.ndarray:
+        """w's blocks of b along ``axis`` repeated over the elements [lo, hi) they cover."""
+        if b == 1:
+            return w
+        if hi - lo < b:  # within at most two blocks: repeating whole blocks would overshoot up to b-fold
+            return w.take(np.arange(lo, hi) // b - lo // b, axis=axis)
+        return np.repeat(w, b, axis=axis)[(slice(None),) * axis + (slice(lo % b, lo % b + hi - lo),)]
+
     def offsets(r0: int, r1: int, c0: int, c1: int) -> np.ndarray:  # of rows [r0, r1), columns [c0, c1)
-        rows_which = which[np.arange(r0, r1) // br, c0 // bc:-(-c1 // bc)].astype(np.intp) << 16
-        if c1 - c0 < bc:  # narrower than a block: repeating whole blocks would overshoot up to bc-fold
-            return rows_which[:, np.arange(c0, c1) // bc - c0 // bc].reshape(-1)
-        return np.repeat(rows_which, bc, axis=1)[:, c0 % bc:c0 % bc + c1 - c0].reshape(-1)
+        # The blocks' table indices spread over their elements as bytes, widened once into the one array of
+        # 8-byte offsets a pool thread holds (the lookup's own, made in place below)
+        w = which[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)]
+        offs = np.empty((r1 - r0, c1 - c0), np.intp)
+        offs[...] = spread(spread(w, r0, r1, br, 0), c0, c1, bc, 1)
+        offs <<= 16
+        return offs.reshape(-1)
 
     def chunk(a: int, b: int) -> None:  # flat elements [a, b)
         r0, r1 = a // cols, -(-b // cols)
         if cols <= b - a:  # whole rows, but for the ends: at most two rows more than the chunk
             offs = offsets(r0, r1, 0, cols)[a - r0 * cols:b - r0 * cols]
-        else:  # parts of at most two long rows: only the columns the chunk covers
+        elif r1 - r0 == 1:  # within one long row: only the columns the chunk covers
+            offs = offsets(r0, r1, a - r0 * cols, b - r0 * cols)
+        else:  # across the end of one long row into the next
             offs = np.concatenate([offsets(r, r + 1, max(a - r * cols, 0), min(b - r * cols, cols))
                                    for r in range(r0, r1)])
-        np.take(tables, offs + codes[a:b], out=flat[a:b])
+        # in place, and unbuffered (the indices are in range by construction): no second chunk of offsets
+        offs += codes[a:b]
+        np.take(tables, offs, out=flat[a:b], mode="clip")
 
     map_chunks(flat.size, chunk)
 

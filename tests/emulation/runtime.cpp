@@ -1,4 +1,8 @@
 // The emulator's scheduler: CUDA threads as ucontext fibers, blocks on OS threads (see cuda_host.h).
+// Before any header: fortified glibc (Ubuntu's compilers define _FORTIFY_SOURCE whenever they optimise) turns
+// _longjmp into __longjmp_chk, which aborts ("longjmp causes uninitialized stack frame") on a jump to a lower
+// address on another stack, and every fiber switch is a jump to another stack.
+#undef _FORTIFY_SOURCE
 #include <setjmp.h>
 #include <sys/mman.h>
 #include <ucontext.h>

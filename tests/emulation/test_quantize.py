@@ -78,6 +78,26 @@ def test_dequantize_every_code(dev, fmt, out_dtype):
             np.testing.assert_array_equal(bits(got), bits(fp8core.dequantize(q, s, out_dtype)))
 
 
+def test_a_cupy_uint16_array_is_bfloat16(dev, rng):
+    """CuPy has no bfloat16: a bare CuPy uint16 array (no Tensor naming it) is bf16 storage, as fp8core's own bf16
+    results for CuPy are: read as the CPU reads ml_dtypes' bfloat16, and a bf16 result goes back in."""
+    x = data(rng, (37, 24), DTYPES[1])
+    xd = upload(x).data  # the bare storage array
+    assert type(xd) is device.ndarray and xd.dtype == np.uint16
+    for got, ref in [([fp8core.quantize(xd, 0.37, "e5m2")], [fp8core.quantize(x, 0.37, "e5m2")]),
+                     (fp8core.cast_transpose(xd, 2.0, "e4m3"), fp8core.cast_transpose(x, 2.0, "e4m3")),
+                     (fp8core.quantize_dynamic(xd, "e4m3"), fp8core.quantize_dynamic(x, "e4m3")),
+                     ([fp8core.amax(xd)], [fp8core.amax(x)])]:
+        for g, r in zip(got, ref):
+            np.testing.assert_array_equal(bits(g), bits(r))
+    y = fp8core.dequantize(fp8core.quantize(xd, 0.37, "e5m2"), 0.5, "bfloat16", fmt="e5m2")
+    assert type(y) is device.ndarray and y.dtype == np.uint16
+    np.testing.assert_array_equal(bits(fp8core.quantize(y, 1.0, "e4m3")),
+                                  bits(fp8core.quantize(y.get().view(DTYPES[1]), 1.0, "e4m3")))
+    with pytest.raises(TypeError, match=r"^q: expected fp8 data .*, got bfloat16; quantize it first"):
+        fp8core.dequantize(xd, 1.0)
+
+
 def test_multi_tensor_lists(dev, rng):
     """70 tensors (two launches of at most 64), mixed sizes with empty members, mixed dtypes and formats."""
     sizes = [int(s) for s in rng.integers(0, 3000, 70)]

@@ -169,10 +169,16 @@ def test_a_cuda_model_and_a_cpu_model_in_one_process():
     assert same(snapshot(gpu), snapshot(gpu_alone)) and same(snapshot(cpu), snapshot(cpu_alone))
 
 
-def test_cuda_without_cupy_is_a_clear_error(monkeypatch):
-    import fp8core.torch.linear as linear
+@pytest.mark.parametrize("recipe", [RECIPE, fp8core.MXFP8BlockScaling()], ids=["delayed", "mxfp8"])
+def test_cuda_without_cupy_is_a_clear_error_eager_and_compiled(monkeypatch, recipe):
+    import sys
 
-    monkeypatch.setattr(linear, "_have_cupy", lambda: False)
-    lin = Float8Linear(32, 32, device="cuda")
-    with autocast(), pytest.raises(RuntimeError, match="CuPy"):
-        lin(torch.randn(4, 32, device="cuda"))
+    from fp8core import _tensor
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError, as without fp8core[cuda13]
+    monkeypatch.setattr(_tensor, "_cupy", None)
+    lin = Float8Linear(32, 32, device="cuda", recipe=recipe)
+    x = torch.randn(4, 32, device="cuda")
+    for run in (lin, torch.compile(lin, fullgraph=True)):  # compiled: the op raises it when the graph runs
+        with autocast(), pytest.raises(RuntimeError, match="a CUDA array needs CuPy for fp8core's kernels.*cuda13"):
+            run(x)

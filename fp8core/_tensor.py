@@ -30,6 +30,7 @@ import numpy as np
 
 from ._dlpack import CPU, CUDA, CUDA_HOST, CUDA_MANAGED, DLView, Exporter, import_dlpack
 from ._views import Tensor, logical_numpy_dtype, storage_dtype
+from .extras import install_hint
 from .formats import ENCODINGS, dtype_name
 
 __all__ = ["Tensor", "wrap", "export", "export_all", "storage_dtype", "logical_numpy_dtype"]
@@ -165,7 +166,7 @@ def _from_torch(t: Any, arg: str) -> Tensor:
 
 
 def _torch_cuda(t: Any, name: str, arg: str) -> Tensor:
-    cupy = _cupy_module()
+    cupy = _cupy_for(arg)
     storage = storage_dtype(name)
     device_id = t.get_device()
     shape = tuple(t.shape)
@@ -192,6 +193,16 @@ def _cupy_module() -> Any:
 
         _cupy = cupy
     return _cupy
+
+
+def _cupy_for(arg: str) -> Any:
+    """CuPy, for the CUDA array ``arg``; a missing CuPy refused by name. Here rather than in a front-end: inside
+    a torch custom op it runs when a compiled graph runs, and torch.compile does not trace it."""
+    try:
+        return _cupy_module()
+    except ImportError as e:
+        raise RuntimeError(f"{arg}: a CUDA array needs CuPy for fp8core's kernels, and `import cupy` failed ({e}): "
+                           f"{install_hint('cuda13', 'cuda12')}, whichever matches the CUDA driver") from e
 
 
 def _from_cupy(arr: Any, arg: str) -> Tensor:
@@ -350,7 +361,7 @@ def _from_dlpack(obj: Any, arg: str, consumer: bool = True) -> Tensor:
 
 def _generic(obj: Any, arg: str) -> Tensor:
     if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
-        cupy = _cupy_module()
+        cupy = _cupy_for(arg)
         arr = cupy.asarray(obj)
         return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), ("cuda", arr.data.device_id), _origin(obj))
     if hasattr(obj, "__dlpack__"):

@@ -104,8 +104,15 @@ def test_jax_primitives_on_the_gpu_inside_jit():
 from test_torch_transforms import fp8_modules, make, same, snapshot, train  # noqa: E402
 
 
-def cuda_twin():
-    return make(device="cuda")
+def cuda_twin(dtype=torch.float32):
+    """make()'s model made on CUDA in ``dtype`` and converted there (never moved nor cast), holding make()'s initial
+    weights: for one seed CUDA's generator draws other numbers than the CPU's, so they are copied from a CPU
+    make() (in place: the twin goes through no module transform)."""
+    twin = make(device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for p, q in zip(twin.parameters(), make().parameters(), strict=True):
+            p.copy_(q)
+    return twin
 
 
 @pytest.mark.parametrize("move", [lambda m: m.cuda(), lambda m: m.to("cuda"), lambda m: m.to(torch.device("cuda:0"))],
@@ -132,7 +139,7 @@ def test_cpu_and_back_keeps_the_state():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_then_cast_equals_cast_then_convert(dtype):
     model = make().cuda().to(dtype)
-    twin = make(device="cuda", dtype=dtype)
+    twin = cuda_twin(dtype)
     assert {m.fp8_scale.dtype for m in fp8_modules(model)} == {torch.float32}
     assert same(train(model, 3, 1, dtype=dtype, device="cuda"), train(twin, 3, 1, dtype=dtype, device="cuda"))
     assert same(snapshot(model), snapshot(twin))
@@ -169,10 +176,16 @@ def test_a_cuda_model_and_a_cpu_model_in_one_process():
     assert same(snapshot(gpu), snapshot(gpu_alone)) and same(snapshot(cpu), snapshot(cpu_alone))
 
 
-def test_cuda_without_cupy_is_a_clear_error(monkeypatch):
-    import fp8core.torch.linear as linear
+@pytest.mark.parametrize("recipe", [RECIPE, fp8core.MXFP8BlockScaling()], ids=["delayed", "mxfp8"])
+def test_cuda_without_cupy_is_a_clear_error_eager_and_compiled(monkeypatch, recipe):
+    import sys
 
-    monkeypatch.setattr(linear, "_have_cupy", lambda: False)
-    lin = Float8Linear(32, 32, device="cuda")
-    with autocast(), pytest.raises(RuntimeError, match="CuPy"):
-        lin(torch.randn(4, 32, device="cuda"))
+    from fp8core import _tensor
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError, as without fp8core[cuda13]
+    monkeypatch.setattr(_tensor, "_cupy", None)
+    lin = Float8Linear(32, 32, device="cuda", recipe=recipe)
+    x = torch.randn(4, 32, device="cuda")
+    for run in (lin, torch.compile(lin, fullgraph=True)):  # compiled: the op raises it when the graph runs
+        with autocast(), pytest.raises(RuntimeError, match="a CUDA array needs CuPy for fp8core's kernels.*cuda13"):
+            run(x)

@@ -41,6 +41,15 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def cpu_mesh():
+    """The ranks' CPU mesh, for every fully_shard here: without one FSDP2 takes the accelerator's, so on a machine
+    with a GPU it moves the model to CUDA and runs the gloo group's collectives on CUDA tensors, where the ranks
+    die with SIGSEGV (pytorch/pytorch#132471)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (WORLD,))
+
+
 def _rank_main(rank, port, out_dir, wrapper):
     import torch.distributed as dist
 
@@ -68,9 +77,10 @@ def _rank_main(rank, port, out_dir, wrapper):
         else:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(model[0])
-            fully_shard(model[2])
-            wrapped = fully_shard(model)
+            mesh = cpu_mesh()
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model[2], mesh=mesh)
+            wrapped = fully_shard(model, mesh=mesh)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
         outs = []
         for step in range(STEPS):
@@ -146,22 +156,26 @@ def _fp8_all_gather_main(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     sent = []
-    gather = dist.all_gather_single
+    # FSDP2 all-gathers through all_gather_single from torch 2.13 (all_gather_into_tensor then calls it), through
+    # all_gather_into_tensor before
+    collective = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    gather = getattr(dist, collective)
 
     def counting(output, input, *args, **kwargs):  # the bytes this rank puts on the wire
         sent.append(input.numel() * input.element_size())
         return gather(output, input, *args, **kwargs)
 
-    dist.all_gather_single = counting
+    setattr(dist, collective, counting)
+    mesh = cpu_mesh()
     results = {}
     for name, recipe in RECIPES.items():
         for fp8_gather in (False, True):
             model = make(recipe).bfloat16()
             if fp8_gather:
                 enable_fsdp_float8_all_gather(model)
-            fully_shard(model[0])
-            fully_shard(model[2])
-            fully_shard(model)
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model[2], mesh=mesh)
+            fully_shard(model, mesh=mesh)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             sent.clear()
             outs, grads = [], []
@@ -213,7 +227,9 @@ def _shard(model, fp8_gather, policy=None):
 
     if fp8_gather:
         enable_fsdp_float8_all_gather(model)
-    kw = {} if policy is None else {"mp_policy": policy}
+    kw = {"mesh": cpu_mesh()}
+    if policy is not None:
+        kw["mp_policy"] = policy
     fully_shard(model[0], **kw)
     fully_shard(model[2], **kw)
     return fully_shard(model, **kw)

@@ -144,6 +144,46 @@ def test_compiled_mlp_forward_and_backward_match_eager_bits(recipe):
                 assert torch.equal(bits(a.fp8_scale), bits(b.fp8_scale))
 
 
+def _names(code):
+    """Every global and attribute name a code object and the code nested in it use."""
+    nested = (c for c in code.co_consts if hasattr(c, "co_names"))
+    return set(code.co_names).union(*(_names(c) for c in nested))
+
+
+def test_what_compile_traces_of_a_layer_is_the_same_python_on_every_device():
+    """torch.compile traces Float8Linear's forward and backward, and the tests here compile them on the CPU only:
+    a branch on the device in that Python would be traced first on a GPU. One was (a CuPy lookup with
+    importlib.util.find_spec, which torch 2.11's dynamo refuses: CUDA's fullgraph compile failed). The device's
+    needs are met inside the ops, which are not traced."""
+    from fp8core.torch import block_linear, linear, te
+
+    traced = [linear.Float8Linear.forward, te.Linear.forward, linear._Float8Matmul.forward,
+              linear._Float8Matmul.backward, linear._cast, linear._weight_cast, linear._padded,
+              block_linear.BlockMatmul.forward, block_linear.BlockMatmul.backward, block_linear._quantize_both,
+              block_linear._padded]
+    for fn in traced:
+        assert not _names(fn.__code__) & {"is_cuda", "importlib", "find_spec", "import_module", "__import__"}, \
+            fn.__qualname__
+
+
+def test_a_cuda_tensor_without_cupy_is_refused_by_name_inside_the_ops(monkeypatch):
+    """What Float8Linear's forward does not check (above): the core refuses it where the first op reads the tensor,
+    eager or compiled alike. A fake CUDA tensor (no GPU here) reaches that boundary as a real one does."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp8core import _tensor
+
+    with FakeTensorMode():
+        x = torch.empty(16, 32, device="cuda")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError, as without fp8core[cuda13]
+    monkeypatch.setattr(_tensor, "_cupy", None)
+    for call in (lambda: fp8core.amax(x), lambda: fp8core.quantize(x, 2.0, "e4m3")):
+        with pytest.raises(RuntimeError, match=r"^x: a CUDA array needs CuPy for fp8core's kernels.*fp8core\[cuda13\]"):
+            call()
+
+
 def test_convert_to_float8_skips_what_the_gemm_cannot_take_and_honours_the_filter():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 10), torch.nn.Linear(10, 32),
                                 torch.nn.Linear(32, 32))

@@ -13,8 +13,6 @@ follow the same autocast rule; their GEMMs, and the transposes they need, are in
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import numbers
 import warnings
 import weakref
@@ -24,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
-from fp8core.extras import install_hint
 from fp8core.gemm import MULTIPLE
 from fp8core.scaling import check_state_values
 
@@ -105,11 +102,6 @@ def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 _KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@functools.lru_cache(maxsize=None)
-def _have_cupy() -> bool:
-    return importlib.util.find_spec("cupy") is not None
 
 
 class Float8Linear(torch.nn.Linear):
@@ -221,9 +213,8 @@ class Float8Linear(torch.nn.Linear):
         if self.weight.is_meta or x.is_meta:
             raise RuntimeError("Float8Linear: the module is on the meta device; materialise it first "
                                "(module.to_empty(device=...), then initialise or load_state_dict)")
-        if x.is_cuda and not _have_cupy():
-            raise RuntimeError("Float8Linear: CUDA tensors need CuPy for fp8core's kernels "
-                               f"({install_hint('cuda13', 'cuda12')}, to match the driver)")
+        # No check for CuPy here: torch.compile traces this Python, and a package lookup is not traceable on every
+        # torch (2.11 refuses importlib's find_spec). The first op refuses a CUDA tensor without CuPy, by name.
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         if isinstance(self.recipe, BLOCK_RECIPES):

@@ -241,3 +241,16 @@ def test_mxfp8_gemm_is_refused_before_blackwell(monkeypatch, cc):
     monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
     with pytest.raises(ValueError, match="an MXFP8 GEMM needs a GPU of compute capability 10.0"):
         cublaslt._block_scales(spec(a="e4m3", b="e4m3", a_block="1x32", b_block="1x32"), 0, None, None, None, 0)
+
+
+def test_scales_off_a_16_byte_boundary_are_staged_in_the_scratch():
+    """torch.compile passed a view of a state's second scale_inv (4 bytes past a boundary), which cuBLASLt refused
+    on an H200: such a per-tensor scale is copied into its own 16-byte slot of the scratch first."""
+    scratch = 0x10000
+    pointers = (0x2000, 0x2004, 0x3002, 0x4008, 0x5000)  # a_scale_inv, b_scale_inv, bias, out_scale, amax
+    staged, copies = cublaslt.staged_scales(pointers, scratch)
+    assert staged == (0x2000, scratch + 32, 0x3002, scratch + 48, 0x5000)  # bias is refused by name before this
+    assert copies == [(0x2004, scratch + 32), (0x4008, scratch + 48)]
+    assert cublaslt.staged_scales((0x2000, 0x2010, 0, 0, 0), scratch) == ((0x2000, 0x2010, 0, 0, 0), [])
+    with pytest.raises(ValueError, match="a_scale_inv: cuBLASLt needs a 16-byte aligned scale"):
+        cublaslt.staged_scales((0x2004, 0x2010, 0, 0, 0), 0)

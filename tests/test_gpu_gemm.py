@@ -259,6 +259,24 @@ def test_bias_at_an_odd_address_is_refused_by_name(rng):
     check(to_f64(d), ref, *gemm_tolerance(ac, "e4m3", bc, "e4m3", 1.0, "float32", tensor_core=True))
 
 
+def test_scales_off_a_16_byte_boundary(rng):
+    """torch.compile passes views of a state's scale_inv at any offset; cuBLASLt refused one 4 bytes past a 16-byte
+    boundary (H200), so fp8core stages such scales in its scratch (cublaslt.staged_scales)."""
+    m, n, k = 64, 32, 128
+    ac, bc = fp8_codes(rng, (m, k), "e4m3"), fp8_codes(rng, (n, k), "e4m3")
+    a, b = cuda_fp8(ac, "e4m3"), cuda_fp8(bc, "e4m3")
+    store = torch.tensor([0.5, 0.25, 2.0, 4.0], device="cuda")
+    d = fp8core.gemm(a, b, store[1:2], store[2:3], out_dtype="float32")
+    ref = gemm_reference(ac, "e4m3", bc, "e4m3", 0.25, 2.0)
+    check(to_f64(d), ref, *gemm_tolerance(ac, "e4m3", bc, "e4m3", 0.5, "float32", tensor_core=True))
+    amax = torch.zeros(1, device="cuda")
+    d8 = fp8core.gemm(a, b, store[1:2], store[2:3], out_dtype="e4m3", out_scale=store[3:4], out_amax=amax)
+    aligned = fp8core.gemm(a, b, store[1:2].clone(), store[2:3].clone(), out_dtype="e4m3",
+                           out_scale=store[3:4].clone())
+    assert torch.equal(d8.view(torch.uint8), aligned.view(torch.uint8))
+    assert abs(amax.item() - np.abs(ref).max()) <= 2.0 ** -9 * np.abs(ref).max() * 4
+
+
 def test_cuda_graph_capture_of_a_threads_first_gemm(rng):
     """A fresh thread has no cuBLASLt handle, no plan and (on the capture stream) no workspace: all three are made
     inside torch.cuda.graph's capture (global mode, where a cudaMalloc would fail the capture). cublasLtCreate

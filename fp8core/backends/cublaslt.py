@@ -55,7 +55,12 @@ _OP_N, _OP_T = 0, 1
 _WORKSPACE_SM90 = 32 << 20  # Hopper and newer pick faster split-K/stream-K kernels with room to spare
 _WORKSPACE_OLDER = 4 << 20
 MIN_COMPUTE_CAPABILITY = 89
-_SCRATCH = 256  # bytes at the workspace's end, kept from cuBLASLt for the amax word
+_SCRATCH = 256  # bytes at the workspace's end, kept from cuBLASLt for the amax word and the staged scales
+# cuBLASLt answered CUBLAS_STATUS_NOT_SUPPORTED for a scale pointer 4 bytes past a 16-byte boundary (H200, cuBLAS
+# 13.1: torch.compile passed a view of a state's second scale_inv). Such a scale is copied, on the caller's stream,
+# into a 16-byte slot of the scratch: slot 0 holds the amax word, slots 1-3 a_scale_inv, b_scale_inv, out_scale.
+_SLOT = 16
+_MEMCPY_DEVICE_TO_DEVICE = 3
 
 _PLANS_PER_THREAD = 64      # LRU bound of the plan cache
 _WORKSPACES_PER_DEVICE = 8  # 256 MiB at most on Hopper and newer
@@ -300,6 +305,21 @@ def _remember(lt: Any, plans: OrderedDict, key: Any, plan: _Plan) -> _Plan:
     return plan
 
 
+def staged_scales(pointers: tuple[int, ...], scratch: int) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """(pointers, copies): ``pointers`` (a_scale_inv, b_scale_inv, bias, out_scale, amax) with each per-tensor scale
+    not 16-byte aligned replaced by its slot in the scratch at ``scratch`` (0: none, as in a CuPy capture, which
+    then refuses it), and the 4-byte (source, slot) copies that must run first."""
+    staged, copies = list(pointers), []
+    for i, slot, arg in ((0, 1, "a_scale_inv"), (1, 2, "b_scale_inv"), (3, 3, "out_scale")):
+        if pointers[i] % _SLOT:
+            if not scratch:
+                raise ValueError(f"{arg}: cuBLASLt needs a 16-byte aligned scale, and inside a CuPy capture fp8core "
+                                 "has no scratch to copy it to; pass a fresh 1-element array")
+            staged[i] = scratch + slot * _SLOT
+            copies.append((pointers[i], staged[i]))
+    return tuple(staged), copies
+
+
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
          out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: int) -> Any:
     """stream: the raw handle of the caller's stream."""
@@ -336,6 +356,9 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     align = _alignment([ptr(a.data), ptr(b.data), ptr(d)])
     pointers = (ptr(a_scale_inv), ptr(b_scale_inv), ptr(bias.data) if bias is not None else 0, ptr(out_scale),
                 ptr(scratch))
+    copies = []
+    if spec.a_block is None:  # block scales are cuBLASLt-laid-out arrays of their own
+        pointers, copies = staged_scales(pointers, 0 if ws is None else ws.data.ptr + ws.nbytes - _SCRATCH)
     handle = _handle(device_id)
     plans = _plans()
     key = (device_id, spec, align, out_amax is not None, ws_bytes)
@@ -348,6 +371,8 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     c_ptr = 0 if plan.fp8_out else ptr(d)
 
     def run() -> None:
+        for src, dst in copies:
+            _runtime().memcpyAsync(dst, src, 4, _MEMCPY_DEVICE_TO_DEVICE, stream)
         lt.matmul(handle, plan.desc, _ONE.ctypes.data, ptr(b.data), plan.layouts[0], ptr(a.data), plan.layouts[1],
                   _ZERO.ctypes.data, c_ptr, plan.layouts[2], ptr(d), plan.layouts[3], plan.algo.ptr, ptr(ws),
                   ws_bytes, stream)

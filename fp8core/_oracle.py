@@ -62,13 +62,14 @@ def quantize_bits(x_f32: np.ndarray, scale: float, fmt: str) -> np.ndarray:
 
 # fp32 accumulation errs by at most about one fp32 rounding per addition.
 FP32_ACCUM_EPS = 2.0 ** -23
-# Hopper's fast fp8 accumulation keeps fewer bits between promotions to fp32.
-FAST_ACCUM_EPS = 2.0 ** -12
 # Hopper's FP8 tensor cores add each MMA's products with a significand of about 14 bits (DeepSeek-V3, section
-# 3.3.2: "around 14 bits"); cuBLASLt adds those partial sums into fp32 every few MMAs. So a GPU result is off the
-# exact sum by a fraction of sum_k |a||b| that does not shrink with K: bench/bench_gemm_accuracy.py measures it
-# (bench/results/gpu-2026-11-26-h200/), and this bound, for the whole sum, keeps a margin above the worst seen.
-TENSOR_CORE_EPS = 2.0 ** -9
+# 3.3.2: "around 14 bits"); cuBLASLt adds those partial sums into fp32 every few MMAs, or, with fast accumulation,
+# only at the end. So a GPU result is off the exact sum by a fraction of sum_k |a||b| that does not grow with K.
+# bench/bench_gemm_accuracy.py on an H200 (bench/results/gpu-2026-11-26-h200/recheck): worst 2^-10.3 (K = 64) and
+# 2^-9.8 with fast accumulation (K = 1024), over K = 16..16384 and the 1x128/128x128 block GEMMs. These bounds,
+# for the whole sum, keep a margin of about 5x and still see a wrong scale or layout (|D| ~ sum|a||b| / sqrt(K)).
+TENSOR_CORE_EPS = 2.0 ** -8
+TENSOR_CORE_FAST_EPS = 2.0 ** -7
 
 # Output rounding: one ulp relative (2^-mantissa bits) and the format's smallest step near zero.
 OUT_ROUNDING = {"float32": (2.0 ** -23, 2.0 ** -149), "bfloat16": (2.0 ** -7, 2.0 ** -133),
@@ -100,22 +101,24 @@ def block_operand64(t: tuple) -> np.ndarray:
     return v * np.repeat(f, 128, 1)[:, :cols]
 
 
-def accumulation_tolerance(absprod: np.ndarray, k: int, out_dtype: str, accumulation_eps: float = FP32_ACCUM_EPS,
-                           tensor_core: bool = False) -> tuple[np.ndarray, float]:
-    """(atol per element, rtol) of a GEMM whose exact sum_k |a||b| is ``absprod`` (in the output's domain): K
-    additions each off by ``accumulation_eps`` of it, on a GPU's tensor cores ``TENSOR_CORE_EPS`` of it besides,
-    plus one ulp of the output format."""
+def accumulation_tolerance(absprod: np.ndarray, k: int, out_dtype: str, *, tensor_core: bool = False,
+                           fast_accum: bool = False) -> tuple[np.ndarray, float]:
+    """(atol per element, rtol) of a GEMM whose exact sum_k |a||b| is ``absprod`` (in the output's domain): K fp32
+    additions, on a GPU's tensor cores (``tensor_core``) ``TENSOR_CORE_EPS`` of it besides (``fast_accum``:
+    ``TENSOR_CORE_FAST_EPS``), plus one ulp of the output format."""
     rtol, step = OUT_ROUNDING[out_dtype]
-    return (k * accumulation_eps + (TENSOR_CORE_EPS if tensor_core else 0.0)) * absprod + step, rtol
+    whole = (TENSOR_CORE_FAST_EPS if fast_accum else TENSOR_CORE_EPS) if tensor_core else 0.0
+    return (k * FP32_ACCUM_EPS + whole) * absprod + step, rtol
 
 
 def gemm_tolerance(a_codes: np.ndarray, a_fmt: str, b_codes: np.ndarray, b_fmt: str, scale: float,
-                   out_dtype: str, out_scale: float = 1.0, accumulation_eps: float = FP32_ACCUM_EPS,
-                   tensor_core: bool = False) -> tuple[np.ndarray, float]:
+                   out_dtype: str, out_scale: float = 1.0, *, tensor_core: bool = False, fast_accum: bool = False
+                   ) -> tuple[np.ndarray, float]:
     """:func:`accumulation_tolerance` of the per-tensor-scaled GEMM of these codes, in the output's domain (D times
     out_scale); ``tensor_core`` for a result of the GPU's cuBLASLt."""
     absprod = np.abs(decode(a_fmt)[a_codes]) @ np.abs(decode(b_fmt)[b_codes]).T * abs(scale * out_scale)
-    return accumulation_tolerance(absprod, a_codes.shape[1], out_dtype, accumulation_eps, tensor_core)
+    return accumulation_tolerance(absprod, a_codes.shape[1], out_dtype, tensor_core=tensor_core,
+                                  fast_accum=fast_accum)
 
 
 # ---- the scale rule and the batched update, one element at a time ------------------------------------------

@@ -148,7 +148,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     Block-scaled operands (:mod:`fp8core.blocks`) carry their scales, so a_scale_inv and b_scale_inv stay
     None: rowwise ``MXTensor`` x ``MXTensor`` (1x32 E8M0 blocks along K, K a multiple of 32; cuBLASLt on
     sm_100+), or ``BlockScaledTensor`` x ``BlockScaledTensor`` with 1x128 and/or 128x128 fp32 blocks (not both
-    128x128; K a multiple of 128; cuBLASLt >= 12.9 on sm_90 only; no use_fast_accum). Their output is float32,
+    128x128; K a multiple of 128, M of 8; cuBLASLt >= 12.9 on sm_90 only; no use_fast_accum). Their output is float32,
     bfloat16 or float16.
     """
     fast_accum = args.flag(use_fast_accum, "use_fast_accum")

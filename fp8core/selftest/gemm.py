@@ -61,9 +61,8 @@ def _gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None
                                                                 out_scale or 1.0)
                 r.close(f"{label}: emulation vs float64", want, emu64, exact_atol, exact_rtol)
                 for fast in fast_modes:
-                    eps = _oracle.FAST_ACCUM_EPS if fast else _oracle.FP32_ACCUM_EPS
                     atol, rtol = _oracle.gemm_tolerance(ac, fa.value, bc, fb.value, sa * sb, out, out_scale or 1.0,
-                                                        accumulation_eps=eps, tensor_core=isinstance(t, CudaTarget))
+                                                        tensor_core=isinstance(t, CudaTarget), fast_accum=fast)
                     label_fast = label + (" fast accum" if fast else "")
                     amax_d = t.put(f32([0.0])) if fp8_out else None
                     bias_d = t.put(bias) if bias is not None else None

@@ -41,7 +41,7 @@ def cuda(a: np.ndarray) -> torch.Tensor:
 def measure(label: str, d: torch.Tensor, exact: np.ndarray, absprod: np.ndarray, k: int, fast: bool) -> dict:
     err = np.abs(d.float().cpu().numpy().astype(np.float64) - exact) / np.maximum(absprod, 1e-300)
     worst, p99 = float(err.max()), float(np.quantile(err, 0.99))
-    bound = k * _oracle.FP32_ACCUM_EPS + (_oracle.TENSOR_CORE_FAST_EPS if fast else _oracle.TENSOR_CORE_EPS)
+    bound = float(_oracle.accumulation_tolerance(np.ones(1), k, "float32", tensor_core=True, fast_accum=fast)[0][0])
     row = {"case": label, "k": k, "fast_accum": fast, "worst": worst, "p99": p99, "bound": bound,
            "worst_log2": math.log2(worst) if worst else None, "margin": bound / worst if worst else None}
     print(f"{label:<34} K={k:<6} worst {worst:.3g} (2^{row['worst_log2'] or 0:.1f}) p99 {p99:.3g}  bound {bound:.3g} "

@@ -67,7 +67,8 @@ FP32_ACCUM_EPS = 2.0 ** -23
 # only at the end. So a GPU result is off the exact sum by a fraction of sum_k |a||b| that does not grow with K.
 # bench/bench_gemm_accuracy.py on an H200 (bench/results/gpu-2026-11-26-h200/recheck): worst 2^-10.3 (K = 64) and
 # 2^-9.8 with fast accumulation (K = 1024), over K = 16..16384 and the 1x128/128x128 block GEMMs. These bounds,
-# for the whole sum, keep a margin of about 5x and still see a wrong scale or layout (|D| ~ sum|a||b| / sqrt(K)).
+# for the whole sum, keep a margin of about 5x and still see a wrong scale or layout where |D| ~ sum|a||b| / sqrt(K)
+# is well above them (K up to about 2^12; 2^14 with fast accumulation).
 TENSOR_CORE_EPS = 2.0 ** -8
 TENSOR_CORE_FAST_EPS = 2.0 ** -7
 

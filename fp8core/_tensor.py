@@ -205,11 +205,16 @@ def _cupy_for(arg: str) -> Any:
                            f"{install_hint('cuda13', 'cuda12')}, whichever matches the CUDA driver") from e
 
 
-def _from_cupy(arr: Any, arg: str) -> Tensor:
+def _cupy_dtype_name(arr: Any, arg: str) -> str:
+    """The logical dtype of a CuPy array (or one made from __cuda_array_interface__). CuPy has no bfloat16: its bf16
+    is uint16 storage, as fp8core's own bf16 results for CuPy are (float16 is CuPy's own, and no argument of fp8core
+    is 16-bit integer data). fp8's uint8 names no format: fmt= does."""
     name = _numpy_dtype_name(arr.dtype, arg)
-    # CuPy has no bfloat16: its bf16 is uint16 storage, as fp8core's own bf16 results for CuPy are (float16 is
-    # CuPy's own, and no argument of fp8core is 16-bit integer data). fp8's uint8 names no format: fmt= does.
-    return Tensor(arr, "bfloat16" if name == "uint16" else name, ("cuda", arr.data.device_id), "cupy")
+    return "bfloat16" if name == "uint16" else name
+
+
+def _from_cupy(arr: Any, arg: str) -> Tensor:
+    return Tensor(arr, _cupy_dtype_name(arr, arg), ("cuda", arr.data.device_id), "cupy")
 
 
 # jax sharding -> (whether it places a whole array on one CPU device (then the array is one host buffer), the
@@ -307,8 +312,8 @@ def _numpy_from_view(view: DLView, arg: str = "x") -> np.ndarray:
     return arr.view(logical) if storage != logical else arr
 
 
-def _cupy_from_view(view: DLView) -> Any:
-    cupy = _cupy_module()
+def _cupy_from_view(view: DLView, arg: str) -> Any:
+    cupy = _cupy_for(arg)
     storage = storage_dtype(view.dtype)
     if 0 in view.shape:
         with cupy.cuda.Device(view.device_id):
@@ -355,7 +360,7 @@ def _from_dlpack(obj: Any, arg: str, consumer: bool = True) -> Tensor:
     if view.device_type in (CPU, CUDA_HOST):
         return Tensor(_numpy_from_view(view, arg), view.dtype, _CPU, origin, readonly)
     if view.device_type in (CUDA, CUDA_MANAGED):
-        return Tensor(_cupy_from_view(view), view.dtype, ("cuda", view.device_id), origin, readonly)
+        return Tensor(_cupy_from_view(view, arg), view.dtype, ("cuda", view.device_id), origin, readonly)
     raise ValueError(f"{arg}: DLPack device type {view.device_type} is neither CPU nor CUDA")
 
 
@@ -363,7 +368,7 @@ def _generic(obj: Any, arg: str) -> Tensor:
     if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
         cupy = _cupy_for(arg)
         arr = cupy.asarray(obj)
-        return Tensor(arr, _numpy_dtype_name(arr.dtype, arg), ("cuda", arr.data.device_id), _origin(obj))
+        return Tensor(arr, _cupy_dtype_name(arr, arg), ("cuda", arr.data.device_id), _origin(obj))
     if hasattr(obj, "__dlpack__"):
         return _from_dlpack(obj, arg)
     if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):

@@ -258,8 +258,9 @@ def gemm_blocks(mx: bool, m: int, n: int, k: int, a_scale_shape: tuple[int, ...]
     # cuBLASLt 13.1 on an H200 found no algorithm for M = 1 and M = 130 (run of 2026-11-26) and ran M = 8, 20, 136;
     # Transformer Engine asks a multiple of 8 too ("Caller must pad"). N is a multiple of 16 for every FP8 GEMM.
     if m % 8:
-        raise ValueError(f"a: M = {m}; a 1x128/128x128 block GEMM needs M to be a multiple of 8 (cuBLASLt's limit, "
-                         "on both backends): pad a's rows with zeros")
+        raise ValueError(f"a: M = {m}; a 1x128/128x128 block GEMM needs M to be a multiple of 8 (as Transformer "
+                         "Engine asks; cuBLASLt found no algorithm for M = 1 or 130), on both backends: pad a's rows "
+                         "with zeros")
     return ka, kb
 
 

@@ -129,11 +129,11 @@ def eight_threads_each_holding_a_chunk(monkeypatch):
     take = np.take
 
     def take_together(*args, **kwargs):
-        if kwargs.get("out") is not None and not meet.broken:
+        if kwargs.get("out") is not None:
             try:
                 meet.wait()
-            except threading.BrokenBarrierError:  # the last round has fewer chunks than threads
-                pass
+            except threading.BrokenBarrierError:  # the last round had fewer chunks than threads: the next cast's
+                meet.reset()                      # rounds meet again
         return take(*args, **kwargs)
 
     monkeypatch.setattr(np, "take", take_together)

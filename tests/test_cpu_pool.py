@@ -221,7 +221,7 @@ def _gemm_cases(rng):
     x = (rng.standard_normal((37, 256)) * 2.0 ** rng.uniform(-6, 6, (37, 256))).astype(np.float32)
     w = (rng.standard_normal((80, 256)) * 2.0 ** rng.uniform(-6, 6, (80, 1))).astype(np.float32)
     blocked = {"mx": (quantize_mxfp8(x), quantize_mxfp8(w))}
-    for a_block, b_block in [("1x128", "128x128"), ("128x128", "1x128")]:  # M a multiple of 8 (cuBLASLt's)
+    for a_block, b_block in [("1x128", "128x128"), ("128x128", "1x128")]:  # M a multiple of 8 (blocks.gemm_blocks)
         blocked[f"{a_block},{b_block}"] = (quantize_blockwise(x[:32], block=a_block, power_of_2=False),
                                            quantize_blockwise(w, block=b_block, power_of_2=False))
     for scheme, (a, b) in blocked.items():

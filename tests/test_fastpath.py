@@ -19,11 +19,11 @@ from producers import DLPackOnly
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
+from jax_places import JAX_CPU  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The host readers are the ones under test (torch's tensors here are CPU tensors too): JAX arrays are placed on
 # the CPU device, which is not JAX's default on a machine with a GPU.
-JAX_CPU = jax.devices("cpu")[0]
 
 
 def _own(a):

@@ -18,7 +18,7 @@ jnp = jax.numpy
 
 import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
-from conftest import GPU_REASON  # noqa: E402
+from jax_places import JAX_CPU, jax_gpu  # noqa: E402
 from flax.core import FrozenDict  # noqa: E402
 from flax.linen import fp8_ops  # noqa: E402
 
@@ -66,7 +66,6 @@ def _step(model, variables, x):
 # flax's steps are compared with fp8core's bit for bit where XLA divides as IEEE does: on the CPU. XLA:GPU lowers
 # float32 division to PTX's div.full (within 2 ulp), and flax computes its scale as 1 / (fp8_max / amax): the H200
 # run found it 1 ulp from the contract's (NumPy's, fp8core's). So training runs on the CPU device unless told.
-JAX_CPU = jax.devices("cpu")[0]
 
 
 def train(dot, steps, variables=None, first=0, device=JAX_CPU):
@@ -77,17 +76,6 @@ def train(dot, steps, variables=None, first=0, device=JAX_CPU):
         for x in XS[first:first + steps]:
             variables = _step(model, variables, jnp.asarray(x))
     return variables
-
-
-def _jax_gpu():
-    """JAX's first GPU, or a skip that says why there is none."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if GPU_REASON is not None or not gpus:
-        pytest.skip(f"GPU test: {GPU_REASON or 'JAX sees no GPU'}")
-    return gpus[0]
 
 
 def bits(tree):
@@ -144,7 +132,7 @@ def test_flax_checkpoint_continues_with_fp8core_as_the_contract_and_as_flax(flax
 
 
 def test_on_a_gpu_fp8core_continues_a_flax_checkpoint_as_the_contract(flax_k):
-    gpu = _jax_gpu()
+    gpu = jax_gpu()
     converted = fj.from_flax_fp8_state(flax_k)
     ours = train(FP8CORE, 1, converted, first=K_STEPS, device=gpu)
     assert all(v.devices() == {gpu} for v in jax.tree.leaves(ours[OWG]))

@@ -15,19 +15,12 @@ jnp = jax.numpy
 
 import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
+from jax_places import on_the_cpu  # noqa: E402,F401  (a fixture)
 from flax.linen import fp8_ops  # noqa: E402
 
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 DELAYED = fp8core.DelayedScaling(amax_history_len=4)
 CURRENT = fp8core.Float8CurrentScaling()
-
-
-@pytest.fixture
-def on_the_cpu():
-    """JAX's default device the CPU for the test: the NumPy definition's GEMM bits are the CPU backend's; a GPU's
-    GEMM sums in its own order (NUMERICS.md), compared with tolerances in tests/test_gpu_gemm.py."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
 
 
 def bits(v):

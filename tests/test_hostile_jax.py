@@ -14,7 +14,7 @@ jnp = jax.numpy
 
 import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
-from conftest import GPU_REASON  # noqa: E402
+from jax_places import JAX_CPU, jax_gpu  # noqa: E402
 from fp8core import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
 from fp8core.blocks import BlockScaledTensor, MXTensor  # noqa: E402
 
@@ -241,15 +241,7 @@ def _host(a):
 
 def _update_device(where):
     """(the JAX device, ScalingState's device) for "cpu", or for JAX's first GPU where there is one."""
-    if where == "cpu":
-        return jax.devices("cpu")[0], "cpu"
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if GPU_REASON is not None or not gpus:
-        pytest.skip(f"GPU test: {GPU_REASON or 'JAX sees no GPU'}")
-    return gpus[0], "cuda:0"
+    return (JAX_CPU, "cpu") if where == "cpu" else (jax_gpu(), "cuda:0")
 
 
 # The callables run on the state's NumPy or CuPy arrays (fj.update's docstring): CuPy's arithmetic flushes

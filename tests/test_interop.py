@@ -140,7 +140,7 @@ class _FakeCudaScale:
 def test_bad_inputs(case, call, exc, message, monkeypatch):
     import fp8core._tensor as tensor_mod
 
-    monkeypatch.setattr(tensor_mod, "_cupy_from_view", lambda view: _FakeCupy(view))
+    monkeypatch.setattr(tensor_mod, "_cupy_from_view", lambda view, arg: _FakeCupy(view))
     with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
         call()
 

@@ -21,6 +21,7 @@ jnp = jax.numpy
 
 import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
+from jax_places import on_the_cpu  # noqa: E402,F401  (a fixture)
 from flax.linen import fp8_ops  # noqa: E402
 from jax import lax  # noqa: E402
 
@@ -38,14 +39,6 @@ CASES = {
     "two_contracting_aligned": ((4, 16, 2, 16), (4, 2, 16, 32), (((2, 3), (1, 2)), ((0,), (0,)))),
     "outer_product": ((3, 9), (3, 11), (((), ()), ((0,), (0,)))),                  # "bi,bj->bij": K = 1
 }
-
-
-@pytest.fixture
-def on_the_cpu():
-    """JAX's default device the CPU for the test: the NumPy definition's GEMM bits are the CPU backend's; a GPU's
-    GEMM sums in its own order (NUMERICS.md), compared with tolerances in tests/test_gpu_gemm.py."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
 
 
 def bits(v: Any) -> np.ndarray:

@@ -23,6 +23,7 @@ import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
 from fp8core import _tensor  # noqa: E402
 from fp8core._dlpack import CPU, Exporter  # noqa: E402
+from jax_places import jax_gpus  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 
@@ -77,13 +78,6 @@ def test_an_uncommitted_input_takes_the_one_shared_identity():
 
 # ---- the second GPU ---------------------------------------------------------------------------------------
 
-def _jax_gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
 def _gpu_cases(x, s):
     return {
         "amax": lambda: fp8core.amax(x),
@@ -101,7 +95,7 @@ def _gpu_cases(x, s):
 
 @requires_gpu
 def test_second_gpu_results_on_that_gpu_same_bits_as_the_first_and_the_cpu():
-    gpus = _jax_gpus()
+    gpus = jax_gpus()
     if len(gpus) < 2:
         pytest.skip(f"needs 2 GPUs visible to JAX, found {len(gpus)}")
     v = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)[::16].copy()  # 4096 codes
@@ -121,7 +115,7 @@ def test_second_gpu_results_on_that_gpu_same_bits_as_the_first_and_the_cpu():
 
 @requires_gpu
 def test_second_gpu_scale_on_the_first_refused_by_name():
-    gpus = _jax_gpus()
+    gpus = jax_gpus()
     if len(gpus) < 2:
         pytest.skip(f"needs 2 GPUs visible to JAX, found {len(gpus)}")
     x = jax.device_put(jnp.ones(64, jnp.bfloat16), gpus[1])

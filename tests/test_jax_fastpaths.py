@@ -22,12 +22,12 @@ import fp8core  # noqa: E402
 import fp8core.jax as fj  # noqa: E402
 from fp8core import _tensor  # noqa: E402
 from fp8core._dlpack import CPU, Exporter  # noqa: E402
+from jax_places import JAX_CPU  # noqa: E402
 from producers import DLPackOnly  # noqa: E402
 
 
 # The CPU fast paths are the subject here: their arrays are made on the CPU device, which is not JAX's default
 # on a machine with a GPU (there a jax.Array is read through DLPack, as tests/test_gpu*.py do).
-JAX_CPU = jax.devices("cpu")[0]
 
 
 def _named(x):

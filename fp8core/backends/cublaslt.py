@@ -14,7 +14,7 @@ Handles, as torch keeps them: a thread takes one per device from the device's po
 gives it back when the thread ends (its thread-local lease is collected), so a thread pool's turnover reuses
 handles instead of creating one per thread that ever ran a GEMM.
 
-Workspaces (with the AMAX_D scratch word in their last bytes) follow one rule: **a workspace is never used by two
+Workspaces (with a scratch in their last bytes: the AMAX_D word and the staged scales) follow one rule: **a workspace is never used by two
 GEMMs that can run at once, and there are at most** ``_WORKSPACES_PER_DEVICE`` **per device.**
 - Outside a capture, each stream has its own (the per-thread default stream, one handle for every thread, has one
   per thread), so GEMMs on different streams run concurrently. A stream with none when the device has its bound
@@ -28,7 +28,8 @@ GEMMs that can run at once, and there are at most** ``_WORKSPACES_PER_DEVICE`` *
   its own from torch's allocator, which keeps it in the graph's private pool as long as the graph (a block freed
   during the capture serves the capture's later GEMMs, in stream order). Under CuPy's capture a temporary would be
   freed while the graph still reads it (see cuda_call.capture_outlives), so the GEMM runs with no workspace (cuBLASLt
-  then picks an algorithm that needs none) and an ``out_amax``, which needs the scratch word, is refused by name.
+  then picks an algorithm that needs none) and an ``out_amax`` or a scale off a 16-byte boundary, which need the
+scratch, are refused by name.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ _workspaces: dict[int, OrderedDict] = {}  # device -> stream key -> _Workspace, 
 
 def _workspace(device_id: int, stream: int, t: Tensor) -> _Workspace:
     """The workspace of ``stream`` on device_id outside a capture (module docstring); its last _SCRATCH bytes are
-    kept for the AMAX_D word. Allocated by the caller's allocator, at most _WORKSPACES_PER_DEVICE per device."""
+    kept for the AMAX_D word and the staged scales. Allocated by the caller's allocator, at most
+    _WORKSPACES_PER_DEVICE per device."""
     key = (stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0)
     with _lock:
         table = _workspaces.setdefault(device_id, OrderedDict())
@@ -270,15 +272,12 @@ def _configure(lt: Any, spec: Any, handle: int, workspace_bytes: int, align: int
 
 
 def _no_algorithm(spec: Any, cause: Any) -> str:
-    """What the heuristic was asked for, and the one limit of cuBLASLt's block GEMM fp8core does not check."""
+    """What the heuristic was asked for, and why it answered none."""
     blocks = f", blocks a {spec.a_block} x b {spec.b_block}" if spec.a_block is not None else ""
     msg = (f"cuBLASLt found no FP8 GEMM algorithm for M={spec.m}, N={spec.n}, K={spec.k}, a {spec.a_fmt.name} x "
            f"b {spec.b_fmt.name} -> {spec.out_dtype}, bias {spec.bias_dtype}, fast_accum {spec.fast_accum}{blocks}")
     if cause is not None:
         msg += f" ({cause})"
-    if spec.a_block == "1x128" and spec.m % 8:
-        # Transformer Engine requires it of a 1x128 operand in cuBLASLt's B position (our a) and pads to meet it.
-        msg += f"; cuBLASLt's 1x128 GEMM may need M to be a multiple of 8 (got {spec.m}): pad a's rows"
     return msg
 
 

@@ -365,7 +365,7 @@ class ScalingState:
                     raise ValueError(f"amax_compute_algo: returned a negative amax for tensor "
                                      f"{int(xp.flatnonzero(neg)[0])}; amaxes are >= 0")
             else:
-                a = H.max(axis=0) if r.amax_compute_algo == "max" else cur
+                a = _amax_of_history(H, xp) if r.amax_compute_algo == "max" else cur
             if r.scaling_factor_compute_algo is not None:
                 s = _callable_result(r.scaling_factor_compute_algo(a, scale.copy(), self.fp8_max.copy(), r),
                                      "scaling_factor_compute_algo", n, xp, self.device)
@@ -377,7 +377,7 @@ class ScalingState:
                     raise ValueError(f"scaling_factor_compute_algo: returned scale {args.f32_text(_np(s[i]))} "
                                      f"for tensor {i} (amax {args.f32_text(_np(a[i]))}); expected a finite "
                                      f"scale > 0")
-                s_inv = xp.float32(1) / xp.where(ok, s, xp.float32(1))
+                s_inv = _reciprocal(s, ok, xp)
             else:
                 s, s_inv, ok = backend.scale_rule(a, self.fp8_max, r.margin, r.power_of_2, r.epsilon)
                 ok = ran & ok
@@ -436,6 +436,19 @@ def _np(value: Any) -> np.ndarray:
     return value.get() if hasattr(value, "get") else np.asarray(value)
 
 
+def _amax_of_history(H: Any, xp: Any) -> Any:
+    """The history's max per column [N] on the values' bits: amaxes are >= 0, whose float order is their bits'
+    order, so a subnormal amax survives where a max compiled with flush-to-zero (every CuPy kernel) loses it."""
+    return (H.view(xp.uint32) & xp.uint32(0x7FFFFFFF)).max(axis=0).view(xp.float32)
+
+
+def _reciprocal(s: Any, ok: Any, xp: Any) -> Any:
+    """1 / s where ``ok`` (else 1), one IEEE float32 division: on the host, since CuPy's kernels flush a subnormal
+    quotient (a scale above 2^126) to zero."""
+    q = np.float32(1) / np.where(_np(ok), _np(s), np.float32(1))
+    return q if xp is np else xp.asarray(q)
+
+
 def _copy(a: Any) -> Any:
     return a.clone() if hasattr(a, "clone") else a.copy()
 
@@ -453,5 +466,7 @@ def _callable_result(value: Any, arg: str, n: int, xp: Any, device: tuple) -> An
     if not (xp.issubdtype(data.dtype, xp.floating) or xp.issubdtype(data.dtype, xp.integer)) or data.size != n:
         raise ValueError(f"{arg}: returned {data.size} {data.dtype} values of shape {tuple(data.shape)}; "
                          f"expected {n} (one per tensor)")
+    if data.dtype != xp.float32 and xp is not np:  # CuPy's cast flushes a float32-subnormal value to zero
+        return xp.asarray(_np(data).astype(np.float32).reshape(n))
     return data.astype(xp.float32).reshape(n)
 

@@ -130,6 +130,27 @@ def test_update_matches_cpu(cp, algo, L, rng):
     np.testing.assert_array_equal(gpu.non_finite.get(), cpu.non_finite)
 
 
+def test_callable_update_keeps_subnormals_as_the_cpu(cp):
+    """The callable-algorithm path's own arithmetic (the history's max, 1 / scale, the cast of a float64 result) on
+    a GPU gives the CPU's bits: CuPy compiles its kernels with flush-to-zero, which would drop a subnormal amax and
+    a subnormal scale_inv (scale 2^127) -- the H200 run of 2026-11-26 kept scales the CPU had updated."""
+    n, L = 4, 3
+    # the user's algorithm: a scale of 2^127 (its reciprocal, 2^-127, is subnormal), built without flushing
+    recipe = fp8core.DelayedScaling(amax_history_len=L, amax_compute_algo="max",
+                                    scaling_factor_compute_algo=lambda a, s, m, r: s * 0 + 2.0 ** 127)
+    H = np.zeros((L, n), np.float32)
+    H[:, 0] = [1e-40, 2e-40, 3e-40]  # subnormal amaxes: the tensor ran
+    H[0, 1], H[1, 1] = 4e-45, 1.0
+    H[0, 2] = 5.0
+    cpu, gpu = fp8core.ScalingState(n, recipe), fp8core.ScalingState(n, recipe, device="cuda")
+    cpu.amax_history[...] = H
+    gpu.amax_history[...] = cp.asarray(H)
+    cpu.update()
+    gpu.update()
+    np.testing.assert_array_equal(gpu.buffer.get().view(np.uint32), cpu.buffer.view(np.uint32))
+    assert cpu.scale_inv[0].view(np.uint32) == 0x00400000  # 2^-127, kept subnormal
+
+
 def test_multi_tensor(cp, rng):
     xs = [data((n,), np.float32, rng) for n in (5, 4096, 100000)]
     xs[0][:] = [1, 2, 3, 4, 5]

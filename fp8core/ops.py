@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import args, backends
+from ._caches import memo
 from ._tensor import Tensor, export, export_all, wrap
 from .formats import Format
 
@@ -18,7 +19,8 @@ __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "c
 Array = Any
 
 
-_BACKENDS: dict[tuple, Any] = {}  # for_device's answers: its import statement is most of a 16-element call
+# for_device's answers: its import statement is most of a 16-element call
+_BACKENDS: dict[tuple, Any] = memo("ops.backends", {})
 
 
 def _backend(t: Tensor) -> Any:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fp8core
-from fp8core import Format
+from fp8core import Format, _caches
 from fp8core._tensor import wrap
 from fp8core.backends import cpu
 from oracle import quantize_bits
@@ -42,11 +42,9 @@ def test_the_cast_by_lookup_on_random_fp32_patterns(name, fmt):
 
 @pytest.fixture
 def fresh_tables():
-    cpu.quantize_table.cache_clear()
-    cpu._seen.clear()
+    _caches.reset("cpu.quantize_tables", "cpu.seen_scales")
     yield
-    cpu.quantize_table.cache_clear()
-    cpu._seen.clear()
+    _caches.reset("cpu.quantize_tables", "cpu.seen_scales")
 
 
 @pytest.mark.parametrize("name,fmt", FORMATS)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fp8core
-from fp8core import Format
+from fp8core import Format, _caches
 from fp8core._fpenv import is_default
 from fp8core.backends import cpu
 from oracle import quantize_bits
@@ -104,11 +104,9 @@ CASES = _subnormal_cases()
 
 
 def _expected() -> dict[str, list[int]]:
-    cpu.quantize_table.cache_clear()
-    cpu._dequant_table.cache_clear()
+    _caches.reset()
     out = _run_all()
-    cpu.quantize_table.cache_clear()
-    cpu._dequant_table.cache_clear()
+    _caches.reset()  # every table the cases use is built again, under whatever mode the next test sets
     return out
 
 
@@ -171,8 +169,7 @@ def test_tables_built_under_flush_to_zero_are_right():
     scale = np.array([2.0 ** 120], np.float32)
     ones = np.ones(64, ml_dtypes.float8_e5m2)
     tiny = np.array([2.0 ** -140], np.float32)
-    cpu.quantize_table.cache_clear()
-    cpu._dequant_table.cache_clear()
+    _caches.reset()  # every table, the cast's and the GEMM's too, is built while the caller flushes
     with flush_denormal():
         q_ftz = fp8core.quantize(bf, scale, "e4m3")
         y_ftz = fp8core.dequantize(ones, tiny, "float32")
@@ -193,7 +190,7 @@ x = bf.astype(np.float32)
 s = np.array([2.0 ** 120], np.float32)
 want_q = fp8core.quantize(x, s, "e4m3").view(np.uint8).copy()
 want_a = fp8core.amax(x[: 1 << 16]).view(np.uint32).copy()
-fp8core.backends.cpu.quantize_table.cache_clear()
+fp8core._caches.reset()
 assert torch.set_flush_denormal(True)
 assert np.float32(1e-39) * np.float32(1) == 0
 from fp8core._fpenv import is_default

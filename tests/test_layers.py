@@ -1,6 +1,6 @@
 """fp8core's shape, checked from the source: layers that import only downward, no import cycle (imports inside
-functions included), no private name imported across modules. Reads the files' syntax trees; imports nothing
-it checks. The layers are README's "Layout" section, top to bottom."""
+functions included), no private name imported across modules, no private module imported across packages. Reads
+the files' syntax trees; imports nothing it checks. The layers are README's "Layout" section, top to bottom."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ LAYERS = {
     "fp8core": 4, "fp8core.ops": 4, "fp8core.blocks": 4, "fp8core.gemm": 4, "fp8core.scaling": 4,
     "fp8core.numerics_stats": 4, "fp8core.numerics_recipes": 4,
     "fp8core.recipe": 3, "fp8core.args": 3,
-    "fp8core._tensor": 2, "fp8core._dlpack": 2,
+    "fp8core._tensor": 2, "fp8core._dlpack": 2, "fp8core.boundary": 2,
     "fp8core.backends": 1,
     "fp8core._kernels": 0, "fp8core._views": 0, "fp8core.formats": 0, "fp8core._fpenv": 0, "fp8core.extras": 0,
-    "fp8core.verified": 0, "fp8core._oracle": 0,
+    "fp8core.verified": 0, "fp8core._oracle": 0, "fp8core._caches": 0,
 }
 FRONT_ENDS = ("fp8core.cli", "fp8core.selftest", "fp8core.__main__", "fp8core.torch", "fp8core.jax")
 
@@ -142,6 +142,30 @@ def test_no_private_attribute_of_another_module() -> None:
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                 and node.value.id in modules and node.attr.startswith("_") and not node.attr.startswith("__")]
     assert not bad, "\n".join(bad)
+
+
+def _package(name: str) -> str:
+    return max((p for p in PACKAGES if name == p or name.startswith(p + ".")), key=len)
+
+
+def _private_module(name: str) -> bool:
+    """Whether ``name`` is, or lies in, a private module of its package (fp8core._tensor, fp8core.jax._args)."""
+    return any(part.startswith("_") and not part.startswith("__") for part in name[len(_package(name)):].split("."))
+
+
+def test_no_private_module_crosses_a_package() -> None:
+    """A package takes another's private module (fp8core._tensor) by no name: through its public modules only."""
+    bad = [f"{name}:{line} imports {m}" for name in MODULES for m, _, line, _ in _imports(name)
+           if _package(m) != _package(name) and _private_module(m)]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("name,package,private", [
+    ("fp8core._tensor", "fp8core", True), ("fp8core.backends.cpu", "fp8core", False),
+    ("fp8core.jax._args", "fp8core.jax", True), ("fp8core.jax.primitives", "fp8core.jax", False),
+    ("fp8core.torch", "fp8core.torch", False), ("fp8core.__main__", "fp8core", False)])
+def test_the_private_module_rule_reads_names(name: str, package: str, private: bool) -> None:
+    assert _package(name) == package and _private_module(name) == private
 
 
 @pytest.mark.parametrize("name", ["fp8core.ops", "fp8core.backends.cpu"])

@@ -15,8 +15,8 @@ import numpy as np
 import fp8core
 from fp8core import args
 from fp8core import blocks as core
-from fp8core._views import Tensor
 from fp8core.blocks import BlockScaledTensor, MXTensor
+from fp8core.boundary import Tensor
 
 from . import _args
 from .primitives import fp8_shape, jitted, numbers_of, operands, primitive, rows

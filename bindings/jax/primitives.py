@@ -12,10 +12,8 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import fp8core
-from fp8core._fpenv import ieee
-from fp8core._tensor import wrap
-from fp8core._views import Tensor
 from fp8core.backends import for_device
+from fp8core.boundary import Tensor, ieee, wrap
 
 from . import _args
 

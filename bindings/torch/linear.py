@@ -14,8 +14,9 @@ follow the same autocast rule; their GEMMs, and the transposes they need, are in
 from __future__ import annotations
 
 import numbers
+import sys
 import warnings
-import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -118,11 +119,13 @@ class Float8Linear(torch.nn.Linear):
     in ``state_dict`` with ``fp8_steps`` (the group's step count; each key is an attribute, as
     torch.distributed.checkpoint requires); every module transform carries it, in float32.
 
-    ``load_state_dict`` on this module, or on any module above it however the model was built (torch's module
-    registration hook marks each module that takes in a delayed-scaling Float8Linear or a module above one, and
-    each module above a part converted in place later), checks the whole checkpoint first: every fp8 entry,
-    every parameter's shape. A bad one raises torch's ``RuntimeError("Error(s) in loading state_dict for ...")``
-    listing every mismatch, and nothing is written.
+    ``load_state_dict`` checks the whole checkpoint (every fp8 entry, every parameter's shape) when it reaches the
+    first delayed-scaling Float8Linear or module :func:`convert_to_float8` marked: a bad one raises torch's
+    ``RuntimeError("Error(s) in loading state_dict for ...")`` listing every mismatch. Nothing is written when the
+    load starts at this module, at a module convert_to_float8 marked, or above them where no parameter or buffer
+    comes first (a torch.compile wrapper, DDP, a Sequential of these layers). A module built around them later and
+    never given to convert_to_float8 is not marked (fp8core installs no process-wide hook): a load from it writes
+    the entries it visits before the first of them, its own included, before it refuses the checkpoint.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
@@ -143,7 +146,6 @@ class Float8Linear(torch.nn.Linear):
             self._fp8_slot = self._fp8_group.join(self)
             self._fp8_history, self._fp8_scale, self._fp8_scale_inv = initial_state(
                 self.recipe.amax_history_len, self.weight.device)
-            watch_loads(self)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None, shared: SharedScaling | None = None
@@ -268,6 +270,8 @@ class Float8Linear(torch.nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        if self._fp8_group is not None:
+            check_whole_load(self, state_dict, prefix)
         errors = module_load_errors(self, state_dict, prefix)  # everything checked before anything is written
         if errors:
             error_msgs.extend(errors)
@@ -382,63 +386,72 @@ def _walk(module: torch.nn.Module, prefix: str) -> list[tuple[torch.nn.Module, s
     return out
 
 
+def _running_load() -> Optional[tuple[torch.nn.Module, Mapping]]:
+    """(module, state_dict) of the innermost ``torch.nn.Module.load_state_dict`` running on this thread, or None.
+    torch gives each module only its own entries, and no handle on the module the load started from: a module
+    above the ones convert_to_float8 marked can be found only here, short of a process-wide hook."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _LOAD_STATE_DICT:
+            root, whole = frame.f_locals.get("self"), frame.f_locals.get("state_dict")
+            if isinstance(root, torch.nn.Module) and isinstance(whole, Mapping):
+                return root, whole
+            return None
+        frame = frame.f_back
+    return None
+
+
+_LOAD_STATE_DICT = torch.nn.Module.load_state_dict.__code__
+_CHECKED = "_fp8core_checked"  # set on load_state_dict's own copy of the checkpoint: checked once per load
+
+
+def check_whole_load(module: torch.nn.Module, state_dict: Mapping, prefix: str) -> None:
+    """Refuse, before anything more is written, a load that reached ``module`` (a delayed-scaling Float8Linear, or a
+    module convert_to_float8 marked) with a checkpoint that cannot load: the whole checkpoint from the module the
+    load started at, once per load; everything below ``module`` where that module is not known. The error is
+    torch's RuntimeError, listing every mismatch."""
+    running = _running_load()
+    if running is None:
+        root, whole, top = module, state_dict, prefix
+    else:
+        (root, whole), top = running, ""
+        if getattr(whole, _CHECKED, False):
+            return
+        try:
+            setattr(whole, _CHECKED, True)
+        except AttributeError:  # a mapping that takes no attribute: checked again at the next module, no harm
+            pass
+    errors = [e for m, p in _walk(root, top) for e in module_load_errors(m, whole, p)]
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(errors))
+
+
 def check_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs) -> None:
-    """load_state_dict pre-hook on every module that holds a delayed-scaling Float8Linear (see
-    :func:`watch_loads`): the module a load starts from checks the whole checkpoint before anything is written,
-    and refuses it as torch refuses one, with a RuntimeError listing every mismatch."""
-    errors = [e for m, p in _walk(module, prefix) for e in module_load_errors(m, state_dict, p)]
-    if errors:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
+    """The load_state_dict pre-hook of each module :func:`mark_loads` marked: :func:`check_whole_load` before the
+    module writes its own entries."""
+    check_whole_load(module, state_dict, prefix)
 
 
-# child -> the modules it was registered in (weakly: this keeps nothing alive), so that a module converted in
-# place after it was nested marks the modules above it too
-_PARENTS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
-
-
-def watch_loads(module: torch.nn.Module) -> None:
-    """Make ``load_state_dict`` on ``module``, and on every module it was registered in (up to the top), check
-    everything below it before it writes (once per module)."""
-    todo = [module]
-    while todo:
-        m = todo.pop()
-        if m.__dict__.get("_fp8_checks_load"):
-            continue
-        if not isinstance(m, Float8Linear):  # a Float8Linear checks itself first thing in _load_from_state_dict
-            m.register_load_state_dict_pre_hook(check_before_load)
-        m.__dict__["_fp8_checks_load"] = True  # not through __setattr__: wrappers (torch.compile's
-        # OptimizedModule) forward it to a module they have not registered yet when their hook fires
-        try:
-            todo.extend(_PARENTS.get(m, ()))
-        except TypeError:  # a module class that is not hashable
-            pass
-
-
-def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
-    """torch's module registration hook: a module that takes in a watched module (a delayed-scaling
-    Float8Linear, or a module above one) is watched too, so a load from any ancestor, however the model was
-    built, checks before it writes. Every registration is remembered (weakly) for :func:`watch_loads`."""
-    if child is None:
+def mark_loads(module: torch.nn.Module) -> None:
+    """Make ``load_state_dict`` check the whole checkpoint as soon as it reaches ``module`` (once per module; a
+    Float8Linear checks itself first thing in _load_from_state_dict)."""
+    if isinstance(module, Float8Linear) or module.__dict__.get("_fp8_checks_load"):
         return
-    try:
-        _PARENTS.setdefault(child, weakref.WeakSet()).add(parent)
-    except TypeError:  # a module class that is not hashable (it defines __eq__ alone): not remembered
-        pass
-    if child.__dict__.get("_fp8_checks_load"):
-        watch_loads(parent)
-
-
-torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+    module.register_load_state_dict_pre_hook(check_before_load)
+    module.__dict__["_fp8_checks_load"] = True  # in __dict__, not an attribute: a wrapper (torch.compile's
+    # OptimizedModule) reads an attribute it lacks from the module it wraps
 
 
 def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
                       module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None) -> torch.nn.Module:
     """Swap every ``nn.Linear`` of ``module`` (in place; returned) for a Float8Linear sharing its parameters.
 
-    Under delayed scaling all swapped layers join one group (one all-reduce and one update per step), and
-    ``load_state_dict`` (on ``module`` or on any module it is, or later becomes, part of) checks the whole
-    checkpoint before it writes anything.
+    Under delayed scaling all swapped layers join one group (one all-reduce and one update per step). ``module``
+    and every module between it and a delayed-scaling Float8Linear (converted now or before) are marked:
+    ``load_state_dict`` on any of them checks the whole checkpoint before it writes anything (see
+    :class:`Float8Linear`); ``module_filter_fn=lambda m, fqn: False`` marks a module built around converted layers
+    later, converting nothing.
     ``module_filter_fn(linear, fqn) -> bool`` chooses layers; layers the FP8 GEMM cannot take (features not
     multiples of 16; of 32 under MXFP8BlockScaling, of 128 under Float8BlockScaling) are kept as they are, with
     a warning naming them.
@@ -462,9 +475,7 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
     if skipped:
         warnings.warn(f"convert_to_float8: kept as nn.Linear, features not multiples of {multiple} under "
                       f"{type(recipe).__name__} ({why}): " + ", ".join(skipped), stacklevel=2)
-    if not chosen:
-        return module
-    shared = SharedScaling(recipe) if isinstance(recipe, DelayedScaling) else None
+    shared = SharedScaling(recipe) if chosen and isinstance(recipe, DelayedScaling) else None
     for fqn in chosen:
         parent_name, _, name = fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
@@ -472,12 +483,22 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
         if fqn == "":
             return new
         setattr(parent, name, new)
-    if shared is not None:  # every module above a converted layer checks a checkpoint before anything is written
-        for fqn in chosen:
-            parts = fqn.split(".")
-            for i in range(len(parts)):
-                watch_loads(module.get_submodule(".".join(parts[:i])))
+    _mark_paths(module)
     return module
+
+
+def _mark_paths(module: torch.nn.Module) -> bool:
+    """Mark ``module`` and every module between it and a delayed-scaling Float8Linear below it (see
+    :func:`mark_loads`); whether there is one."""
+    if isinstance(module, Float8Linear):
+        return module._fp8_group is not None
+    found = False
+    for child in module._modules.values():
+        if child is not None and _mark_paths(child):
+            found = True
+    if found:
+        mark_loads(module)
+    return found
 
 
 def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:

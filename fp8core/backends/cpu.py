@@ -10,11 +10,11 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from collections import OrderedDict
-from functools import lru_cache
 from typing import Any, Callable
 
 import numpy as np
 
+from .._caches import cached, memo
 from .._fpenv import ieee, set_default
 from .._views import Tensor, logical_numpy_dtype
 from ..formats import Format
@@ -231,7 +231,7 @@ def canonical_nan_fp8(bits: np.ndarray, fmt: Format) -> None:
 # all-ones exponent, NaN rather than inf). So the cast is one lookup in a 2^17-entry table indexed by
 # (top 16 bits, low 16 bits != 0), built once per format by clip + ml_dtypes (the definition) over those 2^17
 # representatives: a lookup costs a fraction of ml_dtypes' own cast.
-_CAST: dict[Format, np.ndarray] = {}
+_CAST: dict[Format, np.ndarray] = memo("cpu.cast_tables", {})
 
 
 def _cast_table(fmt: Format) -> np.ndarray:
@@ -298,7 +298,7 @@ def _quantize_chunk_pooled(x: np.ndarray, scale: np.float32, fmt: Format, out: n
         return _quantize_chunk(x, scale, fmt, out, want_amax)
 
 
-@lru_cache(maxsize=32)
+@cached("cpu.quantize_tables", maxsize=32)
 @ieee
 def quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
     """quantize() of all 65,536 patterns of a 16-bit input type: each result depends only on its pattern,
@@ -312,7 +312,7 @@ def quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
 TABLE_MIN = 1 << 16  # building the table is the direct path over 65,536 patterns: from here it never loses
 # From TABLE_MIN >> 4 elements a table is built for a scale seen before (delayed scaling keeps a scale for
 # many calls; a scale used once, as current scaling's are, never pays for a table it will not reuse).
-_seen: OrderedDict = OrderedDict()
+_seen: OrderedDict = memo("cpu.seen_scales", OrderedDict())
 _SEEN_MAX = 16
 
 
@@ -419,7 +419,7 @@ CANONICAL_NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x7
                   "float16": (np.uint16, 0x7FFF)}
 
 
-@lru_cache(maxsize=64)
+@cached("cpu.dequantize_tables", maxsize=64)
 @ieee
 def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarray:
     """All 256 results: each output depends only on its input byte, so the table is the definition."""
@@ -603,7 +603,7 @@ def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
     return np.repeat(f, _BLOCK_ROWS[kind], axis=0)[:rows]
 
 
-@lru_cache(maxsize=None)
+@cached("cpu.widen_tables")
 @ieee
 def _widen_table(fmt: Format) -> np.ndarray:
     """The float64 value of each of the 256 codes, made by ml_dtypes' cast (its bits, NaN's too); read only:

@@ -10,12 +10,12 @@ environment (fp8core._fpenv.ieee), so a caller that flushes subnormals gets the 
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
 from ..formats import Format
@@ -151,7 +151,7 @@ def e8m0_factor(e: np.ndarray, sign: int) -> np.ndarray:
     return f
 
 
-@lru_cache(maxsize=2)
+@cached("cpu_blocks.e8m0_factors", maxsize=2)
 def _e8m0_factors(sign: int) -> np.ndarray:
     """:func:`e8m0_factor` of all 256 scale bytes, fp32 [256] (read only): the tiles look their factors up
     (a tile's pow2_f32 cost ~2 ns per element of the tile, the lookup a few percent of that)."""
@@ -275,7 +275,7 @@ def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, b
     map_chunks(flat.size, chunk)
 
 
-@lru_cache(maxsize=2)
+@cached("cpu_blocks.fp32_of_code", maxsize=2)
 def _fp32_of_code(dtype: np.dtype) -> np.ndarray:
     """fp32 of all 256 codes of an fp8 dtype (exact): a lookup is ~6x faster than ml_dtypes' cast."""
     return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)

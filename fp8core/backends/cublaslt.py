@@ -38,11 +38,11 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from .._caches import cached
 from .._views import Tensor, storage_dtype
 from ..extras import install_hint
 from ..formats import ENCODINGS
@@ -90,7 +90,7 @@ def _runtime() -> Any:
     return runtime
 
 
-@lru_cache(maxsize=None)
+@cached("cublaslt.compute_capability")
 def compute_capability(device_id: int) -> int:
     import cupy
 

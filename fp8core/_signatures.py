@@ -111,31 +111,26 @@ class Signature:
         return TypeError(f"{self.where()}: {said}; its parameters are {', '.join(self.names)}")
 
     def _flatten(self, values: tuple) -> list:
+        """The values in order, a by-value struct's fields in its own order, each array of its exact length."""
         flat: list = []
-        for p, v in zip(self.params, values):
-            if p.fields:
-                flat.extend(self._fields(p, v))
-            else:
-                flat.append(v)
-        return flat
-
-    def _fields(self, p: Param, value: Any) -> list:
-        """A by-value struct's field values in order, each array of its exact length."""
-        flat: list = []
-        for field, length, _ in p.fields:
-            try:
-                item = value[field]
-            except (KeyError, TypeError, IndexError):
-                raise self._fields_error(p, value) from None
-            if not length:
-                flat.append(item)
-            elif len(item) != length:
-                raise ValueError(f"{self.where()}: argument {p.name}.{field} must hold {length} values (its array "
-                                 f"length in {p.ctype}), got {len(item)}")
-            else:
-                flat += item
-        if len(value) != len(p.fields):
-            raise self._fields_error(p, value)
+        for p, value in zip(self.params, values):
+            if not p.fields:
+                flat.append(value)
+                continue
+            for field, length, _ in p.fields:
+                try:
+                    item = value[field]
+                except (KeyError, TypeError, IndexError):
+                    raise self._fields_error(p, value) from None
+                if not length:
+                    flat.append(item)
+                elif len(item) != length:
+                    raise ValueError(f"{self.where()}: argument {p.name}.{field} must hold {length} values (its "
+                                     f"array length in {p.ctype}), got {len(item)}")
+                else:
+                    flat += item
+            if len(value) != len(p.fields):
+                raise self._fields_error(p, value)
         return flat
 
     def _fields_error(self, p: Param, value: Any) -> TypeError:
@@ -177,18 +172,15 @@ def _included(root: Path, file: str, seen: set[str]) -> list[str]:
     return out + [text]
 
 
-def _words(ctype: str) -> str:
-    return " ".join(ctype.replace("*", " ").split())
-
-
 class _Source:
     """The declarations of one .cu file and its headers that a signature needs."""
 
     def __init__(self, root: Path, file: str) -> None:
         self.file = file
         self.text = "\n".join(_included(root, file, set()))
-        self.aliases = {m[1]: _words(m[0]) for m in re.findall(r"\btypedef\s+([\w\s]+?)\s+(\w+)\s*;", self.text)}
-        self.aliases.update((m[0], _words(m[1]))
+        self.aliases = {m[1]: " ".join(m[0].split())
+                        for m in re.findall(r"\btypedef\s+([\w\s]+?)\s+(\w+)\s*;", self.text)}
+        self.aliases.update((m[0], " ".join(m[1].split()))
                             for m in re.findall(r"\busing\s+(\w+)\s*=\s*([\w\s]+?)\s*;", self.text))
         self.raw_constants: dict[str, set[str]] = {}
         for name, expr in re.findall(r"\bconstexpr\s+[\w\s]+?\s(\w+)\s*=\s*([^;{}]+);", self.text):
@@ -196,9 +188,8 @@ class _Source:
         self.structs = dict(re.findall(r"\bstruct\s+(\w+)\s*\{([^{}]*)\}\s*;", self.text))
 
     def fundamental(self, name: str) -> str:
-        seen = set()
-        while name in self.aliases and name not in seen:
-            seen.add(name)
+        """``name`` with its typedefs resolved."""
+        while name in self.aliases and self.aliases[name] != name:
             name = self.aliases[name]
         return name
 
@@ -262,22 +253,19 @@ class _Source:
 
     def signature(self, kernel: str) -> Signature:
         where = f"{kernel} (cuda/{self.file})"
-        found = list(re.finditer(rf"__global__\s+void\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?{kernel}\s*\(",
-                                 self.text))
+        # Kernel parameter lists here hold no parentheses and no template types with commas; one that did would
+        # not match, or would split into pieces that are not "type name", and be refused below.
+        found = re.findall(rf"__global__\s+void\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?{kernel}\s*\(([^()]*)\)",
+                           self.text)
         if len(found) != 1:
             raise ValueError(f"{where}: {'no' if not found else 'more than one'} '__global__ void {kernel}(' in the "
                              "source")
-        m = found[0]
-        depth, i = 1, m.end()
-        while depth:
-            depth += {"(": 1, ")": -1}.get(self.text[i], 0)
-            i += 1
-        params = []
-        for decl in _split_top(self.text[m.end():i - 1]):
+        params: list[Param] = []
+        for decl in (d for d in found[0].split(",") if d.strip()):
             decl = " ".join(w for w in decl.replace("*", " * ").split() if w not in ("__restrict__",
                                                                                      "__grid_constant__"))
             pm = re.fullmatch(r"(.+?)\s+(\w+)", decl)
-            if pm is None or pm[2] in ("const", "volatile") or pm[1].endswith("::"):
+            if pm is None or pm[2] in ("const", "volatile"):
                 raise ValueError(f"{where}: parameter {decl!r} is not 'type name'")
             name, ctype = pm[2], pm[1].replace(" *", "*")
             if name in RESERVED or keyword.iskeyword(name):
@@ -296,21 +284,6 @@ class _Source:
             except ValueError:
                 pass  # a template-dependent or floating constant: not an integer a launch can use
         return Signature(self.file, kernel, tuple(params), constants)
-
-
-def _split_top(text: str) -> list[str]:
-    """``text`` split at the commas outside any (), <>, [] or {}."""
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(text):
-        if c in "(<[{":
-            depth += 1
-        elif c in ")>]}":
-            depth -= 1
-        elif c == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p.strip() for p in parts if p.strip()]
 
 
 def read(root: Path, file: str, kernel: str) -> Signature:

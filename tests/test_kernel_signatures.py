@@ -171,6 +171,7 @@ WHERE = r"^k \(cuda/k.cu\): "
     ("template <typename T> __global__ void k(T x) {}", WHERE + r"parameter x: C\+\+ type 'T' has no fixed layout"),
     ("__global__ void k(float* grid) {}", WHERE + r"parameter grid cannot be passed by name to Kernel.launch"),
     ("__global__ void k(int a, float a) {}", WHERE + r"two parameters named a"),
+    ("__global__ void k(Pair<int, int> p) {}", WHERE + r"parameter 'Pair<int' is not 'type name'"),
     ("__global__ void j(int a) {}", WHERE + r"no '__global__ void k\(' in the source"),
     ("constexpr int N = 1;\nconstexpr int N = 2;\nstruct S { int v[N]; };\n__global__ void k(S s) {}",
      r"^cuda/k.cu: more than one constexpr named N"),

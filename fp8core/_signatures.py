@@ -189,8 +189,8 @@ class _Source:
 
     def fundamental(self, name: str) -> str:
         """``name`` with its typedefs resolved."""
-        while name in self.aliases and self.aliases[name] != name:
-            name = self.aliases[name]
+        for _ in range(16):  # a chain of typedefs is short; a cycle is not C++
+            name = self.aliases.get(name, name)
         return name
 
     def constant(self, name: str) -> int:

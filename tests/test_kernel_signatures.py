@@ -4,7 +4,9 @@ the kernel (NVRTC's mangled names, demangled), and that a launch with a missing,
 value of the wrong kind, is refused by name before any device is asked. (The offsets are checked against the
 compiled kernels by tests/test_sass.py and under the emulator by tests/emulation/test_launch.py.)"""
 
+import ast
 import ctypes
+import pathlib
 import re
 import shutil
 import struct
@@ -13,6 +15,8 @@ import subprocess
 import pytest
 
 from fp8core import _kernels, _signatures
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 QUANTIZE_ARGS = dict(x=0x1000, q=0x2000, scale=0x3000, amax_in=0, amax_out=0, scale_inv_out=0, n=16, fp8_max=448.0,
                      margin=0, power_of_2=0, epsilon=0.0)
@@ -179,3 +183,59 @@ WHERE = r"^k \(cuda/k.cu\): "
 def test_the_reader_refuses_by_name(tmp_path, source, match):
     with pytest.raises(ValueError, match=match):
         _read(tmp_path, source)
+
+
+# ---- every launch site, read from the source -----------------------------------------------------------------
+
+def _keywords(call: ast.Call, function: ast.AST) -> tuple[set, dict]:
+    """The keyword names a launch call passes (a ``**name`` resolved through the dict literal assigned to it in
+    the same function), and the keys of each dict literal passed by keyword."""
+    literals = {t.id: node.value for node in ast.walk(function) if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Dict)}
+    names, keys = set(), {}
+    for kw in call.keywords:
+        value = kw.value if kw.arg else literals[kw.value.id]
+        if kw.arg is None:
+            names |= {k.value for k in value.keys}
+        else:
+            names.add(kw.arg)
+            if isinstance(value, ast.Dict):
+                keys[kw.arg] = {k.value for k in value.keys}
+    return names - _signatures.RESERVED, keys
+
+
+def _launch_sites():
+    """(record, keyword names, dict keys, where) of every ``<record>.launch(...)`` in the CUDA backend; a launch
+    through a parameter (``kernel.launch``) stands for each record its function is called with."""
+    records = {name: k for name, k in vars(_kernels).items() if isinstance(k, _kernels.Kernel)}
+    for path in sorted((ROOT / "fp8core" / "backends").glob("cuda*.py")):
+        tree = ast.parse(path.read_text())
+        functions = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)]
+        passed = {}  # function -> the records passed as its first argument
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.args and \
+                    isinstance(call.args[0], ast.Name) and call.args[0].id in records:
+                passed.setdefault(call.func.id, set()).add(call.args[0].id)
+        for function in functions:
+            for call in ast.walk(function):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                        and call.func.attr == "launch" and isinstance(call.func.value, ast.Name)):
+                    continue
+                receiver = call.func.value.id
+                names, keys = _keywords(call, function)
+                for record in [receiver] if receiver in records else sorted(passed[function.name]):
+                    yield records[record], names, keys, f"{path.name}:{call.lineno} ({record})"
+
+
+def test_every_launch_site_names_its_kernels_parameters():
+    """Checked from the source (the emulated suite also runs each one): each launch in backends/cuda*.py passes
+    exactly its kernel's parameters by name, a by-value struct exactly its fields; every record is launched."""
+    launched = set()
+    for record, names, keys, where in _launch_sites():
+        sig = record.signature
+        assert names == set(sig.names), f"{where}: unknown {names - set(sig.names)}, missing {set(sig.names) - names}"
+        for p in sig.params:
+            if p.fields:
+                assert keys[p.name] == {f for f, _, _ in p.fields}, f"{where}: the fields of {p.name}"
+        launched.add(record.name)
+    assert launched == {k.name for k in _kernels.RECORDS}

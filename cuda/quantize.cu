@@ -171,7 +171,8 @@ __global__ void quantize_dynamic_kernel(const T* __restrict__ x, u8* __restrict_
 
 // Multi-tensor forms. The table travels by value as the kernel's parameter (no device copy per call); lists
 // longer than MULTI_CHUNK are launched in chunks. Blocks are shared out by elements: tensor t owns blocks
-// [first_block[t], first_block[t + 1]) of a 1-D grid (no grid.y limit), at least one each.
+// [first_block[t], first_block[t + 1]) of a 1-D grid (no grid.y limit), at least one each. The launch layer
+// reads MULTI_CHUNK and MultiArgs from here (fp8core/_signatures.py): this is their one definition.
 static constexpr int MULTI_CHUNK = 64;
 struct MultiArgs {
   u64 x[MULTI_CHUNK];      // input data

@@ -1,9 +1,11 @@
 """The kernels of cuda/, one :class:`Kernel` record each, and their loader.
 
-A record holds everything about one kernel: its file, its template instantiations (the loader compiles them
-together as name expressions), its parameters as struct codes (what a launch packs; tests/test_sass.py and the
-emulator check them against the compiled signatures) and its grid rule. A launch site names only the record and
-the instantiation: ``QUANTIZE.launch(device, (x.dtype, fmt.index), x.size, args, stream)``.
+A record holds everything about one kernel but its parameters: its file, its template instantiations (the loader
+compiles them together as name expressions) and its grid rule. The parameters are the kernel's C++ signature in
+its .cu file, read on the record's first use (fp8core._signatures); a launch names its arguments:
+``QUANTIZE.launch(device, (x.dtype, fmt.index), x.size, stream, x=..., q=..., n=x.size, ...)``, and a missing,
+unknown or misspelt name, or a value the parameter's C++ type cannot hold, raises naming the kernel and the
+parameter before anything reaches the driver.
 
 The loader: ``cupy.RawModule`` compiles each ``cuda/*.cu`` with NVRTC for the device it runs on. CuPy keys its disk
 cache on the source text and the options, not on included headers, so the options carry ``-DFP8CORE_CUDA_SHA=``
@@ -25,12 +27,12 @@ import ctypes
 import hashlib
 import itertools
 import os
-import struct
 import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from . import _signatures
 from .formats import Format
 
 # CuPy's RawModule appends -ftz=true and --device-as-default-execution-space to every compile; compile_cubin
@@ -46,13 +48,6 @@ _MAX_GRID = 65535
 def soft_fp8() -> bool:
     """Whether ``FP8CORE_FORCE_SOFT_FP8`` asks for the software conversion (read when a module is compiled)."""
     return os.environ.get("FP8CORE_FORCE_SOFT_FP8", "") not in ("", "0")
-
-
-def arg_layout(params: tuple[str, ...]) -> list[tuple[int, int]]:
-    """(offset, size) of each kernel parameter (struct codes, native alignment, as the kernel's parameter buffer
-    lays them out). A by-value struct is one parameter of several codes."""
-    return [(struct.calcsize("@" + "".join(params[:i + 1])) - struct.calcsize("@" + p), struct.calcsize("@" + p))
-            for i, p in enumerate(params)]
 
 
 def _stride(per_thread: int) -> Any:
@@ -120,20 +115,30 @@ def _sm_count(device: int) -> int:
 
 
 class Kernel:
-    """One kernel: ``file`` under cuda/, C++ ``name`` in namespace fp8core, its ``params`` (struct codes, one
-    string per parameter), the template arguments of each instantiation, and its ``grid`` rule
-    (max_blocks, work) -> grid."""
+    """One kernel: ``file`` under cuda/, C++ ``name`` in namespace fp8core, the template arguments of each
+    instantiation, and its ``grid`` rule (max_blocks, work) -> grid. Its parameters: :attr:`signature`."""
 
-    __slots__ = ("file", "name", "params", "instances", "rule", "format", "size", "offsets")
+    __slots__ = ("file", "name", "instances", "rule", "_signature")
 
-    def __init__(self, file: str, name: str, params: str | tuple[str, ...], instances: Any = ((),),
-                 grid: Any = _stride(8)) -> None:
+    def __init__(self, file: str, name: str, instances: Any = ((),), grid: Any = _stride(8)) -> None:
         self.file, self.name, self.rule = file, name, grid
-        self.params = tuple(params)
         self.instances = [tuple(t) for t in instances]
-        self.format = "@" + "".join(self.params)
-        self.size = struct.calcsize(self.format)
-        self.offsets = [offset for offset, _ in arg_layout(self.params)]
+        self._signature: _signatures.Signature | None = None
+
+    @property
+    def signature(self) -> _signatures.Signature:
+        """The kernel's parameters as its C++ signature declares them (names, types, layout), read once."""
+        if self._signature is None:
+            # Threads racing here read equal signatures; whichever is stored last is kept.
+            self._signature = _signatures.read(cuda_dir(), self.file, self.name)
+        return self._signature
+
+    def constant(self, name: str) -> int:
+        """A namespace-scope integer ``constexpr`` of the kernel's file (or its headers), e.g. MULTI_CHUNK."""
+        try:
+            return self.signature.constants[name]
+        except KeyError:
+            raise ValueError(f"cuda/{self.file}: no integer constexpr named {name}") from None
 
     def expr(self, targs: tuple = ()) -> str:
         """The name expression of one instantiation."""
@@ -157,51 +162,54 @@ class Kernel:
     def max_blocks(self, device: int, targs: tuple) -> int:
         return self._plan(device, targs).max_blocks
 
-    def launch(self, device: int, targs: tuple, work: Any, args: tuple, stream: int, *, grid: Any = None,
-               block: Any = THREADS, cooperative: bool = False) -> None:
-        """Launch instantiation ``targs`` on ``stream`` (a raw handle) with ``args`` packed as ``params``; the grid
-        by the rule over ``work``, or ``grid``. Call inside the device guard."""
+    def launch(self, device: int, targs: tuple, work: Any, stream: int, /, **args: Any) -> None:
+        """Launch instantiation ``targs`` on ``stream`` (a raw handle) with ``args``, one keyword per parameter of
+        the C++ signature (pointers as ints, 0 for null; a by-value struct as a mapping of its fields), the grid by
+        the rule over ``work``. Launch options, also by keyword (names no kernel parameter may take): ``grid``
+        (instead of the rule's), ``block`` (threads, or (x, y); default THREADS), ``cooperative`` (default False).
+        Call inside the device guard."""
+        # Positional-only parameters and one **args: CPython then binds the keywords without comparing each with
+        # the named parameters (measured: that doubles the call's cost), and options are taken out only if given.
+        sig = self._signature or self.signature
+        grid, block, cooperative = None, THREADS, False
+        if len(args) > len(sig.names):
+            grid, block = args.pop("grid", None), args.pop("block", THREADS)
+            cooperative = args.pop("cooperative", False)
+        params = sig.pack(args)  # refused by name before any device is asked
         plan = self._plan(device, targs)
         if grid is None:
             grid = self.rule(plan.max_blocks, work)
-        buf = ctypes.create_string_buffer(self.size)
-        struct.pack_into(self.format, buf, 0, *args)
-        base = ctypes.addressof(buf)
-        ptrs = (ctypes.c_void_p * len(self.offsets))(*[base + o for o in self.offsets])
         gx, gy = (grid, 1) if isinstance(grid, int) else grid
         bx, by = (block, 1) if isinstance(block, int) else block
         if cooperative:
-            plan.driver.launchCooperativeKernel(plan.fn, gx, gy, 1, bx, by, 1, 0, stream, ctypes.addressof(ptrs))
+            plan.driver.launchCooperativeKernel(plan.fn, gx, gy, 1, bx, by, 1, 0, stream, params)
         else:
-            plan.driver.launchKernel(plan.fn, gx, gy, 1, bx, by, 1, 0, stream, ctypes.addressof(ptrs), 0)
+            plan.driver.launchKernel(plan.fn, gx, gy, 1, bx, by, 1, 0, stream, params, 0)
 
 
-# Struct codes: P pointer, q int64, i int32, I uint32, f float. Template arguments: dtype names, format indices.
+# Template arguments: dtype names, format indices.
 _T = ("float32", "bfloat16", "float16")
 _FMT = tuple(sorted({f.fwd.index for f in Format}))  # every encoding (HYBRID is two of them): common.cuh's
 _T_FMT = list(itertools.product(_T, _FMT))
-MULTI_CHUNK = 64  # tensors per multi-tensor launch: MultiArgs in quantize.cu, by value (2824 bytes)
-_MULTI = (f"{4 * MULTI_CHUNK}Q{MULTI_CHUNK}q{MULTI_CHUNK + 1}Ii",)
 
-AMAX = Kernel("quantize.cu", "amax_kernel", "PPq", itertools.product(_T))
-MULTI_AMAX = Kernel("quantize.cu", "multi_amax_kernel", _MULTI, itertools.product(_T))
-QUANTIZE = Kernel("quantize.cu", "quantize_kernel", "PPPPPPqfiif", _T_FMT)
-QUANTIZE_DYNAMIC = Kernel("quantize.cu", "quantize_dynamic_kernel", "PPPPPqfiif", _T_FMT)
-MULTI_QUANTIZE = Kernel("quantize.cu", "multi_quantize_kernel", _MULTI, _T_FMT)
-DEQUANTIZE = Kernel("dequantize.cu", "dequantize_kernel", "PPPq", itertools.product(_FMT, _T))
-CAST_TRANSPOSE = Kernel("cast_transpose.cu", "cast_transpose_kernel", "PPPPPqq",
+AMAX = Kernel("quantize.cu", "amax_kernel", itertools.product(_T))
+MULTI_AMAX = Kernel("quantize.cu", "multi_amax_kernel", itertools.product(_T))
+QUANTIZE = Kernel("quantize.cu", "quantize_kernel", _T_FMT)
+QUANTIZE_DYNAMIC = Kernel("quantize.cu", "quantize_dynamic_kernel", _T_FMT)
+MULTI_QUANTIZE = Kernel("quantize.cu", "multi_quantize_kernel", _T_FMT)
+DEQUANTIZE = Kernel("dequantize.cu", "dequantize_kernel", itertools.product(_FMT, _T))
+CAST_TRANSPOSE = Kernel("cast_transpose.cu", "cast_transpose_kernel",
                         [(t, f, True) for t, f in _T_FMT] + [("fp8core::Passthrough", 0, False)], _tiles(64, 64))
-UPDATE = Kernel("update.cu", "update_kernel", "PPPPPqiiifiPi", [(True,), (False,)], _each(32))
-COMPUTE_SCALE = Kernel("update.cu", "compute_scale_kernel", "PPfPPPPqqiif", grid=_each(THREADS))
-FILL = Kernel("update.cu", "fill_kernel", "PIq", grid=_stride(1))
+UPDATE = Kernel("update.cu", "update_kernel", [(True,), (False,)], _each(32))
+COMPUTE_SCALE = Kernel("update.cu", "compute_scale_kernel", grid=_each(THREADS))
+FILL = Kernel("update.cu", "fill_kernel", grid=_stride(1))
 # block scaling (fp8core.blocks, backends/cuda_blocks.py)
-MX_QUANTIZE = Kernel("block_quantize.cu", "mx_quantize_kernel", "PPPPPqqfi",
-                     itertools.product(_T, _FMT, (True, False)), _tiles(32, 64))
-QUANTIZE_1X128 = Kernel("block_quantize.cu", "quantize_1x128_kernel", "PPPqqfif", _T_FMT, _stride(1))
-QUANTIZE_128X128 = Kernel("block_quantize.cu", "quantize_128x128_kernel", "PPPqqfif", _T_FMT, _tiles(128, 128))
-BLOCK_DEQUANTIZE = Kernel("block_quantize.cu", "block_dequantize_kernel", "PPPqqiiq",
-                          itertools.product(_FMT, _T, (True, False)))
-MX_SCALE_SWIZZLE = Kernel("block_quantize.cu", "mx_scale_swizzle_kernel", "PPqq", grid=_stride(1))
+MX_QUANTIZE = Kernel("block_quantize.cu", "mx_quantize_kernel", itertools.product(_T, _FMT, (True, False)),
+                     _tiles(32, 64))
+QUANTIZE_1X128 = Kernel("block_quantize.cu", "quantize_1x128_kernel", _T_FMT, _stride(1))
+QUANTIZE_128X128 = Kernel("block_quantize.cu", "quantize_128x128_kernel", _T_FMT, _tiles(128, 128))
+BLOCK_DEQUANTIZE = Kernel("block_quantize.cu", "block_dequantize_kernel", itertools.product(_FMT, _T, (True, False)))
+MX_SCALE_SWIZZLE = Kernel("block_quantize.cu", "mx_scale_swizzle_kernel", grid=_stride(1))
 
 RECORDS = tuple(k for k in list(globals().values()) if isinstance(k, Kernel))  # every record above, in order
 # Every instantiation of every file, compiled together (name_expressions); selftest's coverage reads it.

@@ -78,8 +78,9 @@ def lt(monkeypatch):
         log.append(("alloc", a.shape, like.origin))
         return a
 
-    def merge_launch(kernel, device, targs, work, args, stream, **kw):
+    def merge_launch(kernel, device, targs, work, stream, grid=None, block=None, cooperative=False, **args):
         assert kernel is _kernels.AMAX, "the GEMM launches only amax merges"
+        kernel.signature.pack(args)  # the names and kinds amax_kernel's C++ signature takes
         log.append(("merge_amax", args, stream))
 
     def make_plan(lt_, spec, handle, workspace_bytes, align, pointers):
@@ -153,7 +154,8 @@ def test_every_pooled_gemm_waits_for_the_workspaces_last_use_and_records_its_own
     assert all(e[1:] in ((10, events[0]), (events[0], 10)) for e in lt.log if e[0] in ("wait", "record"))
     ws = matmuls(lt.log)[0][2]
     merge = next(e for e in lt.log if e[0] == "merge_amax")
-    assert merge[1][:2] == (ws + WS_SIZE - cublaslt._SCRATCH, 0x3000000), "scratch at the workspace's end"
+    assert (merge[1]["x"], merge[1]["amax_out"]) == (ws + WS_SIZE - cublaslt._SCRATCH, 0x3000000), \
+        "scratch at the workspace's end"
 
 
 def test_many_streams_stay_within_the_bound(lt):

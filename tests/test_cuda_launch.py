@@ -2,7 +2,6 @@
 cuBLASLt plan cache's bound."""
 
 import inspect
-import struct
 
 import pytest
 
@@ -27,12 +26,12 @@ def test_multi_blocks_by_elements(sizes):
 
 def test_multi_format_is_the_struct():
     for k in (_kernels.MULTI_AMAX, _kernels.MULTI_QUANTIZE):
-        assert k.size == 2824 <= 4096 and _kernels.arg_layout(k.params) == [(0, 2824)]
+        assert k.signature.size == 2824 <= 4096 and k.signature.layout == [(0, 2824)]
 
 
 def test_argument_layouts_are_naturally_aligned():
     for k in _kernels.RECORDS:
-        for offset, size in _kernels.arg_layout(k.params):
+        for offset, size in k.signature.layout:
             assert offset % min(size, 8) == 0, k.name
 
 
@@ -83,7 +82,8 @@ def test_kernels_refuse_older_gpus_before_compiling(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", lambda device: type("D", (), {"compute_capability": "75"})())
     monkeypatch.setattr(_kernels, "get_function", lambda *a: pytest.fail("compiled for an unsupported device"))
     with pytest.raises(RuntimeError, match=r"compute capability 8.0 or newer .*cuda:2 is 7.5"):
-        _kernels.QUANTIZE.launch(2, ("float32", 0), 16, (0,) * 11, 0)
+        _kernels.QUANTIZE.launch(2, ("float32", 0), 16, 0, x=0, q=0, scale=0, amax_in=0, amax_out=0, scale_inv_out=0,
+                                 n=16, fp8_max=448.0, margin=0, power_of_2=0, epsilon=0.0)
     assert _kernels._sm_counts == {}, "a refused device is asked again (and refused again) next time"
 
 
@@ -151,8 +151,10 @@ def test_plan_cache_is_bounded():
 
 
 def _recording(calls):
-    """A stand-in for Kernel.launch that records (kernel, device, instantiation, work, args, stream)."""
-    def launch(kernel, device, targs, work, args, stream, **kw):
+    """A stand-in for Kernel.launch that records (kernel, device, instantiation, work, args, stream), the args
+    checked against the kernel's C++ signature."""
+    def launch(kernel, device, targs, work, stream, grid=None, block=None, cooperative=False, **args):
+        kernel.signature.pack(args)
         calls.append((kernel.name, device, targs, work, args, stream))
     return launch
 
@@ -175,7 +177,7 @@ def test_gemm_with_no_rows_still_merges_amax_zero(monkeypatch):
     a = type("T", (), {"device": ("cuda", 3)})()
     d = cublaslt.gemm(spec, a, None, None, None, None, None, _Dev(0x1000), None, 77)
     assert d == ("D", (0, 16))
-    assert calls == [("amax_kernel", 3, ("float32",), 1, (0, 0x1000, 0), 77)], \
+    assert calls == [("amax_kernel", 3, ("float32",), 1, {"x": 0, "amax_out": 0x1000, "n": 0}, 77)], \
         "x = null, n = 0: the kernel merges amax 0"
 
 
@@ -183,4 +185,4 @@ def test_merge_amax_packs_value_and_slot(monkeypatch):
     calls = []
     monkeypatch.setattr(_kernels.Kernel, "launch", _recording(calls))
     cuda_call.merge_amax(_Dev(0x2000), _Dev(0x3000), 0, 5)
-    assert calls[0][4] == (0x3000, 0x2000, 1) and struct.calcsize(_kernels.AMAX.format) == 24
+    assert calls[0][4] == {"x": 0x3000, "amax_out": 0x2000, "n": 1} and _kernels.AMAX.signature.size == 24

@@ -109,7 +109,8 @@ def dev(monkeypatch):
         log.append(("alloc", a.shape, a.dtype.name, like.origin))
         return a
 
-    def launch(kernel, device, targs, work, args, stream, grid=None, block=None, cooperative=False):
+    def launch(kernel, device, targs, work, stream, grid=None, block=None, cooperative=False, **args):
+        kernel.signature.pack(args)  # the names and kinds the kernel's C++ signature takes
         log.append(("launch", kernel.name, args, stream, cooperative))
 
     monkeypatch.setattr(cuda, "_runtime", runtime)
@@ -174,7 +175,7 @@ def test_python_number_refused_inside_a_cupy_capture(dev, arg):
 def test_python_number_outside_a_capture_unchanged(dev):
     out = args.new_f32([0.5], gpu_tensor((8,)), "scale")
     assert dev.kinds() == ["is_capturing", "alloc", "fill_kernel"]
-    assert dev.log[2][2] == (out.data.ptr, int(np.float32(0.5).view(np.uint32)), 1)
+    assert dev.log[2][2] == {"out": out.data.ptr, "value": int(np.float32(0.5).view(np.uint32)), "n": 1}
 
 
 def test_python_number_for_a_torch_caller_inside_a_capture(dev):
@@ -226,7 +227,7 @@ def test_quantize_dynamic_whose_workspace_holds_a_result_is_one_cooperative_laun
     ws = dev.allocs()[1]
     assert ws[1:3] == ((4 + 32,), "uint32"), "[amax, scale_inv, barrier x2, a partial per block]"
     assert dev.log[-1][4] is True, "cooperative"
-    assert (a.data.ptr, s_inv.data.ptr) == (dev.log[-1][2][3], dev.log[-1][2][4])
+    assert (a.data.ptr, s_inv.data.ptr) == (dev.log[-1][2]["amax_out"], dev.log[-1][2]["scale_inv_out"])
     assert (s_inv is outs[1] or outs[1] is None) and (a is outs[2] or outs[2] is None)
 
 
@@ -249,10 +250,10 @@ def test_quantize_dynamic_into_given_slots_inside_a_cupy_capture_makes_no_tempor
     assert len(dev.allocs()) == (0 if q_given else 1), "only q, when not given"
     assert [k for k in dev.kinds() if k != "alloc"] == ["is_capturing", "memset", "amax_kernel", "quantize_kernel"]
     memset, amax_launch, quantize_launch = [e for e in dev.log if e[0] in ("memset", "launch")]
-    assert memset[1] == a.data.ptr and amax_launch[2][1] == a.data.ptr
-    x_ptr, q_ptr, scale, amax_in, amax_out, s_inv_out = quantize_launch[2][:6]
-    assert (x_ptr, q_ptr, scale, amax_in, amax_out, s_inv_out) == (x.data.data.ptr, q.data.ptr, 0, a.data.ptr, 0,
-                                                                   s_inv.data.ptr)
+    assert memset[1] == a.data.ptr and amax_launch[2]["amax_out"] == a.data.ptr
+    pointers = ("x", "q", "scale", "amax_in", "amax_out", "scale_inv_out")
+    assert [quantize_launch[2][k] for k in pointers] == [x.data.data.ptr, q.data.ptr, 0, a.data.ptr, 0,
+                                                         s_inv.data.ptr]
     assert all(not e[4] for e in dev.log if e[0] == "launch"), "no cooperative launch"
 
 
@@ -294,7 +295,7 @@ def test_gemm_block_scale_layouts_outside_a_capture_unchanged(dev):
     scale = FakeArray((256, 4), np.uint8, 0xE00000)
     out = cuda_blocks.layout_for_cublaslt(scale, "1x32", gpu_tensor((256, 128), "uint8"), STREAM)
     assert dev.kinds() == ["is_capturing", "alloc", "mx_scale_swizzle_kernel"]
-    assert dev.log[-1][2] == (0xE00000, out.data.ptr, 256, 4)
+    assert dev.log[-1][2] == {"s": 0xE00000, "out": out.data.ptr, "rows": 256, "kgroups": 4}
 
 
 def test_gemm_block_scale_layouts_for_a_torch_caller_inside_a_capture(dev):
@@ -339,7 +340,7 @@ def test_step_counter_is_not_made_inside_any_capture(dev, origin):
 # ---- the cooperative quantize_dynamic refused by the driver (MPS limits, green contexts) --------------------
 
 REAL_LAUNCH, REAL_MAX_BLOCKS = _kernels.Kernel.launch, _kernels.Kernel.max_blocks
-FORMATS = {k.name: k.format for k in _kernels.RECORDS}
+SIGNATURES = {k.name: k.signature for k in _kernels.RECORDS}
 COOPERATIVE_TOO_LARGE = 720  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE
 
 
@@ -366,9 +367,11 @@ class FakeDriver:
         return self.per_sm
 
     def _args(self, fn, params):
-        name, fmt = self.functions[fn]
+        name, sig = self.functions[fn]
         base = ctypes.c_void_p.from_address(params).value  # the first argument's address is the buffer's
-        return name, struct.unpack(fmt, ctypes.string_at(base, struct.calcsize(fmt)))
+        values = struct.unpack(sig.format, ctypes.string_at(base, sig.size))
+        assert len(values) == len(sig.names), "no by-value struct is launched here"
+        return name, dict(zip(sig.names, values))
 
     def launchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         name, args = self._args(fn, params)
@@ -394,7 +397,7 @@ def drv(dev, monkeypatch):
         def __init__(self, expr):
             self.ptr = 0x7000 + len(driver.functions)
             kernel = expr.split("::")[1].split("<")[0]
-            driver.functions[self.ptr] = (kernel, FORMATS[kernel])
+            driver.functions[self.ptr] = (kernel, SIGNATURES[kernel])
 
     monkeypatch.setattr(cuda, "_driver", driver)
     monkeypatch.setattr(_kernels, "_driver", lambda: driver)
@@ -436,9 +439,11 @@ def test_refused_cooperative_launch_falls_back_to_two_launches(drv, outs):
     assert kinds[kinds.index("refused"):] == ["refused", "memset", "amax_kernel", "quantize_kernel"]
     assert [e[1:3] for e in drv.allocs()] == ([] if q_given else [((BIG,), "uint8")]) + [((4 + 8 * SMS,), "uint32")]
     memset, amax_launch, quantize_launch = [e for e in drv.log if e[0] in ("memset", "launch")][1:]
-    assert memset[1:4] == (a.data.ptr, 0, 4) and amax_launch[2] == (x.data.data.ptr, a.data.ptr, BIG)
-    assert quantize_launch[2][:6] == (x.data.data.ptr, q.data.ptr, 0, a.data.ptr, 0, s_inv.data.ptr)
-    assert quantize_launch[2][6:] == (BIG, 448.0, 1, 1, 0.5)
+    assert memset[1:4] == (a.data.ptr, 0, 4) and amax_launch[2] == {"x": x.data.data.ptr, "amax_out": a.data.ptr,
+                                                                     "n": BIG}
+    assert quantize_launch[2] == {"x": x.data.data.ptr, "q": q.data.ptr, "scale": 0, "amax_in": a.data.ptr,
+                                  "amax_out": 0, "scale_inv_out": s_inv.data.ptr, "n": BIG, "fp8_max": 448.0,
+                                  "margin": 1, "power_of_2": 1, "epsilon": 0.5}
     assert (q_given is None or q is q_given) and a.data.ptr + 4 == s_inv.data.ptr, "the workspace's two words"
     assert cuda._no_cooperative == {0}
 
@@ -460,7 +465,8 @@ def test_refusal_inside_a_cupy_capture_allocates_nothing_more(drv):
     assert [e[1:3] for e in drv.allocs()] == [((4 + 8 * SMS,), "uint32")]
     assert drv.kinds()[-4:] == ["refused", "memset", "amax_kernel", "quantize_kernel"]
     barrier = next(e for e in drv.log if e[0] == "memset")
-    assert drv.log[-1][2][5] == s_inv.data.ptr == barrier[1] - 4, "scale_inv is the workspace's second word"
+    assert drv.log[-1][2]["scale_inv_out"] == s_inv.data.ptr == barrier[1] - 4, \
+        "scale_inv is the workspace's second word"
 
 
 def test_a_refusal_is_remembered_per_device(drv):

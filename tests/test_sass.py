@@ -215,13 +215,14 @@ def check_sass(filename, expr, arch, soft, tmp_path_factory):
 
 @pytest.mark.parametrize("filename,expr", ALL)
 def test_launch_arguments_match_the_kernel(filename, expr, tmp_path_factory):
-    """The driver launches pack arguments by hand (each record's params): offsets and sizes must be the kernel's."""
+    """A launch packs its named arguments as the loader read the kernel's C++ signature (_signatures): offsets and
+    sizes must be those of the compiled kernel."""
     dis, name = function(filename, expr, "90", False, tmp_path_factory)
     got = [(offset, size) for _, offset, size in dis.params[name]]
-    assert got == _kernels.arg_layout(RECORD[kind(expr)].params), expr
+    assert got == RECORD[kind(expr)].signature.layout, expr
 
 
 def test_multi_args_fit_the_parameter_limit(tmp_path_factory):
     dis, mapping = disassemble("quantize.cu", "80", False, tmp_path_factory)
     (_, offset, size), = dis.params[mapping["fp8core::multi_quantize_kernel<float, 0>"]]
-    assert size == _kernels.MULTI_QUANTIZE.size and size <= 4096
+    assert size == _kernels.MULTI_QUANTIZE.signature.size and size <= 4096

@@ -29,8 +29,8 @@ try:
 except ImportError:  # pragma: no cover - fp8core[cuda12|cuda13] brings it
     cupy = xp = _driver = _runtime = None
 
-from .._kernels import (AMAX, CAST_TRANSPOSE, COMPUTE_SCALE, DEQUANTIZE, FILL, MULTI_AMAX, MULTI_CHUNK,
-                        MULTI_QUANTIZE, QUANTIZE, QUANTIZE_DYNAMIC, THREADS, UPDATE)
+from .._kernels import (AMAX, CAST_TRANSPOSE, COMPUTE_SCALE, DEQUANTIZE, FILL, MULTI_AMAX, MULTI_QUANTIZE, QUANTIZE,
+                        QUANTIZE_DYNAMIC, THREADS, UPDATE)
 from .._views import Tensor, storage_dtype
 from ..formats import Format
 from . import cublaslt
@@ -42,7 +42,7 @@ name = "cuda"
 
 def _fill(out: Any, bits: int, device: int, stream: int) -> None:
     if out.size:
-        FILL.launch(device, (), out.size, (out.data.ptr, bits, out.size), stream)
+        FILL.launch(device, (), out.size, stream, out=out.data.ptr, value=bits, n=out.size)
 
 
 def device_f32(values: Any, like: Tensor, arg: str | None = None) -> Any:
@@ -79,7 +79,7 @@ def device_f32(values: Any, like: Tensor, arg: str | None = None) -> Any:
 def _amax_into(x: Tensor, out: Any, device: int, stream: int) -> None:
     _runtime.memsetAsync(out.data.ptr, 0, 4, stream)
     if x.size:
-        AMAX.launch(device, (x.dtype,), x.size, (x.data.data.ptr, out.data.ptr, x.size), stream)
+        AMAX.launch(device, (x.dtype,), x.size, stream, x=x.data.data.ptr, amax_out=out.data.ptr, n=x.size)
 
 
 def amax(x: Tensor) -> Any:
@@ -95,9 +95,10 @@ def _quantize(x: Tensor, q: Any, scale: Any, fmt: Format, amax_out: Any | None, 
               scale_inv_out: Any | None, margin: int, power_of_2: bool, epsilon: float, stream: int) -> None:
     # An empty x still launches when there is a slot to merge 0 into, or a scale_inv to write.
     if x.size or amax_in is not None or amax_out is not None:
-        QUANTIZE.launch(x.device[1], (x.dtype, fmt.index), x.size,
-                        (ptr(x.data) if x.size else 0, ptr(q) if x.size else 0, ptr(scale), ptr(amax_in),
-                         ptr(amax_out), ptr(scale_inv_out), x.size, fmt.max, margin, int(power_of_2), epsilon), stream)
+        QUANTIZE.launch(x.device[1], (x.dtype, fmt.index), x.size, stream,
+                        x=ptr(x.data) if x.size else 0, q=ptr(q) if x.size else 0, scale=ptr(scale),
+                        amax_in=ptr(amax_in), amax_out=ptr(amax_out), scale_inv_out=ptr(scale_inv_out), n=x.size,
+                        fp8_max=fmt.max, margin=margin, power_of_2=int(power_of_2), epsilon=epsilon)
 
 
 def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *, out: Any | None = None) -> Any:
@@ -156,9 +157,10 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
         a = ws[0:1].view(np.float32) if a_out is None else a_out
         s_inv = ws[1:2].view(np.float32) if s_inv_out is None else s_inv_out
         try:
-            QUANTIZE_DYNAMIC.launch(device, targs, x.size,
-                                    (x.data.data.ptr, q.data.ptr, ws.data.ptr + 8, a.data.ptr, s_inv.data.ptr, x.size,
-                                     fmt.max, margin, int(power_of_2), epsilon), stream, grid=blocks, cooperative=True)
+            QUANTIZE_DYNAMIC.launch(device, targs, x.size, stream, grid=blocks, cooperative=True,
+                                    x=x.data.data.ptr, q=q.data.ptr, workspace=ws.data.ptr + 8, amax_out=a.data.ptr,
+                                    scale_inv_out=s_inv.data.ptr, n=x.size, fp8_max=fmt.max, margin=margin,
+                                    power_of_2=int(power_of_2), epsilon=epsilon)
         except _driver.CUDADriverError as e:
             if e.status != _COOPERATIVE_TOO_LARGE:
                 raise
@@ -187,15 +189,18 @@ def _multi_blocks(sizes: list[int], max_blocks: int) -> list[int]:
 
 def _multi_launch(kernel: Any, device: int, targs: tuple, entries: list[tuple[int, int, int, int, int]],
                   stream: int) -> None:
-    """entries: (x, q, scale, amax, n) per tensor, launched MULTI_CHUNK at a time, the table by value."""
-    pad = [0] * MULTI_CHUNK
-    for c in range(0, len(entries), MULTI_CHUNK):
-        chunk = entries[c:c + MULTI_CHUNK]
-        cols = [list(col) + pad[len(chunk):] for col in zip(*chunk)]
+    """entries: (x, q, scale, amax, n) per tensor, launched MULTI_CHUNK (quantize.cu's) at a time, the table
+    (MultiArgs) by value."""
+    per = kernel.constant("MULTI_CHUNK")
+    pad = [0] * per
+    for c in range(0, len(entries), per):
+        chunk = entries[c:c + per]
+        x, q, scale, amax, n = (list(col) + pad[len(chunk):] for col in zip(*chunk))
         first = _multi_blocks([e[4] for e in chunk], kernel.max_blocks(device, targs))
-        first += [first[-1]] * (MULTI_CHUNK + 1 - len(first))
-        kernel.launch(device, targs, None, (*cols[0], *cols[1], *cols[2], *cols[3], *cols[4], *first, len(chunk)),
-                      stream, grid=first[len(chunk)])
+        first += [first[-1]] * (per + 1 - len(first))
+        kernel.launch(device, targs, None, stream, grid=first[len(chunk)],
+                      a={"x": x, "q": q, "scale": scale, "amax": amax, "n": n, "first_block": first,
+                         "count": len(chunk)})
 
 
 def multi_amax(xs: list[Tensor], out: Any) -> None:
@@ -237,8 +242,8 @@ def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *, out: A
         stream = stream_of(q)
         y = empty(q.shape, storage_dtype(out_dtype), q) if out is None else out
         if q.size:
-            DEQUANTIZE.launch(device, (fmt.index, out_dtype), q.size,
-                              (q.data.data.ptr, y.data.ptr, scale_inv.data.ptr, q.size), stream)
+            DEQUANTIZE.launch(device, (fmt.index, out_dtype), q.size, stream, q=q.data.data.ptr, y=y.data.ptr,
+                              scale_inv=scale_inv.data.ptr, n=q.size)
         return y
 
 
@@ -249,8 +254,9 @@ def transpose(q: Tensor, *, out: Any | None = None) -> Any:
         stream = stream_of(q)
         out = empty((cols, rows), np.uint8, q) if out is None else out
         if q.size:
-            CAST_TRANSPOSE.launch(device, ("fp8core::Passthrough", 0, False), (rows, cols),
-                                  (q.data.data.ptr, 0, out.data.ptr, 0, 0, rows, cols), stream)
+            CAST_TRANSPOSE.launch(device, ("fp8core::Passthrough", 0, False), (rows, cols), stream,
+                                  x=q.data.data.ptr, q=0, q_t=out.data.ptr, scale_p=0, amax_out=0, rows=rows,
+                                  cols=cols)
         return out
 
 
@@ -263,9 +269,9 @@ def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *,
         q = empty((rows, cols), np.uint8, x) if out[0] is None else out[0]
         qt = empty((cols, rows), np.uint8, x) if out[1] is None else out[1]
         if x.size:
-            CAST_TRANSPOSE.launch(device, (x.dtype, fmt.index, True), (rows, cols),
-                                  (x.data.data.ptr, q.data.ptr, qt.data.ptr, scale.data.ptr, ptr(amax_out), rows,
-                                   cols), stream)
+            CAST_TRANSPOSE.launch(device, (x.dtype, fmt.index, True), (rows, cols), stream, x=x.data.data.ptr,
+                                  q=q.data.ptr, q_t=qt.data.ptr, scale_p=scale.data.ptr, amax_out=ptr(amax_out),
+                                  rows=rows, cols=cols)
         elif amax_out is not None:  # merge amax 0 into the slot, as the CPU does
             merge_amax(amax_out, None, device, stream)
         return q, qt
@@ -286,10 +292,10 @@ def _scale_launch(t: Tensor, fp8_max: Any, fp8_max_value: float, margin: int, po
     s_inv = empty(amax.shape, np.float32, t)
     n = amax.size
     if n:
-        COMPUTE_SCALE.launch(t.device[1], (), n,
-                             (amax.data.ptr, ptr(fp8_max), fp8_max_value, s.data.ptr, s_inv.data.ptr, ptr(ok),
-                              ptr(previous), 0 if previous is None else previous.size, n, margin, int(power_of_2),
-                              epsilon), stream)
+        COMPUTE_SCALE.launch(t.device[1], (), n, stream, amax=amax.data.ptr, fp8_max=ptr(fp8_max),
+                             fp8_max_value=fp8_max_value, scale=s.data.ptr, scale_inv=s_inv.data.ptr, ok=ptr(ok),
+                             previous=ptr(previous), previous_size=0 if previous is None else previous.size, n=n,
+                             margin=margin, power_of_2=int(power_of_2), epsilon=epsilon)
     return s, s_inv
 
 
@@ -320,10 +326,10 @@ def update(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, margin: int, 
     warps = max(1, min(16, (L - 1 + 63) // 64))
     device = t.device[1]
     with On(device):
-        UPDATE.launch(device, (algo == "max",), n,
-                      (history.data.ptr, scale.data.ptr, scale_inv.data.ptr, fp8_max.data.ptr, ptr(flags), n, L,
-                       margin, int(power_of_2), epsilon, int(update_scale), ptr(step), int(interval)), stream_of(t),
-                      block=(32, warps))
+        UPDATE.launch(device, (algo == "max",), n, stream_of(t), block=(32, warps), history=history.data.ptr,
+                      scale=scale.data.ptr, scale_inv=scale_inv.data.ptr, fp8_max=fp8_max.data.ptr,
+                      non_finite=ptr(flags), n=n, L=L, margin=margin, power_of_2=int(power_of_2), epsilon=epsilon,
+                      update_scale=int(update_scale), step=ptr(step), interval=int(interval))
 
 
 def step_counter(step: int, like: Any) -> Any:

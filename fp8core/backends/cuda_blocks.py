@@ -32,9 +32,9 @@ def _mx_launch(x: Tensor, fmt: Format, mode: str, rowwise: bool, columnwise: boo
         qc = empty((rows, cols), np.uint8, x) if columnwise else None
         sc = empty((cdiv(rows, MX_BLOCK), cols), np.uint8, x) if columnwise else None
         if x.size:
-            MX_QUANTIZE.launch(device, (x.dtype, fmt.index, mode == "rceil"), (rows, cols),
-                               (x.data.data.ptr, ptr(q), ptr(s), ptr(qc), ptr(sc), rows, cols,
-                                float(inv_fp8_max(fmt)), fmt.emax), stream)
+            MX_QUANTIZE.launch(device, (x.dtype, fmt.index, mode == "rceil"), (rows, cols), stream,
+                               x=x.data.data.ptr, q=ptr(q), s=ptr(s), qc=ptr(qc), sc=ptr(sc), rows=rows, cols=cols,
+                               inv_max=float(inv_fp8_max(fmt)), emax=fmt.emax)
         return q, s, qc, sc
 
 
@@ -55,8 +55,9 @@ def _dequantize(q: Tensor, scale: Tensor, fmt: Format, out_dtype: str, br: int, 
         stream = stream_of(q)
         y = empty((rows, cols), storage_dtype(out_dtype), q)
         if q.size:
-            BLOCK_DEQUANTIZE.launch(device, (fmt.index, out_dtype, e8m0), q.size,
-                                    (q.data.data.ptr, scale.data.data.ptr, y.data.ptr, rows, cols, br, bc, sld), stream)
+            BLOCK_DEQUANTIZE.launch(device, (fmt.index, out_dtype, e8m0), q.size, stream, q=q.data.data.ptr,
+                                    scale=scale.data.data.ptr, y=y.data.ptr, rows=rows, cols=cols, br=br, bc=bc,
+                                    sld=sld)
         return y
 
 
@@ -77,12 +78,13 @@ def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool, epsilo
         q = empty((rows, cols), np.uint8, x)
         s_inv = empty((cdiv(rows, br), cdiv(cols, FP32_BLOCK)), np.float32, x)
         if x.size:
-            args = (x.data.data.ptr, q.data.ptr, s_inv.data.ptr, rows, cols, float(fmt.max), int(power_of_2),
-                    float(epsilon))
+            args = {"x": x.data.data.ptr, "q": q.data.ptr, "scale_inv": s_inv.data.ptr, "rows": rows, "cols": cols,
+                    "fp8_max": float(fmt.max), "power_of_2": int(power_of_2), "epsilon": float(epsilon)}
             if br == 1:  # one warp per 1x128 block, grid-stride over the blocks
-                QUANTIZE_1X128.launch(device, (x.dtype, fmt.index), rows * cdiv(cols, FP32_BLOCK) * 32, args, stream)
+                QUANTIZE_1X128.launch(device, (x.dtype, fmt.index), rows * cdiv(cols, FP32_BLOCK) * 32, stream,
+                                      **args)
             else:
-                QUANTIZE_128X128.launch(device, (x.dtype, fmt.index), (rows, cols), args, stream)
+                QUANTIZE_128X128.launch(device, (x.dtype, fmt.index), (rows, cols), stream, **args)
         return q, s_inv
 
 
@@ -136,7 +138,8 @@ def layout_for_cublaslt(scale: Any, kind: str, like: Tensor, stream: int, *, tem
     if kind == "1x32":
         out = empty((mx_swizzled_size(rows, kgroups),), np.uint8, like)
         if out.size:
-            MX_SCALE_SWIZZLE.launch(device, (), out.size, (scale.data.ptr, out.data.ptr, rows, kgroups), stream)
+            MX_SCALE_SWIZZLE.launch(device, (), out.size, stream, s=scale.data.ptr, out=out.data.ptr, rows=rows,
+                                    kgroups=kgroups)
         return out
     shape = (kgroups, rows) if kind == "1x128" else (rows, cdiv(kgroups, 4) * 4)
     out = empty(shape, np.float32, like)

@@ -80,4 +80,4 @@ def ptr(a: Any) -> int:
 def merge_amax(slot: Any, value: Any | None, device: int, stream: int) -> None:
     """slot = max(slot, |value|) for 1-element float32 device arrays, as every amax slot merges (signed order);
     value None merges the amax 0 of an empty tensor. Call inside the device guard."""
-    AMAX.launch(device, ("float32",), 1, (ptr(value), slot.data.ptr, 0 if value is None else 1), stream)
+    AMAX.launch(device, ("float32",), 1, stream, x=ptr(value), amax_out=slot.data.ptr, n=0 if value is None else 1)

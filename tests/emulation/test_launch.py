@@ -18,12 +18,12 @@ from fp8core.backends import cuda
 
 
 def test_argument_layouts_match_the_kernels(dev):
-    """Each record's params (what its launch packs) against each instantiation's C++ parameter list, offset by
-    offset."""
+    """Each record's signature as the loader read it from the .cu (what its launch packs) against each
+    instantiation's C++ parameter list as the host compiler lays it out, offset by offset."""
     for k in _kernels.RECORDS:
         for targs in k.instances:
             fn = _kernels.get_function(k.file, k.expr(targs), dev)
-            assert _kernels.arg_layout(k.params) == device.param_layout(fn), k.expr(targs)
+            assert k.signature.layout == device.param_layout(fn), k.expr(targs)
 
 
 # ---- grids beyond one row: only a window of blocks around the row boundary runs, over lazily mapped memory --

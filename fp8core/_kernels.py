@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _signatures
+from ._caches import cached, memo
 from .formats import Format
 
 # CuPy's RawModule appends -ftz=true and --device-as-default-execution-space to every compile; compile_cubin
@@ -97,8 +98,8 @@ def _driver() -> Any:
     return driver
 
 
-_plans: dict[tuple[Any, int, tuple], _Plan] = {}
-_sm_counts: dict[int, int] = {}  # the devices checked, and their SM counts
+_plans: dict[tuple[Any, int, tuple], _Plan] = memo("kernels.plans", {})
+_sm_counts: dict[int, int] = memo("kernels.sm_counts", {})  # the devices checked, and their SM counts
 
 
 def _sm_count(device: int) -> int:
@@ -258,7 +259,7 @@ FAMILY_ARCHS = (100, 103, 110, 120, 121)
 FAMILY_MIN_NVRTC = {100: (12, 9), 103: (12, 9), 110: (13, 0), 120: (12, 9), 121: (12, 9)}
 
 
-@lru_cache(maxsize=1)
+@cached("kernels.nvrtc_version", maxsize=1)
 def nvrtc_version() -> tuple[int, int]:
     """(major, minor) of the NVRTC CuPy loaded, read once per process."""
     major, minor = _nvrtc().getVersion()
@@ -303,7 +304,7 @@ def _cubin(prog: int) -> bytes:
     return buf.raw
 
 
-_compiled: dict[tuple[str, str, bool, str], tuple[bytes, dict[str, str]]] = {}
+_compiled: dict[tuple[str, str, bool, str], tuple[bytes, dict[str, str]]] = memo("kernels.cubins", {})
 
 
 def compile_cubin(filename: str, arch: str, soft_fp8: bool = False) -> tuple[bytes, dict[str, str]]:

@@ -3,7 +3,7 @@ conversion (test_nvrtc.py compiles every file for the generic targets, where it 
 
 import pytest
 
-from fp8core import _kernels
+from fp8core import _caches, _kernels
 
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed: NVRTC comes with it")
 
@@ -98,11 +98,11 @@ def test_nvrtc_version_is_read_once(monkeypatch):
     calls = []
     real = nvrtc.getVersion
     monkeypatch.setattr(nvrtc, "getVersion", lambda: calls.append(1) or real())
-    _kernels.nvrtc_version.cache_clear()
+    _caches.reset("kernels.nvrtc_version")
     try:
         first = _kernels.nvrtc_version()
         for cc in _kernels.FAMILY_ARCHS:
             _kernels.arch_options(FILE, cc, soft_fp8=False)
         assert _kernels.nvrtc_version() == first == tuple(real()) and calls == [1]
     finally:
-        _kernels.nvrtc_version.cache_clear()
+        _caches.reset("kernels.nvrtc_version")

@@ -7,7 +7,7 @@ import pytest
 
 import fp8core
 from fp8core import _caches, ops
-from fp8core.backends import cpu, cpu_blocks, cublaslt
+from fp8core.backends import cpu, cpu_blocks, cublaslt, cuda  # noqa: F401  (cuda: its memos registered)
 
 FUNCTIONS = [cpu.quantize_table, cpu._dequant_table, cpu._widen_table, cpu_blocks._e8m0_factors,
              cpu_blocks._fp32_of_code, cublaslt.compute_capability]
@@ -30,7 +30,8 @@ def _calls():
 def test_every_memo_is_registered_by_name():
     assert {"cpu.cast_tables", "cpu.quantize_tables", "cpu.seen_scales", "cpu.dequantize_tables", "cpu.widen_tables",
             "cpu_blocks.e8m0_factors", "cpu_blocks.fp32_of_code", "cublaslt.compute_capability",
-            "ops.backends"} <= set(_caches.names())
+            "ops.backends", "kernels.plans", "kernels.sm_counts", "kernels.nvrtc_version", "kernels.cubins",
+            "cuda.no_cooperative"} <= set(_caches.names())
 
 
 def test_reset_empties_every_memo_and_the_next_calls_give_the_same_bits():

@@ -29,6 +29,7 @@ try:
 except ImportError:  # pragma: no cover - fp8core[cuda12|cuda13] brings it
     cupy = xp = _driver = _runtime = None
 
+from .._caches import memo
 from .._kernels import (AMAX, CAST_TRANSPOSE, COMPUTE_SCALE, DEQUANTIZE, FILL, MULTI_AMAX, MULTI_QUANTIZE, QUANTIZE,
                         QUANTIZE_DYNAMIC, THREADS, UPDATE)
 from .._views import Tensor, storage_dtype
@@ -116,7 +117,7 @@ def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *, out: A
 # device, not a switch (a set only ever added to, so threads need no lock: at worst two of them each see one
 # refusal).
 _COOPERATIVE_TOO_LARGE = 720
-_no_cooperative: set[int] = set()
+_no_cooperative: set[int] = memo("cuda.no_cooperative", set())
 
 
 def _dynamic_two_launch(x: Tensor, q: Any, a: Any, s_inv: Any, fmt: Format, margin: int, power_of_2: bool,

@@ -162,11 +162,11 @@ __device__ __forceinline__ float fp8_to_f32(u32 v) {
   return __uint_as_float(sign | ((e - BIAS + 127) << 23) | (m << (23 - MB)));
 }
 
-// Two fp8 codes (lo in bits 0-7, hi in bits 8-15) to fp32, exact: through f16, which holds every E4M3 and
-// E5M2 value exactly. sm_89+ decodes a pair in one instruction (per encoding, as the PTX names it); a code laid
-// out as f16's top byte (E5M2: 5 exponent bits, bias 15, inf) is one anyway.
-#if FP8CORE_HW_FP8
+// Two fp8 codes (lo in bits 0-7, hi in bits 8-15) to fp32, exact. sm_89+ decodes an E4M3 or E5M2 pair in one
+// instruction (the PTX names the encoding) into f16, which holds every value of both exactly; a code laid out as
+// f16's top byte (5 exponent bits, bias 15, inf: E5M2) is one anyway; any other code is decoded on its own.
 template <int FMT> __device__ __forceinline__ u32 f16x2_of(u16 pair);
+#if FP8CORE_HW_FP8
 template <> __device__ __forceinline__ u32 f16x2_of<E4M3>(u16 pair) {
   u32 h2;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
@@ -180,26 +180,22 @@ template <> __device__ __forceinline__ u32 f16x2_of<E5M2>(u16 pair) {
 #endif
 template <int FMT>
 __device__ __forceinline__ void fp8x2_to_f32(u32 pair, float& lo, float& hi) {
-#if FP8CORE_HW_FP8
-  const u32 h2 = f16x2_of<FMT>((u16)pair);
-  f16 a, b;
-  a.bits = (u16)(h2 & 0xffffu);
-  b.bits = (u16)(h2 >> 16);
-  lo = to_f32(a);
-  hi = to_f32(b);
-#else
   using E = Encoding<FMT>;
-  if (E::EB == 5 && E::MB == 2 && E::BIAS == 15 && E::HAS_INF) {
-    f16 a, b;
+  f16 a, b;
+  if constexpr (FP8CORE_HW_FP8 && (FMT == E4M3 || FMT == E5M2)) {
+    const u32 h2 = f16x2_of<FMT>((u16)pair);
+    a.bits = (u16)(h2 & 0xffffu);
+    b.bits = (u16)(h2 >> 16);
+  } else if constexpr (E::EB == 5 && E::MB == 2 && E::BIAS == 15 && E::HAS_INF) {
     a.bits = (u16)((pair & 0xffu) << 8);
     b.bits = (u16)(pair & 0xff00u);
-    lo = to_f32(a);
-    hi = to_f32(b);
   } else {
     lo = fp8_to_f32<FMT>(pair & 0xffu);
     hi = fp8_to_f32<FMT>((pair >> 8) & 0xffu);
+    return;
   }
-#endif
+  lo = to_f32(a);
+  hi = to_f32(b);
 }
 
 // ---- fp32 -> output dtypes, RTNE, canonical NaN -----------------------------------------------------------

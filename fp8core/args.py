@@ -172,9 +172,19 @@ def fmt(value: Any, arg: str = "fmt") -> Format:
     return f
 
 
+_ROWS: dict[Any, Encoding] = dict(ENCODINGS)  # encoding's lookups: the spellings fmt remembers, and the Formats
+
+
 def encoding(value: Any, arg: str = "fmt") -> Encoding:
     """The encoding row of an fp8 format (what :func:`fmt` accepts): what the backends take."""
-    return fmt(value, arg).encoding
+    try:
+        return _ROWS[value]
+    except (KeyError, TypeError):
+        pass
+    row = fmt(value, arg).encoding
+    if value in _FORMATS:
+        _ROWS[value] = row
+    return row
 
 
 _OUT_DTYPES: dict[Any, str] = {}

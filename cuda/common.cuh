@@ -15,7 +15,24 @@ typedef long long i64;
 struct bf16 { u16 bits; };
 struct f16 { u16 bits; };
 
-enum { E4M3 = 0, E5M2 = 1 };
+// ---- the encodings: their constants come from fp8core's table of rows (fp8core/formats.py) -------------------
+// The loader defines FP8CORE_ENCODINGS as one FP8CORE_ENCODING(...) per encoding the kernels convert
+// (fp8core._kernels.module_options): its name, template index, exponent bits, mantissa bits, bias, the code of +max,
+// whether the all-ones exponent is inf/NaN (IEEE, E5M2), whether it has a NaN (without inf: the all-ones magnitude,
+// E4M3), and the code a NaN casts to.
+#ifndef FP8CORE_ENCODINGS
+#error "FP8CORE_ENCODINGS is undefined: compile through fp8core._kernels, whose module_options define it"
+#endif
+template <int FMT> struct Encoding;
+#define FP8CORE_ENCODING(NAME, INDEX, EXP_BITS, MANT_BITS, BIAS_, MAX_CODE_, HAS_INF_, HAS_NAN_, NAN_CAST_) \
+  enum { NAME = INDEX };                                                                                   \
+  template <> struct Encoding<INDEX> {                                                                     \
+    static constexpr int EB = EXP_BITS, MB = MANT_BITS, BIAS = BIAS_;                                      \
+    static constexpr u32 MAX_CODE = MAX_CODE_, NAN_CAST = NAN_CAST_;                                       \
+    static constexpr bool HAS_INF = HAS_INF_, HAS_NAN = HAS_NAN_;                                          \
+  };
+FP8CORE_ENCODINGS
+#undef FP8CORE_ENCODING
 
 static constexpr u32 F32_NAN = 0x7fffffffu;
 static constexpr u32 F32_INF = 0x7f800000u;
@@ -65,13 +82,13 @@ __device__ __forceinline__ float d2f(double x) {
 #endif
 
 // RTNE into the format with saturation to +-max, on bit patterns (no float arithmetic, so -ftz cannot touch
-// it). A NaN input gives 0x7F; the sign of a result that rounds to zero is kept.
+// it). A NaN input gives the encoding's NaN code (0x7F); the sign of a result that rounds to zero is kept.
 template <int FMT>
 __device__ __forceinline__ u32 soft_cvt(float f) {
-  constexpr int MB = FMT == E4M3 ? 3 : 2, BIAS = FMT == E4M3 ? 7 : 15;
-  constexpr u32 MAX_BITS = FMT == E4M3 ? 0x7eu : 0x7bu;  // 448, 57344
-  const u32 b = __float_as_uint(f), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
-  if (a > F32_INF) return 0x7fu;
+  constexpr int MB = Encoding<FMT>::MB, BIAS = Encoding<FMT>::BIAS, SIGN_BIT = Encoding<FMT>::EB + MB;
+  constexpr u32 MAX_BITS = Encoding<FMT>::MAX_CODE;
+  const u32 b = __float_as_uint(f), sign = (b >> (31 - SIGN_BIT)) & (1u << SIGN_BIT), a = b & 0x7fffffffu;
+  if (a > F32_INF) return Encoding<FMT>::NAN_CAST;
   const int e = (int)(a >> 23) - 127;
   u32 r;
   if (e >= 1 - BIAS) {  // a normal of the format, or beyond it: keep MB mantissa bits
@@ -93,7 +110,11 @@ __device__ __forceinline__ u32 soft_cvt(float f) {
   return r | sign;
 }
 
-template <int FMT> __device__ __forceinline__ u16 cvt_pair(float lo, float hi);
+// Two codes, lo in bits 0-7 and hi in bits 8-15: in software for every encoding, in hardware (below) for those
+// the PTX ISA converts on this target. An encoding's hardware conversion is its own code, in its own lines.
+template <int FMT> __device__ __forceinline__ u16 cvt_pair(float lo, float hi) {
+  return (u16)(soft_cvt<FMT>(lo) | (soft_cvt<FMT>(hi) << 8));
+}
 #if FP8CORE_HW_FP8
 template <> __device__ __forceinline__ u16 cvt_pair<E4M3>(float lo, float hi) {
   u16 r;
@@ -105,22 +126,17 @@ template <> __device__ __forceinline__ u16 cvt_pair<E5M2>(float lo, float hi) {
   asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
-#else
-template <> __device__ __forceinline__ u16 cvt_pair<E4M3>(float lo, float hi) {
-  return (u16)(soft_cvt<E4M3>(lo) | (soft_cvt<E4M3>(hi) << 8));
-}
-template <> __device__ __forceinline__ u16 cvt_pair<E5M2>(float lo, float hi) {
-  return (u16)(soft_cvt<E5M2>(lo) | (soft_cvt<E5M2>(hi) << 8));
-}
 #endif
 
-// Quantize two values already widened to fp32; returns lo in bits 0-7, hi in bits 8-15.
+// Quantize two values already widened to fp32; returns lo in bits 0-7, hi in bits 8-15. A NaN gets the
+// encoding's NaN code whatever the hardware writes for it.
 template <int FMT>
 __device__ __forceinline__ u32 quant_pair(float lo, float hi, float scale) {
+  constexpr u32 NAN_CODE = Encoding<FMT>::NAN_CAST;
   float a = mul_rn(lo, scale), b = mul_rn(hi, scale);
   u32 r = cvt_pair<FMT>(a, b);
-  if (is_nan(a)) r = (r & 0xff00u) | 0x7fu;
-  if (is_nan(b)) r = (r & 0x00ffu) | 0x7f00u;
+  if (is_nan(a)) r = (r & 0xff00u) | NAN_CODE;
+  if (is_nan(b)) r = (r & 0x00ffu) | (NAN_CODE << 8);
   return r;
 }
 template <int FMT>
@@ -129,11 +145,13 @@ __device__ __forceinline__ u8 quant_one(float x, float scale) { return (u8)(quan
 // ---- fp8 -> fp32, exact, by bit manipulation ------------------------------------------------------------
 template <int FMT>
 __device__ __forceinline__ float fp8_to_f32(u32 v) {
-  const u32 sign = (v & 0x80u) << 24;
-  const int MB = FMT == E4M3 ? 3 : 2, BIAS = FMT == E4M3 ? 7 : 15;
-  const u32 e = (v >> MB) & (FMT == E4M3 ? 0xfu : 0x1fu), m = v & ((1u << MB) - 1);
-  if (FMT == E4M3 && (v & 0x7fu) == 0x7fu) return __uint_as_float(F32_NAN);
-  if (FMT == E5M2 && e == 0x1fu) return __uint_as_float(m ? F32_NAN : (sign | F32_INF));
+  using E = Encoding<FMT>;
+  const int MB = E::MB, BIAS = E::BIAS;
+  const u32 sign_bit = 1u << (E::EB + MB), top = (1u << E::EB) - 1u;
+  const u32 sign = (v & sign_bit) << (31 - E::EB - MB);
+  const u32 e = (v >> MB) & top, m = v & ((1u << MB) - 1);
+  if (!E::HAS_INF && E::HAS_NAN && (v & (sign_bit - 1u)) == sign_bit - 1u) return __uint_as_float(F32_NAN);
+  if (E::HAS_INF && e == top) return __uint_as_float(m ? F32_NAN : (sign | F32_INF));
   if (e == 0) {  // subnormal: m * 2^(1 - BIAS - MB), a normal fp32, made exactly from its bits
     if (m == 0) return __uint_as_float(sign);
     const int lz = 31 - __clz(m);  // position of the leading bit
@@ -144,34 +162,40 @@ __device__ __forceinline__ float fp8_to_f32(u32 v) {
   return __uint_as_float(sign | ((e - BIAS + 127) << 23) | (m << (23 - MB)));
 }
 
-// Two fp8 codes (lo in bits 0-7, hi in bits 8-15) to fp32, exact: through f16, which holds every E4M3 and
-// E5M2 value exactly. sm_89+ decodes a pair in one instruction; an E5M2 code is the top byte of an f16 anyway.
+// Two fp8 codes (lo in bits 0-7, hi in bits 8-15) to fp32, exact. sm_89+ decodes an E4M3 or E5M2 pair in one
+// instruction (the PTX names the encoding) into f16, which holds every value of both exactly; a code laid out as
+// f16's top byte (5 exponent bits, bias 15, inf: E5M2) is one anyway; any other code is decoded on its own.
+template <int FMT> __device__ __forceinline__ u32 f16x2_of(u16 pair);
+#if FP8CORE_HW_FP8
+template <> __device__ __forceinline__ u32 f16x2_of<E4M3>(u16 pair) {
+  u32 h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+  return h2;
+}
+template <> __device__ __forceinline__ u32 f16x2_of<E5M2>(u16 pair) {
+  u32 h2;
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(pair));
+  return h2;
+}
+#endif
 template <int FMT>
 __device__ __forceinline__ void fp8x2_to_f32(u32 pair, float& lo, float& hi) {
-#if FP8CORE_HW_FP8
-  u32 h2;
-  const u16 in = (u16)pair;
-  if (FMT == E4M3)
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
-  else
-    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(in));
+  using E = Encoding<FMT>;
   f16 a, b;
-  a.bits = (u16)(h2 & 0xffffu);
-  b.bits = (u16)(h2 >> 16);
-  lo = to_f32(a);
-  hi = to_f32(b);
-#else
-  if (FMT == E5M2) {
-    f16 a, b;
+  if constexpr (FP8CORE_HW_FP8 && (FMT == E4M3 || FMT == E5M2)) {
+    const u32 h2 = f16x2_of<FMT>((u16)pair);
+    a.bits = (u16)(h2 & 0xffffu);
+    b.bits = (u16)(h2 >> 16);
+  } else if constexpr (E::EB == 5 && E::MB == 2 && E::BIAS == 15 && E::HAS_INF) {
     a.bits = (u16)((pair & 0xffu) << 8);
     b.bits = (u16)(pair & 0xff00u);
-    lo = to_f32(a);
-    hi = to_f32(b);
   } else {
     lo = fp8_to_f32<FMT>(pair & 0xffu);
     hi = fp8_to_f32<FMT>((pair >> 8) & 0xffu);
+    return;
   }
-#endif
+  lo = to_f32(a);
+  hi = to_f32(b);
 }
 
 // ---- fp32 -> output dtypes, RTNE, canonical NaN -----------------------------------------------------------

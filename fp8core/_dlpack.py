@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .formats import ENCODINGS
+from .formats import ROWS
 
 __all__ = ["DLView", "import_dlpack", "Exporter", "DTYPE_CODES", "CPU", "CUDA"]
 
@@ -21,7 +21,8 @@ _READ_ONLY = 1
 # (code, bits) -> logical dtype name
 DTYPE_CODES = {
     (2, 32): "float32", (2, 16): "float16", (2, 64): "float64", (4, 16): "bfloat16",
-    (14, 8): "float8_e8m0fnu", **{(row.dlpack_code, 8): row.dtype_name for row in ENCODINGS.values()},
+    # the encodings stored one to a byte (E2M1 is packed two to a byte, in 4-bit lanes: not read here)
+    **{(row.dlpack_code, row.bits): row.dtype_name for row in ROWS if row.elements_per_byte == 1},
     (0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
     (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64", (6, 8): "bool",
 }

@@ -34,7 +34,7 @@ from typing import Any
 
 from . import _signatures
 from ._caches import cached, memo
-from .formats import Format
+from .formats import ROWS
 
 # CuPy's RawModule appends -ftz=true and --device-as-default-execution-space to every compile; compile_cubin
 # passes them too so that it compiles what runs. The kernels are written to be immune to -ftz.
@@ -190,7 +190,7 @@ class Kernel:
 
 # Template arguments: dtype names, format indices.
 _T = ("float32", "bfloat16", "float16")
-_FMT = tuple(sorted({f.fwd.index for f in Format}))  # every encoding (HYBRID is two of them): common.cuh's
+_FMT = tuple(row.index for row in ROWS if row.index is not None)  # every encoding the kernels convert
 _T_FMT = list(itertools.product(_T, _FMT))
 
 AMAX = Kernel("quantize.cu", "amax_kernel", itertools.product(_T))
@@ -244,8 +244,16 @@ def cuda_sha256() -> str:
 
 
 def module_options(soft_fp8: bool) -> tuple[str, ...]:
-    """The -D options of every compile: the cuda/ hash (CuPy's cache key) and the forced software path."""
-    return (f"-DFP8CORE_CUDA_SHA=0x{cuda_sha256()[:16]}",) + (("-DFP8CORE_FORCE_SOFT_FP8=1",) if soft_fp8 else ())
+    """The -D options of every compile: the cuda/ hash (CuPy's cache key), the encodings' constants (common.cuh's
+    FP8CORE_ENCODINGS, from the rows of fp8core.formats) and the forced software path."""
+    return (f"-DFP8CORE_CUDA_SHA=0x{cuda_sha256()[:16]}", _encodings_option()) + (
+        ("-DFP8CORE_FORCE_SOFT_FP8=1",) if soft_fp8 else ())
+
+
+def _encodings_option() -> str:
+    rows = "".join(f"FP8CORE_ENCODING({r.name},{r.index},{r.exponent_bits},{r.mantissa_bits},{r.bias},{r.max_code},"
+                   f"{int(r.has_inf)},{int(bool(r.nan_codes))},{r.nan_cast})" for r in ROWS if r.index is not None)
+    return f"-DFP8CORE_ENCODINGS={rows}"
 
 
 # Files with instructions that exist only on family-specific targets (block_quantize.cu: the hardware E8M0

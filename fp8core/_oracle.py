@@ -9,8 +9,10 @@ import math
 
 import numpy as np
 
-# (exponent bits, mantissa bits, bias, max finite, has inf)
+# (exponent bits, mantissa bits, bias, max finite, has inf): the oracle's own statement of each format, on purpose not
+# read from fp8core.formats (tests/test_formats.py checks that the two agree, and both against ml_dtypes)
 SPECS = {"e4m3": (4, 3, 7, 448.0, False), "e5m2": (5, 2, 15, 57344.0, True)}
+DTYPES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}  # the ml_dtypes name of each
 
 
 def decode(fmt: str) -> np.ndarray:
@@ -74,8 +76,8 @@ TENSOR_CORE_FAST_EPS = 2.0 ** -7
 
 # Output rounding: one ulp relative (2^-mantissa bits) and the format's smallest step near zero.
 OUT_ROUNDING = {"float32": (2.0 ** -23, 2.0 ** -149), "bfloat16": (2.0 ** -7, 2.0 ** -133),
-                "float16": (2.0 ** -10, 2.0 ** -24), "float8_e4m3fn": (2.0 ** -3, 2.0 ** -9),
-                "float8_e5m2": (2.0 ** -2, 2.0 ** -16)}
+                "float16": (2.0 ** -10, 2.0 ** -24),
+                **{dtype: (2.0 ** -SPECS[f][1], 2.0 ** (1 - SPECS[f][2] - SPECS[f][1])) for dtype, f in DTYPES.items()}}
 
 
 def gemm_reference(a_codes: np.ndarray, a_fmt: str, b_codes: np.ndarray, b_fmt: str, a_scale_inv: float,
@@ -92,7 +94,7 @@ def block_operand64(t: tuple) -> np.ndarray:
     ceil(C/32)] (0xFF is NaN) or a BlockScaledTensor's fp32 scale_inv in 1x128 [R, ceil(C/128)] or 128x128
     [ceil(R/128), ceil(C/128)] blocks; each code decoded, times its block's factor (exact)."""
     data, scale = np.asarray(t[0]), np.asarray(t[1])
-    v = decode("e4m3" if data.dtype.name == "float8_e4m3fn" else "e5m2")[data.view(np.uint8)]
+    v = decode(DTYPES[data.dtype.name])[data.view(np.uint8)]
     rows, cols = v.shape
     if scale.dtype != np.float32:
         e = scale.view(np.uint8).astype(np.float64)

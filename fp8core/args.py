@@ -17,7 +17,7 @@ import numpy as np
 
 from ._fpenv import ieee
 from ._tensor import Tensor, logical_numpy_dtype, storage_dtype, wrap
-from .formats import ENCODINGS, FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
+from .formats import ENCODINGS, FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, Encoding, Format, dtype_name
 
 MAX_MARGIN = 512
 # A delayed-scaling state's dimensions: the update kernel takes the history length as a 32-bit int, and a count
@@ -170,6 +170,21 @@ def fmt(value: Any, arg: str = "fmt") -> Format:
         if isinstance(value, str) or type(value).__module__.split(".")[0] in ("torch", "numpy", "jax", "ml_dtypes"):
             _FORMATS[value] = f
     return f
+
+
+_ROWS: dict[Any, Encoding] = dict(ENCODINGS)  # encoding's lookups: the spellings fmt remembers, and the Formats
+
+
+def encoding(value: Any, arg: str = "fmt") -> Encoding:
+    """The encoding row of an fp8 format (what :func:`fmt` accepts): what the backends take."""
+    try:
+        return _ROWS[value]
+    except (KeyError, TypeError):
+        pass
+    row = fmt(value, arg).encoding
+    if value in _FORMATS:
+        _ROWS[value] = row
+    return row
 
 
 _OUT_DTYPES: dict[Any, str] = {}

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from . import args, backends
+from . import args, backends, formats
 from ._tensor import Tensor, export, wrap
 from .args import cdiv
-from .formats import FP8_DTYPES, Format
+from .formats import FP8_DTYPES, Encoding, Format
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
            "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "MX_BLOCK", "FP32_BLOCK", "E8M0",
@@ -25,7 +25,7 @@ __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_bo
 Array = Any
 MX_BLOCK = 32
 FP32_BLOCK = 128
-E8M0 = "float8_e8m0fnu"
+E8M0 = formats.E8M0.dtype_name  # the scales' dtype: float8_e8m0fnu
 
 
 class MXTensor(NamedTuple):
@@ -73,7 +73,7 @@ def quantize_mxfp8(x: Array, fmt: Format | str = Format.E4M3, *, scale_mode: str
     shape; scale E8M0 [rows, ceil(cols/32)], or [ceil(rows/32), cols] when ``columnwise``.
     """
     t = args.high_precision(x, "x")
-    f = args.fmt(fmt)
+    f = args.encoding(fmt)
     mode = args.scale_mode(scale_mode)
     cw = args.flag(columnwise, "columnwise")
     t2 = args.as_2d(t, "x")
@@ -86,7 +86,7 @@ def quantize_mxfp8_both(x: Array, fmt: Format | str = Format.E4M3, *,
     """``(rowwise, columnwise)``: both MXFP8 quantizations of x from one read of it (a backward pass needs the
     columnwise one for the transposed GEMM operand). Each equals :func:`quantize_mxfp8` bit for bit."""
     t = args.high_precision(x, "x")
-    f = args.fmt(fmt)
+    f = args.encoding(fmt)
     mode = args.scale_mode(scale_mode)
     q, s, qc, sc = backends.blocks_for_device(t.device).quantize_mxfp8_both(args.as_2d(t, "x"), f, mode)
     return (MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t)),
@@ -108,12 +108,12 @@ def mx_layout(shape: tuple[int, int], scale_shape: tuple[int, ...], arg: str = "
                      f"{tuple(shape)}, got {tuple(scale_shape)}")
 
 
-def _mx_parts(t: Any, arg: str, fmt: Any) -> tuple[Tensor, Tensor, Format, bool]:
+def _mx_parts(t: Any, arg: str, fmt: Any) -> tuple[Tensor, Tensor, Encoding, bool]:
     data, scale = _pair(t, MXTensor, arg)
     tq, f = args.fp8(data, f"{arg}.data", fmt)
     t2 = args.as_2d(tq, f"{arg}.data")
     ts = _scale_tensor(scale, f"{arg}.scale", tq, (E8M0, "uint8"))
-    return t2, ts, f, mx_layout(t2.shape, ts.shape, f"{arg}.scale")
+    return t2, ts, f.encoding, mx_layout(t2.shape, ts.shape, f"{arg}.scale")
 
 
 def dequantize_mxfp8(t: MXTensor, out_dtype: Any = "float32", *, fmt: Format | str | None = None) -> Array:
@@ -141,7 +141,7 @@ def quantize_blockwise(x: Array, fmt: Format | str = Format.E4M3, *, block: Any 
     [ceil(rows/128), ceil(cols/128)] ("128x128").
     """
     t = args.high_precision(x, "x")
-    f = args.fmt(fmt)
+    f = args.encoding(fmt)
     br = args.block_rows(block)
     pow2 = args.flag(power_of_2, "power_of_2")
     q, s_inv = backends.blocks_for_device(t.device).quantize_blockwise(args.as_2d(t, "x"), f, br, pow2,
@@ -164,12 +164,12 @@ def block_layout(shape: tuple[int, int], scale_shape: tuple[int, ...], arg: str 
                      f"as {tuple(shape)}, got {tuple(scale_shape)}")
 
 
-def _block_parts(t: Any, arg: str, fmt: Any) -> tuple[Tensor, Tensor, Format, int]:
+def _block_parts(t: Any, arg: str, fmt: Any) -> tuple[Tensor, Tensor, Encoding, int]:
     data, scale_inv = _pair(t, BlockScaledTensor, arg)
     tq, f = args.fp8(data, f"{arg}.data", fmt)
     t2 = args.as_2d(tq, f"{arg}.data")
     ts = _scale_tensor(scale_inv, f"{arg}.scale_inv", tq, ("float32",))
-    return t2, ts, f, block_layout(t2.shape, ts.shape, f"{arg}.scale_inv")
+    return t2, ts, f.encoding, block_layout(t2.shape, ts.shape, f"{arg}.scale_inv")
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = "float32", *,

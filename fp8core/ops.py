@@ -48,7 +48,7 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     out: optional result array (x's shape, fmt's dtype or uint8 storage), written and returned.
     """
     t = args.high_precision(x, "x")
-    f = args.fmt(fmt)
+    f = args.encoding(fmt)
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
     if out is None:
         return export(_backend(t).quantize(t, s, f, a), f.dtype_name, t)
@@ -71,7 +71,7 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     out: optional ``q`` array, or a tuple ``(q, scale_inv, amax)`` with None for any to allocate.
     """
     t = args.high_precision(x, "x")
-    f = args.fmt(fmt)
+    f = args.encoding(fmt)
     rule = (args.margin(margin), args.flag(power_of_2, "power_of_2"), args.epsilon(epsilon), args.reduce_hook(reduce))
     if out is None:
         q, s_inv, a = _backend(t).quantize_dynamic(t, f, *rule)
@@ -97,11 +97,11 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     name = args.out_dtype(out_dtype)
     s = args.scalar(scale_inv, t, "scale_inv", "q")
     if out is None:
-        return export(_backend(t).dequantize(t, f, s, name), name, t)
+        return export(_backend(t).dequantize(t, f.encoding, s, name), name, t)
     (o,) = args.outs(out, 1)
     ot = None if o is None else args.out_slot(o, "out", t.shape, name, t, "q")
     args.no_overlap([("out", ot)], [("q", t), ("scale_inv", s)])
-    y = _backend(t).dequantize(t, f, s, name, out=args.backend_data(ot, name))
+    y = _backend(t).dequantize(t, f.encoding, s, name, out=args.backend_data(ot, name))
     return o if o is not None else export(y, name, t)
 
 
@@ -130,7 +130,7 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     out: optional ``(q, q_t)`` result arrays (None for either to allocate), written and returned.
     """
     t = args.high_precision(x, "x")
-    f = args.fmt(fmt)
+    f = args.encoding(fmt)
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
     if out is None:
         q, qt = _backend(t).cast_transpose(args.as_2d(t, "x"), s, f, a)
@@ -155,7 +155,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
     it is checked when it is a number or host memory (a GPU array is not read back: that would synchronise).
     A 0-d amax gives [1] results, like every scale in fp8core; otherwise the results have amax's shape.
     """
-    f = args.fmt(fmt)
+    f = args.encoding(fmt)
     if isinstance(amax, (float, int)) and not isinstance(amax, bool):
         amax = args.host_f32([args.real(amax, "amax")])
     t = args.contiguous(wrap(amax, "amax"), "amax")
@@ -208,7 +208,7 @@ def multi_quantize(xs: Sequence[Array], scales: Array, fmts: Format | str | Sequ
     """
     ts = [args.high_precision(x, f"xs[{i}]") for i, x in enumerate(args.array_sequence(xs))]
     n = len(ts)
-    fl = [args.fmt(fmts)] * n if isinstance(fmts, (Format, str)) else [args.fmt(f) for f in fmts]
+    fl = [args.encoding(fmts)] * n if isinstance(fmts, (Format, str)) else [args.encoding(f) for f in fmts]
     if len(fl) != n:
         raise ValueError(f"fmts: expected {n} formats, got {len(fl)}")
     for i, t in enumerate(ts[1:], 1):

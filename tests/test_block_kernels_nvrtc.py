@@ -20,7 +20,7 @@ def _ptx(arch: str, *extra: str) -> str:
                                [p.name.encode() for p in headers])
     try:
         nvrtc.addNameExpression(prog, PROBE)
-        nvrtc.compileProgram(prog, [*_kernels.OPTIONS, *extra, f"-arch=sm_{arch}"])
+        nvrtc.compileProgram(prog, [*_kernels.OPTIONS, *extra, f"-arch=sm_{arch}", *_kernels.module_options(False)])
         return nvrtc.getPTX(prog).decode()
     finally:
         nvrtc.destroyProgram(prog)

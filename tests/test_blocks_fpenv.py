@@ -8,6 +8,7 @@ import pytest
 import fp8core
 from fp8core.blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequantize_mxfp8, quantize_blockwise,
                             quantize_mxfp8, quantize_mxfp8_both)
+from fp8core.formats import ENCODINGS
 
 torch = pytest.importorskip("torch")
 
@@ -27,7 +28,7 @@ def _subnormal_blocks(rng, shape) -> np.ndarray:
 
 def _run_all(x: np.ndarray, codes: np.ndarray, e: np.ndarray, s_inv: np.ndarray) -> list[np.ndarray]:
     out = []
-    for fmt in ("e4m3", "e5m2"):
+    for fmt in (f.value for f in ENCODINGS):
         for mode in ("rceil", "floor"):
             for t in (*quantize_mxfp8_both(x, fmt, scale_mode=mode),
                       quantize_mxfp8(x.astype(ml_dtypes.bfloat16), fmt, scale_mode=mode)):

@@ -13,7 +13,7 @@ import pytest
 import blocks_unchunked as twin
 from fp8core._tensor import wrap
 from fp8core.backends import cpu_blocks
-from fp8core.formats import Format
+from fp8core.formats import ENCODINGS, Format
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 try:
@@ -39,27 +39,27 @@ def u8(a) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)
 
 
-def check_every_path(x: np.ndarray, fmts=(Format.E4M3, Format.E5M2), columnwise=(False, True), brs=(1, 128)):
+def check_every_path(x: np.ndarray, fmts=tuple(ENCODINGS), columnwise=(False, True), brs=(1, 128)):
     w = wrap(x)
     for fmt in fmts:
         for cw in columnwise:
             for mode in ("rceil", "floor"):
-                got, want = cpu_blocks.quantize_mxfp8(w, fmt, mode, cw), twin.quantize_mxfp8(x, fmt, mode, cw)
+                got, want = cpu_blocks.quantize_mxfp8(w, fmt.encoding, mode, cw), twin.quantize_mxfp8(x, fmt, mode, cw)
                 for g, e in zip(got, want):
                     np.testing.assert_array_equal(u8(g), u8(e), err_msg=f"mxfp8 {fmt} {mode} columnwise={cw}")
             for out in ("float32", "bfloat16", "float16"):
                 np.testing.assert_array_equal(
-                    u8(cpu_blocks.dequantize_mxfp8(wrap(got[0]), wrap(got[1]), fmt, cw, out)),
+                    u8(cpu_blocks.dequantize_mxfp8(wrap(got[0]), wrap(got[1]), fmt.encoding, cw, out)),
                     u8(twin.dequantize_mxfp8(got[0], got[1], cw, out)), err_msg=f"dequantize_mxfp8 {out}")
         for br in brs:
             for pow2 in (True, False):
-                got = cpu_blocks.quantize_blockwise(w, fmt, br, pow2, 1e-30)
+                got = cpu_blocks.quantize_blockwise(w, fmt.encoding, br, pow2, 1e-30)
                 want = twin.quantize_blockwise(x, fmt, br, pow2, 1e-30)
                 for g, e in zip(got, want):
                     np.testing.assert_array_equal(u8(g), u8(e), err_msg=f"blockwise {fmt} {br}x128 pow2={pow2}")
             for out in ("float32", "bfloat16"):
                 np.testing.assert_array_equal(
-                    u8(cpu_blocks.dequantize_blockwise(wrap(got[0]), wrap(got[1]), fmt, br, out)),
+                    u8(cpu_blocks.dequantize_blockwise(wrap(got[0]), wrap(got[1]), fmt.encoding, br, out)),
                     u8(twin.dequantize_blockwise(got[0], got[1], br, out)), err_msg=f"dequantize_blockwise {out}")
 
 

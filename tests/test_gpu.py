@@ -7,9 +7,10 @@ import pytest
 import fp8core
 from conftest import requires_gpu
 from fp8core import Format
+from fp8core.formats import ENCODINGS
 
 pytestmark = requires_gpu
-FORMATS = [Format.E4M3, Format.E5M2]
+FORMATS = list(ENCODINGS)  # every fp8 format
 SHAPES = [(1,), (7,), (31, 33), (4097, 1), (1, 65537), (256, 512), (0,), (0, 8)]
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
 

@@ -9,6 +9,7 @@ import fp8core
 from conftest import requires_gpu
 from fp8core.blocks import (dequantize_blockwise, dequantize_mxfp8, quantize_blockwise, quantize_mxfp8,
                             quantize_mxfp8_both)
+from fp8core.formats import ENCODINGS
 from test_blocks import SCHEMES, _amax_cases, block_gemm_tolerance, block_operands, dequantized_operand
 
 pytestmark = requires_gpu
@@ -46,7 +47,7 @@ def inputs(rng, shape, dtype):
 
 
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt", [f.value for f in ENCODINGS])
 def test_e8m0_rounding_cases_bits(fmt, mode):
     amaxes = _amax_cases(fmt)
     x = np.zeros((len(amaxes), 64), np.float32)
@@ -86,7 +87,7 @@ def test_mxfp8_bits_match_the_cpu(rng, dtype, shape, mode):
 @pytest.mark.parametrize("power_of_2", [True, False])
 def test_blockwise_bits_match_the_cpu(rng, dtype, shape, block, power_of_2):
     x = inputs(rng, shape, dtype)
-    for fmt in ("e4m3", "e5m2"):
+    for fmt in (f.value for f in ENCODINGS):
         want = quantize_blockwise(x, fmt, block=block, power_of_2=power_of_2, epsilon=1e-30)
         got = quantize_blockwise(to_cuda(x), fmt, block=block, power_of_2=power_of_2, epsilon=1e-30)
         np.testing.assert_array_equal(host(got.data), cpu_bits(want.data))

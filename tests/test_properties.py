@@ -7,10 +7,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import fp8core
+from fp8core.formats import ENCODINGS
 from oracle import quantize_bits
 
 dtypes = st.sampled_from([np.float32, np.float16, ml_dtypes.bfloat16])
-formats = st.sampled_from(["e4m3", "e5m2"])
+formats = st.sampled_from([f.value for f in ENCODINGS])
 scales = st.floats(min_value=2.0 ** -40, max_value=2.0 ** 40, width=32)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from .._caches import cached, memo
 from .._fpenv import ieee, set_default
 from .._views import Tensor, logical_numpy_dtype
-from ..formats import Format
+from ..formats import E8M0, Encoding
 
 xp = np
 name = "cpu"
@@ -218,23 +218,23 @@ def to_f32(x: np.ndarray) -> np.ndarray:
     return np.left_shift(x.view(np.uint16), 16, dtype=np.uint32).view(np.float32)  # bf16: exact widening
 
 
-def canonical_nan_fp8(bits: np.ndarray, fmt: Format) -> None:
-    if fmt is Format.E4M3:
-        bits[bits == 0xFF] = 0x7F
-    else:
-        bits[np.bitwise_and(bits, 0x7F) > 0x7C] = 0x7F
+def canonical_nan_fp8(bits: np.ndarray, fmt: Encoding) -> None:
+    """Every NaN code of ``bits`` (uint8 codes, in place) becomes the one the contract writes: ml_dtypes keeps a NaN's
+    sign. A NaN's magnitude is above +max's code, and above +inf's where there is one."""
+    above = fmt.max_code + 1 if fmt.has_inf else fmt.max_code
+    bits[np.bitwise_and(bits, (1 << (fmt.bits - 1)) - 1) > above] = fmt.nan_cast
 
 
 # SATFINITE_RTNE of an fp32 value into fp8 depends only on its top 16 bits (sign, exponent, 7 mantissa bits:
-# the rounding bit is among them for both formats, subnormal results included) and on whether any of the low
-# 16 bits is set (they only make the result "above a tie"; above fmax they only mean "above fmax"; under an
-# all-ones exponent, NaN rather than inf). So the cast is one lookup in a 2^17-entry table indexed by
+# the rounding bit is among them for an encoding of at most 6 mantissa bits, subnormal results included) and on
+# whether any of the low 16 bits is set (they only make the result "above a tie"; above fmax they only mean "above
+# fmax"; under an all-ones exponent, NaN rather than inf). So the cast is one lookup in a 2^17-entry table indexed by
 # (top 16 bits, low 16 bits != 0), built once per format by clip + ml_dtypes (the definition) over those 2^17
 # representatives: a lookup costs a fraction of ml_dtypes' own cast.
-_CAST: dict[Format, np.ndarray] = memo("cpu.cast_tables", {})
+_CAST: dict[Encoding, np.ndarray] = memo("cpu.cast_tables", {})
 
 
-def _cast_table(fmt: Format) -> np.ndarray:
+def _cast_table(fmt: Encoding) -> np.ndarray:
     table = _CAST.get(fmt)
     if table is None:
         table = _CAST[fmt] = _build_cast_table(fmt)
@@ -242,14 +242,14 @@ def _cast_table(fmt: Format) -> np.ndarray:
 
 
 @ieee
-def _build_cast_table(fmt: Format) -> np.ndarray:
+def _build_cast_table(fmt: Encoding) -> np.ndarray:
     idx = np.arange(1 << 17, dtype=np.uint32)
     f = np.bitwise_or(np.left_shift(np.right_shift(idx, 1), 16), np.bitwise_and(idx, 1)).view(np.float32)
     fmax = np.float32(fmt.max)
     clipped = np.clip(f, -fmax, fmax)  # saturates finite values and +-inf; NaN passes through
     with np.errstate(invalid="ignore"):  # NaN casts to NaN
         table = clipped.astype(fmt.numpy_dtype).view(np.uint8)  # ml_dtypes: round-to-nearest-even
-    table[np.isnan(clipped)] = 0x7F  # canonical NaN, both formats
+    table[np.isnan(clipped)] = fmt.nan_cast
     return table
 
 
@@ -259,7 +259,7 @@ _FIFTEEN = np.array(15, np.uint32)
 _SIXTEEN = np.array(16, np.uint32)
 
 
-def _cast_f32(f: np.ndarray, fmt: Format, out: np.ndarray | None = None) -> np.ndarray:
+def _cast_f32(f: np.ndarray, fmt: Encoding, out: np.ndarray | None = None) -> np.ndarray:
     """out (uint8 fp8 codes, allocated when None) = SATFINITE_RTNE(f) for a flat fp32 array."""
     bits = f.view(np.uint32)
     low = np.bitwise_and(bits, _LOW15)
@@ -284,7 +284,7 @@ def _scaled_f32(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return np.multiply(f, scale, out=f)
 
 
-def _quantize_chunk(x: np.ndarray, scale: np.ndarray, fmt: Format, out: np.ndarray, want_amax: bool = True
+def _quantize_chunk(x: np.ndarray, scale: np.ndarray, fmt: Encoding, out: np.ndarray, want_amax: bool = True
                     ) -> int:
     """out (uint8 codes) = SATFINITE_RTNE(fp32(x) * scale) (see _scaled_f32); returns the chunk's amax bits
     (of x, before scaling) when asked."""
@@ -292,7 +292,7 @@ def _quantize_chunk(x: np.ndarray, scale: np.ndarray, fmt: Format, out: np.ndarr
     return _amax_bits(x) if want_amax else 0
 
 
-def _quantize_chunk_pooled(x: np.ndarray, scale: np.float32, fmt: Format, out: np.ndarray, want_amax: bool
+def _quantize_chunk_pooled(x: np.ndarray, scale: np.float32, fmt: Encoding, out: np.ndarray, want_amax: bool
                            ) -> int:
     with np.errstate(all="ignore"):  # per chunk: the pool's threads do not see the caller's errstate
         return _quantize_chunk(x, scale, fmt, out, want_amax)
@@ -300,7 +300,7 @@ def _quantize_chunk_pooled(x: np.ndarray, scale: np.float32, fmt: Format, out: n
 
 @cached("cpu.quantize_tables", maxsize=32)
 @ieee
-def quantize_table(dtype: str, scale_bits: int, fmt: Format) -> np.ndarray:
+def quantize_table(dtype: str, scale_bits: int, fmt: Encoding) -> np.ndarray:
     """quantize() of all 65,536 patterns of a 16-bit input type: each result depends only on its pattern,
     so a large bf16/fp16 tensor is one table lookup per element, made by the same code as the direct path."""
     patterns = np.arange(65536, dtype=np.uint16).view(logical_numpy_dtype(dtype))
@@ -316,7 +316,7 @@ _seen: OrderedDict = memo("cpu.seen_scales", OrderedDict())
 _SEEN_MAX = 16
 
 
-def _table_for(dtype: str, scale: np.float32, fmt: Format, n: int) -> np.ndarray | None:
+def _table_for(dtype: str, scale: np.float32, fmt: Encoding, n: int) -> np.ndarray | None:
     if n >= TABLE_MIN:
         return quantize_table(dtype, int(scale.view(np.uint32)), fmt)
     if n < TABLE_MIN >> 4:
@@ -335,7 +335,7 @@ def _table_for(dtype: str, scale: np.float32, fmt: Format, n: int) -> np.ndarray
     return quantize_table(*key)
 
 
-def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, out: np.ndarray | None
+def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, out: np.ndarray | None
               ) -> np.ndarray:
     s = _scale_0d(scale)
     data = x.data
@@ -371,7 +371,7 @@ def _quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, o
 
 
 @ieee
-def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, *,
+def quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, *,
              out: np.ndarray | None = None) -> np.ndarray:
     return _quantize(x, scale, fmt, amax_out, out)
 
@@ -388,7 +388,7 @@ def _scale_0d(scale: Any) -> np.ndarray:
 
 
 @ieee
-def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
+def quantize_dynamic(x: Tensor, fmt: Encoding, margin: int, power_of_2: bool, epsilon: float,
                      reduce: Callable | None, *, out: tuple = (None, None, None)
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q_out, s_inv_out, a_out = out
@@ -406,7 +406,7 @@ def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsi
 
 
 @ieee
-def multi_quantize(xs: list[Tensor], scales: list[np.ndarray], fmts: list[Format],
+def multi_quantize(xs: list[Tensor], scales: list[np.ndarray], fmts: list[Encoding],
                    amax_outs: list[np.ndarray | None], *, outs: list[np.ndarray | None] | None = None
                    ) -> list[np.ndarray]:
     outs = outs if outs is not None else [None] * len(xs)
@@ -421,7 +421,7 @@ CANONICAL_NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x7
 
 @cached("cpu.dequantize_tables", maxsize=64)
 @ieee
-def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarray:
+def _dequant_table(fmt: Encoding, scale_inv_bits: int, out_dtype: str) -> np.ndarray:
     """All 256 results: each output depends only on its input byte, so the table is the definition."""
     codes = np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype)
     with np.errstate(all="ignore"):
@@ -433,7 +433,7 @@ def _dequant_table(fmt: Format, scale_inv_bits: int, out_dtype: str) -> np.ndarr
 
 
 @ieee
-def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *,
+def dequantize(q: Tensor, fmt: Encoding, scale_inv: Any, out_dtype: str, *,
                out: np.ndarray | None = None) -> np.ndarray:
     table = _dequant_table(fmt, int(_scale_0d(scale_inv).view(np.uint32)), out_dtype)
     data = q.data
@@ -487,7 +487,7 @@ def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
 
 
 @ieee
-def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: np.ndarray | None, *,
+def cast_transpose(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, *,
                    out: tuple = (None, None)) -> tuple[np.ndarray, np.ndarray]:
     q = _quantize(x, scale, fmt, amax_out, out[0])
     return q, transpose(Tensor(q, fmt.dtype_name, x.device, x.origin), out=out[1])
@@ -596,8 +596,7 @@ def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
     """float64 factor of every operand row for every K-block, [rows, KB]: E8M0 bytes as 2^(e-127) (the NaN byte
     NaN), fp32 scale inverses as they are; a 128x128 tile's factor spread over its 128 rows."""
     if kind == "1x32":
-        e = np.asarray(scale).view(np.uint8).astype(np.int64)
-        f = np.where(e == 0xFF, np.nan, np.ldexp(1.0, e - 127))
+        f = E8M0.values.take(np.asarray(scale).view(np.uint8))
     else:
         f = np.asarray(scale, np.float32).astype(np.float64)
     return np.repeat(f, _BLOCK_ROWS[kind], axis=0)[:rows]
@@ -605,7 +604,7 @@ def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
 
 @cached("cpu.widen_tables")
 @ieee
-def _widen_table(fmt: Format) -> np.ndarray:
+def _widen_table(fmt: Encoding) -> np.ndarray:
     """The float64 value of each of the 256 codes, made by ml_dtypes' cast (its bits, NaN's too); read only:
     every GEMM of every thread reads this one cached array."""
     table = np.arange(256, dtype=np.uint8).view(fmt.numpy_dtype).astype(np.float64)
@@ -613,7 +612,7 @@ def _widen_table(fmt: Format) -> np.ndarray:
     return table
 
 
-def _widen(data: np.ndarray, fmt: Format, out: np.ndarray) -> np.ndarray:
+def _widen(data: np.ndarray, fmt: Encoding, out: np.ndarray) -> np.ndarray:
     """An fp8 operand (its codes in any 1-byte dtype) as float64 into ``out`` (of data's shape), exactly: one
     lookup per element in a 2 KiB table that stays in L1. A flax training step took 1.23-1.35x as long with
     ml_dtypes' astype, and longer with a 1 MiB table of code pairs, which the matmul evicts
@@ -696,7 +695,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     fp8_out = spec.out_fmt is not None
     dtype = spec.out_fmt.numpy_dtype if fp8_out else logical_numpy_dtype(spec.out_dtype)
     dst = np.empty((m, n), dtype) if out is None else out.view(dtype)
-    a64 = _widen(a.data, spec.a_fmt, *_scratch("operand", ((m, k), np.float64)))
+    a64 = _widen(a.data, spec.a_fmt.encoding, *_scratch("operand", ((m, k), np.float64)))
     if spec.a_block is None:
         sa, sb = np.float64(scale_value(a_scale_inv)), np.float64(scale_value(b_scale_inv))
     else:
@@ -709,7 +708,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
         b64, d, d32 = _scratch("span", ((n1 - n0, k), np.float64), ((m, n1 - n0), np.float64),
                                ((m, n1 - n0), np.float32))
         with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
-            _widen(b.data[n0:n1], spec.b_fmt, b64)
+            _widen(b.data[n0:n1], spec.b_fmt.encoding, b64)
             if spec.a_block is None:
                 np.matmul(a64, b64.T, out=d)
                 d *= sa  # in place: (d * sa) * sb, the same roundings
@@ -726,7 +725,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
             if not fp8_out:
                 dst[:, n0:n1] = d32  # NumPy's / ml_dtypes' RTNE cast
                 return 0
-            codes = _quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt, None, None)
+            codes = _quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt.encoding, None, None)
             dst[:, n0:n1] = codes.view(dtype)
             return _amax_bits(d32.reshape(-1)) if out_amax is not None else 0
 

@@ -15,14 +15,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .. import formats
 from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
-from ..formats import Format
+from ..formats import Encoding
 from .cpu import CANONICAL_NAN, canonical_nan_fp8, map_chunks, quantize_table, to_f32, scale_rule
 
-E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
-E8M0_NAN = 0xFF
+SCALE = formats.E8M0  # MXFP8's scale encoding
+E8M0 = SCALE.numpy_dtype
+E8M0_NAN = SCALE.nan_cast  # its one NaN byte: what a NaN amax gives, and what reads as NaN
 MX_BLOCK = 32
 FP32_BLOCK = 128
 
@@ -34,7 +36,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def inv_fp8_max(fmt: Format) -> np.float32:
+def inv_fp8_max(fmt: Encoding) -> np.float32:
     """fp32(1 / fp8_max), rounded once: what rceil multiplies by."""
     return np.float32(1.0 / fmt.max)
 
@@ -106,29 +108,30 @@ def _highest_bit(m: np.ndarray) -> np.ndarray:
 
 
 @ieee
-def e8m0_rceil(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
+def e8m0_rceil(amax_bits: np.ndarray, fmt: Encoding) -> np.ndarray:
     """E8M0 scale bytes by "rceil": v = amax *rn fp32(1/fp8_max), its exponent rounded toward +inf."""
     with np.errstate(all="ignore"):
         v = amax_bits.view(np.float32) * inv_fp8_max(fmt)
     vb = v.view(np.uint32)
     exp = np.right_shift(vb, 23).astype(np.int64)  # v >= 0: no sign bit
     mant = np.bitwise_and(vb, np.uint32(0x7FFFFF))
-    # v subnormal: 2^-127 (mantissa 0x400000) and below round up to 2^-127 (e = 0); above it to 2^-126 (e = 1).
+    # fp32's biased exponent is the scale byte (both have bias 127). v subnormal: 2^-127 (mantissa 0x400000) and
+    # below round up to 2^-127 (e = 0); above it to 2^-126 (e = 1).
     e = np.where(exp == 0, (mant > 0x400000).astype(np.int64), exp + (mant != 0))
-    e = np.minimum(e, 254)  # inf (exp 255) and the top binade (would be 255) saturate
+    e = np.minimum(e, SCALE.max_code)  # inf (exp 255) and the top binade (would be 255) saturate
     e[np.isnan(v)] = E8M0_NAN
     return e.astype(np.uint8)
 
 
 @ieee
-def e8m0_floor(amax_bits: np.ndarray, fmt: Format) -> np.ndarray:
+def e8m0_floor(amax_bits: np.ndarray, fmt: Encoding) -> np.ndarray:
     """E8M0 scale bytes by the OCP rule: clamp(floor(log2(amax)) - emax + 127, 0, 254)."""
     exp = np.right_shift(amax_bits, 23).astype(np.int64)
     mant = np.bitwise_and(amax_bits, np.uint32(0x7FFFFF))
     log2 = np.where(exp != 0, exp - 127, np.where(mant != 0, _highest_bit(mant) - 149, 0))
-    e = np.clip(log2 - fmt.emax + 127, 0, 254)
+    e = np.clip(log2 - fmt.emax + SCALE.bias, 0, SCALE.max_code)
     e[amax_bits == 0] = 0
-    e[amax_bits == _F32_INF] = 254
+    e[amax_bits == _F32_INF] = SCALE.max_code
     e[amax_bits > _F32_INF] = E8M0_NAN
     return e.astype(np.uint8)
 
@@ -146,7 +149,7 @@ def pow2_f32(k: np.ndarray) -> np.ndarray:
 def e8m0_factor(e: np.ndarray, sign: int) -> np.ndarray:
     """2^(sign * (e - 127)) as fp32 per scale byte; the NaN byte gives NaN."""
     e = np.asarray(e, np.uint8)
-    f = pow2_f32(sign * (e.astype(np.int64) - 127))
+    f = pow2_f32(sign * (e.astype(np.int64) - SCALE.bias))
     f[e == E8M0_NAN] = np.float32(np.nan)
     return f
 
@@ -169,7 +172,7 @@ def _block_slices(r0: int, r1: int, c0: int, c1: int, br: int, bc: int) -> tuple
     return slice(r0 // br, -(-r1 // br)), slice(c0 // bc, -(-c1 // bc))
 
 
-def _cast(t: np.ndarray, fmt: Format) -> np.ndarray:
+def _cast(t: np.ndarray, fmt: Encoding) -> np.ndarray:
     """Clipped fp32 -> ``fmt`` by RTNE, NaN canonical."""
     q = t.astype(fmt.numpy_dtype)
     canonical_nan_fp8(q.view(np.uint8), fmt)
@@ -177,7 +180,7 @@ def _cast(t: np.ndarray, fmt: Format) -> np.ndarray:
 
 
 def _cast_tile(x: np.ndarray, q: np.ndarray, tile: tuple[int, int, int, int], factor: np.ndarray, br: int,
-               bc: int, fmt: Format) -> None:
+               bc: int, fmt: Encoding) -> None:
     r0, r1, c0, c1 = tile
     t = to_f32(x[r0:r1, c0:c1])
     blocks = _blocks(t, br, bc)
@@ -187,7 +190,7 @@ def _cast_tile(x: np.ndarray, q: np.ndarray, tile: tuple[int, int, int, int], fa
     q[r0:r1, c0:c1] = _cast(t, fmt)
 
 
-def _quantize(x: np.ndarray, br: int, bc: int, fmt: Format, rule: Any) -> tuple[np.ndarray, np.ndarray]:
+def _quantize(x: np.ndarray, br: int, bc: int, fmt: Encoding, rule: Any) -> tuple[np.ndarray, np.ndarray]:
     """(q, stored scales [R, C]): each block's amax through ``rule`` -> (factor fp32, stored), then
     SATFINITE_RTNE(fp32(x) *rn factor[block]) into ``fmt``; x is [rows, cols].
 
@@ -231,7 +234,7 @@ def _quantize(x: np.ndarray, br: int, bc: int, fmt: Format, rule: Any) -> tuple[
     return q, stored
 
 
-def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, bc: int, fmt: Format,
+def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, bc: int, fmt: Encoding,
                 q: np.ndarray) -> None:
     """The same cast for bf16/fp16 as lookups: cpu's quantize table of all 65,536 patterns for each distinct
     block scale (made by the direct path, so the bits are the same), indexed by (scale, pattern), in
@@ -310,7 +313,7 @@ def _mx_shape(columnwise: bool) -> tuple[int, int]:
 
 
 @ieee
-def quantize_mxfp8(x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
+def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q [rows, cols] fmt, scale E8M0 [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         e = e8m0_rceil(bits, fmt) if scale_mode == "rceil" else e8m0_floor(bits, fmt)
@@ -321,13 +324,13 @@ def quantize_mxfp8(x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) ->
 
 
 @ieee
-def quantize_mxfp8_both(x: Tensor, fmt: Format, scale_mode: str) -> tuple[np.ndarray, ...]:
+def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[np.ndarray, ...]:
     """(q_rowwise, scale_rowwise, q_columnwise, scale_columnwise)."""
     return (*quantize_mxfp8(x, fmt, scale_mode, False), *quantize_mxfp8(x, fmt, scale_mode, True))
 
 
 @ieee
-def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, out_dtype: str) -> np.ndarray:
+def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Encoding, columnwise: bool, out_dtype: str) -> np.ndarray:
     e = scale.data.view(np.uint8)
     return _scaled_widen(q.data.view(fmt.numpy_dtype), lambda rs, cs: _e8m0_factors(1).take(e[rs, cs]),
                          *_mx_shape(columnwise), out_dtype)
@@ -336,7 +339,7 @@ def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, ou
 # ---- fp32 block scales (1x128, 128x128) -------------------------------------------------------------------
 
 @ieee
-def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool,
+def quantize_blockwise(x: Tensor, fmt: Encoding, br: int, power_of_2: bool,
                        epsilon: float) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q, scale_inv fp32 [ceil(rows/br), ceil(cols/128)]), each block by the scale rule."""
     def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -347,7 +350,7 @@ def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool,
 
 
 @ieee
-def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out_dtype: str) -> np.ndarray:
+def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Encoding, br: int, out_dtype: str) -> np.ndarray:
     s_inv = scale_inv.data
     return _scaled_widen(q.data.view(fmt.numpy_dtype), lambda rs, cs: s_inv[rs, cs], br, FP32_BLOCK, out_dtype)
 

@@ -33,7 +33,7 @@ from .._caches import memo
 from .._kernels import (AMAX, CAST_TRANSPOSE, COMPUTE_SCALE, DEQUANTIZE, FILL, MULTI_AMAX, MULTI_QUANTIZE, QUANTIZE,
                         QUANTIZE_DYNAMIC, THREADS, UPDATE)
 from .._views import Tensor, storage_dtype
-from ..formats import Format
+from ..formats import Encoding
 from . import cublaslt
 from .cuda_call import On, capture_outlives, empty, merge_amax, ptr, stream_of
 from .cuda_call import launch_stream  # noqa: F401 - the front-ends' name
@@ -92,7 +92,7 @@ def amax(x: Tensor) -> Any:
         return out
 
 
-def _quantize(x: Tensor, q: Any, scale: Any, fmt: Format, amax_out: Any | None, amax_in: Any | None,
+def _quantize(x: Tensor, q: Any, scale: Any, fmt: Encoding, amax_out: Any | None, amax_in: Any | None,
               scale_inv_out: Any | None, margin: int, power_of_2: bool, epsilon: float, stream: int) -> None:
     # An empty x still launches when there is a slot to merge 0 into, or a scale_inv to write.
     if x.size or amax_in is not None or amax_out is not None:
@@ -102,7 +102,7 @@ def _quantize(x: Tensor, q: Any, scale: Any, fmt: Format, amax_out: Any | None, 
                         fp8_max=fmt.max, margin=margin, power_of_2=int(power_of_2), epsilon=epsilon)
 
 
-def quantize(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *, out: Any | None = None) -> Any:
+def quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: Any | None, *, out: Any | None = None) -> Any:
     with On(x.device[1]):
         stream = stream_of(x)
         q = empty(x.shape, np.uint8, x) if out is None else out
@@ -120,7 +120,7 @@ _COOPERATIVE_TOO_LARGE = 720
 _no_cooperative: set[int] = memo("cuda.no_cooperative", set())
 
 
-def _dynamic_two_launch(x: Tensor, q: Any, a: Any, s_inv: Any, fmt: Format, margin: int, power_of_2: bool,
+def _dynamic_two_launch(x: Tensor, q: Any, a: Any, s_inv: Any, fmt: Encoding, margin: int, power_of_2: bool,
                         epsilon: float, reduce: Callable | None, device: int, stream: int) -> None:
     """amax into ``a``, the caller's MAX-reduce of it when distributed, then one quantize making the scale in
     every block (the same bits as the cooperative kernel)."""
@@ -130,7 +130,7 @@ def _dynamic_two_launch(x: Tensor, q: Any, a: Any, s_inv: Any, fmt: Format, marg
     _quantize(x, q, None, fmt, None, a, s_inv, margin, power_of_2, epsilon, stream)
 
 
-def quantize_dynamic(x: Tensor, fmt: Format, margin: int, power_of_2: bool, epsilon: float,
+def quantize_dynamic(x: Tensor, fmt: Encoding, margin: int, power_of_2: bool, epsilon: float,
                      reduce: Callable | None, *, out: tuple = (None, None, None)) -> tuple[Any, Any, Any]:
     device = x.device[1]
     q_out, s_inv_out, a_out = out
@@ -217,7 +217,7 @@ def multi_amax(xs: list[Tensor], out: Any) -> None:
             _multi_launch(MULTI_AMAX, device, (dtype,), entries, stream)
 
 
-def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Format],
+def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Encoding],
                    amax_outs: list[Any | None], *, outs: list[Any | None] | None = None) -> list[Any]:
     t0 = xs[0]
     device = t0.device[1]
@@ -237,7 +237,7 @@ def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Format],
 
 # ---- dequantize, transpose, cast_transpose ----------------------------------------------------------------
 
-def dequantize(q: Tensor, fmt: Format, scale_inv: Any, out_dtype: str, *, out: Any | None = None) -> Any:
+def dequantize(q: Tensor, fmt: Encoding, scale_inv: Any, out_dtype: str, *, out: Any | None = None) -> Any:
     device = q.device[1]
     with On(device):
         stream = stream_of(q)
@@ -261,7 +261,7 @@ def transpose(q: Tensor, *, out: Any | None = None) -> Any:
         return out
 
 
-def cast_transpose(x: Tensor, scale: Any, fmt: Format, amax_out: Any | None, *,
+def cast_transpose(x: Tensor, scale: Any, fmt: Encoding, amax_out: Any | None, *,
                    out: tuple = (None, None)) -> tuple[Any, Any]:
     rows, cols = x.shape
     device = x.device[1]

@@ -15,14 +15,14 @@ import numpy as np
 
 from .._kernels import BLOCK_DEQUANTIZE, MX_QUANTIZE, MX_SCALE_SWIZZLE, QUANTIZE_1X128, QUANTIZE_128X128
 from .._views import Tensor, storage_dtype
-from ..formats import Format
+from ..formats import Encoding
 from .cpu_blocks import FP32_BLOCK, MX_BLOCK, cdiv, inv_fp8_max
 from .cuda_call import On, capture_outlives, cupy, empty, ptr, stream_of
 
 
 # ---- MXFP8 ------------------------------------------------------------------------------------------------
 
-def _mx_launch(x: Tensor, fmt: Format, mode: str, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
+def _mx_launch(x: Tensor, fmt: Encoding, mode: str, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
     rows, cols = x.shape
     device = x.device[1]
     with On(device):
@@ -38,16 +38,16 @@ def _mx_launch(x: Tensor, fmt: Format, mode: str, rowwise: bool, columnwise: boo
         return q, s, qc, sc
 
 
-def quantize_mxfp8(x: Tensor, fmt: Format, scale_mode: str, columnwise: bool) -> tuple[Any, Any]:
+def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, columnwise: bool) -> tuple[Any, Any]:
     q, s, qc, sc = _mx_launch(x, fmt, scale_mode, not columnwise, columnwise)
     return (qc, sc) if columnwise else (q, s)
 
 
-def quantize_mxfp8_both(x: Tensor, fmt: Format, scale_mode: str) -> tuple[Any, ...]:
+def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[Any, ...]:
     return _mx_launch(x, fmt, scale_mode, True, True)
 
 
-def _dequantize(q: Tensor, scale: Tensor, fmt: Format, out_dtype: str, br: int, bc: int, sld: int,
+def _dequantize(q: Tensor, scale: Tensor, fmt: Encoding, out_dtype: str, br: int, bc: int, sld: int,
                 e8m0: bool) -> Any:
     rows, cols = q.shape
     device = q.device[1]
@@ -61,7 +61,7 @@ def _dequantize(q: Tensor, scale: Tensor, fmt: Format, out_dtype: str, br: int, 
         return y
 
 
-def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, out_dtype: str) -> Any:
+def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Encoding, columnwise: bool, out_dtype: str) -> Any:
     rows, cols = q.shape
     if columnwise:
         return _dequantize(q, scale, fmt, out_dtype, MX_BLOCK, 1, cols, True)
@@ -70,7 +70,7 @@ def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Format, columnwise: bool, ou
 
 # ---- fp32 block scales ------------------------------------------------------------------------------------
 
-def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool, epsilon: float) -> tuple[Any, Any]:
+def quantize_blockwise(x: Tensor, fmt: Encoding, br: int, power_of_2: bool, epsilon: float) -> tuple[Any, Any]:
     rows, cols = x.shape
     device = x.device[1]
     with On(device):
@@ -88,7 +88,7 @@ def quantize_blockwise(x: Tensor, fmt: Format, br: int, power_of_2: bool, epsilo
         return q, s_inv
 
 
-def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Format, br: int, out_dtype: str) -> Any:
+def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Encoding, br: int, out_dtype: str) -> Any:
     return _dequantize(q, scale_inv, fmt, out_dtype, br, FP32_BLOCK, cdiv(q.shape[1], FP32_BLOCK), False)
 
 

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from fp8core.extras import install_hint
+from fp8core.formats import ENCODINGS
 from fp8core.selftest.gpu import ANSI, one_line
 
 from .common import CliError, installed_version, printable
@@ -40,11 +41,9 @@ def _as_numpy(t: Any) -> np.ndarray:
             import ml_dtypes
 
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            import ml_dtypes
-
-            name = "float8_e4m3fn" if t.dtype == torch.float8_e4m3fn else "float8_e5m2"
-            return t.view(torch.uint8).numpy().view(getattr(ml_dtypes, name))
+        fp8 = {row.torch_dtype: row.numpy_dtype for row in ENCODINGS.values()}
+        if t.dtype in fp8:
+            return t.view(torch.uint8).numpy().view(fp8[t.dtype])
         try:
             return t.numpy()
         except TypeError:  # a dtype NumPy has no counterpart for (complex32, quantized, ...)

@@ -15,6 +15,7 @@ import numpy as np
 import fp8core
 from fp8core import Format
 from fp8core.extras import install_hint
+from fp8core.formats import ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES
 from fp8core.numerics_stats import strict_json
 from fp8core.selftest.gpu import one_line
 
@@ -26,7 +27,7 @@ from .record import inspect_records
 from .recipes import BLOCK_RULE, Recipe, measure, parse_recipes, summary, winner
 
 _CHUNK = 1 << 20  # elements per step of the statistics
-RAW_FP8 = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+RAW_FP8 = {f.value: f.dtype_name for f in ENCODINGS}  # --raw-fp8: what 1-byte raw data is read as
 _HIST_BINS = np.linspace(-152.0, 130.0, 565)  # log2|x| of every finite fp32/fp64-in-fp32-range value, 0.5 wide
 
 
@@ -38,8 +39,8 @@ def _raw_bytes_dtype(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray, str | Non
 
     if x.dtype.itemsize == 1:
         name = RAW_FP8[raw_fp8]
-        other = "e5m2" if raw_fp8 == "e4m3" else "e4m3"
-        note = f"raw 1-byte data (|V1) read as {name}; --raw-fp8 {other} for the other"
+        others = " or ".join(n for n in RAW_FP8 if n != raw_fp8)
+        note = f"raw 1-byte data (|V1) read as {name}; --raw-fp8 {others} for the other"
         return x.view(getattr(ml_dtypes, name)), note
     if x.dtype.itemsize == 2:
         return x.view(ml_dtypes.bfloat16), "raw 2-byte data (|V2) read as bfloat16 (how ml_dtypes saves it)"
@@ -52,9 +53,9 @@ def _measurable(x: np.ndarray, raw_fp8: str) -> tuple[np.ndarray | None, str | N
     name = x.dtype.name
     if not x.dtype.isnative and x.dtype.itemsize > 1:  # converted chunk by chunk (_chunk_f32)
         note = f"big-endian {name} data: read in native byte order"
-    if name in ("float32", "bfloat16", "float16"):
+    if name in HIGH_PRECISION_DTYPES:
         return x, note
-    if name in ("float8_e4m3fn", "float8_e5m2"):
+    if name in FP8_DTYPES:
         return x, note or f"{name} data: statistics of re-quantizing its values"
     if x.dtype.kind == "f":
         return x, f"{name} data: rounded to float32 first" + (f" ({note})" if note else "")
@@ -67,7 +68,7 @@ def _chunk_f32(x: np.ndarray, a: int, b: int) -> np.ndarray:
     c = x[a:b]
     if not c.dtype.isnative:  # a file's byte order is the file's business: read it in ours
         c = c.astype(c.dtype.newbyteorder("="))
-    if c.dtype.name in ("float32", "bfloat16", "float16"):
+    if c.dtype.name in HIGH_PRECISION_DTYPES:
         return np.ascontiguousarray(c)
     with np.errstate(over="ignore"):
         return c.astype(np.float32)
@@ -75,7 +76,7 @@ def _chunk_f32(x: np.ndarray, a: int, b: int) -> np.ndarray:
 
 def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None = None,
                  scale: float | None = None,
-                 formats: tuple[Format, ...] = (Format.E4M3, Format.E5M2)) -> dict[str, Any]:
+                 formats: tuple[Format, ...] = tuple(ENCODINGS)) -> dict[str, Any]:
     """How x fares in E4M3 and E5M2 under current scaling with a power-of-2 scale.
 
     Per format: scale (from the amax of the finite values), sqnr_db (over the finite values; inf when exact,
@@ -124,7 +125,7 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
         else:
             scales = (np.array([scale], np.float32), np.array([1 / np.float32(scale)], np.float32))
         s32 = np.float32(scales[0][0])
-        max_code = 0x7E if fmt is Format.E4M3 else 0x7B
+        max_code = fmt.max_code
         signal = noise = 0.0
         finite = nonzero = under = clipped = at_max = 0
         max_rel = 0.0
@@ -183,8 +184,8 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
     fig, axes = plt.subplots(n, 1, figsize=(10, 2.6 * n), squeeze=False)
     # Each format's range is its own opaque strip along the top, so no colour is a blend of two and the
     # legend's swatches are what is drawn; dashed lines carry the range edges down over the histogram.
-    ranges = {Format.E4M3: (2.0 ** -9, 448.0, "tab:blue", (0.93, 1.0)),
-              Format.E5M2: (2.0 ** -16, 57344.0, "tab:orange", (0.86, 0.93))}
+    ranges = {f: (f.smallest, f.max, f"tab:{colour}", (0.93 - 0.07 * i, 1.0 - 0.07 * i))
+              for i, (f, colour) in enumerate(zip(ENCODINGS, ("blue", "orange", "green", "red")))}
     centers = (_HIST_BINS[:-1] + _HIST_BINS[1:]) / 2
     for ax, (name, (hist, row)) in zip(axes[:, 0], stats.items()):
         if hist.any():
@@ -242,7 +243,7 @@ def _table(rows: dict[str, dict], recipes: bool = False) -> Iterator[str]:
             yield from recipe_lines(r)
             notes += recipe_notes(r)
         else:
-            for fmt in ("E4M3", "E5M2"):
+            for fmt in (f.name for f in ENCODINGS):
                 f = r[fmt]
                 yield (f"  {fmt:<4} {f['scale']:>10.4g} {cell(f['sqnr_db'], '.2f', 8)} {f['underflow']:>9.2%} "
                        f"{f['clipped']:>8.2%} {f['at_max']:>8.2%} {f['max_rel_error']:>11.3g}")
@@ -294,7 +295,7 @@ def _inspect(args: argparse.Namespace) -> None:
                 key = f"{path}:{name}" if len(files) > 1 else name
                 status(f"file {i + 1}/{len(files)}, tensor {count + 1}: {key} {tuple(x.shape)}")
                 hist = np.zeros(len(_HIST_BINS) - 1, np.int64) if args.plot else None
-                formats = () if recipes else (Format.E4M3, Format.E5M2)
+                formats = () if recipes else tuple(ENCODINGS)
                 rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale, formats)
                 if recipes and "skipped" not in rows[key]:
                     _with_recipes(rows[key], x, args.raw_fp8, recipes)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-import ml_dtypes
 import numpy as np
 
 import fp8core
-from fp8core import Format, _oracle
+from fp8core import Format, _oracle, formats
 from fp8core._views import logical_numpy_dtype
 
 from .conversions import dequantize_oracle
 from .gemm import gemm_unavailable
 from .harness import FORMATS, HIGH, CpuTarget, CudaTarget, Recorder, Target, check, name_of, sample
 
-E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+SCALE = formats.E8M0  # MXFP8's scale encoding
+E8M0 = SCALE.numpy_dtype
 _MX, _FP32_BLOCK = 32, 128
 BLOCK_SHAPES = ((1, 1), (3, 31), (31, 33), (33, 65), (64, 128), (130, 257), (2, 3, 40), (0, 32), (32, 0))
 QUICK_BLOCK_SHAPES = ((1, 1), (3, 31), (33, 65), (130, 257), (2, 3, 40), (0, 32))
@@ -57,28 +57,28 @@ def e8m0_oracle(amax: float, fmt: Format, mode: str) -> int:
 
     a = np.float32(amax)
     if np.isnan(a):
-        return 0xFF
+        return SCALE.nan_cast
     if mode == "rceil":
         v = float(a * np.float32(1.0 / fmt.max))
         if v == 0:
             return 0
         if math.isinf(v):
-            return 254
+            return SCALE.max_code
         m, ex = math.frexp(v)  # v = m 2^ex, m in [0.5, 1): log2 v rounded up is ex, or ex - 1 when m is 0.5
-        e = (ex - 1 if m == 0.5 else ex) + 127
+        e = (ex - 1 if m == 0.5 else ex) + SCALE.bias
     else:
         if a == 0:
             return 0
         if np.isinf(a):
-            return 254
-        e = math.frexp(float(a))[1] - 1 - fmt.emax + 127
-    return min(max(e, 0), 254)
+            return SCALE.max_code
+        e = math.frexp(float(a))[1] - 1 - fmt.emax + SCALE.bias
+    return min(max(e, 0), SCALE.max_code)
 
 
 def _pow2(e: int, sign: int) -> float:
     import math
 
-    return math.nan if e == 0xFF else math.ldexp(1.0, sign * (e - 127))
+    return math.nan if e == SCALE.nan_cast else math.ldexp(1.0, sign * (e - SCALE.bias))
 
 
 def mx_oracle(x: np.ndarray, fmt: Format, mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -193,7 +193,8 @@ def _mxfp8_dequantize(t: Target, r: Recorder, quick: bool, rng: np.random.Genera
             for columnwise in (False, True):
                 s_shape = (-(-shape[0] // _MX), shape[1]) if columnwise else (shape[0], -(-shape[1] // _MX))
                 e = rng.integers(0, 256, s_shape, dtype=np.uint8)
-                e.reshape(-1)[:4] = [0, 1, 254, 0xFF][:e.size]  # 2^-127 (products go subnormal), 2^127, NaN
+                # 2^-127 (products go subnormal), 2^-126, 2^127, NaN
+                e.reshape(-1)[:4] = [0, 1, SCALE.max_code, SCALE.nan_cast][:e.size]
                 t_cpu = blocks.MXTensor(codes.view(fmt.numpy_dtype), e.view(E8M0))
                 for out in ("float32", "bfloat16", "float16"):
                     name = f"{shape} {fmt.name} {'columnwise' if columnwise else 'rowwise'} -> {out}"

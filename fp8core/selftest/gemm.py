@@ -49,7 +49,7 @@ def _gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None
                 bias_dtype = "bfloat16" if out != "float16" else "float16"
                 bias = (rng.standard_normal(n) * 4).astype(logical_numpy_dtype(bias_dtype)) if m % 2 else None
                 ref64 = exact if bias is None else exact + bias.astype(np.float64)
-                fmax = Format.E4M3.max if out == "float8_e4m3fn" else Format.E5M2.max
+                fmax = fp8core.as_format(out).max if fp8_out else None
                 want = np.clip(ref64 * out_scale, -fmax, fmax) if fp8_out else ref64
                 label = f"{m}x{n}x{k} {fa.name}x{fb.name} -> {out}{' +bias' if bias is not None else ''}"
                 with t.ref():

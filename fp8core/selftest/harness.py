@@ -10,11 +10,10 @@ from typing import Any, Callable, Iterator
 import ml_dtypes
 import numpy as np
 
-from fp8core import Format
 from fp8core._views import Tensor, storage_dtype
-from fp8core.formats import dtype_name
+from fp8core.formats import ENCODINGS, dtype_name
 
-FORMATS = (Format.E4M3, Format.E5M2)
+FORMATS = tuple(ENCODINGS)  # every fp8 format
 BF16, F16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
 HIGH = (np.dtype(np.float32), BF16, F16)
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

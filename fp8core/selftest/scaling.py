@@ -110,7 +110,7 @@ def _history(rng: np.random.Generator, L: int, n: int) -> np.ndarray:
 @check("batched update: both algorithms, did-not-run, NaN, interval, callable", covers=("update", "scale_rule"))
 def _update(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
     n = 300 if quick else 1000
-    formats = [Format.E4M3, Format.E5M2] * (n // 2)
+    formats = [FORMATS[i % len(FORMATS)] for i in range(n)]
     for algo in ("max", "most_recent"):
         for L in ((1, 2, 31) if quick else (1, 2, 31, 1024)):
             for interval, margin, pow2 in ((1, 0, False), (2, 1, True)):
@@ -160,7 +160,7 @@ def _multi(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> Non
     sizes = (5, 0, 4096, 100003, 1, 65537) + (() if quick else (1 << 21,))
     for mixed in (False, True):
         dtypes = [HIGH[i % 3] if mixed else BF16 for i in range(len(sizes))]
-        fmts = [FORMATS[i % 2] if mixed else Format.E4M3 for i in range(len(sizes))]
+        fmts = [FORMATS[i % len(FORMATS)] if mixed else Format.E4M3 for i in range(len(sizes))]
         xs = [sample(rng, (n,), d) for n, d in zip(sizes, dtypes)]
         xds = [t.put(x, i % 2) for i, x in enumerate(xs)]
         label = f"{len(xs)} tensors{' of mixed dtypes and formats' if mixed else ''}"

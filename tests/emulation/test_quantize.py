@@ -7,6 +7,7 @@ import pytest
 
 import device
 import fp8core
+from fp8core.formats import ENCODINGS
 from arrays import DTYPES, bits, data, upload
 
 SIZES = [0, 1, 7, 16, 31, 257, 4099, 65537]
@@ -21,7 +22,7 @@ def f32(*v):
 def test_quantize_and_amax(dev, dtype, n, rng):
     for offset in (0, 1, 3, 15) if n > 16 else (0, 5):
         x = data(rng, (n,), dtype)
-        for fmt in ("e4m3", "e5m2"):
+        for fmt in (f.value for f in ENCODINGS):
             slot, ref_slot = device.asarray(f32(-0.0)), f32(-0.0)
             q = fp8core.quantize(upload(x, offset), device.asarray(f32(0.37)), fmt, amax_out=slot)
             r = fp8core.quantize(x, f32(0.37), fmt, amax_out=ref_slot)
@@ -68,7 +69,7 @@ def test_quantize_dynamic_with_reduce(dev, rng):
 
 
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt", [f.value for f in ENCODINGS])
 def test_dequantize_every_code(dev, fmt, out_dtype):
     codes = np.tile(np.arange(256, dtype=np.uint8), 9)[:2049]
     q = codes.view(fp8core.as_format(fmt).numpy_dtype)

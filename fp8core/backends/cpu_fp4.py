@@ -1,0 +1,356 @@
+"""The CPU reference for FP4 (docs/numerics.md, "FP4: E2M1 elements, NVFP4 and MXFP4"), vectorised in NumPy.
+
+Every function works on **the operand** ``[R, C]``: x ``[M, K]`` itself (rowwise) or x^T ``[K, M]`` (columnwise),
+whose rows hold the blocks (16 elements for NVFP4, 32 for MXFP4, along C). The operand is read in spans of whole
+rows (whole 16-row tiles with NVFP4's 16x16 tiles) on cpu's thread pool; nothing depends on the span: maxima are
+exact, the rest is elementwise or keyed by the element's own place (stochastic rounding's random bytes come from
+Philox4x32-10 keyed by (seed, block index, offset), not from a stream), so the bytes are the same however the work
+is split. Every public function runs in the IEEE default floating-point environment (fp8core._fpenv.ieee).
+
+Arrays are NumPy arrays in their logical dtype; E2M1 codes are uint8, one code a byte until packed (two a byte,
+element 2j in the low nibble: ``formats.E2M1.pack``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import formats
+from .._caches import cached
+from .._fpenv import ieee
+from .._views import Tensor, logical_numpy_dtype
+from .cpu import CANONICAL_NAN, FLT_MAX, amax, canonical_nan_fp8, map_spans, to_f32
+from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
+
+E2M1 = formats.E2M1
+E4M3 = formats.E4M3  # NVFP4's block scales
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+SPAN = 1 << 16  # operand elements per span (at least one row, or one 16-row tile): fp32 temporaries near 256 KiB
+
+_F32_INF = np.uint32(0x7F800000)
+_F32_NAN = np.uint32(0x7FFFFFFF)
+_LOW15 = np.array(0x7FFF, np.uint32)
+_FIFTEEN = np.array(15, np.uint32)
+_ONE_SIXTH = np.float32(1.0 / 6.0)  # 0x3E2AAAAB, rounded once
+_NVFP4_RANGE = np.float32(E4M3.max * E2M1.max)  # 2688, exact
+_E4M3_MAX = np.float32(E4M3.max)
+
+
+# ---- E2M1 ---------------------------------------------------------------------------------------------------
+
+def e2m1_thresholds() -> np.ndarray:
+    """uint32 patterns T (ascending) with ``code(|y|) = #{T_i < bits(|y|)}``: between neighbouring values v_i and
+    v_i+1 of the row the midpoint goes to the even code, so T_i is the midpoint's pattern where i is even (ties
+    stay at i) and one below it where i is odd (ties go up to i + 1). NaN's pattern is above all: code 7."""
+    v = E2M1.values[:1 << (E2M1.bits - 1)].astype(np.float32)
+    mid = ((v[:-1] + v[1:]) / np.float32(2)).view(np.uint32)  # exact: a few significant bits each
+    return mid - (np.arange(mid.size) % 2).astype(np.uint32)
+
+
+@cached("cpu_fp4.e2m1_table")
+@ieee
+def e2m1_table() -> np.ndarray:
+    """E2M1(y) for the 2^17 fp32 classes of :func:`e2m1_index` (read only). A threshold is a value of at most 3
+    significant bits, or one pattern below it, so the cast depends on the top 16 bits of y and on whether any of
+    its low 16 bits is set: each index stands for its class exactly."""
+    idx = np.arange(1 << 17, dtype=np.uint32)
+    bits = np.left_shift(np.right_shift(idx, 1), 16) | np.bitwise_and(idx, 1)
+    mag = bits & _F32_NAN
+    codes = np.searchsorted(e2m1_thresholds(), mag, side="left").astype(np.uint8)
+    sign = (bits >> 31).astype(np.uint8) & (mag <= _F32_INF)  # a NaN of either sign is +6 (0x7)
+    table = codes | (sign << 3)
+    table.flags.writeable = False
+    return table
+
+
+def e2m1_index(y: np.ndarray) -> np.ndarray:
+    """(top 16 bits of each fp32 value << 1) | (any of its low 16 bits set), as uint32: the table's index."""
+    bits = y.view(np.uint32)
+    low = np.bitwise_and(bits, _LOW15)
+    np.add(low, _LOW15, out=low)  # bit 15 set iff any of bits 14..0 was
+    np.bitwise_or(low, bits, out=low)
+    return np.right_shift(low, _FIFTEEN, out=low)
+
+
+def e2m1_codes(y: np.ndarray) -> np.ndarray:
+    """E2M1(y): fp32 -> codes (uint8, one a byte, y's shape), round to nearest even, satfinite, NaN -> 0x7."""
+    y = np.ascontiguousarray(y, np.float32)
+    return e2m1_table().take(e2m1_index(y), mode="clip")
+
+
+@cached("cpu_fp4.e2m1_f32")
+def e2m1_f32() -> np.ndarray:
+    """fp32 value of each of the 16 codes (read only)."""
+    v = E2M1.values.astype(np.float32)
+    v.flags.writeable = False
+    return v
+
+
+@ieee
+def e2m1_stochastic(y: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """SR(y, r): fp32 values and one random byte each (uint8, y's shape) -> codes. Below |y| = 6 the magnitude goes
+    up a step from lo = step * floor(|y| / step) where f8 + r >= 256, f8 the 8 bits of |y| below the step
+    (truncated); every operation here is exact. |y| >= 6 and inf give 6, NaN 0x7, the sign is kept."""
+    y = np.asarray(y, np.float32)
+    with np.errstate(all="ignore"):
+        a = np.minimum(np.abs(y), np.float32(E2M1.max))  # NaN passes
+        step = np.where(a < 2, np.float32(0.5), np.where(a < 4, np.float32(1), np.float32(2)))
+        lo = np.floor(a / step) * step
+        f8 = np.floor((a - lo) * (np.float32(256) / step))
+        up = f8 + np.asarray(r, np.uint8).astype(np.float32) >= 256
+        result = np.copysign(np.where(up, lo + step, lo), y)
+    return e2m1_codes(result)
+
+
+# ---- Philox4x32-10: the stochastic rounding's random bytes ------------------------------------------------
+
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_LO32 = np.uint64(0xFFFFFFFF)
+_M0, _M1 = np.uint64(PHILOX_M[0]), np.uint64(PHILOX_M[1])
+_32 = np.uint64(32)
+
+
+def philox4x32_10(counter: tuple[Any, Any, Any, Any], key: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Philox4x32-10 (Random123, curand) of counters (c0, c1, c2, c3) (uint32 values, arrays broadcasting together)
+    and key (k0, k1): four uint32 arrays."""
+    c0, c1, c2, c3 = (np.asarray(c, np.uint64) for c in counter)
+    k0, k1 = int(key[0]), int(key[1])
+    for i in range(10):
+        if i:
+            k0, k1 = (k0 + PHILOX_W[0]) & 0xFFFFFFFF, (k1 + PHILOX_W[1]) & 0xFFFFFFFF
+        p0, p1 = c0 * _M0, c2 * _M1  # products of 32-bit numbers: exact in 64 bits
+        c0, c1, c2, c3 = (p1 >> _32) ^ c1 ^ np.uint64(k0), p1 & _LO32, (p0 >> _32) ^ c3 ^ np.uint64(k1), p0 & _LO32
+    return tuple(np.asarray(c, np.uint32) for c in (c0, c1, c2, c3))
+
+
+def block_bytes(g: np.ndarray, seed: int, offset: int) -> np.ndarray:
+    """The 16 random bytes of each block number g (uint64 array) -> uint8 [*g.shape, 16]: byte j is bits
+    8*(j & 3) .. of W[j >> 2], W = Philox4x32_10((g lo, g hi, offset lo, offset hi), (seed lo, seed hi))."""
+    g = np.asarray(g, np.uint64)
+    w = philox4x32_10((g & _LO32, g >> _32, offset & 0xFFFFFFFF, offset >> 32), (seed & 0xFFFFFFFF, seed >> 32))
+    words = np.empty((*g.shape, 4), "<u4")
+    for j, wj in enumerate(w):
+        words[..., j] = wj
+    return words.view(np.uint8)
+
+
+# ---- the random Hadamard transform ------------------------------------------------------------------------
+
+# TE's get_wgrad_sign_vector: bit i of 0xD7E8 set where S_i = -1
+HADAMARD_SIGN_MASK = 0xD7E8
+HADAMARD_SIGNS = tuple(-1 if HADAMARD_SIGN_MASK >> i & 1 else 1 for i in range(NVFP4_BLOCK))
+_SIGN_BITS = np.array([0x80000000 if s < 0 else 0 for s in HADAMARD_SIGNS], np.uint32)
+_QUARTER = np.float32(0.25)
+
+
+def hadamard16(x: np.ndarray) -> np.ndarray:
+    """The contract's RHT of each 16 consecutive elements of the last axis (its length a multiple of 16):
+    v = S * fp32(x), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(x.dtype, v * 0.25). Same shape and dtype
+    as x (float32, bfloat16 or float16). NumPy's warnings must be off (inf - inf is a value here)."""
+    v = to_f32(x).reshape(-1, NVFP4_BLOCK)
+    np.bitwise_xor(v.view(np.uint32), _SIGN_BITS, out=v.view(np.uint32))  # S_i * x_i: exact, a sign flip
+    for h in (1, 2, 4, 8):
+        pairs = v.reshape(-1, NVFP4_BLOCK // (2 * h), 2, h)
+        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        total = a + b
+        np.subtract(a, b, out=b)
+        a[...] = total
+    v *= _QUARTER
+    return v.reshape(x.shape) if x.dtype == np.float32 else v.reshape(x.shape).astype(x.dtype)
+
+
+# ---- block maxima ---------------------------------------------------------------------------------------
+
+def _block_amax_bits(t: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """max |x| of each br x bc block of t [r, c] (c a multiple of bc; the last row block may be partial) as fp32
+    bits [ceil(r/br), c/bc], NaN canonical: the |x| patterns compare as unsigned integers (NaN above inf)."""
+    r, c = t.shape
+    wide = t.itemsize == 4
+    mag = np.bitwise_and(t.view(np.uint32 if wide else np.uint16), np.uint32(0x7FFFFFFF) if wide else np.uint16(0x7FFF))
+    if br == 1:
+        m = mag.reshape(r, c // bc, bc).max(axis=2)
+    else:
+        full = r // br * br
+        m = mag[:full].reshape(full // br, br, c // bc, bc).max(axis=(1, 3))
+        if full < r:
+            m = np.concatenate([m, mag[full:].reshape(1, r - full, c // bc, bc).max(axis=(1, 3))])
+    if wide:
+        m[m > _F32_INF] = _F32_NAN
+        return m
+    if t.dtype == np.float16:
+        out = m.view(np.float16).astype(np.float32).view(np.uint32)
+        out[m > 0x7C00] = _F32_NAN
+        return out
+    out = np.left_shift(m.astype(np.uint32), 16)  # bfloat16
+    out[m > 0x7F80] = _F32_NAN
+    return out
+
+
+# ---- NVFP4 ----------------------------------------------------------------------------------------------
+
+@ieee
+def global_scales(g: Any) -> tuple[np.float32, np.float32]:
+    """(S_enc, S_dec) of a global amax G (fp32): S_enc = 2688 /rn G, FLT_MAX where that is inf, 1.0 where G is 0,
+    inf or NaN; S_dec = 1 /rn S_enc."""
+    g = np.float32(np.asarray(g, np.float32).reshape(-1)[0])
+    with np.errstate(all="ignore"):
+        if g == 0 or not np.isfinite(g):
+            s_enc = np.float32(1)
+        else:
+            s_enc = np.float32(np.divide(_NVFP4_RANGE, g, dtype=np.float32))
+            if np.isinf(s_enc):
+                s_enc = FLT_MAX
+        return s_enc, np.float32(np.divide(np.float32(1), s_enc, dtype=np.float32))
+
+
+def nvfp4_block_scales(amax_bits: np.ndarray, s_enc: np.float32, s_dec: np.float32
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """(s_b as E4M3 codes uint8, e_b fp32) of each block amax (fp32 bits): d_b = amax_b *rn (S_enc *rn fp32(1/6)),
+    s_b = SATFINITE_RTNE_E4M3(d_b), e_b = 1 /rn (fp32(s_b) *rn S_dec) with inf -> FLT_MAX (NaN stays).
+    NumPy's warnings must be off."""
+    d = amax_bits.view(np.float32) * np.float32(s_enc * _ONE_SIXTH)
+    s = np.minimum(d, _E4M3_MAX).astype(E4M3.numpy_dtype)  # d >= 448 and inf saturate; NaN passes
+    codes = s.view(np.uint8)
+    canonical_nan_fp8(codes, E4M3)
+    e = np.divide(np.float32(1), s.astype(np.float32) * s_dec, dtype=np.float32)
+    e[np.isinf(e)] = FLT_MAX
+    return codes, e
+
+
+def _operand_rows(x: np.ndarray, columnwise: bool) -> Callable[[int, int], np.ndarray]:
+    """Rows [r0, r1) of the operand (x, or x^T), contiguous."""
+    if not columnwise:
+        return lambda r0, r1: x[r0:r1]
+    return lambda r0, r1: np.ascontiguousarray(x[:, r0:r1].T)
+
+
+def _span_rows(cols: int, br: int) -> int:
+    """Operand rows per span: whole row blocks, about SPAN elements."""
+    return max(1, SPAN // max(cols, 1) // br) * br
+
+
+def _transformed(x: np.ndarray, columnwise: bool) -> np.ndarray:
+    """The operand with every 16-element block of its rows replaced by its RHT, in x's dtype."""
+    rows, cols = (x.shape[1], x.shape[0]) if columnwise else x.shape
+    out = np.empty((rows, cols), x.dtype)
+    take = _operand_rows(x, columnwise)
+
+    def span(r0: int, r1: int) -> None:
+        with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
+            out[r0:r1] = hadamard16(take(r0, r1))
+
+    map_spans(rows, _span_rows(cols, 1), span)
+    return out
+
+
+@ieee
+def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool, seed: int, offset: int,
+                   global_amax: np.ndarray | None, columnwise: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] -> (data uint8 [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16], global amax
+    float32 [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G or None."""
+    data = x.data
+    if hadamard:
+        data, columnwise = _transformed(data, columnwise), False
+    rows, cols = (data.shape[1], data.shape[0]) if columnwise else data.shape
+    g = amax(Tensor(data, x.dtype, x.device, "numpy")) if global_amax is None else \
+        np.asarray(global_amax, np.float32).reshape(1).copy()
+    s_enc, s_dec = global_scales(g)
+    br = NVFP4_BLOCK if weight_2d else 1
+    packed = np.empty((rows, cols // 2), np.uint8)
+    scales = np.empty((-(-rows // br), cols // NVFP4_BLOCK), np.uint8)
+    take = _operand_rows(data, columnwise)
+    nb = cols // NVFP4_BLOCK
+
+    def span(r0: int, r1: int) -> None:
+        t = take(r0, r1)
+        with np.errstate(all="ignore"):
+            codes, e = nvfp4_block_scales(_block_amax_bits(t, br, NVFP4_BLOCK), s_enc, s_dec)
+            scales[r0 // br:-(-r1 // br)] = codes
+            if br > 1:
+                e = np.repeat(e, br, axis=0)[:r1 - r0]
+            y = to_f32(t).reshape(r1 - r0, nb, NVFP4_BLOCK)
+            y *= e[:, :, None]
+            if stochastic:
+                g_idx = np.arange(r0, r1, dtype=np.uint64)[:, None] * np.uint64(nb) + np.arange(nb, dtype=np.uint64)
+                q = e2m1_stochastic(y, block_bytes(g_idx, seed, offset))
+            else:
+                q = e2m1_table().take(e2m1_index(y), mode="clip")
+            packed[r0:r1] = E2M1.pack(q.reshape(r1 - r0, cols))
+
+    map_spans(rows, _span_rows(cols, br), span)
+    return packed, scales.view(E4M3.numpy_dtype), g
+
+
+@ieee
+def dequantize_nvfp4(data: Tensor, scale: Tensor, global_amax: np.ndarray, out_dtype: str) -> np.ndarray:
+    """y = ROUND_TO(out_dtype, (fp32(q) * fp32(s_b)) *rn S_dec), [R, C] from data [R, C/2]; scale [R, C/16] or
+    16x16 tiles [ceil(R/16), C/16]; S_dec from global_amax by the global scale rule; NaN canonical."""
+    q = data.data.view(np.uint8)
+    rows, cols = q.shape[0], 2 * q.shape[1]
+    s = scale.data.view(np.uint8).view(E4M3.numpy_dtype).astype(np.float32)
+    if s.shape[0] != rows:
+        s = np.repeat(s, NVFP4_BLOCK, axis=0)[:rows]
+    _, s_dec = global_scales(global_amax)
+    return _widen(q, rows, cols, NVFP4_BLOCK, lambda y: (y * s[:, :, None]) * s_dec, out_dtype)
+
+
+def _widen(q: np.ndarray, rows: int, cols: int, block: int, scaled: Callable[[np.ndarray], np.ndarray],
+           out_dtype: str) -> np.ndarray:
+    """ROUND_TO(out_dtype, scaled(fp32 values [R, C/block, block])), NaN canonical."""
+    with np.errstate(all="ignore"):
+        y = scaled(e2m1_f32().take(E2M1.unpack(q)).reshape(rows, cols // block, block)).reshape(rows, cols)
+        out = y.astype(logical_numpy_dtype(out_dtype))
+    storage, nan = CANONICAL_NAN[out_dtype]
+    out.view(storage)[np.isnan(y)] = nan
+    return out
+
+
+# ---- MXFP4 ----------------------------------------------------------------------------------------------
+
+@ieee
+def quantize_mxfp4(x: Tensor, mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] -> (data uint8 [R, C/2], scale E8M0 [R, C/32]) for the operand [R, C] (x or x^T); mode "rceil" or
+    "floor" (MXFP8's rules with fp_max 6, emax 2); q = E2M1(fp32(x) *rn 2^(127 - e))."""
+    data = x.data
+    rows, cols = (data.shape[1], data.shape[0]) if columnwise else data.shape
+    rule = e8m0_rceil if mode == "rceil" else e8m0_floor
+    packed = np.empty((rows, cols // 2), np.uint8)
+    scales = np.empty((rows, cols // MXFP4_BLOCK), np.uint8)
+    take = _operand_rows(data, columnwise)
+    nb = cols // MXFP4_BLOCK
+
+    def span(r0: int, r1: int) -> None:
+        t = take(r0, r1)
+        with np.errstate(all="ignore"):
+            e = rule(_block_amax_bits(t, 1, MXFP4_BLOCK), E2M1)
+            scales[r0:r1] = e
+            y = to_f32(t).reshape(r1 - r0, nb, MXFP4_BLOCK)
+            y *= e8m0_factor(e, -1)[:, :, None]  # the NaN byte gives NaN: a NaN block is all 0x7
+            packed[r0:r1] = E2M1.pack(e2m1_table().take(e2m1_index(y), mode="clip").reshape(r1 - r0, cols))
+
+    map_spans(rows, _span_rows(cols, 1), span)
+    return packed, scales.view(formats.E8M0.numpy_dtype)
+
+
+@ieee
+def dequantize_mxfp4(data: Tensor, scale: Tensor, out_dtype: str) -> np.ndarray:
+    """y = ROUND_TO(out_dtype, fp32(q) *rn 2^(e - 127)), [R, C] from data [R, C/2] and scale [R, C/32]."""
+    q = data.data.view(np.uint8)
+    rows, cols = q.shape[0], 2 * q.shape[1]
+    f = e8m0_factor(scale.data.view(np.uint8), 1)
+    return _widen(q, rows, cols, MXFP4_BLOCK, lambda y: y * f[:, :, None], out_dtype)
+
+
+# ---- the scale layout cuBLASLt reads ----------------------------------------------------------------------
+
+def gemm_scale(scale: Tensor, rows: int) -> np.ndarray:
+    """An FP4 operand's scale bytes (E4M3 or E8M0, [rows or 16-row tiles, K-blocks]) in cuBLASLt's 128x4 tiles,
+    flat uint8: 16x16 tiles first expanded to their rows (row r takes tile r // 16), then laid out as MXFP8's."""
+    s = scale.data.view(np.uint8)
+    if s.shape[0] != rows:
+        s = np.repeat(s, NVFP4_BLOCK, axis=0)[:rows]
+    return mx_gemm_scale(Tensor(np.ascontiguousarray(s), "uint8", scale.device, scale.origin), "1x32")

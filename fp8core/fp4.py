@@ -164,7 +164,7 @@ def quantize_mxfp4_both(x: Array, *, rounding: str = "rceil") -> tuple[MXFP4Tens
 def _parts(t: Any, kind: type, arg: str, function: str) -> tuple[Tensor, Tensor, Any, Any]:
     """(data [R, C/2] uint8, scale, the scale's layout check's input, backend) of an FP4 tensor."""
     if not isinstance(t, tuple) or len(t) != len(kind._fields):
-        raise TypeError(f"{arg}: expected a {kind.__name__} ({', '.join(kind._fields)}), got {type(t).__name__}")
+        raise TypeError(f"{arg}: expected an {kind.__name__} ({', '.join(kind._fields)}), got {type(t).__name__}")
     data = args.contiguous(wrap(t[0], f"{arg}.data"), f"{arg}.data")
     if data.dtype != "uint8":
         raise TypeError(f"{arg}.data: expected uint8 (E2M1 codes, two a byte), got {data.dtype}")

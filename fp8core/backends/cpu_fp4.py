@@ -21,7 +21,7 @@ from .. import formats
 from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
-from .cpu import CANONICAL_NAN, FLT_MAX, amax, canonical_nan_fp8, map_spans, to_f32
+from .cpu import CANONICAL_NAN, FLT_MAX, amax, canonical_nan_fp8, map_spans, to_f32, transpose
 from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
 
 E2M1 = formats.E2M1
@@ -138,55 +138,190 @@ def block_bytes(g: np.ndarray, seed: int, offset: int) -> np.ndarray:
     return words.view(np.uint8)
 
 
-# ---- the random Hadamard transform ------------------------------------------------------------------------
+# ---- blocks in x's layout ----------------------------------------------------------------------------------
+# The work is done in x's own layout [M, K], whichever the operand: a rowwise block is 16 (32) consecutive
+# elements of a row of x, a columnwise one 16 (32) consecutive elements of a column of x. Viewed as [A, b, B], the
+# b positions of every block are the middle axis: rowwise [M * K / b, b, 1], columnwise [M / b, b, K]. Reductions
+# and the transform then run over b slices of [A, B] (contiguous rows of K columnwise), never a short last axis;
+# only the finished bytes of a columnwise operand are transposed (one byte per two elements).
 
-# TE's get_wgrad_sign_vector: bit i of 0xD7E8 set where S_i = -1
-HADAMARD_SIGN_MASK = 0xD7E8
-HADAMARD_SIGNS = tuple(-1 if HADAMARD_SIGN_MASK >> i & 1 else 1 for i in range(NVFP4_BLOCK))
-_SIGN_BITS = np.array([0x80000000 if s < 0 else 0 for s in HADAMARD_SIGNS], np.uint32)
-_QUARTER = np.float32(0.25)
-
-
-def hadamard16(x: np.ndarray) -> np.ndarray:
-    """The contract's RHT of each 16 consecutive elements of the last axis (its length a multiple of 16):
-    v = S * fp32(x), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(x.dtype, v * 0.25). Same shape and dtype
-    as x (float32, bfloat16 or float16). NumPy's warnings must be off (inf - inf is a value here)."""
-    v = to_f32(x).reshape(-1, NVFP4_BLOCK)
-    np.bitwise_xor(v.view(np.uint32), _SIGN_BITS, out=v.view(np.uint32))  # S_i * x_i: exact, a sign flip
-    for h in (1, 2, 4, 8):
-        pairs = v.reshape(-1, NVFP4_BLOCK // (2 * h), 2, h)
-        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
-        total = a + b
-        np.subtract(a, b, out=b)
-        a[...] = total
-    v *= _QUARTER
-    return v.reshape(x.shape) if x.dtype == np.float32 else v.reshape(x.shape).astype(x.dtype)
+def _positions(t: np.ndarray, b: int, columnwise: bool) -> np.ndarray:
+    """t [s, K] (s a multiple of b columnwise) as [A, b, B]: the b elements of each block along axis 1."""
+    s, k = t.shape
+    return t.reshape(s // b, b, k) if columnwise else t.reshape(s * k // b, b, 1)
 
 
-# ---- block maxima ---------------------------------------------------------------------------------------
+def _max_over_positions(v: np.ndarray) -> np.ndarray:
+    """max over axis 1 of an [A, b, B] integer array, as [A, B]: b elementwise maxima of [A, B] slices (a
+    reduction over a short axis pays NumPy's per-row set-up for every block)."""
+    acc = v[:, 0].copy()
+    for i in range(1, v.shape[1]):
+        np.maximum(acc, v[:, i], out=acc)
+    return acc
 
-def _block_amax_bits(t: np.ndarray, br: int, bc: int) -> np.ndarray:
-    """max |x| of each br x bc block of t [r, c] (c a multiple of bc; the last row block may be partial) as fp32
-    bits [ceil(r/br), c/bc], NaN canonical: the |x| patterns compare as unsigned integers (NaN above inf)."""
-    r, c = t.shape
-    wide = t.itemsize == 4
-    mag = np.bitwise_and(t.view(np.uint32 if wide else np.uint16), np.uint32(0x7FFFFFFF) if wide else np.uint16(0x7FFF))
-    if br == 1:
-        m = mag.reshape(r, c // bc, bc).max(axis=2)
-    else:
-        full = r // br * br
-        m = mag[:full].reshape(full // br, br, c // bc, bc).max(axis=(1, 3))
-        if full < r:
-            m = np.concatenate([m, mag[full:].reshape(1, r - full, c // bc, bc).max(axis=(1, 3))])
-    if wide:
+
+def _magnitudes(t: np.ndarray) -> np.ndarray:
+    """|x| bit patterns (uint32 for fp32, uint16 for bf16/fp16): unsigned order is float order, NaN above inf."""
+    if t.itemsize == 4:
+        return np.bitwise_and(t.view(np.uint32), np.uint32(0x7FFFFFFF))
+    return np.bitwise_and(t.view(np.uint16), np.uint16(0x7FFF))
+
+
+def _f32_bits(m: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Block maxima of |x| patterns (of ``dtype``) as fp32 bits, NaN canonical (0x7FFFFFFF)."""
+    if m.dtype == np.uint32:
         m[m > _F32_INF] = _F32_NAN
         return m
-    if t.dtype == np.float16:
+    if dtype == np.float16:
         out = m.view(np.float16).astype(np.float32).view(np.uint32)
         out[m > 0x7C00] = _F32_NAN
         return out
     out = np.left_shift(m.astype(np.uint32), 16)  # bfloat16
     out[m > 0x7F80] = _F32_NAN
+    return out
+
+
+def block_amax_bits(t: np.ndarray, b: int, columnwise: bool, tiles: bool) -> np.ndarray:
+    """The amax of every block of t [s, K] (x's layout) as fp32 bits, in x's block grid: [s, K/b] (rowwise),
+    [s/b, K] (columnwise), or [ceil(s/16), K/16] for 16x16 tiles (the last one partial when s % 16)."""
+    mag = _magnitudes(t)
+    s, k = t.shape
+    if not tiles:
+        m = _max_over_positions(_positions(mag, b, columnwise))
+        return _f32_bits(m if columnwise else m.reshape(s, k // b), t.dtype)
+    whole = s // b * b
+    rows = mag[:whole].reshape(whole // b, b, k).max(axis=1)  # a tile's 16 rows: reduced over contiguous rows
+    if whole < s:
+        rows = np.concatenate([rows, mag[whole:].max(axis=0, keepdims=True)])
+    return _f32_bits(_max_over_positions(_positions(rows, b, False)).reshape(rows.shape[0], k // b), t.dtype)
+
+
+def _scaled(t: np.ndarray, e: np.ndarray, b: int, columnwise: bool, tiles: bool) -> np.ndarray:
+    """fp32(t) *rn e[its block], [s, K]; e in x's block grid (:func:`block_amax_bits`)."""
+    y = to_f32(t)
+    s, k = t.shape
+    if tiles:
+        if s % b:  # a partial last tile: each row its tile's multipliers
+            y.reshape(s, k // b, b)[...] *= np.repeat(e, b, axis=0)[:s, :, None]
+        else:
+            y.reshape(s // b, b, k // b, b)[...] *= e[:, None, :, None]
+    elif columnwise:
+        y.reshape(s // b, b, k)[...] *= e[:, None, :]
+    else:
+        y.reshape(s, k // b, b)[...] *= e[:, :, None]
+    return y
+
+
+def _codes(y: np.ndarray) -> np.ndarray:
+    """E2M1(y), uint8 codes of fp32 values (contiguous)."""
+    return e2m1_table().take(e2m1_index(y), mode="clip")
+
+
+def _pack_rows(codes: np.ndarray) -> np.ndarray:
+    """Codes [s, C] (each < 16) packed along rows, [s, C/2]: E2M1.pack's layout, element 2j in the low nibble,
+    read as little-endian pairs (byte 2j + (byte 2j+1 << 8)) folded by one shift: a third of pack's passes."""
+    if not E2M1.low_nibble_first:
+        return E2M1.pack(codes)
+    pairs = np.ascontiguousarray(codes).view("<u2")
+    return np.bitwise_or(pairs, np.right_shift(pairs, np.uint16(4))).astype(np.uint8)
+
+
+def _pack_columns(codes: np.ndarray) -> np.ndarray:
+    """Codes [s, K] (s even) packed down the columns, [s/2, K]: row 2j in the low nibble (the transposed
+    operand's packing, before its transpose)."""
+    pairs = codes.reshape(codes.shape[0] // 2, 2, codes.shape[1])
+    lo, hi = (pairs[:, 0], pairs[:, 1]) if E2M1.low_nibble_first else (pairs[:, 1], pairs[:, 0])
+    return np.bitwise_or(lo, np.left_shift(hi, 4, dtype=np.uint8))
+
+
+def _random_bytes(m0: int, s: int, k: int, rows: int, columnwise: bool, seed: int, offset: int) -> np.ndarray:
+    """The SR bytes of x's rows [m0, m0 + s), [s, K] in x's layout: block g = operand row * (C / 16) + its
+    index in the row (rowwise: row m, block k // 16; columnwise: row k, block m // 16, C = M = ``rows``)."""
+    b = NVFP4_BLOCK
+    if not columnwise:
+        g = np.arange(m0, m0 + s, dtype=np.uint64)[:, None] * np.uint64(k // b) + np.arange(k // b, dtype=np.uint64)
+        return block_bytes(g, seed, offset).reshape(s, k)
+    g = np.arange(k, dtype=np.uint64)[None, :] * np.uint64(rows // b) + \
+        np.arange(m0 // b, (m0 + s) // b, dtype=np.uint64)[:, None]
+    return np.ascontiguousarray(block_bytes(g, seed, offset).transpose(0, 2, 1)).reshape(s, k)
+
+
+def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callable[[np.ndarray], tuple],
+              sr: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(packed [R, C/2], stored scales) of the operand of x [M, K] (x or x^T): each block's amax bits through
+    ``rule`` -> (stored bytes, fp32 multiplier); q = E2M1(fp32(x) *rn multiplier), or SR with ``sr`` = (seed,
+    offset). Spans of x's rows on cpu's pool; scales [R, C/b], or [ceil(R/16), C/16] with ``tiles``."""
+    m, k = x.shape
+    grid = (-(-m // b), k // b) if tiles else ((m // b, k) if columnwise else (m, k // b))
+    stored = np.empty(grid, np.uint8)
+    packed = np.empty((m // 2, k) if columnwise else (m, k // 2), np.uint8)
+    step = b if columnwise or tiles else 1
+
+    def span(m0: int, m1: int) -> None:
+        t = x[m0:m1]
+        with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
+            codes, e = rule(block_amax_bits(t, b, columnwise, tiles))
+            stored[m0 // step:m0 // step + codes.shape[0]] = codes
+            y = _scaled(t, e, b, columnwise, tiles)
+            q = _codes(y) if sr is None else e2m1_stochastic(y, _random_bytes(m0, m1 - m0, k, m, columnwise, *sr))
+            if columnwise:
+                packed[m0 // 2:m1 // 2] = _pack_columns(q)
+            else:
+                packed[m0:m1] = _pack_rows(q)
+
+    map_spans(m, max(1, SPAN // max(k, 1) // step) * step, span)
+    if not columnwise:
+        return packed, stored
+    return transpose(Tensor(packed, "uint8", ("cpu", 0), "numpy")), np.ascontiguousarray(stored.T)
+
+
+# ---- the random Hadamard transform ------------------------------------------------------------------------
+
+# TE's get_wgrad_sign_vector: bit i of 0xD7E8 set where S_i = -1
+HADAMARD_SIGN_MASK = 0xD7E8
+HADAMARD_SIGNS = tuple(-1 if HADAMARD_SIGN_MASK >> i & 1 else 1 for i in range(NVFP4_BLOCK))
+_QUARTER = np.float32(0.25)
+
+
+def butterfly16(v: list[np.ndarray]) -> list[np.ndarray]:
+    """The contract's fp32 butterfly over the 16 positions (fp32 arrays of one shape, consumed), in its order:
+    for h = 1, 2, 4, 8 and every i with i & h == 0, (v_i, v_i+h) = (v_i +rn v_i+h, v_i -rn v_i+h)."""
+    for h in (1, 2, 4, 8):
+        for i in range(NVFP4_BLOCK):
+            if i & h == 0:
+                a, b = v[i], v[i + h]
+                v[i] = a + b
+                v[i + h] = np.subtract(a, b, out=b)
+    return v
+
+
+def hadamard16(t: np.ndarray, columnwise: bool) -> np.ndarray:
+    """The RHT of every 16-element block of t [s, K] (x's layout; blocks along rows, or down the columns when
+    ``columnwise``): v = S * fp32(x), the fp32 butterfly, then ROUND_TO(t.dtype, v *rn 0.25). Same shape and
+    dtype as t. NumPy's warnings must be off (inf - inf is a value here)."""
+    src = _positions(t, NVFP4_BLOCK, columnwise)
+    v = [to_f32(src[:, i]) for i in range(NVFP4_BLOCK)]
+    for i, sign in enumerate(HADAMARD_SIGNS):
+        if sign < 0:
+            np.negative(v[i], out=v[i])  # exact
+    out = np.empty(t.shape, t.dtype)
+    dst = _positions(out, NVFP4_BLOCK, columnwise)
+    for j, vj in enumerate(butterfly16(v)):
+        vj *= _QUARTER
+        dst[:, j] = vj if t.dtype == np.float32 else vj.astype(t.dtype)
+    return out
+
+
+def _transformed(x: np.ndarray, columnwise: bool) -> np.ndarray:
+    """x [M, K] with every block of its operand replaced by its RHT, in x's layout and dtype."""
+    out = np.empty(x.shape, x.dtype)
+    step = NVFP4_BLOCK if columnwise else 1
+
+    def span(m0: int, m1: int) -> None:
+        with np.errstate(all="ignore"):
+            out[m0:m1] = hadamard16(x[m0:m1], columnwise)
+
+    map_spans(x.shape[0], max(1, SPAN // max(x.shape[1], 1) // step) * step, span)
     return out
 
 
@@ -207,44 +342,25 @@ def global_scales(g: Any) -> tuple[np.float32, np.float32]:
         return s_enc, np.float32(np.divide(np.float32(1), s_enc, dtype=np.float32))
 
 
+@cached("cpu_fp4.e4m3_f32")
+def _e4m3_f32() -> np.ndarray:
+    """fp32 value of each of the 256 E4M3 codes (exact; NaN codes NaN; read only)."""
+    v = np.arange(256, dtype=np.uint8).view(E4M3.numpy_dtype).astype(np.float32)
+    v.flags.writeable = False
+    return v
+
+
 def nvfp4_block_scales(amax_bits: np.ndarray, s_enc: np.float32, s_dec: np.float32
                        ) -> tuple[np.ndarray, np.ndarray]:
     """(s_b as E4M3 codes uint8, e_b fp32) of each block amax (fp32 bits): d_b = amax_b *rn (S_enc *rn fp32(1/6)),
     s_b = SATFINITE_RTNE_E4M3(d_b), e_b = 1 /rn (fp32(s_b) *rn S_dec) with inf -> FLT_MAX (NaN stays).
     NumPy's warnings must be off."""
     d = amax_bits.view(np.float32) * np.float32(s_enc * _ONE_SIXTH)
-    s = np.minimum(d, _E4M3_MAX).astype(E4M3.numpy_dtype)  # d >= 448 and inf saturate; NaN passes
-    codes = s.view(np.uint8)
+    codes = np.minimum(d, _E4M3_MAX).astype(E4M3.numpy_dtype).view(np.uint8)  # >= 448 and inf saturate
     canonical_nan_fp8(codes, E4M3)
-    e = np.divide(np.float32(1), s.astype(np.float32) * s_dec, dtype=np.float32)
+    e = np.divide(np.float32(1), _e4m3_f32().take(codes) * s_dec, dtype=np.float32)
     e[np.isinf(e)] = FLT_MAX
     return codes, e
-
-
-def _operand_rows(x: np.ndarray, columnwise: bool) -> Callable[[int, int], np.ndarray]:
-    """Rows [r0, r1) of the operand (x, or x^T), contiguous."""
-    if not columnwise:
-        return lambda r0, r1: x[r0:r1]
-    return lambda r0, r1: np.ascontiguousarray(x[:, r0:r1].T)
-
-
-def _span_rows(cols: int, br: int) -> int:
-    """Operand rows per span: whole row blocks, about SPAN elements."""
-    return max(1, SPAN // max(cols, 1) // br) * br
-
-
-def _transformed(x: np.ndarray, columnwise: bool) -> np.ndarray:
-    """The operand with every 16-element block of its rows replaced by its RHT, in x's dtype."""
-    rows, cols = (x.shape[1], x.shape[0]) if columnwise else x.shape
-    out = np.empty((rows, cols), x.dtype)
-    take = _operand_rows(x, columnwise)
-
-    def span(r0: int, r1: int) -> None:
-        with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
-            out[r0:r1] = hadamard16(take(r0, r1))
-
-    map_spans(rows, _span_rows(cols, 1), span)
-    return out
 
 
 @ieee
@@ -252,36 +368,13 @@ def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool,
                    global_amax: np.ndarray | None, columnwise: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [M, K] -> (data uint8 [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16], global amax
     float32 [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G or None."""
-    data = x.data
-    if hadamard:
-        data, columnwise = _transformed(data, columnwise), False
-    rows, cols = (data.shape[1], data.shape[0]) if columnwise else data.shape
+    data = _transformed(x.data, columnwise) if hadamard else x.data
     g = amax(Tensor(data, x.dtype, x.device, "numpy")) if global_amax is None else \
         np.asarray(global_amax, np.float32).reshape(1).copy()
     s_enc, s_dec = global_scales(g)
-    br = NVFP4_BLOCK if weight_2d else 1
-    packed = np.empty((rows, cols // 2), np.uint8)
-    scales = np.empty((-(-rows // br), cols // NVFP4_BLOCK), np.uint8)
-    take = _operand_rows(data, columnwise)
-    nb = cols // NVFP4_BLOCK
-
-    def span(r0: int, r1: int) -> None:
-        t = take(r0, r1)
-        with np.errstate(all="ignore"):
-            codes, e = nvfp4_block_scales(_block_amax_bits(t, br, NVFP4_BLOCK), s_enc, s_dec)
-            scales[r0 // br:-(-r1 // br)] = codes
-            if br > 1:
-                e = np.repeat(e, br, axis=0)[:r1 - r0]
-            y = to_f32(t).reshape(r1 - r0, nb, NVFP4_BLOCK)
-            y *= e[:, :, None]
-            if stochastic:
-                g_idx = np.arange(r0, r1, dtype=np.uint64)[:, None] * np.uint64(nb) + np.arange(nb, dtype=np.uint64)
-                q = e2m1_stochastic(y, block_bytes(g_idx, seed, offset))
-            else:
-                q = e2m1_table().take(e2m1_index(y), mode="clip")
-            packed[r0:r1] = E2M1.pack(q.reshape(r1 - r0, cols))
-
-    map_spans(rows, _span_rows(cols, br), span)
+    packed, scales = _quantize(data, NVFP4_BLOCK, columnwise, weight_2d,
+                               lambda bits: nvfp4_block_scales(bits, s_enc, s_dec),
+                               (seed, offset) if stochastic else None)
     return packed, scales.view(E4M3.numpy_dtype), g
 
 
@@ -291,7 +384,7 @@ def dequantize_nvfp4(data: Tensor, scale: Tensor, global_amax: np.ndarray, out_d
     16x16 tiles [ceil(R/16), C/16]; S_dec from global_amax by the global scale rule; NaN canonical."""
     q = data.data.view(np.uint8)
     rows, cols = q.shape[0], 2 * q.shape[1]
-    s = scale.data.view(np.uint8).view(E4M3.numpy_dtype).astype(np.float32)
+    s = _e4m3_f32().take(scale.data.view(np.uint8))
     if s.shape[0] != rows:
         s = np.repeat(s, NVFP4_BLOCK, axis=0)[:rows]
     _, s_dec = global_scales(global_amax)
@@ -314,25 +407,14 @@ def _widen(q: np.ndarray, rows: int, cols: int, block: int, scaled: Callable[[np
 @ieee
 def quantize_mxfp4(x: Tensor, mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
     """x [M, K] -> (data uint8 [R, C/2], scale E8M0 [R, C/32]) for the operand [R, C] (x or x^T); mode "rceil" or
-    "floor" (MXFP8's rules with fp_max 6, emax 2); q = E2M1(fp32(x) *rn 2^(127 - e))."""
-    data = x.data
-    rows, cols = (data.shape[1], data.shape[0]) if columnwise else data.shape
-    rule = e8m0_rceil if mode == "rceil" else e8m0_floor
-    packed = np.empty((rows, cols // 2), np.uint8)
-    scales = np.empty((rows, cols // MXFP4_BLOCK), np.uint8)
-    take = _operand_rows(data, columnwise)
-    nb = cols // MXFP4_BLOCK
+    "floor" (MXFP8's rules with fp_max 6, emax 2); q = E2M1(fp32(x) *rn 2^(127 - e)), a NaN block all 0x7."""
+    scale_rule = e8m0_rceil if mode == "rceil" else e8m0_floor
 
-    def span(r0: int, r1: int) -> None:
-        t = take(r0, r1)
-        with np.errstate(all="ignore"):
-            e = rule(_block_amax_bits(t, 1, MXFP4_BLOCK), E2M1)
-            scales[r0:r1] = e
-            y = to_f32(t).reshape(r1 - r0, nb, MXFP4_BLOCK)
-            y *= e8m0_factor(e, -1)[:, :, None]  # the NaN byte gives NaN: a NaN block is all 0x7
-            packed[r0:r1] = E2M1.pack(e2m1_table().take(e2m1_index(y), mode="clip").reshape(r1 - r0, cols))
+    def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        e = scale_rule(bits, E2M1)
+        return e, e8m0_factor(e, -1)  # the NaN byte's factor is NaN
 
-    map_spans(rows, _span_rows(cols, 1), span)
+    packed, scales = _quantize(x.data, MXFP4_BLOCK, columnwise, False, rule, None)
     return packed, scales.view(formats.E8M0.numpy_dtype)
 
 

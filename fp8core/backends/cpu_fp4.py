@@ -77,8 +77,7 @@ def e2m1_index(y: np.ndarray) -> np.ndarray:
 
 def e2m1_codes(y: np.ndarray) -> np.ndarray:
     """E2M1(y): fp32 -> codes (uint8, one a byte, y's shape), round to nearest even, satfinite, NaN -> 0x7."""
-    y = np.ascontiguousarray(y, np.float32)
-    return e2m1_table().take(e2m1_index(y), mode="clip")
+    return _codes(np.ascontiguousarray(y, np.float32))
 
 
 @cached("cpu_fp4.e2m1_f32")
@@ -213,8 +212,9 @@ def _scaled(t: np.ndarray, e: np.ndarray, b: int, columnwise: bool, tiles: bool)
 
 
 def _codes(y: np.ndarray) -> np.ndarray:
-    """E2M1(y), uint8 codes of fp32 values (contiguous)."""
-    return e2m1_table().take(e2m1_index(y), mode="clip")
+    """E2M1(y), uint8 codes of fp32 values (contiguous). The index is widened to intp before the lookup: take's
+    own conversion of uint32 indices cost 3-4x the widening and the lookup together."""
+    return e2m1_table().take(e2m1_index(y).astype(np.intp), mode="clip")
 
 
 def _pack_rows(codes: np.ndarray) -> np.ndarray:
@@ -281,34 +281,35 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
 HADAMARD_SIGN_MASK = 0xD7E8
 HADAMARD_SIGNS = tuple(-1 if HADAMARD_SIGN_MASK >> i & 1 else 1 for i in range(NVFP4_BLOCK))
 _QUARTER = np.float32(0.25)
-
-
-def butterfly16(v: list[np.ndarray]) -> list[np.ndarray]:
-    """The contract's fp32 butterfly over the 16 positions (fp32 arrays of one shape, consumed), in its order:
-    for h = 1, 2, 4, 8 and every i with i & h == 0, (v_i, v_i+h) = (v_i +rn v_i+h, v_i -rn v_i+h)."""
-    for h in (1, 2, 4, 8):
-        for i in range(NVFP4_BLOCK):
-            if i & h == 0:
-                a, b = v[i], v[i + h]
-                v[i] = a + b
-                v[i + h] = np.subtract(a, b, out=b)
-    return v
+_SIGNS = np.array(HADAMARD_SIGNS, np.float32)[None, :, None]
 
 
 def hadamard16(t: np.ndarray, columnwise: bool) -> np.ndarray:
     """The RHT of every 16-element block of t [s, K] (x's layout; blocks along rows, or down the columns when
-    ``columnwise``): v = S * fp32(x), the fp32 butterfly, then ROUND_TO(t.dtype, v *rn 0.25). Same shape and
-    dtype as t. NumPy's warnings must be off (inf - inf is a value here)."""
-    src = _positions(t, NVFP4_BLOCK, columnwise)
-    v = [to_f32(src[:, i]) for i in range(NVFP4_BLOCK)]
-    for i, sign in enumerate(HADAMARD_SIGNS):
-        if sign < 0:
-            np.negative(v[i], out=v[i])  # exact
+    ``columnwise``): v = S * fp32(x), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(t.dtype, v *rn 0.25).
+    Same shape and dtype as t. NumPy's warnings must be off (inf - inf is a value here).
+
+    The 16 positions are the middle axis of [A, 16, B] (rowwise blocks are first turned position-major, [1, 16, n]),
+    so a stage is two calls: positions i with i & h == 0 are [:, :, 0] of the view [A, 16 / 2h, 2, h, B], their
+    partners i + h are [:, :, 1], and (v_i, v_i+h) = (v_i +rn v_i+h, v_i -rn v_i+h) goes into a second buffer."""
+    s, k = t.shape
+    f = to_f32(t)
+    v = f.reshape(s // NVFP4_BLOCK, NVFP4_BLOCK, k) if columnwise else \
+        np.ascontiguousarray(f.reshape(-1, NVFP4_BLOCK).T).reshape(1, NVFP4_BLOCK, -1)
+    v *= _SIGNS  # exact
+    w = np.empty_like(v)
+    a, _, b = v.shape
+    for h in (1, 2, 4, 8):
+        pairs, into = v.reshape(a, NVFP4_BLOCK // (2 * h), 2, h, b), w.reshape(a, NVFP4_BLOCK // (2 * h), 2, h, b)
+        np.add(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 0])
+        np.subtract(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
+        v, w = w, v
+    v *= _QUARTER
+    r = v if t.dtype == np.float32 else v.astype(t.dtype)
+    if columnwise:
+        return r.reshape(s, k)
     out = np.empty(t.shape, t.dtype)
-    dst = _positions(out, NVFP4_BLOCK, columnwise)
-    for j, vj in enumerate(butterfly16(v)):
-        vj *= _QUARTER
-        dst[:, j] = vj if t.dtype == np.float32 else vj.astype(t.dtype)
+    out.reshape(-1, NVFP4_BLOCK)[...] = r.reshape(NVFP4_BLOCK, -1).T
     return out
 
 

@@ -152,25 +152,39 @@ def test_stochastic_rounding_is_reproducible_and_keyed_by_seed_and_offset(rng):
         np.testing.assert_array_equal(a.scale.view(np.uint8), c.scale.view(np.uint8))  # scales round to nearest
 
 
-@pytest.mark.parametrize("columnwise", [False, True])
-def test_stochastic_rounding_does_not_depend_on_how_the_work_is_split(rng, monkeypatch, columnwise):
+@pytest.mark.parametrize("columnwise, hadamard, weight_2d", [(False, True, False), (True, True, False),
+                                                             (True, False, False), (True, False, True)])
+def test_stochastic_rounding_does_not_depend_on_how_the_work_is_split(rng, monkeypatch, columnwise, hadamard,
+                                                                       weight_2d):
     x = rng.standard_normal((256, 512)).astype(ml_dtypes.bfloat16)
+    kw = dict(columnwise=columnwise, hadamard=hadamard, weight_2d=weight_2d)
     runs = []
-    for span in (1 << 20, 1 << 16, 512 * 16, 1):  # one span; several on the pool; one 16-row group each; 1 row
+    # one tile; several on the pool; 16-row groups; 16 x 64 tiles (columnwise and the rowwise transform's
+    # position-major blocks are split by columns too)
+    for span in (1 << 20, 1 << 16, 512 * 16, 1):
         monkeypatch.setattr(cpu_fp4, "SPAN", span)
-        t = quantize_nvfp4(x, rounding="stochastic", seed=3, offset=4, columnwise=columnwise, hadamard=True)
+        t = quantize_nvfp4(x, rounding="stochastic", seed=3, offset=4, **kw)
         runs.append((np.asarray(t.data).copy(), _bits(t.scale).copy()))
     for data, scale in runs[1:]:
         np.testing.assert_array_equal(data, runs[0][0])
         np.testing.assert_array_equal(scale, runs[0][1])
     # and they are the contract's bytes: the operand's first 32 rows (x's first rows, or first columns, keep their
     # block numbers) against the reference, under the whole tensor's global amax
-    g = float(quantize_nvfp4(x, hadamard=True, columnwise=columnwise).global_amax[0])
+    g = float(quantize_nvfp4(x, **kw).global_amax[0])
     part = np.ascontiguousarray(x[:, :32] if columnwise else x[:32])
-    codes, scales, _ = ref.nvfp4(part, hadamard=True, stochastic=True, seed=3, offset=4, columnwise=columnwise,
-                                 global_amax=g)
+    codes, scales, _ = ref.nvfp4(part, stochastic=True, seed=3, offset=4, global_amax=g, **kw)
     np.testing.assert_array_equal(ref.unpack(runs[0][0])[:32], codes)
-    np.testing.assert_array_equal(runs[0][1][:32], scales)
+    np.testing.assert_array_equal(runs[0][1][:scales.shape[0]], scales)
+
+
+def test_mxfp4_does_not_depend_on_how_the_work_is_split(rng, monkeypatch):
+    x = _specials(rng, (128, 256), np.float16)
+    runs = []
+    for span in (1 << 20, 1):
+        monkeypatch.setattr(cpu_fp4, "SPAN", span)
+        runs.append([_bits(a).copy() for a in (*quantize_mxfp4(x, columnwise=True), *quantize_mxfp4(x))])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
 
 
 # ---- NVFP4 against the reference --------------------------------------------------------------------------

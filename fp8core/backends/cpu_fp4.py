@@ -1,11 +1,12 @@
 """The CPU reference for FP4 (docs/numerics.md, "FP4: E2M1 elements, NVFP4 and MXFP4"), vectorised in NumPy.
 
-Every function works on **the operand** ``[R, C]``: x ``[M, K]`` itself (rowwise) or x^T ``[K, M]`` (columnwise),
-whose rows hold the blocks (16 elements for NVFP4, 32 for MXFP4, along C). The operand is read in spans of whole
-rows (whole 16-row tiles with NVFP4's 16x16 tiles) on cpu's thread pool; nothing depends on the span: maxima are
-exact, the rest is elementwise or keyed by the element's own place (stochastic rounding's random bytes come from
-Philox4x32-10 keyed by (seed, block index, offset), not from a stream), so the bytes are the same however the work
-is split. Every public function runs in the IEEE default floating-point environment (fp8core._fpenv.ieee).
+Every function quantizes **the operand** ``[R, C]``: x ``[M, K]`` itself (rowwise) or x^T ``[K, M]``
+(columnwise), whose rows hold the blocks (16 elements for NVFP4, 32 for MXFP4, along C). The work is done in x's
+own layout, in tiles on cpu's thread pool (see "blocks in x's layout" below); nothing depends on the tiling:
+maxima are exact, the rest is elementwise or keyed by the element's own place (stochastic rounding's random bytes
+come from Philox4x32-10 keyed by (seed, block number, offset), not from a stream), so the bytes are the same
+however the work is split. Every public function runs in the IEEE default floating-point environment
+(fp8core._fpenv.ieee).
 
 Arrays are NumPy arrays in their logical dtype; E2M1 codes are uint8, one code a byte until packed (two a byte,
 element 2j in the low nibble: ``formats.E2M1.pack``).
@@ -234,42 +235,59 @@ def _pack_columns(codes: np.ndarray) -> np.ndarray:
     return np.bitwise_or(lo, np.left_shift(hi, 4, dtype=np.uint8))
 
 
-def _random_bytes(m0: int, s: int, k: int, rows: int, columnwise: bool, seed: int, offset: int) -> np.ndarray:
-    """The SR bytes of x's rows [m0, m0 + s), [s, K] in x's layout: block g = operand row * (C / 16) + its
-    index in the row (rowwise: row m, block k // 16; columnwise: row k, block m // 16, C = M = ``rows``)."""
-    b = NVFP4_BLOCK
-    if not columnwise:
-        g = np.arange(m0, m0 + s, dtype=np.uint64)[:, None] * np.uint64(k // b) + np.arange(k // b, dtype=np.uint64)
-        return block_bytes(g, seed, offset).reshape(s, k)
-    g = np.arange(k, dtype=np.uint64)[None, :] * np.uint64(rows // b) + \
-        np.arange(m0 // b, (m0 + s) // b, dtype=np.uint64)[:, None]
-    return np.ascontiguousarray(block_bytes(g, seed, offset).transpose(0, 2, 1)).reshape(s, k)
+def _random_bytes(tile: tuple[int, int, int, int], shape: tuple[int, int], columnwise: bool, seed: int,
+                  offset: int) -> np.ndarray:
+    """The SR bytes of the tile (m0, m1, k0, k1) of x [M, K] = ``shape``, in x's layout: block g = operand row *
+    (C / 16) + its index in the row (rowwise: row m, block k // 16 of C = K; columnwise: row k, block m // 16
+    of C = M)."""
+    (m0, m1, k0, k1), (m, k), b = tile, shape, NVFP4_BLOCK
+    if not columnwise:  # rowwise tiles are whole rows
+        g = np.arange(m0, m1, dtype=np.uint64)[:, None] * np.uint64(k // b) + np.arange(k // b, dtype=np.uint64)
+        return block_bytes(g, seed, offset).reshape(m1 - m0, k)
+    g = np.arange(k0, k1, dtype=np.uint64)[None, :] * np.uint64(m // b) + \
+        np.arange(m0 // b, m1 // b, dtype=np.uint64)[:, None]
+    return np.ascontiguousarray(block_bytes(g, seed, offset).transpose(0, 2, 1)).reshape(m1 - m0, k1 - k0)
+
+
+def _tiles(m: int, k: int, step: int, columnwise: bool) -> list[tuple[int, int, int, int]]:
+    """(m0, m1, k0, k1) covering x [M, K], about SPAN elements each: whole rows (``step`` of them at least)
+    rowwise; columnwise, ``step`` rows or more by as many columns (multiples of 64) as fit, so a tall operand of
+    few rows (NVFP4's position-major blocks, [16, n]) is split too."""
+    if m == 0 or k == 0:
+        return []
+    rows = max(1, SPAN // k // step) * step
+    cols = k if not columnwise or rows * k <= SPAN else max(64, SPAN // rows // 64 * 64)
+    return [(m0, min(m0 + rows, m), k0, min(k0 + cols, k)) for m0 in range(0, m, rows) for k0 in range(0, k, cols)]
 
 
 def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callable[[np.ndarray], tuple],
               sr: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
     """(packed [R, C/2], stored scales) of the operand of x [M, K] (x or x^T): each block's amax bits through
     ``rule`` -> (stored bytes, fp32 multiplier); q = E2M1(fp32(x) *rn multiplier), or SR with ``sr`` = (seed,
-    offset). Spans of x's rows on cpu's pool; scales [R, C/b], or [ceil(R/16), C/16] with ``tiles``."""
+    offset). Tiles of x (:func:`_tiles`) on cpu's pool; scales [R, C/b], or [ceil(R/16), C/16] with ``tiles``."""
     m, k = x.shape
     grid = (-(-m // b), k // b) if tiles else ((m // b, k) if columnwise else (m, k // b))
     stored = np.empty(grid, np.uint8)
     packed = np.empty((m // 2, k) if columnwise else (m, k // 2), np.uint8)
     step = b if columnwise or tiles else 1
+    todo = _tiles(m, k, step, columnwise)
 
-    def span(m0: int, m1: int) -> None:
-        t = x[m0:m1]
-        with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
-            codes, e = rule(block_amax_bits(t, b, columnwise, tiles))
-            stored[m0 // step:m0 // step + codes.shape[0]] = codes
-            y = _scaled(t, e, b, columnwise, tiles)
-            q = _codes(y) if sr is None else e2m1_stochastic(y, _random_bytes(m0, m1 - m0, k, m, columnwise, *sr))
-            if columnwise:
-                packed[m0 // 2:m1 // 2] = _pack_columns(q)
-            else:
-                packed[m0:m1] = _pack_rows(q)
+    def work(i0: int, i1: int) -> None:
+        for m0, m1, k0, k1 in todo[i0:i1]:
+            t = x[m0:m1, k0:k1]
+            with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
+                codes, e = rule(block_amax_bits(t, b, columnwise, tiles))
+                g0, c0 = m0 // step, (k0 // b if tiles else k0)
+                stored[g0:g0 + codes.shape[0], c0:c0 + codes.shape[1]] = codes
+                y = _scaled(t, e, b, columnwise, tiles)
+                q = _codes(y) if sr is None else \
+                    e2m1_stochastic(y, _random_bytes((m0, m1, k0, k1), (m, k), columnwise, *sr))
+                if columnwise:
+                    packed[m0 // 2:m1 // 2, k0:k1] = _pack_columns(q)
+                else:
+                    packed[m0:m1] = _pack_rows(q)
 
-    map_spans(m, max(1, SPAN // max(k, 1) // step) * step, span)
+    map_spans(len(todo), 1, work)
     if not columnwise:
         return packed, stored
     return transpose(Tensor(packed, "uint8", ("cpu", 0), "numpy")), np.ascontiguousarray(stored.T)
@@ -284,18 +302,12 @@ _QUARTER = np.float32(0.25)
 _SIGNS = np.array(HADAMARD_SIGNS, np.float32)[None, :, None]
 
 
-def hadamard16(t: np.ndarray, columnwise: bool) -> np.ndarray:
-    """The RHT of every 16-element block of t [s, K] (x's layout; blocks along rows, or down the columns when
-    ``columnwise``): v = S * fp32(x), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(t.dtype, v *rn 0.25).
-    Same shape and dtype as t. NumPy's warnings must be off (inf - inf is a value here).
-
-    The 16 positions are the middle axis of [A, 16, B] (rowwise blocks are first turned position-major, [1, 16, n]),
-    so a stage is two calls: positions i with i & h == 0 are [:, :, 0] of the view [A, 16 / 2h, 2, h, B], their
-    partners i + h are [:, :, 1], and (v_i, v_i+h) = (v_i +rn v_i+h, v_i -rn v_i+h) goes into a second buffer."""
-    s, k = t.shape
-    f = to_f32(t)
-    v = f.reshape(s // NVFP4_BLOCK, NVFP4_BLOCK, k) if columnwise else \
-        np.ascontiguousarray(f.reshape(-1, NVFP4_BLOCK).T).reshape(1, NVFP4_BLOCK, -1)
+def _rht(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The transform of fp32 blocks whose 16 positions are the middle axis of v [A, 16, B] (consumed): v * S, the
+    fp32 butterfly, then ROUND_TO(dtype, v *rn 0.25), [A, 16, B]. A stage is two calls: positions i with
+    i & h == 0 are [:, :, 0] of the view [A, 16 / 2h, 2, h, B], their partners i + h are [:, :, 1], and
+    (v_i, v_i+h) = (v_i +rn v_i+h, v_i -rn v_i+h) goes into a second buffer. NumPy's warnings must be off
+    (inf - inf is a value here)."""
     v *= _SIGNS  # exact
     w = np.empty_like(v)
     a, _, b = v.shape
@@ -305,24 +317,44 @@ def hadamard16(t: np.ndarray, columnwise: bool) -> np.ndarray:
         np.subtract(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
         v, w = w, v
     v *= _QUARTER
-    r = v if t.dtype == np.float32 else v.astype(t.dtype)
+    return v if dtype == np.float32 else v.astype(dtype)
+
+
+def hadamard16(t: np.ndarray, columnwise: bool) -> np.ndarray:
+    """The RHT of every 16-element block of t [s, K] (x's layout; blocks along rows, or down the columns when
+    ``columnwise``): v = S * fp32(x), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(t.dtype, v *rn 0.25).
+    Same shape and dtype as t. NumPy's warnings must be off."""
+    s, k = t.shape
     if columnwise:
-        return r.reshape(s, k)
+        return _rht(to_f32(t).reshape(s // NVFP4_BLOCK, NVFP4_BLOCK, k), t.dtype).reshape(s, k)
     out = np.empty(t.shape, t.dtype)
-    out.reshape(-1, NVFP4_BLOCK)[...] = r.reshape(NVFP4_BLOCK, -1).T
+    out.reshape(-1, NVFP4_BLOCK)[...] = _position_major(t)[0].T
     return out
 
 
+def _position_major(t: np.ndarray) -> np.ndarray:
+    """The transformed blocks of the rows of t [s, K], position-major: [1, 16, s * K / 16] in t's dtype."""
+    v = np.ascontiguousarray(to_f32(t).reshape(-1, NVFP4_BLOCK).T).reshape(1, NVFP4_BLOCK, -1)
+    return _rht(v, t.dtype)
+
+
 def _transformed(x: np.ndarray, columnwise: bool) -> np.ndarray:
-    """x [M, K] with every block of its operand replaced by its RHT, in x's layout and dtype."""
-    out = np.empty(x.shape, x.dtype)
+    """The transformed operand blocks of x [M, K]: columnwise, x's layout [M, K]; rowwise, position-major
+    [16, M * K / 16] (column j is block j of x's rows in order: x's block numbers), whose columnwise operand is
+    the rowwise one's blocks, one a row. In x's dtype."""
+    m, k = x.shape
+    out = np.empty(x.shape if columnwise else (NVFP4_BLOCK, m * k // NVFP4_BLOCK), x.dtype)
     step = NVFP4_BLOCK if columnwise else 1
+    per = k // NVFP4_BLOCK
 
     def span(m0: int, m1: int) -> None:
         with np.errstate(all="ignore"):
-            out[m0:m1] = hadamard16(x[m0:m1], columnwise)
+            if columnwise:
+                out[m0:m1] = hadamard16(x[m0:m1], True)
+            else:
+                out[:, m0 * per:m1 * per] = _position_major(x[m0:m1])[0]
 
-    map_spans(x.shape[0], max(1, SPAN // max(x.shape[1], 1) // step) * step, span)
+    map_spans(m, max(1, SPAN // max(k, 1) // step) * step, span)
     return out
 
 
@@ -369,13 +401,17 @@ def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool,
                    global_amax: np.ndarray | None, columnwise: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [M, K] -> (data uint8 [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16], global amax
     float32 [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G or None."""
+    m, k = x.data.shape
     data = _transformed(x.data, columnwise) if hadamard else x.data
     g = amax(Tensor(data, x.dtype, x.device, "numpy")) if global_amax is None else \
         np.asarray(global_amax, np.float32).reshape(1).copy()
     s_enc, s_dec = global_scales(g)
-    packed, scales = _quantize(data, NVFP4_BLOCK, columnwise, weight_2d,
+    # Rowwise, the transform left x's blocks position-major: its columnwise operand is x's blocks, one a row
+    packed, scales = _quantize(data, NVFP4_BLOCK, columnwise or hadamard, weight_2d,
                                lambda bits: nvfp4_block_scales(bits, s_enc, s_dec),
                                (seed, offset) if stochastic else None)
+    if hadamard and not columnwise:
+        packed, scales = packed.reshape(m, k // 2), scales.reshape(m, k // NVFP4_BLOCK)
     return packed, scales.view(E4M3.numpy_dtype), g
 
 

@@ -20,7 +20,7 @@ from .args import cdiv
 
 __all__ = ["NVFP4Tensor", "MXFP4Tensor", "quantize_nvfp4", "quantize_nvfp4_both", "dequantize_nvfp4",
            "quantize_mxfp4", "quantize_mxfp4_both", "dequantize_mxfp4", "gemm_scale", "nvfp4_scale_shape",
-           "mxfp4_scale_shape", "NVFP4_BLOCK", "MXFP4_BLOCK"]
+           "mxfp4_scale_shape", "NVFP4_BLOCK", "MXFP4_BLOCK", "GemmFP4", "gemm_operands", "FP4_GEMM_K"]
 
 Array = Any
 NVFP4_BLOCK = 16
@@ -215,3 +215,45 @@ def gemm_scale(t: NVFP4Tensor | MXFP4Tensor) -> Array:
     kind = NVFP4Tensor if isinstance(t, tuple) and len(t) == len(NVFP4Tensor._fields) else MXFP4Tensor
     data, scale, backend, rows = _parts(t, kind, "t", "gemm_scale")
     return export(backend.gemm_scale(scale, rows), "uint8", data)
+
+
+# ---- operands of fp8core.gemm ---------------------------------------------------------------------------
+
+FP4_GEMM_K = 32  # K: a multiple of 32 (Transformer Engine's reference GEMM; cuBLASLt's limits unconfirmed)
+
+
+class GemmFP4(NamedTuple):
+    """FP4 GEMM operands, unpacked and validated for :func:`fp8core.gemm`: data [rows, K/2] and scales of each,
+    the backend, NVFP4 or MXFP4, and alpha (S_dec_a *rn S_dec_b for NVFP4, 1 for MXFP4)."""
+
+    a_data: Tensor
+    a_scale: Tensor
+    b_data: Tensor
+    b_scale: Tensor
+    backend: Any
+    nvfp4: bool
+    alpha: float
+
+
+def gemm_operands(a: NVFP4Tensor | MXFP4Tensor, b: Any) -> GemmFP4:
+    """a and b of an FP4 GEMM, TN: both NVFP4Tensor or both MXFP4Tensor, each with its blocks along K (a's data
+    [M, K/2], b's [N, K/2]: rowwise quantizations of a [M, K] and a weight [N, K], or columnwise ones of the
+    transposed tensors)."""
+    nvfp4 = len(a) == len(NVFP4Tensor._fields)
+    kind = NVFP4Tensor if nvfp4 else MXFP4Tensor
+    da, sa, backend, _ = _parts(a, kind, "a", "gemm")
+    if not isinstance(b, kind):
+        raise TypeError(f"b: a is an {kind.__name__}, so b must be one too (got {type(b).__name__}); an FP4 GEMM "
+                        "takes NVFP4 x NVFP4 or MXFP4 x MXFP4")
+    db, sb, _, _ = _parts(b, kind, "b", "gemm")
+    args.same_device(db, da, "b.data", "a.data")
+    alpha = 1.0
+    if nvfp4:
+        amaxes = []
+        for arg, t in (("a", a), ("b", b)):
+            v = args.f32_vector(t[2], da, f"{arg}.global_amax", "a.data")
+            if v.size != 1:
+                raise ValueError(f"{arg}.global_amax: expected 1 element, got shape {v.shape}")
+            amaxes.append(v.data.reshape(-1))
+        alpha = backend.gemm_alpha(*amaxes)
+    return GemmFP4(da, sa, db, sb, backend, nvfp4, alpha)

@@ -375,6 +375,13 @@ def global_scales(g: Any) -> tuple[np.float32, np.float32]:
         return s_enc, np.float32(np.divide(np.float32(1), s_enc, dtype=np.float32))
 
 
+@ieee
+def gemm_alpha(amax_a: Any, amax_b: Any) -> np.float32:
+    """alpha = S_dec_a *rn S_dec_b, each from its operand's global amax by the global scale rule."""
+    with np.errstate(all="ignore"):
+        return np.float32(global_scales(amax_a)[1] * global_scales(amax_b)[1])
+
+
 @cached("cpu_fp4.e4m3_f32")
 def _e4m3_f32() -> np.ndarray:
     """fp32 value of each of the 256 E4M3 codes (exact; NaN codes NaN; read only)."""
@@ -462,6 +469,57 @@ def dequantize_mxfp4(data: Tensor, scale: Tensor, out_dtype: str) -> np.ndarray:
     rows, cols = q.shape[0], 2 * q.shape[1]
     f = e8m0_factor(scale.data.view(np.uint8), 1)
     return _widen(q, rows, cols, MXFP4_BLOCK, lambda y: y * f[:, :, None], out_dtype)
+
+
+# ---- the GEMM emulation ------------------------------------------------------------------------------------
+
+@cached("cpu_fp4.e2m1_f64")
+def _e2m1_f64() -> np.ndarray:
+    v = E2M1.values.astype(np.float64)
+    v.flags.writeable = False
+    return v
+
+
+def _operand64(data: Tensor, scale: Tensor, block: int, nvfp4: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(codes as float64 [R, K], block factors float64 [R, K / block]) of one operand: E4M3 scales (16x16 tiles
+    expanded to their rows) or E8M0 2^(e - 127), NaN bytes NaN; every value exact."""
+    q = _e2m1_f64().take(E2M1.unpack(data.data.view(np.uint8)))
+    s = scale.data.view(np.uint8)
+    if nvfp4:
+        f = _e4m3_f32().take(s).astype(np.float64)
+        if f.shape[0] != q.shape[0]:
+            f = np.repeat(f, NVFP4_BLOCK, axis=0)[:q.shape[0]]
+    else:
+        f = formats.E8M0.values.take(s)
+    return q, f
+
+
+@ieee
+def gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, alpha: np.float32, nvfp4: bool,
+         bias: Tensor | None, out_dtype: str) -> np.ndarray:
+    """The FP4 GEMM's exact-input emulation, TN (both operands' blocks along K): D[m, n] = alpha * sum over
+    K-blocks kb of s_a[m, kb] * s_b[n, kb] * (sum over k in kb of q_a * q_b) (+ bias[n]). Each K-block's sum and
+    its product with the two factors are exact in float64 (E2M1 products are multiples of 1/4 below 36, the
+    factors powers of two or E4M3 values); the sum over K-blocks is float64's, then times alpha, rounded once to
+    fp32 and cast to out_dtype (RTNE). The GPU's fp32 accumulation is compared with tolerances that grow with K."""
+    block = NVFP4_BLOCK if nvfp4 else MXFP4_BLOCK
+    qa, fa = _operand64(a, a_scale, block, nvfp4)
+    qb, fb = _operand64(b, b_scale, block, nvfp4)
+    m, k = qa.shape
+    n = qb.shape[0]
+    d = np.zeros((m, n), np.float64)
+    with np.errstate(all="ignore"):
+        for kb in range(k // block):
+            ks = slice(kb * block, (kb + 1) * block)
+            d += (qa[:, ks] @ qb[:, ks].T) * fa[:, kb:kb + 1] * fb[:, kb]
+        d *= np.float64(alpha)
+        if bias is not None:
+            d += bias.data.astype(np.float64)
+        d32 = d.astype(np.float32)
+    out = d32 if out_dtype == "float32" else d32.astype(logical_numpy_dtype(out_dtype))
+    storage, nan = CANONICAL_NAN[out_dtype]
+    out.view(storage)[np.isnan(d32)] = nan
+    return out
 
 
 # ---- the scale layout cuBLASLt reads ----------------------------------------------------------------------

@@ -590,3 +590,49 @@ def test_bad_dequantize_arguments_are_refused_by_name():
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
+
+
+# ---- the floating-point environment and the memos ----------------------------------------------------------
+
+def _fp4_run(x: np.ndarray) -> list[np.ndarray]:
+    """Every FP4 path on x (blocks with subnormal amaxes, scales and multipliers among them), as bits."""
+    out = []
+    for kw in (dict(), dict(weight_2d=True), dict(hadamard=True), dict(columnwise=True, hadamard=True),
+               dict(rounding="stochastic", seed=1), dict(global_amax=1e-39)):
+        t = quantize_nvfp4(x, **kw)
+        out += [_bits(a).copy() for a in t] + [_bits(dequantize_nvfp4(t, "float32")).copy()]
+    for rule in ("rceil", "floor"):
+        m = quantize_mxfp4(x, rounding=rule)
+        out += [_bits(a).copy() for a in m] + [_bits(dequantize_mxfp4(m, "bfloat16")).copy()]
+    out.append(_bits(fp8core.gemm(quantize_nvfp4(x), quantize_nvfp4(x[:16]), out_dtype="float32")).copy())
+    return out
+
+
+def test_fp4_gives_the_same_bits_under_flush_to_zero(rng):
+    torch = pytest.importorskip("torch")
+    x = (rng.standard_normal((64, 64)) * 2.0 ** rng.integers(-149, -120, (64, 64))).astype(F32)
+    x[::4] *= F32(2.0 ** 100)  # normal rows beside subnormal ones: G normal, tiny blocks' scales subnormal or 0
+    want = _fp4_run(x)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        assert np.float32(1e-39) * np.float32(1) == 0, "torch.set_flush_denormal(True) did not flush"
+        got = _fp4_run(x)
+    finally:
+        torch.set_flush_denormal(False)
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"result {i}")
+
+
+def test_fp4_memos_are_registered_and_a_reset_gives_the_same_bits(rng):
+    from fp8core import _caches
+
+    names = {"cpu_fp4.e2m1_table", "cpu_fp4.e2m1_f32", "cpu_fp4.e4m3_f32", "cpu_fp4.e2m1_f64"}
+    assert names <= set(_caches.names())
+    x = rng.standard_normal((32, 64)).astype(ml_dtypes.bfloat16)
+    want = _fp4_run(x)
+    _caches.reset(*names)
+    assert cpu_fp4.e2m1_table.cache_info().currsize == 0
+    got = _fp4_run(x)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

@@ -29,7 +29,7 @@ E2M1 = formats.E2M1
 E4M3 = formats.E4M3  # NVFP4's block scales
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
-SPAN = 1 << 16  # operand elements per span (at least one row, or one 16-row tile): fp32 temporaries near 256 KiB
+SPAN = 1 << 16  # elements of x per tile (at least one row, or 16 where blocks run down columns): temporaries ~256 KiB
 
 _F32_INF = np.uint32(0x7F800000)
 _F32_NAN = np.uint32(0x7FFFFFFF)

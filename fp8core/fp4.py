@@ -62,18 +62,18 @@ def mxfp4_scale_shape(rows: int, cols: int) -> tuple[int, int]:
     return rows, cols // MXFP4_BLOCK
 
 
-def _operand(x: Any, function: str, block: int, columnwise: bool) -> tuple[Tensor, Any, int, int]:
-    """(x as [M, K], its backend, R, C): x checked, the operand's C a multiple of ``block``."""
+def _operand(x: Any, function: str, block: int, columnwise: bool) -> tuple[Tensor, Any]:
+    """(x as [M, K], its backend): x checked, the operand's C (K, or M when columnwise) a multiple of ``block``."""
     t = args.high_precision(x, "x")
     backend = backends.fp4_for_device(t.device, function)
     t2 = args.as_2d(t, "x")
     m, k = t2.shape
-    rows, cols = (k, m) if columnwise else (m, k)
+    cols = m if columnwise else k
     if cols % block:
         name, what = ("M", "down the columns of x") if columnwise else ("K", "along the rows of x")
         raise ValueError(f"x: {function}{' (columnwise)' if columnwise else ''} takes blocks of {block} {what} "
                          f"viewed as [M, K] = [{m}, {k}]; {name} = {cols} must be a multiple of {block}")
-    return t2, backend, rows, cols
+    return t2, backend
 
 
 def _nvfp4_options(weight_2d: Any, hadamard: Any, rounding: Any, seed: Any, offset: Any
@@ -104,7 +104,7 @@ def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False,
     """
     w2d, rht, stochastic, s, o = _nvfp4_options(weight_2d, hadamard, rounding, seed, offset)
     cw = args.flag(columnwise, "columnwise")
-    t2, backend, _, _ = _operand(x, "quantize_nvfp4", NVFP4_BLOCK, cw)
+    t2, backend = _operand(x, "quantize_nvfp4", NVFP4_BLOCK, cw)
     g = args.global_amax(global_amax, t2)
     data, scale, amax = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, g, cw)
     return NVFP4Tensor(*export_all(((data, "uint8"), (scale, E4M3), (amax, "float32")), t2))
@@ -121,7 +121,7 @@ def quantize_nvfp4_both(x: Array, *, weight_2d: bool = False, hadamard: bool = F
     columnwise one after the transform), so ``global_amax`` must then be None. x's K and M must be multiples of 16.
     """
     w2d, rht, stochastic, s, o = _nvfp4_options(weight_2d, hadamard, rounding, seed, offset)
-    t2, backend, _, _ = _operand(x, "quantize_nvfp4_both", NVFP4_BLOCK, False)
+    t2, backend = _operand(x, "quantize_nvfp4_both", NVFP4_BLOCK, False)
     _operand(x, "quantize_nvfp4_both", NVFP4_BLOCK, True)
     if rht and global_amax is not None:
         raise ValueError("global_amax: with hadamard=True the two operands have different amaxes (the columnwise "
@@ -144,7 +144,7 @@ def quantize_mxfp4(x: Array, *, rounding: str = "rceil", columnwise: bool = Fals
     """
     mode = args.scale_mode(rounding, "rounding")
     cw = args.flag(columnwise, "columnwise")
-    t2, backend, _, _ = _operand(x, "quantize_mxfp4", MXFP4_BLOCK, cw)
+    t2, backend = _operand(x, "quantize_mxfp4", MXFP4_BLOCK, cw)
     data, scale = backend.quantize_mxfp4(t2, mode, cw)
     return MXFP4Tensor(*export_all(((data, "uint8"), (scale, E8M0)), t2))
 
@@ -152,7 +152,7 @@ def quantize_mxfp4(x: Array, *, rounding: str = "rceil", columnwise: bool = Fals
 def quantize_mxfp4_both(x: Array, *, rounding: str = "rceil") -> tuple[MXFP4Tensor, MXFP4Tensor]:
     """``(rowwise, columnwise)``: both MXFP4 operands of x from one call, each equal to :func:`quantize_mxfp4`."""
     mode = args.scale_mode(rounding, "rounding")
-    t2, backend, _, _ = _operand(x, "quantize_mxfp4_both", MXFP4_BLOCK, False)
+    t2, backend = _operand(x, "quantize_mxfp4_both", MXFP4_BLOCK, False)
     _operand(x, "quantize_mxfp4_both", MXFP4_BLOCK, True)
     row, col = backend.quantize_mxfp4(t2, mode, False), backend.quantize_mxfp4(t2, mode, True)
     out = export_all(((row[0], "uint8"), (row[1], E8M0), (col[0], "uint8"), (col[1], E8M0)), t2)

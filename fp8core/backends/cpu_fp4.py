@@ -89,20 +89,28 @@ def e2m1_f32() -> np.ndarray:
     return v
 
 
+_SR_SCALE = np.array([512, 256, 128], np.float32)  # 256 / step for |y| in [0, 2), [2, 4), [4, 6)
+
+
 @ieee
 def e2m1_stochastic(y: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """SR(y, r): fp32 values and one random byte each (uint8, y's shape) -> codes. Below |y| = 6 the magnitude goes
-    up a step from lo = step * floor(|y| / step) where f8 + r >= 256, f8 the 8 bits of |y| below the step
-    (truncated); every operation here is exact. |y| >= 6 and inf give 6, NaN 0x7, the sign is kept."""
-    y = np.asarray(y, np.float32)
-    with np.errstate(all="ignore"):
-        a = np.minimum(np.abs(y), np.float32(E2M1.max))  # NaN passes
-        step = np.where(a < 2, np.float32(0.5), np.where(a < 4, np.float32(1), np.float32(2)))
-        lo = np.floor(a / step) * step
-        f8 = np.floor((a - lo) * (np.float32(256) / step))
-        up = f8 + np.asarray(r, np.uint8).astype(np.float32) >= 256
-        result = np.copysign(np.where(up, lo + step, lo), y)
-    return e2m1_codes(result)
+    """SR(y, r): fp32 values and one random byte each (uint8, y's shape) -> codes. |y| >= 6 and inf give 6, NaN
+    0x7, the sign is kept. Below 6, with step 0.5, 1, 2 on [0, 2), [2, 4), [4, 6): n = |y| * 256 / step (exact, a
+    power-of-two scaling) truncated, so n >> 8 is lo in steps and n & 255 is f8, the 8 bits below the step; the
+    magnitude goes up a step where f8 + r >= 256. The code is then the step count plus 0, 2 or 4 (E2M1's steps
+    are 0.5 up to 2, then 1 up to 4, then 2)."""
+    y = np.ascontiguousarray(y, np.float32)
+    bits = y.view(np.uint32)
+    a = np.abs(y)
+    inside = a < np.float32(E2M1.max)  # False for NaN too
+    a = np.where(inside, a, np.float32(0))
+    binade = (a >= np.float32(2)).view(np.uint8) + (a >= np.float32(4)).view(np.uint8)
+    n = (a * _SR_SCALE.take(binade)).astype(np.int32)
+    steps = (n >> 8) + (((n & 255) + np.asarray(r, np.uint8)) >> 8)
+    sign = np.left_shift(np.right_shift(bits, 31).astype(np.uint8), 3)
+    codes = np.where(inside, (steps + 2 * binade).astype(np.uint8), np.uint8(E2M1.max_code)) | sign
+    codes[np.isnan(y)] = E2M1.nan_cast  # either sign
+    return codes
 
 
 # ---- Philox4x32-10: the stochastic rounding's random bytes ------------------------------------------------

@@ -25,6 +25,7 @@ MAX_MARGIN = 512
 MAX_HISTORY_LEN = MAX_TENSORS = 2**31 - 1
 AMAX_ALGOS = ("max", "most_recent")  # the batched update's built-in rules
 SCALE_MODES = ("rceil", "floor")  # MXFP8's E8M0 scale rules
+FP4_ROUNDINGS = ("nearest", "stochastic")  # NVFP4's element rounding
 _HP = frozenset(HIGH_PRECISION_DTYPES)
 _FP8_TEXT = ", ".join(FP8_DTYPES)
 _FORMATS_TEXT = ", ".join([f"Format.{f.name}" for f in ENCODINGS] + [repr(f.value) for f in ENCODINGS])
@@ -115,11 +116,26 @@ def gemm_recipe_format(recipe: Any, arg: str = "recipe") -> None:
                          "use Format.HYBRID (E4M3 forward, E5M2 backward) or Format.E4M3")
 
 
-def scale_mode(mode: Any) -> str:
-    """'rceil' or 'floor': how an MXFP8 block's E8M0 scale is rounded."""
+def scale_mode(mode: Any, arg: str = "scale_mode") -> str:
+    """'rceil' or 'floor': how an MX block's E8M0 scale is rounded (MXFP8's scale_mode, MXFP4's rounding)."""
     if not isinstance(mode, str) or mode not in SCALE_MODES:
-        raise ValueError(f"scale_mode: expected 'rceil' (NVIDIA, Transformer Engine) or 'floor' (OCP), got {mode!r}")
+        raise ValueError(f"{arg}: expected 'rceil' (NVIDIA, Transformer Engine) or 'floor' (OCP), got {mode!r}")
     return mode
+
+
+def fp4_rounding(value: Any, arg: str = "rounding") -> str:
+    """'nearest' or 'stochastic': how NVFP4's elements are rounded to E2M1 (its scales always to nearest)."""
+    if not isinstance(value, str) or value not in FP4_ROUNDINGS:
+        raise ValueError(f"{arg}: expected 'nearest' or 'stochastic', got {value!r}")
+    return value
+
+
+def uint64(value: Any, arg: str) -> int:
+    """An unsigned 64-bit integer (a random seed or offset) as a Python int: anything else is a ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or not 0 <= int(value) < 1 << 64:
+        raise ValueError(f"{arg}: expected an unsigned 64-bit integer (0 <= {arg} < 2**64), got "
+                         f"{type(value).__name__} {value!r}")
+    return int(value)
 
 
 def block_rows(block: Any) -> int:
@@ -377,6 +393,17 @@ def f32_slots(obj: Any, x: Tensor, arg: str, xarg: str = "x", n: int | None = No
     if t.readonly:
         raise ValueError(f"{arg}: is read-only{hint}")
     return t.data if t.data.ndim == 1 else t.data.reshape(-1)
+
+
+def global_amax(obj: Any, x: Tensor, arg: str = "global_amax") -> Any:
+    """None, or a given amax as 1 float32 element on x's device: a number is rounded to fp32 once; inf and NaN
+    are amaxes too (a MAX all-reduce passes them on); a negative one (-0.0 included) is refused, by its bits."""
+    if obj is None:
+        return None
+    a = scalar(obj, x, arg)
+    if isinstance(a, np.ndarray) and bool(negative_amax_mask(a).any()):
+        raise ValueError(f"{arg}: expected an amax >= 0 (inf and NaN are amaxes too), got {f32_text(a)}")
+    return a
 
 
 def amax_slot(obj: Any, x: Tensor) -> Any:

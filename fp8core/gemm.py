@@ -145,6 +145,8 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     out: an optional preallocated [M, N] result, sharing no memory with the other arguments. a_fmt/b_fmt name
     the format of uint8 storage (CuPy).
 
+    FP4 operands (:mod:`fp8core.fp4`: NVFP4Tensor x NVFP4Tensor or MXFP4Tensor x MXFP4Tensor, blocks along K,
+    K a multiple of 32) carry their scales: out_dtype (float32, bfloat16, float16) and bias only.
     Block-scaled operands (:mod:`fp8core.blocks`) carry their scales, so a_scale_inv and b_scale_inv stay
     None: rowwise ``MXTensor`` x ``MXTensor`` (1x32 E8M0 blocks along K, K a multiple of 32; cuBLASLt on
     sm_100+), or ``BlockScaledTensor`` x ``BlockScaledTensor`` with 1x128 and/or 128x128 fp32 blocks (not both
@@ -153,6 +155,11 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     """
     fast_accum = args.flag(use_fast_accum, "use_fast_accum")
     blocks = None
+    if isinstance(a, tuple):
+        from .fp4 import MXFP4Tensor, NVFP4Tensor
+
+        if isinstance(a, (NVFP4Tensor, MXFP4Tensor)):
+            return _fp4(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, out_amax, fast_accum, out)
     if isinstance(a, tuple) or isinstance(b, tuple):
         from .blocks import gemm_operands
 
@@ -201,3 +208,27 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
                     a_block, b_block)
     d = backends.for_device(ta.device).gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
     return out if out is not None else export(d, out_name, ta)
+
+
+def _fp4(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any, out_dtype: Any, bias: Any, out_scale: Any,
+         out_amax: Any, fast_accum: bool, out: Any) -> Array:
+    """The FP4 GEMM (fp8core.fp4's operands): D = alpha * sum over K-blocks of s_a * s_b * (q_a . q_b) (+ bias),
+    written as float32, bfloat16 or float16; what it does not take is refused by name."""
+    from .fp4 import FP4_GEMM_K, gemm_operands
+
+    for arg, value in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv), ("out_scale", out_scale),
+                       ("out_amax", out_amax), ("out", out)):
+        if value is not None:
+            raise ValueError(f"{arg}: an FP4 GEMM takes its scales from its operands and writes float32, bfloat16 "
+                             f"or float16 to a new array; pass no {arg}")
+    if fast_accum:
+        raise ValueError("use_fast_accum: the FP4 GEMM has no fast accumulation; pass use_fast_accum=False")
+    ops = gemm_operands(a, b)
+    ta, tb = ops.a_data, ops.b_data
+    m, k, n = check_shapes((ta.shape[0], 2 * ta.shape[1]), (tb.shape[0], 2 * tb.shape[1]))
+    if k % FP4_GEMM_K:
+        raise ValueError(f"a: K = {k}; the FP4 GEMM needs K to be a multiple of {FP4_GEMM_K}")
+    out_name = args.out_dtype(out_dtype)
+    d = ops.backend.gemm(ta, ops.a_scale, tb, ops.b_scale, ops.alpha, ops.nvfp4, _bias(bias, ta, n, out_name),
+                         out_name)
+    return export(d, out_name, ta)

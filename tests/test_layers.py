@@ -17,7 +17,7 @@ PACKAGES = {"fp8core": ROOT / "fp8core", "fp8core.torch": ROOT / "bindings" / "t
 # Layer of each module, by longest matching prefix; a higher layer may import a lower or its own, never a higher.
 LAYERS = {
     "fp8core.cli": 5, "fp8core.selftest": 5, "fp8core.__main__": 5, "fp8core.torch": 5, "fp8core.jax": 5,
-    "fp8core": 4, "fp8core.ops": 4, "fp8core.blocks": 4, "fp8core.gemm": 4, "fp8core.scaling": 4,
+    "fp8core": 4, "fp8core.ops": 4, "fp8core.blocks": 4, "fp8core.fp4": 4, "fp8core.gemm": 4, "fp8core.scaling": 4,
     "fp8core.numerics_stats": 4, "fp8core.numerics_recipes": 4,
     "fp8core.recipe": 3, "fp8core.args": 3,
     "fp8core._tensor": 2, "fp8core._dlpack": 2, "fp8core.boundary": 2,

@@ -1,5 +1,6 @@
 """Backends: ``cpu`` (NumPy + ml_dtypes, the reference) and ``cuda`` (the kernels of cuda/, launched through
-fp8core._kernels' records), with ``cpu_blocks``/``cuda_blocks`` for block scaling.
+fp8core._kernels' records), with ``cpu_blocks``/``cuda_blocks`` for block scaling and ``cpu_fp4`` for FP4
+(NVFP4, MXFP4; its CUDA kernels are not built yet).
 
 Both modules of a pair implement :class:`Backend` (:class:`BlockBackend`) with the same signatures, over
 :class:`fp8core._views.Tensor` views of the caller's arrays; the API layer picks one by the input's device. Arrays
@@ -17,7 +18,7 @@ from typing import Any, Callable, Protocol
 from .._views import Tensor
 from ..formats import Encoding
 
-__all__ = ["Backend", "BlockBackend", "blocks_for_device", "for_device"]
+__all__ = ["Backend", "BlockBackend", "FP4Backend", "blocks_for_device", "for_device", "fp4_for_device"]
 
 
 class Backend(Protocol):
@@ -64,6 +65,17 @@ class BlockBackend(Protocol):
     def gemm_scale(self, scale: Tensor, kind: str) -> Any: ...
 
 
+class FP4Backend(Protocol):
+    """FP4 (fp8core.fp4): NVFP4 and MXFP4 on the operand [R, C] (x, or x^T when columnwise), E2M1 packed."""
+
+    def quantize_nvfp4(self, x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool, seed: int, offset: int,
+                       global_amax: Any | None, columnwise: bool) -> tuple[Any, Any, Any]: ...
+    def dequantize_nvfp4(self, data: Tensor, scale: Tensor, global_amax: Any, out_dtype: str) -> Any: ...
+    def quantize_mxfp4(self, x: Tensor, mode: str, columnwise: bool) -> tuple[Any, Any]: ...
+    def dequantize_mxfp4(self, data: Tensor, scale: Tensor, out_dtype: str) -> Any: ...
+    def gemm_scale(self, scale: Tensor, rows: int) -> Any: ...
+
+
 def for_device(device: tuple) -> Any:
     """The :class:`Backend` module for ``device`` (("cpu", 0) or ("cuda", ordinal))."""
     if device[0] == "cpu":
@@ -84,3 +96,14 @@ def blocks_for_device(device: tuple) -> Any:
     from . import cuda_blocks
 
     return cuda_blocks
+
+
+def fp4_for_device(device: tuple, function: str) -> Any:
+    """The :class:`FP4Backend` module for ``device``; ``function`` (the public name called) is named in the error
+    for a CUDA device, which has no FP4 kernel yet."""
+    if device[0] == "cpu":
+        from . import cpu_fp4
+
+        return cpu_fp4
+    raise NotImplementedError(f"{function}: the input is on cuda:{device[1]}, and the CUDA kernel of {function} is "
+                              "not yet built; FP4 runs on the CPU reference for now (move the input to the CPU)")

@@ -1,0 +1,259 @@
+"""FP4: NVFP4 (Transformer Engine's ``NVFP4BlockScaling``) and MXFP4 (OCP MX), E2M1 elements packed two a byte.
+
+x (float32, bfloat16 or float16, any shape) is viewed as [M, K]; each primitive quantizes **the operand** [R, C]:
+x itself, or x^T [K, M] with ``columnwise=True`` (stored transposed, as cuBLASLt's FP4 GEMM, TN only, reads it).
+Blocks are consecutive elements of an operand row: 16 with an E4M3 scale (NVFP4, under an fp32 global scale from
+the tensor's amax; 16x16 tiles with ``weight_2d``) or 32 with an E8M0 scale (MXFP4). ``.data`` is uint8 [R, C/2],
+element 2j of a row in the low nibble of byte j. The numerics are docs/numerics.md's "FP4" section; the CPU
+reference gives its bits (a CUDA input is refused until its kernels exist). Any array in, the caller's type out.
+
+The results are :class:`NVFP4Tensor` ``(data, scale, global_amax)`` and :class:`MXFP4Tensor` ``(data, scale)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from . import args, backends, formats
+from ._tensor import Tensor, export, export_all, wrap
+from .args import cdiv
+
+__all__ = ["NVFP4Tensor", "MXFP4Tensor", "quantize_nvfp4", "quantize_nvfp4_both", "dequantize_nvfp4",
+           "quantize_mxfp4", "quantize_mxfp4_both", "dequantize_mxfp4", "gemm_scale", "nvfp4_scale_shape",
+           "mxfp4_scale_shape", "NVFP4_BLOCK", "MXFP4_BLOCK", "GemmFP4", "gemm_operands", "FP4_GEMM_K"]
+
+Array = Any
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+TILE_ROWS = 16  # NVFP4's 16x16 weight tiles
+E4M3 = formats.E4M3.dtype_name  # NVFP4's scales: float8_e4m3fn
+E8M0 = formats.E8M0.dtype_name  # MXFP4's scales: float8_e8m0fnu
+
+
+class NVFP4Tensor(NamedTuple):
+    """NVFP4 data, its E4M3 block scales and the global amax its fp32 global scale comes from.
+
+    data: uint8 [R, C/2], E2M1 codes of the operand [R, C] (x [M, K], or x^T when columnwise), two a byte.
+    scale: float8_e4m3fn [R, C/16] (1x16 blocks) or [ceil(R/16), C/16] (16x16 tiles). global_amax: float32 [1].
+    Element (r, c) is ``(q * s_b) * S_dec`` with ``S_dec = 1 / (2688 / global_amax)`` (1 where the amax is 0, inf or
+    NaN).
+    """
+
+    data: Array
+    scale: Array
+    global_amax: Array
+
+
+class MXFP4Tensor(NamedTuple):
+    """MXFP4 data and its E8M0 block scales: data uint8 [R, C/2] (E2M1 codes of the operand, two a byte), scale
+    float8_e8m0fnu [R, C/32]. Element (r, c) is ``q * 2^(e - 127)``."""
+
+    data: Array
+    scale: Array
+
+
+def nvfp4_scale_shape(rows: int, cols: int, weight_2d: bool) -> tuple[int, int]:
+    """The E4M3 scale's shape for an operand [rows, cols]: one byte per 1x16 block, or per 16x16 tile."""
+    return (cdiv(rows, TILE_ROWS) if weight_2d else rows, cols // NVFP4_BLOCK)
+
+
+def mxfp4_scale_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The E8M0 scale's shape for an operand [rows, cols]: one byte per 1x32 block."""
+    return rows, cols // MXFP4_BLOCK
+
+
+def _operand(x: Any, function: str, block: int, columnwise: bool) -> tuple[Tensor, Any]:
+    """(x as [M, K], its backend): x checked, the operand's C (K, or M when columnwise) a multiple of ``block``."""
+    t = args.high_precision(x, "x")
+    backend = backends.fp4_for_device(t.device, function)
+    t2 = args.as_2d(t, "x")
+    m, k = t2.shape
+    cols = m if columnwise else k
+    if cols % block:
+        name, what = ("M", "down the columns of x") if columnwise else ("K", "along the rows of x")
+        raise ValueError(f"x: {function}{' (columnwise)' if columnwise else ''} takes blocks of {block} {what} "
+                         f"viewed as [M, K] = [{m}, {k}]; {name} = {cols} must be a multiple of {block}")
+    return t2, backend
+
+
+def _nvfp4_options(weight_2d: Any, hadamard: Any, rounding: Any, seed: Any, offset: Any
+                   ) -> tuple[bool, bool, bool, int, int]:
+    w2d = args.flag(weight_2d, "weight_2d")
+    rht = args.flag(hadamard, "hadamard")
+    if w2d and rht:
+        raise ValueError("hadamard: weight_2d=True with hadamard=True; NVFP4 gives weights 16x16 tiles and "
+                         "activations and gradients the Hadamard transform, never both")
+    stochastic = args.fp4_rounding(rounding) == "stochastic"
+    return w2d, rht, stochastic, args.uint64(seed, "seed"), args.uint64(offset, "offset")
+
+
+def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False, rounding: str = "nearest",
+                   seed: int = 0, offset: int = 0, global_amax: Any = None, columnwise: bool = False) -> NVFP4Tensor:
+    """NVFP4 quantization of the operand (x [M, K], or x^T [K, M] with ``columnwise``): 16-element blocks with
+    E4M3 scales under an fp32 global scale, elements E2M1.
+
+    weight_2d: one scale per 16x16 tile (weights). hadamard: each block replaced by its random Hadamard transform
+    first (the wgrad operand of activations and gradients; not with weight_2d). rounding: "nearest" or
+    "stochastic" (elements only; random bytes from Philox4x32-10 keyed by (seed, block, offset), unsigned 64-bit
+    ints: the same bytes on every backend and however the work is split). global_amax: the tensor's amax when
+    given (e.g. MAX-reduced across processes; inf and NaN allowed, negative refused), else amax(operand), taken
+    after the transform. The operand's rows need C % 16 == 0 (K rowwise, M columnwise); R is free.
+
+    Returns ``NVFP4Tensor(data uint8 [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16],
+    global_amax float32 [1])``.
+    """
+    w2d, rht, stochastic, s, o = _nvfp4_options(weight_2d, hadamard, rounding, seed, offset)
+    cw = args.flag(columnwise, "columnwise")
+    t2, backend = _operand(x, "quantize_nvfp4", NVFP4_BLOCK, cw)
+    g = args.global_amax(global_amax, t2)
+    data, scale, amax = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, g, cw)
+    return NVFP4Tensor(*export_all(((data, "uint8"), (scale, E4M3), (amax, "float32")), t2))
+
+
+def quantize_nvfp4_both(x: Array, *, weight_2d: bool = False, hadamard: bool = False, rounding: str = "nearest",
+                        seed: int = 0, offset: int = 0, global_amax: Any = None
+                        ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """``(rowwise, columnwise)`` from one call, as NVFP4's recipe needs them: the rowwise operand (fprop, dgrad)
+    never transformed, the columnwise one (wgrad) with the Hadamard transform when ``hadamard``. Each equals
+    :func:`quantize_nvfp4` bit for bit with ``hadamard=False`` and ``hadamard=hadamard`` respectively, the other
+    arguments the same (so the two share block numbers and offset: for independent random bytes quantize each with
+    its own offset). Without the transform the global amax is taken once; with it each operand has its own (the
+    columnwise one after the transform), so ``global_amax`` must then be None. x's K and M must be multiples of 16.
+    """
+    w2d, rht, stochastic, s, o = _nvfp4_options(weight_2d, hadamard, rounding, seed, offset)
+    t2, backend = _operand(x, "quantize_nvfp4_both", NVFP4_BLOCK, False)
+    _operand(x, "quantize_nvfp4_both", NVFP4_BLOCK, True)
+    if rht and global_amax is not None:
+        raise ValueError("global_amax: with hadamard=True the two operands have different amaxes (the columnwise "
+                         "one after the transform); quantize each with quantize_nvfp4 and its own global_amax")
+    g = args.global_amax(global_amax, t2)
+    row = backend.quantize_nvfp4(t2, w2d, False, stochastic, s, o, g, False)
+    col = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, None if rht else row[2], True)
+    out = export_all(((row[0], "uint8"), (row[1], E4M3), (row[2], "float32"),
+                      (col[0], "uint8"), (col[1], E4M3), (col[2], "float32")), t2)
+    return NVFP4Tensor(*out[:3]), NVFP4Tensor(*out[3:])
+
+
+def quantize_mxfp4(x: Array, *, rounding: str = "rceil", columnwise: bool = False) -> MXFP4Tensor:
+    """MXFP4 quantization of the operand (x [M, K], or x^T [K, M] with ``columnwise``): 32-element blocks with E8M0
+    scales, elements E2M1 rounded to nearest.
+
+    rounding: the scale rule, "rceil" (NVIDIA, Transformer Engine: the block's amax lands at or below 6) or "floor"
+    (OCP: may saturate). C % 32 == 0 (K rowwise, M columnwise). Returns ``MXFP4Tensor(data uint8 [R, C/2],
+    scale float8_e8m0fnu [R, C/32])``.
+    """
+    mode = args.scale_mode(rounding, "rounding")
+    cw = args.flag(columnwise, "columnwise")
+    t2, backend = _operand(x, "quantize_mxfp4", MXFP4_BLOCK, cw)
+    data, scale = backend.quantize_mxfp4(t2, mode, cw)
+    return MXFP4Tensor(*export_all(((data, "uint8"), (scale, E8M0)), t2))
+
+
+def quantize_mxfp4_both(x: Array, *, rounding: str = "rceil") -> tuple[MXFP4Tensor, MXFP4Tensor]:
+    """``(rowwise, columnwise)``: both MXFP4 operands of x from one call, each equal to :func:`quantize_mxfp4`."""
+    mode = args.scale_mode(rounding, "rounding")
+    t2, backend = _operand(x, "quantize_mxfp4_both", MXFP4_BLOCK, False)
+    _operand(x, "quantize_mxfp4_both", MXFP4_BLOCK, True)
+    row, col = backend.quantize_mxfp4(t2, mode, False), backend.quantize_mxfp4(t2, mode, True)
+    out = export_all(((row[0], "uint8"), (row[1], E8M0), (col[0], "uint8"), (col[1], E8M0)), t2)
+    return MXFP4Tensor(*out[:2]), MXFP4Tensor(*out[2:])
+
+
+# ---- reading FP4 tensors back ------------------------------------------------------------------------------
+
+def _parts(t: Any, kind: type, arg: str, function: str) -> tuple[Tensor, Tensor, Any, Any]:
+    """(data [R, C/2] uint8, scale, the scale's layout check's input, backend) of an FP4 tensor."""
+    if not isinstance(t, tuple) or len(t) != len(kind._fields):
+        raise TypeError(f"{arg}: expected an {kind.__name__} ({', '.join(kind._fields)}), got {type(t).__name__}")
+    data = args.contiguous(wrap(t[0], f"{arg}.data"), f"{arg}.data")
+    if data.dtype != "uint8":
+        raise TypeError(f"{arg}.data: expected uint8 (E2M1 codes, two a byte), got {data.dtype}")
+    backend = backends.fp4_for_device(data.device, function)
+    data = args.as_2d(data, f"{arg}.data")
+    scale_dtype = E4M3 if kind is NVFP4Tensor else E8M0
+    scale = args.contiguous(wrap(t[1], f"{arg}.scale"), f"{arg}.scale")
+    args.same_device(scale, data, f"{arg}.scale", f"{arg}.data")
+    if scale.dtype not in (scale_dtype, "uint8"):
+        raise TypeError(f"{arg}.scale: expected {scale_dtype} (or its uint8 bytes), got {scale.dtype}")
+    rows, cols = data.shape[0], 2 * data.shape[1]
+    block = NVFP4_BLOCK if kind is NVFP4Tensor else MXFP4_BLOCK
+    if cols % block:
+        raise ValueError(f"{arg}.data: {data.shape[1]} bytes a row hold {cols} elements; {kind.__name__} rows are "
+                         f"whole blocks of {block}")
+    shapes = ([nvfp4_scale_shape(rows, cols, False), nvfp4_scale_shape(rows, cols, True)] if kind is NVFP4Tensor
+              else [mxfp4_scale_shape(rows, cols)])
+    if scale.shape not in shapes:
+        expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
+        raise ValueError(f"{arg}.scale: expected shape {expected} for data of shape {data.shape}, got {scale.shape}")
+    return data, scale, backend, rows
+
+
+def dequantize_nvfp4(t: NVFP4Tensor, out_dtype: Any = "float32") -> Array:
+    """``y = ROUND_TO(out_dtype, (fp32(q) * fp32(s_b)) *rn S_dec)``, S_dec from ``t.global_amax`` by the global
+    scale rule; a NaN scale gives NaN (canonical). Returns [R, C] in the operand's layout (x^T for a columnwise
+    tensor; the transformed values for a Hadamard one). out_dtype: float32, bfloat16 or float16."""
+    data, scale, backend, _ = _parts(t, NVFP4Tensor, "t", "dequantize_nvfp4")
+    amax = args.f32_vector(t[2], data, "t.global_amax", "t.data")
+    if amax.size != 1:
+        raise ValueError(f"t.global_amax: expected 1 element, got shape {amax.shape}")
+    name = args.out_dtype(out_dtype)
+    return export(backend.dequantize_nvfp4(data, scale, amax.data.reshape(-1), name), name, data)
+
+
+def dequantize_mxfp4(t: MXFP4Tensor, out_dtype: Any = "float32") -> Array:
+    """``y = ROUND_TO(out_dtype, fp32(q) *rn 2^(e - 127))``; the NaN scale byte gives NaN (canonical). Returns
+    [R, C] in the operand's layout. out_dtype: float32, bfloat16 or float16."""
+    data, scale, backend, _ = _parts(t, MXFP4Tensor, "t", "dequantize_mxfp4")
+    name = args.out_dtype(out_dtype)
+    return export(backend.dequantize_mxfp4(data, scale, name), name, data)
+
+
+def gemm_scale(t: NVFP4Tensor | MXFP4Tensor) -> Array:
+    """An FP4 GEMM operand's scales as cuBLASLt reads them: uint8, flat, in 128x4 tiles of 512 bytes (zero
+    padding); scale (r, c) at byte ``((r // 128) * ceil(cols / 4) + c // 4) * 512 + (r % 32) * 16 +
+    (r % 128) // 32 * 4 + c % 4``, cols the scale's columns. 16x16 tiles are first expanded to the rows they cover."""
+    kind = NVFP4Tensor if isinstance(t, tuple) and len(t) == len(NVFP4Tensor._fields) else MXFP4Tensor
+    data, scale, backend, rows = _parts(t, kind, "t", "gemm_scale")
+    return export(backend.gemm_scale(scale, rows), "uint8", data)
+
+
+# ---- operands of fp8core.gemm ---------------------------------------------------------------------------
+
+FP4_GEMM_K = 32  # K: a multiple of 32 (Transformer Engine's reference GEMM; cuBLASLt's limits unconfirmed)
+
+
+class GemmFP4(NamedTuple):
+    """FP4 GEMM operands, unpacked and validated for :func:`fp8core.gemm`: data [rows, K/2] and scales of each,
+    the backend, NVFP4 or MXFP4, and alpha (S_dec_a *rn S_dec_b for NVFP4, 1 for MXFP4)."""
+
+    a_data: Tensor
+    a_scale: Tensor
+    b_data: Tensor
+    b_scale: Tensor
+    backend: Any
+    nvfp4: bool
+    alpha: float
+
+
+def gemm_operands(a: NVFP4Tensor | MXFP4Tensor, b: Any) -> GemmFP4:
+    """a and b of an FP4 GEMM, TN: both NVFP4Tensor or both MXFP4Tensor, each with its blocks along K (a's data
+    [M, K/2], b's [N, K/2]: rowwise quantizations of a [M, K] and a weight [N, K], or columnwise ones of the
+    transposed tensors)."""
+    nvfp4 = len(a) == len(NVFP4Tensor._fields)
+    kind = NVFP4Tensor if nvfp4 else MXFP4Tensor
+    da, sa, backend, _ = _parts(a, kind, "a", "gemm")
+    if not isinstance(b, kind):
+        raise TypeError(f"b: a is an {kind.__name__}, so b must be one too (got {type(b).__name__}); an FP4 GEMM "
+                        "takes NVFP4 x NVFP4 or MXFP4 x MXFP4")
+    db, sb, _, _ = _parts(b, kind, "b", "gemm")
+    args.same_device(db, da, "b.data", "a.data")
+    alpha = 1.0
+    if nvfp4:
+        amaxes = []
+        for arg, t in (("a", a), ("b", b)):
+            v = args.f32_vector(t[2], da, f"{arg}.global_amax", "a.data")
+            if v.size != 1:
+                raise ValueError(f"{arg}.global_amax: expected 1 element, got shape {v.shape}")
+            amaxes.append(v.data.reshape(-1))
+        alpha = backend.gemm_alpha(*amaxes)
+    return GemmFP4(da, sa, db, sb, backend, nvfp4, alpha)

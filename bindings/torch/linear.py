@@ -102,6 +102,15 @@ def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 _KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
+RECORDERS = "_fp8_recorders"  # in a recorded layer's __dict__: record_numerics' recorders (numerics.py)
+
+
+@torch.compiler.disable  # outside the graph: the recorder measures on the host, eagerly, under torch.compile too
+def _record(module: "Float8Linear", x: torch.Tensor, y: Optional[torch.Tensor]) -> None:
+    """Hand a recorded layer's fp8 forward (its input, and its output, None before a block-scaled one) to the
+    record_numerics contexts open on it."""
+    for recorder in list(module.__dict__.get(RECORDERS, ())):
+        recorder(module, x, y)
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -127,6 +136,10 @@ class Float8Linear(torch.nn.Linear):
     never given to convert_to_float8 is not marked (fp8core installs no process-wide hook): a load from it writes
     the entries it visits before the first of them, its own included, before it refuses the checkpoint.
     """
+
+    # Whether a record_numerics context records this layer: a plain bool, which torch.compile guards on (so a
+    # model compiled before the context recompiles with the recording and after it without).
+    _fp8_recording = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None,
@@ -220,6 +233,8 @@ class Float8Linear(torch.nn.Linear):
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         if isinstance(self.recipe, BLOCK_RECIPES):
+            if self._fp8_recording:  # refused by name before the cast
+                _record(self, x, None)
             return BlockMatmul.apply(x, self.weight, self.bias, block_spec(self.recipe))
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
@@ -231,7 +246,10 @@ class Float8Linear(torch.nn.Linear):
                 self._fp8_follow(self.weight.device)
             state, current = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv), None
             ctx.ran[self._fp8_group] = None
-        return _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current)
+        y = _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current)
+        if self._fp8_recording:
+            _record(self, x, y)
+        return y
 
     def _fp8_follow(self, device: torch.device) -> None:
         """The state to the weight's device (FSDP2's fully_shard moves parameters and buffers only)."""

@@ -637,6 +637,16 @@ def test_record_numerics_under_torch_compile_gives_the_eager_rows(when):
     assert after.rows == [] and not any(m._fp8_recording for m in net.modules() if isinstance(m, Float8Linear))
 
 
+def test_record_numerics_under_a_fullgraph_compile_is_a_clear_refusal():
+    net = recorded_net()
+    with record_numerics(net) as rec:
+        compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
+        with pytest.raises(Exception, match="fp8core.torch.record_numerics measures a layer's casts on the host, "
+                                            "outside the graph: compile without fullgraph=True to record"):
+            run_steps(compiled, 1)
+    assert rec.rows == []
+
+
 @pytest.mark.parametrize("recipe", [fp8core.MXFP8BlockScaling(), fp8core.Float8BlockScaling()],
                          ids=["mxfp8", "block"])
 def test_record_numerics_refuses_a_block_recipe_a_te_linear_takes_at_its_first_call(recipe):

@@ -105,12 +105,21 @@ _KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
 RECORDERS = "_fp8_recorders"  # in a recorded layer's __dict__: record_numerics' recorders (numerics.py)
 
 
-@torch.compiler.disable  # outside the graph: the recorder measures on the host, eagerly, under torch.compile too
-def _record(module: "Float8Linear", x: torch.Tensor, y: Optional[torch.Tensor]) -> None:
+def _record_eagerly(module: "Float8Linear", x: torch.Tensor, y: Optional[torch.Tensor]) -> None:
     """Hand a recorded layer's fp8 forward (its input, and its output, None before a block-scaled one) to the
     record_numerics contexts open on it."""
     for recorder in list(module.__dict__.get(RECORDERS, ())):
         recorder(module, x, y)
+
+
+# Outside the graph: the recorder measures on the host, eagerly, under torch.compile too. What fullgraph=True
+# says when it meets it:
+_RECORDING = ("fp8core.torch.record_numerics measures a layer's casts on the host, outside the graph: compile "
+              "without fullgraph=True to record, or record the eager model")
+try:
+    _record = torch.compiler.disable(_record_eagerly, reason=_RECORDING)
+except TypeError:  # torch before 2.8 takes no reason
+    _record = torch.compiler.disable(_record_eagerly)
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 

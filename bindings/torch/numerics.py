@@ -240,7 +240,11 @@ def record_numerics(model: torch.nn.Module,
 
     Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`); under ``torch.no_grad`` only
     the forward rows. The backward of a forward recorded here is recorded wherever it runs. Off by default and
-    free when off: no hook outside the context. The results are the same bits with or without it.
+    free when off: outside the context a layer's flag is False and nothing runs. The results are the same bits
+    with or without it. A model compiled with torch.compile before the context, or inside it, records its eager
+    twin's rows (the flag is guarded, and the hand-over to the recorder is a graph break); layers running on
+    several threads count their steps under one lock. A layer that runs under a block recipe (a te.Linear takes
+    its recipe from its first autocast) is refused by name at that call, before its cast.
     ``model``: a torch.nn.Module holding Float8Linear layers of a per-tensor recipe (DelayedScaling or
     Float8CurrentScaling).
     """

@@ -433,6 +433,14 @@ def test_one_name_twice_in_a_pt_shows_both_tensors(tmp_path, capsys):
     assert list(got) == ["a.b", "a.b#2"] and got["a.b"]["shape"] == [2] and got["a.b#2"]["shape"] == [3]
 
 
+def test_one_record_named_twice_shows_both(tmp_path, capsys):
+    path = write_record(tmp_path / "r.json", record_rows(1))
+    assert cli.main(["inspect", str(path), str(path), "--json"]) == 0
+    got = strict(capsys.readouterr()[0])
+    key = f"{path}:model.layers.0.self_attn.q_proj.input"
+    assert list(got["tensors"]) == [key, f"{key}#2"] and got["summary"]["tensors"] == 2
+
+
 def float8_checkpoint(path):
     torch = pytest.importorskip("torch")
     from fp8core.torch import autocast, convert_to_float8

@@ -637,8 +637,20 @@ def test_record_numerics_under_torch_compile_gives_the_eager_rows(when):
     assert after.rows == [] and not any(m._fp8_recording for m in net.modules() if isinstance(m, Float8Linear))
 
 
+class FullGraph(torch.nn.Module):
+    """A model whose forward no other test compiles: dynamo reuses a frame compiled (with the graph break) for
+    another model of the same code, and would not meet fullgraph=True's check again."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = recorded_net()
+
+    def forward(self, x):
+        return self.inner(x) + 0.0
+
+
 def test_record_numerics_under_a_fullgraph_compile_is_a_clear_refusal():
-    net = recorded_net()
+    net = FullGraph()
     with record_numerics(net) as rec:
         compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
         with pytest.raises(Exception, match="fp8core.torch.record_numerics measures a layer's casts on the host, "

@@ -5,6 +5,7 @@ recording), the winner starred, how often each recipe serves an operand within 1
 
 from __future__ import annotations
 
+import itertools
 import json
 import textwrap
 from typing import Any, Iterator
@@ -59,7 +60,10 @@ def inspect_records(files: list[str], as_json: bool, plot: str | None, max_bytes
     for path in files:
         rows = read_record(path, max_bytes)
         for key, e in per_operand(rows).items():
-            entries[f"{path}:{key}" if len(files) > 1 else key] = e
+            key = f"{path}:{key}" if len(files) > 1 else key
+            if key in entries:  # one record named twice: both shown
+                key = next(f"{key}#{n}" for n in itertools.count(2) if f"{key}#{n}" not in entries)
+            entries[key] = e
     names = list(dict.fromkeys(n for e in entries.values() for n in e["recipes"]))
     for e in entries.values():  # every record's names in each entry, in one order (several records)
         e["recipes"] = {n: e["recipes"].get(n, {"n/a": "not in this record"}) for n in names}

@@ -530,22 +530,41 @@ def te_trained(seed=0, steps=3, recipe=TE_RECIPE):
     return layer
 
 
-def test_a_te_resume_keeps_the_loaded_fp8_state():
+@pytest.mark.parametrize("recipe", [TE_RECIPE, fp8core.DelayedScaling(amax_history_len=16)],
+                         ids=["margin-hybrid", "history-16"])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_te_resume_keeps_the_loaded_fp8_state(recipe, wrapped):
     """TE's resume: b = te.Linear(...); b.load_state_dict(a.state_dict()); b's first autocast took fresh state
-    (2 nonzero history entries against a's 11) and b's outputs differed from a's."""
-    a = te_trained()
+    (2 nonzero history entries against a's 11) and b's outputs differed from a's. A checkpoint of another
+    amax_history_len (16, TE's examples' value) loads at its length, inside a model too."""
+    a = te_trained(recipe=recipe)
     b = te.Linear(32, 32)
-    b.load_state_dict(a.state_dict())
+    if wrapped:
+        torch.nn.Sequential(b).load_state_dict(torch.nn.Sequential(a).state_dict())
+    else:
+        b.load_state_dict(a.state_dict())
     x = torch.randn(16, 32)
-    with te.autocast(recipe=TE_RECIPE):
+    with te.autocast(recipe=recipe):
         ya, yb = a(x), b(x)
         ya.square().sum().backward()
         yb.square().sum().backward()
     assert torch.equal(bits(ya), bits(yb))
     sa, sb = snapshot(a), snapshot(b)
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert int(sb["fp8_steps"]) == 4 and b.recipe == TE_RECIPE
+    assert int(sb["fp8_steps"]) == 4 and b.recipe == recipe
     assert torch.count_nonzero(b.fp8_amax_history) == torch.count_nonzero(a.fp8_amax_history) > 6
+
+
+def test_a_te_resume_of_a_bad_checkpoint_writes_nothing():
+    b = te.Linear(32, 32)
+    sd = te_trained(recipe=fp8core.DelayedScaling(amax_history_len=16)).state_dict()
+    sd["fp8_scale"] = -sd["fp8_scale"]
+    before = snapshot(b)
+    with pytest.raises(RuntimeError, match="fp8_scale: expected finite values > 0"):
+        torch.nn.Sequential(b).load_state_dict({f"0.{k}": v for k, v in sd.items()})
+    after = snapshot(b)
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert b.fp8_amax_history.shape == (1024, 3) and not b.loaded
 
 
 def test_a_te_resume_under_another_history_length_is_refused_by_name():

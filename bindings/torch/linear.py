@@ -295,6 +295,10 @@ class Float8Linear(torch.nn.Linear):
                 destination[prefix + key] = t if keep_vars else t.detach()
             destination[prefix + "fp8_steps"] = self.fp8_steps
 
+    def _fp8_history_len(self, state_dict: Any, prefix: str) -> int:
+        """The amax history length this module's fp8 entries in ``state_dict`` must have to load: the recipe's."""
+        return self.recipe.amax_history_len
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         if self._fp8_group is not None:
@@ -355,14 +359,14 @@ def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Option
         missing = [k for k, p in zip(keys, present) if not p]
         raise KeyError(f"state_dict: missing {', '.join(missing)} (it has the other fp8 entries of "
                        f"{prefix[:-1] or 'the module'})")
-    steps = check_state_values(*(state_dict[k] for k in keys), SLOTS, module.recipe.amax_history_len,
+    steps = check_state_values(*(state_dict[k] for k in keys), SLOTS, module._fp8_history_len(state_dict, prefix),
                                prefix=prefix + "fp8_")
     return state_dict[keys[0]], state_dict[keys[1]], state_dict[keys[2]], steps
 
 
 def _fp8_entry_errors(module: Float8Linear, state_dict: Any, prefix: str) -> list[str]:
     """What is wrong with each fp8 entry of ``state_dict``, each checked beside the initial state's others."""
-    L = module.recipe.amax_history_len
+    L = module._fp8_history_len(state_dict, prefix)
     good = [*initial_state(L, "cpu"), 0]
     errors = []
     for i, key in enumerate(_KEYS):

@@ -11,21 +11,22 @@ recipe, it takes the recipe of the first enabled autocast it runs in (TE's defau
 that autocast names none), and keeps it; an autocast naming another recipe later is refused by name. Given
 ``recipe=`` it is a :class:`~fp8core.torch.Float8Linear` with that recipe from the start (a checkpoint made
 under a recipe then loads before the first step). A checkpoint loaded before the first step keeps its FP8 state,
-as TE keeps it: the first autocast's recipe continues the loaded history, scales and step count (refused by
-name where it cannot: another amax_history_len). Everything else, the numerics and the state included, is
+as TE keeps it, at the checkpoint's amax_history_len: the first autocast's recipe continues the loaded history,
+scales and step count (refused by name where it cannot: another amax_history_len). Everything else, the numerics and the state included, is
 Float8Linear's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
 
 from fp8core import DelayedScaling
 
-from .linear import Float8Linear
-from .scaling import STATE, current_context
+from .linear import Float8Linear, check_whole_load, module_load_errors
+from .scaling import SLOTS, STATE, current_context
 
 __all__ = ["Linear"]
 
@@ -91,8 +92,23 @@ class Linear(Float8Linear):
             self.adopted = True
         return super().forward(x)
 
+    def _fp8_history_len(self, state_dict: Any, prefix: str) -> int:
+        """Before the recipe is adopted, a checkpoint's history loads at its own length (TE's checkpoints carry
+        theirs; amax_history_len=16 is common), which the first autocast's recipe must then keep."""
+        history = state_dict.get(prefix + "fp8_amax_history")
+        if self.recipe_from_autocast and torch.overrides.is_tensor_like(history) and history.dim() == 2 \
+                and history.shape[0] >= 1 and history.shape[1] == SLOTS:
+            return int(history.shape[0])
+        return super()._fp8_history_len(state_dict, prefix)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        length = self._fp8_history_len(state_dict, prefix)
+        if self._fp8_group is not None and length != self.recipe.amax_history_len:
+            # the whole checkpoint checked first (it raises, writing nothing), then a state of its length to load into
+            check_whole_load(self, state_dict, prefix)
+            if not module_load_errors(self, state_dict, prefix):
+                self._setup(dataclasses.replace(self.recipe, amax_history_len=length), None)
         errors = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

@@ -114,7 +114,8 @@ def _number(v: Any, where: str) -> float:
     try:
         return float(v)
     except OverflowError:  # an integer past float64's range
-        raise ValueError(f"{where} is an integer of {len(str(abs(v)))} digits, beyond float64") from None
+        raise ValueError(f"{where} is an integer of about 10^{int(v.bit_length() * math.log10(2))}, beyond "
+                         "float64") from None
 
 
 def _short(v: Any) -> str:
@@ -193,6 +194,10 @@ def read(path: Union[str, Path], max_bytes: int = MAX_BYTES) -> list[dict[str, A
     ``NumericsRecord.load`` and ``fp8core inspect record.json`` alike. A regular file of at most ``max_bytes``
     bytes (no more is read: a link to a device or a FIFO is refused before any byte). OSError or ValueError, the
     message naming the file and, for content, what a record is."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise TypeError(f"max_bytes: expected an int, got {type(max_bytes).__name__}")
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes: expected a positive number of bytes, got {max_bytes}")
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens without a writer
     except FileNotFoundError:

@@ -393,7 +393,18 @@ def test_a_5000_digit_integer_names_the_file_and_what_a_record_is(tmp_path, caps
     path.write_text(json.dumps(record_rows())[:-2] + ', "amax2": ' + "9" * 5000 + "}]")
     one_reader_both_doors(tmp_path, capsys, path, f"{path}: not a record: not JSON (Exceeds the limit")
     path.write_text(json.dumps(record_rows()).replace('"amax": 1.0', '"amax": 1' + "0" * 400))
-    one_reader_both_doors(tmp_path, capsys, path, "row 0's 'amax' is an integer of 401 digits, beyond float64")
+    one_reader_both_doors(tmp_path, capsys, path, "row 0's 'amax' is an integer of about 10^400, beyond float64")
+
+
+@pytest.mark.parametrize("bad,err,says", [(0, ValueError, "max_bytes: expected a positive number of bytes, got 0"),
+                                          (1.5, TypeError, "max_bytes: expected an int, got float"),
+                                          (True, TypeError, "max_bytes: expected an int, got bool")])
+def test_record_load_checks_max_bytes_by_name(tmp_path, bad, err, says):
+    from fp8core.torch import NumericsRecord
+
+    path = write_record(tmp_path / "r.json", record_rows())
+    with pytest.raises(err, match=says):
+        NumericsRecord.load(path, bad)
 
 
 def test_duplicate_npz_members_are_refused_by_name(tmp_path, capsys):

@@ -8,8 +8,8 @@ the input and weight the layer just cast (delayed scaling: with the scale the la
 does not change; current scaling: with the scale the cast computed, by the same op from the same amax) and, when
 the output takes part in a backward, puts a hook on the output's gradient, which is the grad_output the layer's
 backward casts next. The flag is a plain bool that torch.compile guards on, and the hand-over runs outside the
-graph (a graph break): a model compiled before the context, or inside it, records the rows of its eager twin. The hooks read; they return nothing, so nothing they
-do reaches the results. The statistics are :mod:`fp8core.numerics_stats`'s (``fp8core inspect --recipes``'s),
+graph (a graph break): a model compiled before the context, or inside it, records the rows of its eager twin.
+The recorder and the gradient hooks read; they return nothing, so nothing they do reaches the results. The statistics are :mod:`fp8core.numerics_stats`'s (``fp8core inspect --recipes``'s),
 computed on the host: each measured operand is copied there (on CUDA that synchronises; it is a study tool).
 With ``recipes=``, each operand is also quantized in those recipes (:mod:`fp8core.numerics_recipes`, as
 ``fp8core inspect --recipes`` does), from the same high-precision values: what the layer would see in each.

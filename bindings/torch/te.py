@@ -12,8 +12,8 @@ that autocast names none), and keeps it; an autocast naming another recipe later
 ``recipe=`` it is a :class:`~fp8core.torch.Float8Linear` with that recipe from the start (a checkpoint made
 under a recipe then loads before the first step). A checkpoint loaded before the first step keeps its FP8 state,
 as TE keeps it, at the checkpoint's amax_history_len: the first autocast's recipe continues the loaded history,
-scales and step count (refused by name where it cannot: another amax_history_len). Everything else, the numerics and the state included, is
-Float8Linear's.
+scales and step count (refused by name where it cannot: another amax_history_len). Everything else, the
+numerics and the state included, is Float8Linear's.
 """
 
 from __future__ import annotations

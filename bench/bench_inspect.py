@@ -7,10 +7,16 @@ small tensor (the interpreter, NumPy and torch: what any file costs), so what th
 difference. The machine is shared: the load average before and after, and the inspect process's CPU seconds
 (user + system), are printed with the time.
 
+The shape row (issue 39): the same float32 data (``--shape-mib``, default 32) as a 1-D .npy and as a [rows, 4096]
+.npy, each through ``inspect --recipes all``: the peak RSS and wall time of each (median, p20 and p80 over
+``--repeat`` runs, interleaved), so that what a flat tensor costs beyond its matrix twin shows (it was three
+float64 copies of the tensor: 258 MiB against 88 MiB at 32 MiB).
+
 Issue 26's bar: a 1 GiB bf16 file through all recipes on the CPU in under a minute on 2 cores. The process is
 pinned to ``--cores`` cores (default 2, the bar's machine); the default file is 256 MiB, and the time 1 GiB
 would take at the same rate is printed beside it (``--size-mib 1024`` measures it).
-Usage: python bench/bench_inspect.py [--size-mib 256] [--cores 2] [--repeat 3] [--json out.json]
+Usage: python bench/bench_inspect.py [--size-mib 256] [--shape-mib 32] [--cores 2] [--repeat 3] [--json out.json]
+       [--shapes-only]
 """
 
 from __future__ import annotations
@@ -74,15 +80,59 @@ def inspect(path: Path) -> tuple[dict, int]:
     return json.loads(run.stdout)["tensors"], int(peak[-1]) * 1024
 
 
+def _quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    at = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
+    return {"median": statistics.median(ordered), "p20": at(0.2), "p80": at(0.8)}
+
+
+def shape_rows(tmp: Path, mib: int, repeat: int) -> dict[str, dict]:
+    """The same float32 data as a 1-D tensor and as a [rows, 4096] one through ``inspect --recipes all``: per
+    shape, the tensor's bytes, and the peak RSS (bytes) and wall time (s) as median/p20/p80 over ``repeat``
+    interleaved runs."""
+    n = mib * (1 << 20) // 4 // 4096 * 4096
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    files = {"flat": tmp / "flat.npy", "matrix": tmp / "matrix.npy"}
+    np.save(files["flat"], x)
+    np.save(files["matrix"], x.reshape(-1, 4096))
+    peaks: dict[str, list[float]] = {k: [] for k in files}
+    walls: dict[str, list[float]] = {k: [] for k in files}
+    for _ in range(repeat):
+        for kind, path in files.items():
+            t = time.perf_counter()
+            _, peak = inspect(path)
+            walls[kind].append(time.perf_counter() - t)
+            peaks[kind].append(peak)
+    return {kind: {"shape": [n] if kind == "flat" else [n // 4096, 4096], "tensor_bytes": x.nbytes,
+                   "peak_rss_bytes": _quantiles(peaks[kind]), "seconds": _quantiles(walls[kind])} for kind in files}
+
+
 def main_bench() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--cores", type=int, default=2, help="cores the run is pinned to (0: all)")
     ap.add_argument("--repeat", type=int, default=3, help="repeats of the per-recipe timings (median)")
+    ap.add_argument("--shape-mib", type=int, default=32, help="float32 MiB of the shape row's tensor (0: none)")
+    ap.add_argument("--shapes-only", action="store_true", help="the shape row alone")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
     if args.cores:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])  # the child inherits it
+    machine = f"{platform.machine()} {os.cpu_count()} cores, pinned to {len(os.sched_getaffinity(0))}"
+    shapes = {}
+    if args.shape_mib:
+        with tempfile.TemporaryDirectory() as tmp:
+            shapes = shape_rows(Path(tmp), args.shape_mib, args.repeat)
+        for kind, r in shapes.items():
+            rss, secs = r["peak_rss_bytes"], r["seconds"]
+            print(f"shape {kind:<6} {tuple(r['shape'])} float32, {r['tensor_bytes'] / 2**20:.0f} MiB: peak RSS "
+                  f"{rss['median'] / 2**20:.0f} MiB (p20 {rss['p20'] / 2**20:.0f}, p80 {rss['p80'] / 2**20:.0f}), "
+                  f"{secs['median']:.1f} s (p20 {secs['p20']:.1f}, p80 {secs['p80']:.1f}); inspect --recipes all, "
+                  f"{args.repeat} runs; {machine}; fp8core from {Path(fp8core.__file__).parent}")
+    if args.shapes_only:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine, "shapes": shapes}, indent=1))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint.safetensors"
         data_bytes, largest = write_checkpoint(path, args.size_mib)
@@ -109,7 +159,7 @@ def main_bench() -> None:
             times.append(time.perf_counter() - s)
         per_recipe[name] = x.nbytes / statistics.median(times) / 1e9
     result = {
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, pinned to {len(os.sched_getaffinity(0))}",
+        "machine": machine, "shapes": shapes,
         "fp8core": str(Path(fp8core.__file__).parent),
         "file_bytes": data_bytes, "tensors": len(rows),
         "seconds": wall, "cpu_seconds": cpu, "gb_per_s": data_bytes / wall / 1e9, "peak_rss_bytes": peak,

@@ -21,33 +21,35 @@ __all__ = ["RECIPES", "BLOCK_RULE", "select"]
 
 
 def _current(fmt: Format) -> Recipe:
-    def rows(q: Any, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+    def part(q: Any, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
         data, scale_inv = q
-        return data[r0:r1], dequantize(data[r0:r1], scale_inv)
+        piece = np.ascontiguousarray(data[r0:r1, c0:c1])  # some columns of several rows: a strided view
+        return piece, dequantize(piece, scale_inv)
 
     return Recipe(fmt.value, f"Float8CurrentScaling, Format.{fmt.name}: one scale per tensor from its amax", fmt,
-                  lambda x: quantize_dynamic(x, fmt)[:2], rows, scale_inv=lambda q: float(q[1][0]))
+                  lambda x: quantize_dynamic(x, fmt)[:2], part, scale_inv=lambda q: float(q[1][0]))
 
 
 def _mxfp8(mode: str) -> Recipe:
-    def rows(t: MXTensor, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
-        part = MXTensor(t.data[r0:r1], t.scale[r0:r1])
-        return part.data, dequantize_mxfp8(part)
+    def part(t: MXTensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        piece = MXTensor(np.ascontiguousarray(t.data[r0:r1, c0:c1]),
+                         np.ascontiguousarray(t.scale[r0:r1, c0 // 32:-(-c1 // 32)]))
+        return piece.data, dequantize_mxfp8(piece)
 
     return Recipe(f"mxfp8_{mode}", f"MXFP8BlockScaling, E4M3, scale_mode {mode}: an E8M0 scale per 1x32 block",
-                  Format.E4M3, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode), rows, block=(1, 32))
+                  Format.E4M3, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode), part, block=(1, 32))
 
 
 def _blockwise(rows_per_block: int) -> Recipe:
     block = f"{rows_per_block}x128"
 
-    def rows(t: BlockScaledTensor, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
-        scale = t.scale_inv[r0 // rows_per_block:-(-r1 // rows_per_block)]
-        part = BlockScaledTensor(t.data[r0:r1], scale)
-        return part.data, dequantize_blockwise(part)
+    def part(t: BlockScaledTensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        scale = t.scale_inv[r0 // rows_per_block:-(-r1 // rows_per_block), c0 // 128:-(-c1 // 128)]
+        piece = BlockScaledTensor(np.ascontiguousarray(t.data[r0:r1, c0:c1]), np.ascontiguousarray(scale))
+        return piece.data, dequantize_blockwise(piece)
 
     return Recipe(f"block_{block}", f"Float8BlockScaling, E4M3: a power-of-2 fp32 scale per {block} block",
-                  Format.E4M3, lambda x: quantize_blockwise(x, Format.E4M3, block=block), rows,
+                  Format.E4M3, lambda x: quantize_blockwise(x, Format.E4M3, block=block), part,
                   row_step=rows_per_block, block=(rows_per_block, 128))
 
 

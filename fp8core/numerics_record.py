@@ -13,14 +13,23 @@ layer's cast and those recipes; None when none has one).
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any
+import os
+import stat
+from pathlib import Path
+from typing import Any, Union
 
+from fp8core.numerics_recipes import RECIPES
 from fp8core.numerics_stats import winner
 
-__all__ = ["OPERANDS", "STATS", "contender_names", "contenders", "from_json", "per_cast", "per_operand"]
+__all__ = ["FORMATS", "LAYER_RECIPES", "MAX_BYTES", "OPERANDS", "STATS", "contender_names", "contenders",
+           "from_json", "per_cast", "per_operand", "read"]
 
 OPERANDS = ("input", "weight", "grad_output")  # in the order of a Float8Linear's state slots (fp8_scale[0:3])
+LAYER_RECIPES = ("DelayedScaling", "Float8CurrentScaling")  # a recorded layer's own recipe, by its class's name
+FORMATS = ("E4M3", "E5M2")
+MAX_BYTES = 1 << 30  # what :func:`read` takes of a file by default (``fp8core inspect --max-bytes``'s default)
 STATS = ("sqnr_db", "underflow", "clipped", "at_max", "max_rel_error", "lost")
 _NUMBERS = ("amax", "scale", "scale_inv") + STATS
 _WORST_MAX = ("underflow", "clipped", "at_max", "max_rel_error", "lost")  # the worst over steps is the largest
@@ -101,8 +110,18 @@ def _number(v: Any, where: str) -> float:
     if isinstance(v, str) and v in ("inf", "-inf", "nan"):  # strict JSON's infinities and NaN
         return float(v)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{where} is {v!r}, not a number")
-    return float(v)
+        raise ValueError(f"{where} is {_short(v)}, not a number")
+    try:
+        return float(v)
+    except OverflowError:  # an integer past float64's range
+        raise ValueError(f"{where} is an integer of about 10^{int(v.bit_length() * math.log10(2))}, beyond "
+                         "float64") from None
+
+
+def _short(v: Any) -> str:
+    """``repr(v)``, cut: an error quotes what it refuses, not a megabyte of it."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _stats(d: Any, where: str) -> dict[str, Any]:
@@ -143,11 +162,14 @@ def from_json(data: Any) -> list[dict[str, Any]]:
                 raise ValueError(f"{where} has no {', '.join(map(repr, missing))}")
             for k in ("module", "recipe", "format"):
                 if not isinstance(r[k], str):
-                    raise ValueError(f"{where}'s {k!r} is {r[k]!r}, not a string")
-            if r["operand"] not in OPERANDS:
-                raise ValueError(f"{where}'s 'operand' is {r['operand']!r}, not one of {', '.join(OPERANDS)}")
+                    raise ValueError(f"{where}'s {k!r} is {_short(r[k])}, not a string")
+            # The names are fp8core's own: what a record may name is known, and each name costs a column of
+            # every entry (per_operand fills every name in), so a name from elsewhere is refused, not counted.
+            for k, known in (("operand", OPERANDS), ("recipe", LAYER_RECIPES), ("format", FORMATS)):
+                if r[k] not in known:
+                    raise ValueError(f"{where}'s {k!r} is {_short(r[k])}, not one of {', '.join(known)}")
             if isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0:
-                raise ValueError(f"{where}'s 'step' is {r['step']!r}, not a count from 0")
+                raise ValueError(f"{where}'s 'step' is {_short(r['step'])}, not a count from 0")
             row = dict(r)
             row.update({k: None if k == "sqnr_db" and r[k] is None else _number(r[k], f"{where}'s {k!r}")
                         for k in _NUMBERS})
@@ -157,8 +179,50 @@ def from_json(data: Any) -> list[dict[str, Any]]:
                 if r["recipe"] in r["recipes"]:  # contenders() would put it in place of the layer's own cast
                     raise ValueError(f"{where}'s 'recipes' has {r['recipe']!r}, the name of the layer's own cast, "
                                      "whose statistics are the row's")
+                unknown = [n for n in r["recipes"] if n not in RECIPES]
+                if unknown:
+                    raise ValueError(f"{where}'s 'recipes' has {_short(unknown[0])}, not one of {', '.join(RECIPES)}")
                 row["recipes"] = {n: _stats(s, f"{where}'s recipe {n!r}") for n, s in r["recipes"].items()}
             rows.append(row)
         except ValueError as e:
             raise ValueError(f"not a record: {e}; {_EXPECTED}") from None
     return rows
+
+
+def read(path: Union[str, Path], max_bytes: int = MAX_BYTES) -> list[dict[str, Any]]:
+    """The checked rows of a record file (what ``NumericsRecord.save`` writes): the one reader of records, for
+    ``NumericsRecord.load`` and ``fp8core inspect record.json`` alike. A regular file of at most ``max_bytes``
+    bytes (no more is read: a link to a device or a FIFO is refused before any byte). OSError or ValueError, the
+    message naming the file and, for content, what a record is."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise TypeError(f"max_bytes: expected an int, got {type(max_bytes).__name__}")
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes: expected a positive number of bytes, got {max_bytes}")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens without a writer
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())  # of what was opened, not of what the name pointed at a moment before
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: not a regular file; expected a record of fp8core.torch.record_numerics "
+                             "(rec.save(path))")
+        if info.st_size > max_bytes:
+            raise ValueError(f"{path}: {info.st_size} bytes, more than the {max_bytes} a record may hold here "
+                             "(max_bytes, or fp8core inspect --max-bytes, raises it)")
+        data = f.read(max_bytes + 1)  # the file may have grown since
+    if len(data) > max_bytes:
+        raise ValueError(f"{path}: more than {max_bytes} bytes, more than a record may hold here (max_bytes, or "
+                         "fp8core inspect --max-bytes, raises it)")
+    try:
+        parsed = json.loads(data)
+    except RecursionError:  # json's decoder recurses per level of nesting
+        raise ValueError(f"{path}: JSON nested too deeply to be a record of fp8core.torch.record_numerics "
+                         "(rec.save(path): a list of flat rows)") from None
+    except ValueError as e:  # not JSON, not UTF-8, or a number past the interpreter's digit limit
+        raise ValueError(f"{path}: not a record: not JSON ({e}); expected a record of "
+                         "fp8core.torch.record_numerics (rec.save(path))") from None
+    try:
+        return from_json(parsed)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

@@ -24,15 +24,15 @@ _CHUNK = 1 << 18  # elements per step of the statistics: its float64 scratch (3 
 @dataclass(frozen=True)
 class Recipe:
     """One way to quantize a tensor. ``quantize`` takes the tensor as [rows, cols] (float32/bfloat16/float16);
-    ``dequantize_rows(q, r0, r1)`` gives rows r0:r1 back as (fp8 data, float32 values); ``row_step`` is the row
-    granularity of its scales (r0 is always a multiple of it); ``block`` the block's (rows, cols), None for
-    one scale per tensor."""
+    ``dequantize_part(q, r0, r1, c0, c1)`` gives the part [r0:r1, c0:c1] back as (fp8 data, float32 values);
+    ``row_step`` is the row granularity of its scales (r0 is always a multiple of it, and c0 of the block's
+    columns); ``block`` the block's (rows, cols), None for one scale per tensor."""
 
     name: str
     what: str
     fmt: Format
     quantize: Callable[[np.ndarray], Any]
-    dequantize_rows: Callable[[Any, int, int], tuple[np.ndarray, np.ndarray]]
+    dequantize_part: Callable[[Any, int, int, int, int], tuple[np.ndarray, np.ndarray]]
     row_step: int = 1
     block: tuple[int, int] | None = None
     scale_inv: Callable[[Any], float] | None = None
@@ -110,23 +110,33 @@ def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
     if recipe.block is not None and x.ndim == 0:
         return {"n/a": "a scalar has no blocks"}
     rows2d = as_rows(x)
+    n_rows, n_cols = rows2d.shape
+    if rows2d.size == 0:  # an empty tensor costs nothing, whatever its shape: (10**15, 0) is no rows of work
+        rows2d = rows2d[:0]
     q = recipe.quantize(rows2d)
     max_code = int(np.array(recipe.fmt.max, np.float32).astype(recipe.fmt.numpy_dtype).view(np.uint8))
     below_max = float(np.array(max_code - 1, np.uint8).view(recipe.fmt.numpy_dtype))
     # Within half a step above max a value rounds onto max like any other value; beyond it, it saturates.
     beyond = 1 + (recipe.fmt.max - below_max) / (2 * recipe.fmt.max)
-    n_rows, n_cols = rows2d.shape
-    step = max(1, _CHUNK // max(n_cols, 1) // recipe.row_step) * recipe.row_step
+    # Parts of about _CHUNK elements, whole blocks each: whole rows where a row is short, a row's columns in
+    # parts where it is long (a 1-D or one-row tensor is one row), so the float64 scratch and the dequantized
+    # part stay small whatever the shape.
+    col_block = recipe.block[1] if recipe.block is not None else 1
+    width = min(n_cols, max(col_block, _CHUNK // recipe.row_step // col_block * col_block))
+    step = max(1, _CHUNK // max(width, 1) // recipe.row_step) * recipe.row_step
     totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
-    work = np.empty((3, min(step, n_rows) * n_cols))
+    rows_now = rows2d.shape[0]
+    work = np.empty((3, min(step, rows_now) * width))
     signal = noise = max_rel = 0.0
-    for r0 in range(0, n_rows, step):
-        r1 = min(r0 + step, n_rows)
-        codes, y32 = recipe.dequantize_rows(q, r0, r1)
-        counts, s, n, m = _chunk_stats(rows2d[r0:r1].ravel(), np.asarray(y32).ravel(),
-                                       np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work)
-        totals += counts
-        signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
+    for r0 in range(0, rows_now, step):
+        r1 = min(r0 + step, rows_now)
+        for c0 in range(0, n_cols, width):
+            c1 = min(c0 + width, n_cols)
+            codes, y32 = recipe.dequantize_part(q, r0, r1, c0, c1)
+            counts, s, n, m = _chunk_stats(rows2d[r0:r1, c0:c1].ravel(), np.asarray(y32).ravel(),
+                                           np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work)
+            totals += counts
+            signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
     finite, nonzero, under, clipped, at_max, lost = (int(t) for t in totals)
     if lost:
         sqnr: float | None = -math.inf

@@ -368,3 +368,28 @@ def test_static_numbers_as_on_a_gpu_machine_same_bits(op, monkeypatch):
         for g, w in zip(ours(x, eps, m), core(x, eps, m)):
             np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"epsilon {eps!r}, margin {m}")
     assert _programs(prim) - before == 3
+
+
+# ---- issue 37 item 5: `fp8core inspect` on a flax checkpoint reports fp8core.jax's scaling state apart ------------
+
+def test_inspect_reports_a_flax_checkpoints_fp8_state_apart(tmp_path, capsys):
+    """A flax model's variables flattened into an .npz (as a user saves a checkpoint): the fp8 collection's
+    amax_history, scale and scale_inv are fp8core's state, not model tensors, and stay out of the summary."""
+    import json
+
+    from flax import linen as nn
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+    from flax.traverse_util import flatten_dict
+
+    from fp8core import cli
+
+    model = nn.Dense(32, dot_general_cls=fj.Fp8DotGeneral)
+    variables = model.init(jax.random.PRNGKey(0), jnp.ones((16, 32), jnp.float32))
+    flat = {"/".join(k): np.asarray(v) for k, v in flatten_dict(jax.device_get(variables)).items()}
+    state = sorted(k for k in flat if k.startswith(OVERWRITE_WITH_GRADIENT + "/"))
+    assert len(state) == 3 and sorted(k.rsplit("/", 1)[1] for k in state) == ["amax_history", "scale", "scale_inv"]
+    np.savez(tmp_path / "flax.npz", **flat)
+    assert cli.main(["inspect", str(tmp_path / "flax.npz"), "--recipes", "e4m3", "--json"]) == 0
+    got = json.loads(capsys.readouterr()[0])
+    assert sorted(got["fp8_state"]) == state and sorted(got["tensors"]) == ["params/bias", "params/kernel"]
+    assert got["summary"]["tensors"] == 1  # the kernel (the zero bias has no signal)

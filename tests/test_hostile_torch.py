@@ -508,3 +508,197 @@ def test_scaling_state_takes_a_subnormal_scale_under_flush_to_zero():
     finally:
         torch.set_flush_denormal(False)
     assert st.scale.view("uint32")[1] == TINY
+
+
+# ---- issue 39: te.Linear resume, record_numerics with threads, torch.compile and block recipes, params_dtype ------
+
+import threading  # noqa: E402
+
+import fp8core.torch as te  # noqa: E402
+from fp8core.torch import NumericsRecord, record_numerics  # noqa: E402
+
+TE_RECIPE = fp8core.DelayedScaling(margin=1, fp8_format=fp8core.Format.HYBRID)  # not te.Linear's default
+
+
+def te_trained(seed=0, steps=3, recipe=TE_RECIPE):
+    torch.manual_seed(seed)
+    layer = te.Linear(32, 32)
+    g = torch.Generator().manual_seed(seed + 100)
+    for _ in range(steps):
+        with te.autocast(recipe=recipe):
+            layer(torch.randn(16, 32, generator=g)).square().sum().backward()
+    return layer
+
+
+@pytest.mark.parametrize("recipe", [TE_RECIPE, fp8core.DelayedScaling(amax_history_len=16)],
+                         ids=["margin-hybrid", "history-16"])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_te_resume_keeps_the_loaded_fp8_state(recipe, wrapped):
+    """TE's resume: b = te.Linear(...); b.load_state_dict(a.state_dict()); b's first autocast took fresh state
+    (2 nonzero history entries against a's 11) and b's outputs differed from a's. A checkpoint of another
+    amax_history_len (16, TE's examples' value) loads at its length, inside a model too."""
+    a = te_trained(recipe=recipe)
+    b = te.Linear(32, 32)
+    if wrapped:
+        torch.nn.Sequential(b).load_state_dict(torch.nn.Sequential(a).state_dict())
+    else:
+        b.load_state_dict(a.state_dict())
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=recipe):
+        ya, yb = a(x), b(x)
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+    assert torch.equal(bits(ya), bits(yb))
+    sa, sb = snapshot(a), snapshot(b)
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert int(sb["fp8_steps"]) == 4 and b.recipe == recipe
+    assert torch.count_nonzero(b.fp8_amax_history) == torch.count_nonzero(a.fp8_amax_history) > 6
+
+
+def test_a_te_resume_of_a_bad_checkpoint_writes_nothing():
+    b = te.Linear(32, 32)
+    sd = te_trained(recipe=fp8core.DelayedScaling(amax_history_len=16)).state_dict()
+    sd["fp8_scale"] = -sd["fp8_scale"]
+    before = snapshot(b)
+    with pytest.raises(RuntimeError, match="fp8_scale: expected finite values > 0"):
+        torch.nn.Sequential(b).load_state_dict({f"0.{k}": v for k, v in sd.items()})
+    after = snapshot(b)
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert b.fp8_amax_history.shape == (1024, 3) and not b.loaded
+
+
+def test_a_te_resume_under_another_history_length_is_refused_by_name():
+    b = te.Linear(32, 32)
+    b.load_state_dict(te_trained(recipe=fp8core.DelayedScaling()).state_dict())
+    before = snapshot(b)
+    with pytest.raises(ValueError, match="recipe: this Linear holds the fp8 state of a checkpoint \\(an amax history "
+                                         "of 1024\\); the autocast's .* keeps 16"):
+        with te.autocast(recipe=fp8core.DelayedScaling(amax_history_len=16)):
+            b(torch.randn(16, 32))
+    after = snapshot(b)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_te_linear_without_a_load_still_starts_fresh_under_its_first_recipe():
+    a = te.Linear(32, 32)
+    with te.autocast(recipe=TE_RECIPE):
+        a(torch.randn(16, 32))
+    assert a.recipe == TE_RECIPE and a.fp8_amax_history.shape == (1024, 3) and int(a.fp8_steps) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_te_linear_params_dtype_is_checked_at_construction(dtype):
+    """float64 was accepted (the forward then blamed x); float8 raised torch's check_uniform_bounds error."""
+    with pytest.raises(TypeError, match="params_dtype: expected torch.float32, torch.bfloat16 or torch.float16 "
+                                        f"\(what the fp8 casts take, as in TE\), got {dtype}"):
+        te.Linear(32, 32, params_dtype=dtype)
+
+
+def recorded_net(seed=0):
+    torch.manual_seed(seed)
+    return convert_to_float8(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)),
+                             fp8core.Float8CurrentScaling())
+
+
+def run_steps(net, n=2, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        with autocast():
+            net(torch.randn(16, 32, generator=g)).square().sum().backward()
+
+
+def test_record_numerics_counts_steps_per_layer_across_threads():
+    """Four threads through one model: duplicate (module, operand, step) keys, and by_tensor() dropped 16 of
+    1,600 rows."""
+    import time
+    from fp8core.torch.linear import RECORDERS
+
+    class Slow(dict):
+        """The step counter, its read slowed (a thread switch between the read and the write shows)."""
+
+        def get(self, *args):
+            found = super().get(*args)
+            time.sleep(1e-4)
+            return found
+
+    net = recorded_net()
+    with record_numerics(net) as rec:
+        recorder, = net[0].__dict__[RECORDERS]
+        recorder.steps = Slow()
+        threads = [threading.Thread(target=run_steps, args=(net, 10, i)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    keys = [(r["module"], r["operand"], r["step"]) for r in rec.rows]
+    assert len(rec.rows) == 4 * 10 * 2 * 3 and len(set(keys)) == len(keys) == len(rec.by_tensor())
+    for m in ("0", "2"):
+        for operand in ("input", "weight", "grad_output"):
+            assert sorted(s for mod, op, s in keys if (mod, op) == (m, operand)) == list(range(40))
+
+
+@pytest.mark.parametrize("when", ["before", "inside"])
+def test_record_numerics_under_torch_compile_gives_the_eager_rows(when):
+    """A model compiled before the context recorded nothing; compiling inside failed in dynamo's trace of the
+    hook."""
+    eager, net = recorded_net(), recorded_net()
+    with record_numerics(eager, recipes="e4m3") as want:
+        run_steps(eager)
+    compiled = torch.compile(net, backend="aot_eager") if when == "before" else None
+    if compiled is not None:
+        run_steps(compiled, 1, seed=9)  # compiled, and run, with no recorder
+    with record_numerics(net, recipes="e4m3") as got:
+        run_steps(compiled if compiled is not None else torch.compile(net, backend="aot_eager"))
+    assert len(want.rows) == 12 and got.rows == want.rows
+    with record_numerics(net) as after:
+        pass
+    run_steps(compiled if compiled is not None else net, 1)  # closed: the compiled model records nothing
+    assert after.rows == [] and not any(m._fp8_recording for m in net.modules() if isinstance(m, Float8Linear))
+
+
+class FullGraph(torch.nn.Module):
+    """A model whose forward no other test compiles: dynamo reuses a frame compiled (with the graph break) for
+    another model of the same code, and would not meet fullgraph=True's check again."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = recorded_net()
+
+    def forward(self, x):
+        return self.inner(x) + 0.0
+
+
+def test_record_numerics_under_a_fullgraph_compile_is_a_clear_refusal():
+    net = FullGraph()
+    with record_numerics(net) as rec:
+        compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
+        with pytest.raises(Exception, match="fp8core.torch.record_numerics measures a layer's casts on the host, "
+                                            "outside the graph: compile without fullgraph=True to record"):
+            run_steps(compiled, 1)
+    assert rec.rows == []
+
+
+@pytest.mark.parametrize("recipe", [fp8core.MXFP8BlockScaling(), fp8core.Float8BlockScaling()],
+                         ids=["mxfp8", "block"])
+def test_record_numerics_refuses_a_block_recipe_a_te_linear_takes_at_its_first_call(recipe):
+    """AttributeError: 'MXFP8BlockScaling' object has no attribute 'margin' in the training step."""
+    layer = te.Linear(128, 128)
+    with record_numerics(layer) as rec:
+        with pytest.raises(TypeError, match=f"recipe: the model runs under {type(recipe).__name__} \\(from its "
+                                            "autocast\\); record_numerics measures per-tensor recipes"):
+            with te.autocast(recipe=recipe):
+                layer(torch.randn(16, 128))
+    assert rec.rows == []
+
+
+def test_print_record_shows_whole_layer_names():
+    """print(record) cut names to their last 14-20 characters: layers 0 and 1 printed alike."""
+    stats = {"sqnr_db": 30.0, "underflow": 0.0, "clipped": 0.0, "at_max": 0.0, "max_rel_error": 0.1, "lost": 0.0}
+    rows = [{"module": f"model.layers.{i}.self_attn.q_proj", "operand": "input", "step": 0,
+             "recipe": "DelayedScaling", "format": "E4M3", "amax": 1.0, "scale": 2.0, "scale_inv": 0.5, **stats,
+             "recipes": {"e4m3": dict(stats)}, "winner": "DelayedScaling"} for i in range(2)]
+    text = str(NumericsRecord(rows))
+    lines = text.splitlines()
+    for i in range(2):
+        name = f"model.layers.{i}.self_attn.q_proj"
+        assert sum(line.split()[0] == name for line in lines if line.strip()) == 2, text  # both tables

@@ -144,7 +144,10 @@ def test_two_records_are_keyed_by_file_and_plotted_at_the_given_path(tmp_path, c
     assert code == 0, err
     assert list(strict_json(out)["tensors"]) == [f"{a}:l.input", f"{a}:<model>.grad_output", f"{b}:l.input"]
     width = struct.unpack(">I", (tmp_path / "chart.png").read_bytes()[16:20])[0]  # the PNG's IHDR
-    assert width == 12 * 90  # two panels, SQNR and underflow: 12 inches at 90 dpi (one panel is 9)
+    # two panels, SQNR and underflow: 12 inches at 90 dpi (one panel is 9), and the names' column beyond the
+    # margin that takes ~40 characters: these names are whole, a path's length each
+    names = max(len(f"{a}:<model>.grad_output"), len(f"{b}:l.input"))
+    assert width == int(90 * (12 + 0.6 * 7 / 72 * names - 2.5))
     assert not (tmp_path / "chart.recipes.png").exists()
 
 

@@ -102,6 +102,24 @@ def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 _KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
+RECORDERS = "_fp8_recorders"  # in a recorded layer's __dict__: record_numerics' recorders (numerics.py)
+
+
+def _record_eagerly(module: "Float8Linear", x: torch.Tensor, y: Optional[torch.Tensor]) -> None:
+    """Hand a recorded layer's fp8 forward (its input, and its output, None before a block-scaled one) to the
+    record_numerics contexts open on it."""
+    for recorder in list(module.__dict__.get(RECORDERS, ())):
+        recorder(module, x, y)
+
+
+# Outside the graph: the recorder measures on the host, eagerly, under torch.compile too. What fullgraph=True
+# says when it meets it:
+_RECORDING = ("fp8core.torch.record_numerics measures a layer's casts on the host, outside the graph: compile "
+              "without fullgraph=True to record, or record the eager model")
+try:
+    _record = torch.compiler.disable(_record_eagerly, reason=_RECORDING)
+except TypeError:  # torch before 2.8 takes no reason
+    _record = torch.compiler.disable(_record_eagerly)
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -127,6 +145,10 @@ class Float8Linear(torch.nn.Linear):
     never given to convert_to_float8 is not marked (fp8core installs no process-wide hook): a load from it writes
     the entries it visits before the first of them, its own included, before it refuses the checkpoint.
     """
+
+    # Whether a record_numerics context records this layer: a plain bool, which torch.compile guards on (so a
+    # model compiled before the context recompiles with the recording and after it without).
+    _fp8_recording = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None,
@@ -220,6 +242,8 @@ class Float8Linear(torch.nn.Linear):
         if x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         if isinstance(self.recipe, BLOCK_RECIPES):
+            if self._fp8_recording:  # refused by name before the cast
+                _record(self, x, None)
             return BlockMatmul.apply(x, self.weight, self.bias, block_spec(self.recipe))
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
@@ -231,7 +255,10 @@ class Float8Linear(torch.nn.Linear):
                 self._fp8_follow(self.weight.device)
             state, current = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv), None
             ctx.ran[self._fp8_group] = None
-        return _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current)
+        y = _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current)
+        if self._fp8_recording:
+            _record(self, x, y)
+        return y
 
     def _fp8_follow(self, device: torch.device) -> None:
         """The state to the weight's device (FSDP2's fully_shard moves parameters and buffers only)."""
@@ -267,6 +294,10 @@ class Float8Linear(torch.nn.Linear):
                 t = getattr(self, name)
                 destination[prefix + key] = t if keep_vars else t.detach()
             destination[prefix + "fp8_steps"] = self.fp8_steps
+
+    def _fp8_history_len(self, state_dict: Any, prefix: str) -> int:
+        """The amax history length this module's fp8 entries in ``state_dict`` must have to load: the recipe's."""
+        return self.recipe.amax_history_len
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -328,14 +359,14 @@ def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Option
         missing = [k for k, p in zip(keys, present) if not p]
         raise KeyError(f"state_dict: missing {', '.join(missing)} (it has the other fp8 entries of "
                        f"{prefix[:-1] or 'the module'})")
-    steps = check_state_values(*(state_dict[k] for k in keys), SLOTS, module.recipe.amax_history_len,
+    steps = check_state_values(*(state_dict[k] for k in keys), SLOTS, module._fp8_history_len(state_dict, prefix),
                                prefix=prefix + "fp8_")
     return state_dict[keys[0]], state_dict[keys[1]], state_dict[keys[2]], steps
 
 
 def _fp8_entry_errors(module: Float8Linear, state_dict: Any, prefix: str) -> list[str]:
     """What is wrong with each fp8 entry of ``state_dict``, each checked beside the initial state's others."""
-    L = module.recipe.amax_history_len
+    L = module._fp8_history_len(state_dict, prefix)
     good = [*initial_state(L, "cpu"), 0]
     errors = []
     for i, key in enumerate(_KEYS):

@@ -1,13 +1,15 @@
 """``record_numerics``: what the fp8 casts of a model's Float8Linear layers do to their operands, measured
 during real forward and backward passes.
 
-Recording is hooks, installed on entry to the context and removed on exit: a forward outside it reaches
-nothing of the recorder (the backward of a forward recorded inside still records). A forward hook, first among
-the layer's, measures the input and weight a layer just cast (delayed scaling: with the scale the
-layer's state held, which a forward does not change; current scaling: with the scale the cast computed, by the
-same op from the same amax) and, when the output takes part in a backward, puts a hook on the output's gradient,
-which is the grad_output the layer's backward casts next. The hooks read; they return nothing, so nothing they
-do reaches the results. The statistics are :mod:`fp8core.numerics_stats`'s (``fp8core inspect --recipes``'s),
+Recording is a flag on each recorded layer, set on entry to the context and cleared on exit: a forward outside
+it reaches nothing of the recorder (the backward of a forward recorded inside still records). At the end of its
+fp8 forward, before any forward hook, a flagged layer hands its input and output to the recorder, which measures
+the input and weight the layer just cast (delayed scaling: with the scale the layer's state held, which a forward
+does not change; current scaling: with the scale the cast computed, by the same op from the same amax) and, when
+the output takes part in a backward, puts a hook on the output's gradient, which is the grad_output the layer's
+backward casts next. The flag is a plain bool that torch.compile guards on, and the hand-over runs outside the
+graph (a graph break): a model compiled before the context, or inside it, records the rows of its eager twin.
+The recorder and the gradient hooks read; they return nothing, so nothing they do reaches the results. The statistics are :mod:`fp8core.numerics_stats`'s (``fp8core inspect --recipes``'s),
 computed on the host: each measured operand is copied there (on CUDA that synchronises; it is a study tool).
 With ``recipes=``, each operand is also quantized in those recipes (:mod:`fp8core.numerics_recipes`, as
 ``fp8core inspect --recipes`` does), from the same high-precision values: what the layer would see in each.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -25,13 +28,14 @@ import torch
 
 import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling, Format
-from fp8core.numerics_record import OPERANDS, contender_names, contenders, from_json, per_cast, per_operand
+from fp8core.numerics_record import MAX_BYTES, OPERANDS, contender_names, contenders, per_cast, per_operand, read
 from fp8core.numerics_recipes import select
 from fp8core.numerics_stats import Recipe, measure, strict_json, winner
+from fp8core.text import printable
 
 from . import ops
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight
-from .linear import Float8Linear
+from .linear import RECORDERS, Float8Linear
 from .scaling import current_context
 
 __all__ = ["NumericsRecord", "record_numerics"]
@@ -64,17 +68,11 @@ class NumericsRecord:
         return target
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "NumericsRecord":
-        """A record :meth:`save` wrote. ValueError naming the file when it holds no record."""
-        try:
-            rows = from_json(json.loads(Path(path).read_text(encoding="utf-8")))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e})") from None
-        except RecursionError:  # json's decoder recurses per level of nesting
-            raise ValueError(f"{path}: JSON nested too deeply to be a record (a list of flat rows)") from None
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        return cls(rows)
+    def load(cls, path: Union[str, Path], max_bytes: int = MAX_BYTES) -> "NumericsRecord":
+        """A record :meth:`save` wrote (:func:`fp8core.numerics_record.read`: a regular file of at most
+        ``max_bytes`` bytes, checked as ``fp8core inspect`` checks it). ValueError naming the file when it holds no
+        record; FileNotFoundError when there is none."""
+        return cls(read(path, max_bytes))
 
     def recipes(self) -> list[str]:
         """Every recipe of the rows: the recorded layers' own, in the order they first cast, then the compared
@@ -119,22 +117,30 @@ class NumericsRecord:
         return len(self.rows)
 
     def __str__(self) -> str:
-        lines = [f"{'layer':<20} {'operand':<11} {'fmt':<4} {'steps':>5} {'SQNR dB min':>11} {'max':>7} "
+        summary = self.summary()
+        # every name whole (model.layers.0.self_attn.q_proj and layer 1's differ at the front), escaped: a loaded
+        # record's names come from its file
+        names = [printable(s["module"] or "<model>") for s in summary]
+        width = max([5, *map(len, names)])
+        lines = [f"{'layer':<{width}} {'operand':<11} {'fmt':<4} {'steps':>5} {'SQNR dB min':>11} {'max':>7} "
                  f"{'underflow':>9} {'clipped':>8} {'at max':>8} {'amax':>9} {'scale':>9}"]
-        for s in self.summary():
-            lines.append(f"{(s['module'] or '<model>')[-20:]:<20} {s['operand']:<11} {s['format']:<4} "
+        for name, s in zip(names, summary):
+            lines.append(f"{name:<{width}} {s['operand']:<11} {s['format']:<4} "
                          f"{s['steps']:>5} {_cell(s['sqnr_db_min'], 11)} {_cell(s['sqnr_db_max'], 7)} "
                          f"{s['underflow_max']:>9.2%} {s['clipped_max']:>8.2%} {s['at_max_max']:>8.2%} "
                          f"{s['amax_last']:>9.3g} {s['scale_last']:>9.3g}")
         lines.append("(worst over the steps: least SQNR, most underflow/clipped/at max; amax and scale of the last)")
         compared = [n for n in self.recipes() if n not in {r["recipe"] for r in self.rows}]
         if compared:
+            entries = list(per_operand(self.rows).values())
+            width = max([5, *(len(printable(e["module"] or "<model>")) for e in entries)])
             lines += ["", "least SQNR dB over the steps in each recipe (cast: the layer's own), * the best:"]
-            lines.append(f"{'layer':<14} {'operand':<11}{'cast':>7} " + "".join(f"{n:>{max(7, len(n))}} "
-                                                                          for n in compared).rstrip())
-            for e in per_operand(self.rows).values():
-                cells = [_best(e, e["recipe"], 7)] + [_best(e, n, max(7, len(n))) for n in compared]
-                lines.append(f"{(e['module'] or '<model>')[-14:]:<14} {e['operand']:<11}" + "".join(cells).rstrip())
+            lines.append(f"{'layer':<{width}} {'operand':<11}{'cast':>7} " + "".join(
+                f"{printable(n):>{max(7, len(printable(n)))}} " for n in compared).rstrip())
+            for e in entries:
+                cells = [_best(e, e["recipe"], 7)] + [_best(e, n, max(7, len(printable(n)))) for n in compared]
+                lines.append(f"{printable(e['module'] or '<model>'):<{width}} {e['operand']:<11}"
+                             + "".join(cells).rstrip())
         return "\n".join(lines)
 
 
@@ -151,27 +157,34 @@ def _best(entry: dict[str, Any], name: str, width: int) -> str:
 
 def _given_scale(fmt: Format, scale: np.ndarray, scale_inv: np.ndarray) -> Recipe:
     """The per-tensor cast with a scale already chosen, as :func:`fp8core.numerics_stats.measure` takes it."""
-    def rows(q: np.ndarray, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
-        return q[r0:r1], fp8core.dequantize(q[r0:r1], scale_inv)
+    def part(q: np.ndarray, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        piece = np.ascontiguousarray(q[r0:r1, c0:c1])
+        return piece, fp8core.dequantize(piece, scale_inv)
 
     return Recipe("given", f"Format.{fmt.name}, one given scale", fmt, lambda x: fp8core.quantize(x, scale, fmt),
-                  rows)
+                  part)
 
 
 class _Recorder:
-    """The hooks of one :func:`record_numerics` context, and the rows they write to."""
+    """What one :func:`record_numerics` context records, and the rows it writes to. Called by each recorded
+    layer at the end of its fp8 forward (linear.py's ``_record``), on whichever thread ran it."""
 
     def __init__(self, record: NumericsRecord, names: dict[Float8Linear, str], compare: list[Recipe]) -> None:
         self.record, self.names, self.compare = record, names, compare
         self.steps: dict[str, int] = {}
+        self.lock = threading.Lock()  # layers run on several threads at once: one step each, one row list
 
-    def forward_hook(self, module: Float8Linear, args: tuple, kwargs: dict, output: Any) -> None:
-        x = args[0] if args else kwargs.get("x")  # Float8Linear.forward(x)
-        if current_context() is None or not isinstance(x, torch.Tensor) or x.numel() == 0:
-            return  # high precision (outside autocast), or nothing cast
+    def __call__(self, module: Float8Linear, x: torch.Tensor, output: Optional[torch.Tensor]) -> None:
         name = self.names[module]
-        step = self.steps.get(name, 0)
-        self.steps[name] = step + 1
+        if not isinstance(module.recipe, (DelayedScaling, Float8CurrentScaling)):  # a te.Linear's from autocast
+            raise TypeError(f"recipe: {name or 'the model'} runs under {type(module.recipe).__name__} (from its "
+                            "autocast); record_numerics measures per-tensor recipes (DelayedScaling, "
+                            "Float8CurrentScaling), not block scaling")
+        if current_context() is None or x.numel() == 0:
+            return  # high precision (outside autocast), or nothing cast
+        with self.lock:
+            step = self.steps.get(name, 0)
+            self.steps[name] = step + 1
         fmt = module.recipe.fp8_format
         delayed = isinstance(module.recipe, DelayedScaling)
         state = (module.fp8_scale, module.fp8_scale_inv) if delayed else (None, None)
@@ -207,7 +220,8 @@ class _Recorder:
         if self.compare:
             row["recipes"] = {r.name: measure(x, r) for r in self.compare}
             row["winner"] = winner(contenders(row))
-        self.record.rows.append(row)
+        with self.lock:
+            self.record.rows.append(row)
 
 
 @contextlib.contextmanager
@@ -226,7 +240,11 @@ def record_numerics(model: torch.nn.Module,
 
     Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`); under ``torch.no_grad`` only
     the forward rows. The backward of a forward recorded here is recorded wherever it runs. Off by default and
-    free when off: no hook outside the context. The results are the same bits with or without it.
+    free when off: outside the context a layer's flag is False and nothing runs. The results are the same bits
+    with or without it. A model compiled with torch.compile before the context, or inside it, records its eager
+    twin's rows (the flag is guarded, and the hand-over to the recorder is a graph break); layers running on
+    several threads count their steps under one lock. A layer that runs under a block recipe (a te.Linear takes
+    its recipe from its first autocast) is refused by name at that call, before its cast.
     ``model``: a torch.nn.Module holding Float8Linear layers of a per-tensor recipe (DelayedScaling or
     Float8CurrentScaling).
     """
@@ -245,12 +263,16 @@ def record_numerics(model: torch.nn.Module,
         raise ValueError(f"model: no Float8Linear in this {type(model).__name__} (convert_to_float8 it first)")
     record = NumericsRecord()
     recorder = _Recorder(record, names, compare)
-    # first among the forward hooks: the output a hook of the caller's may replace is not the one the layer's
-    # backward takes its gradient for
-    handles = [m.register_forward_hook(recorder.forward_hook, prepend=True, with_kwargs=True) for m in names]
+    for m in names:  # recorders of the contexts open on the layer: a list, as they nest
+        m.__dict__.setdefault(RECORDERS, []).append(recorder)
+        m._fp8_recording = True
     try:
         yield record
     finally:
-        for h in handles:
-            h.remove()
-
+        for m in names:
+            mine = m.__dict__.get(RECORDERS, [])
+            if recorder in mine:
+                mine.remove(recorder)
+            if not mine:
+                m.__dict__.pop(RECORDERS, None)
+                m._fp8_recording = False

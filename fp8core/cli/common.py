@@ -8,6 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fp8core.text import printable
+
+__all__ = ["TABLE_WIDTH", "CliError", "cell", "installed_version", "label", "plot_target", "printable",
+           "progress", "status"]
+
 TABLE_WIDTH = 100  # columns of every table the commands print
 
 
@@ -50,10 +55,10 @@ def installed_version(module: str) -> str | None:
     return getattr(mod, "__version__", "installed")
 
 
-def printable(text: str) -> str:
-    """``text`` with every non-printable character (terminal escapes, carriage returns, bidi overrides) written
-    as its Python escape: names come from the files, and a terminal would act on them."""
-    return text if text.isprintable() else "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+def label(text: str) -> str:
+    """``text`` as a matplotlib label draws it: :func:`printable` (no font draws control characters), and ``$``
+    escaped (mathtext would read a name between two as a formula, and fail on most)."""
+    return printable(text).replace("$", r"\$")
 
 
 def cell(v: Any, spec: str, width: int) -> str:

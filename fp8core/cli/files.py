@@ -12,6 +12,7 @@ import pickle
 import re
 import sys
 import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -158,6 +159,12 @@ def _read_npz(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
         for info in members:
             if not info.filename.endswith(".npy"):
                 raise CliError(f"{p}: member {info.filename} is not a .npy array")
+        # A zip may hold two entries of one name (NumPy's np.load would give the last): which is the tensor?
+        twice = sorted(n for n, k in Counter(info.filename for info in members).items() if k > 1)
+        if twice:
+            raise CliError(f"{p}: member name(s) {', '.join(twice)} appear more than once (a zip may hold two entries "
+                           "of one name; which one is the tensor is not the reader's to guess): not an .npz that "
+                           "np.savez writes")
         # Every member's declared size before any is read: a cap per member lets many members add up.
         total = sum(info.file_size for info in members)
         if total > max_bytes:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import re
 import textwrap
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,7 +21,7 @@ from fp8core.formats import ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES
 from fp8core.numerics_stats import strict_json
 from fp8core.selftest.gpu import one_line
 
-from .common import TABLE_WIDTH, CliError, cell, plot_target, printable, progress, status
+from .common import TABLE_WIDTH, CliError, cell, label, plot_target, printable, progress, status
 from .compare import plot_recipes, recipe_head, recipe_lines, recipe_notes, summary_lines
 from .files import iter_tensors
 from .record import SUFFIX as RECORD_SUFFIX
@@ -27,6 +29,13 @@ from .record import inspect_records
 from .recipes import BLOCK_RULE, Recipe, measure, parse_recipes, summary, winner
 
 _CHUNK = 1 << 20  # elements per step of the statistics
+# fp8core's own scaling state as its front-ends write it into checkpoints: the state_dict entries of a torch
+# Float8Linear (fp8core.torch's te.Linear too), and fp8core.jax's collection (flax's, which its layers share).
+# Not model tensors: listed apart, never measured, in no summary or chart.
+FP8_STATE_KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
+FP8_STATE_COLLECTION = "_overwrite_with_gradient"
+FP8_STATE = ("fp8core's delayed-scaling state (a Float8Linear's fp8_amax_history, fp8_scale, fp8_scale_inv, "
+             "fp8_steps; fp8core.jax's _overwrite_with_gradient collection): not a model tensor, not measured")
 RAW_FP8 = {f.value: f.dtype_name for f in ENCODINGS}  # --raw-fp8: what 1-byte raw data is read as
 _HIST_BINS = np.linspace(-152.0, 130.0, 565)  # log2|x| of every finite fp32/fp64-in-fp32-range value, 0.5 wide
 
@@ -162,6 +171,12 @@ def tensor_stats(x: np.ndarray, raw_fp8: str = "e4m3", hist: np.ndarray | None =
     return row
 
 
+def is_fp8_state(name: str) -> bool:
+    """Whether a checkpoint's tensor ``name`` is fp8core's scaling state (see :data:`FP8_STATE_KEYS`)."""
+    parts = re.split(r"[./]", name)
+    return parts[-1] in FP8_STATE_KEYS or FP8_STATE_COLLECTION in parts
+
+
 def _strip_scale(row: dict, fmt: Format) -> float | None:
     """The scale a format's range strip is drawn at: the format's own row, or under --recipes its current-scaling
     recipe's (None where that recipe was not asked for)."""
@@ -201,9 +216,7 @@ def _plot(stats: dict[str, tuple[np.ndarray, dict]], out: str) -> Path:
             ax.axvspan(*edges, ymin=y0, ymax=y1, color=color, label=f"{fmt.name} range (scale {s:.4g})")
             for edge in edges:
                 ax.axvline(edge, ymax=y1, color=color, linestyle="--", linewidth=0.8)
-        # mathtext would read "$" in a name: escape it, and control characters, which no font draws
-        title = printable(f"{name}  {row['dtype']} {tuple(row['shape'])}  amax {row['amax']:.4g}")
-        ax.set_title(title.replace("$", r"\$"), fontsize=9)
+        ax.set_title(label(f"{name}  {row['dtype']} {tuple(row['shape'])}  amax {row['amax']:.4g}"), fontsize=9)
         ax.set_xlabel("log2 |x|")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the plot: covers no bar
     fig.tight_layout()
@@ -227,15 +240,30 @@ def _table(rows: dict[str, dict], recipes: bool = False) -> Iterator[str]:
     yield "tensor  shape  dtype  amax"
     yield head
     yield "-" * len(head)
+    state = [key for key, r in rows.items() if "fp8_state" in r]
+    yield from _tensor_lines({k: r for k, r in rows.items() if "fp8_state" not in r}, recipes)
+    if state:
+        yield ""
+        yield from textwrap.wrap(f"{len(state)} tensor(s) of {FP8_STATE}:", TABLE_WIDTH)
+        for key in state:
+            yield from _named(printable(key), f"  {tuple(rows[key]['shape'])} {rows[key]['dtype']}")
+
+
+def _named(name: str, rest: str) -> Iterator[str]:
+    """A tensor's line: its name whole, on lines of its own where it is long (any part of it may be what tells
+    tensors apart), then ``rest``."""
+    if len(name) + len(rest) <= TABLE_WIDTH:
+        yield name + rest
+    else:
+        yield from (name[i:i + TABLE_WIDTH] for i in range(0, len(name), TABLE_WIDTH))
+        yield _fit(rest)
+
+
+def _tensor_lines(rows: dict[str, dict], recipes: bool) -> Iterator[str]:
     for key, r in rows.items():
         shape = str(tuple(r["shape"]))
         rest = f"  {shape} {r['dtype']}  " + (f"skipped: {r['skipped']}" if "skipped" in r else f"amax {r['amax']:.4g}")
-        name = printable(key)
-        if len(name) + len(rest) <= TABLE_WIDTH:
-            yield name + rest
-        else:  # a long name whole, on lines of its own: any part of it may be what tells tensors apart
-            yield from (name[i:i + TABLE_WIDTH] for i in range(0, len(name), TABLE_WIDTH))
-            yield _fit(rest)
+        yield from _named(printable(key), rest)
         if "skipped" in r:
             continue
         notes = [r["note"]] if "note" in r else []
@@ -293,7 +321,13 @@ def _inspect(args: argparse.Namespace) -> None:
         try:
             for name, x in iter_tensors(path, args.max_bytes):
                 key = f"{path}:{name}" if len(files) > 1 else name
+                if key in rows:  # one name twice (a .pt's "a.b" and "a": {"b"}, a file named twice): both shown
+                    key = next(f"{key}#{n}" for n in itertools.count(2) if f"{key}#{n}" not in rows)
                 status(f"file {i + 1}/{len(files)}, tensor {count + 1}: {key} {tuple(x.shape)}")
+                count += 1
+                if is_fp8_state(name):
+                    rows[key] = {"shape": list(x.shape), "dtype": str(x.dtype), "fp8_state": FP8_STATE}
+                    continue
                 hist = np.zeros(len(_HIST_BINS) - 1, np.int64) if args.plot else None
                 formats = () if recipes else tuple(ENCODINGS)
                 rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale, formats)
@@ -301,7 +335,6 @@ def _inspect(args: argparse.Namespace) -> None:
                     _with_recipes(rows[key], x, args.raw_fp8, recipes)
                 if hist is not None and "skipped" not in rows[key]:
                     hists[key] = hist
-                count += 1
                 del x  # one tensor at a time
         except CliError:
             raise
@@ -317,7 +350,9 @@ def _inspect(args: argparse.Namespace) -> None:
     if args.json:  # json escapes control characters itself: strict JSON, names intact
         out: Any = rows
         if recipes:
-            out = {"recipes": {r.name: r.what for r in recipes}, "padded": BLOCK_RULE, "tensors": rows,
+            out = {"recipes": {r.name: r.what for r in recipes}, "padded": BLOCK_RULE,
+                   "tensors": {k: r for k, r in rows.items() if "fp8_state" not in r},
+                   "fp8_state": {k: r for k, r in rows.items() if "fp8_state" in r},
                    "summary": summary([r["recipes"] for r in measured.values()], names)}
         print(json.dumps(strict_json(out), indent=1, allow_nan=False))
         return

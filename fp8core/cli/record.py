@@ -5,14 +5,14 @@ recording), the winner starred, how often each recipe serves an operand within 1
 
 from __future__ import annotations
 
+import itertools
 import json
 import textwrap
-from pathlib import Path
 from typing import Any, Iterator
 
 from fp8core.extras import install_hint
 from fp8core.numerics_recipes import BLOCK_RULE, RECIPES
-from fp8core.numerics_record import from_json, per_operand
+from fp8core.numerics_record import per_operand, read
 from fp8core.numerics_stats import strict_json, summary
 
 from .common import TABLE_WIDTH, CliError, cell, printable
@@ -25,32 +25,19 @@ AGGREGATE = ("per layer and operand, each recipe's worst over the steps: least S
 
 
 def read_record(path: str, max_bytes: int) -> list[dict[str, Any]]:
-    """The checked rows of a saved record. CliError naming the file and what a record is."""
-    p = Path(path)
-    if not p.is_file():
-        raise CliError(f"{path}: no such file" if not p.exists() else f"{path}: not a file")
-    if p.stat().st_size > max_bytes:
-        raise CliError(f"{path}: {p.stat().st_size} bytes, more than --max-bytes {max_bytes} for a record")
+    """The checked rows of a saved record (:func:`fp8core.numerics_record.read`, NumericsRecord.load's reader).
+    CliError naming the file and what a record is."""
     try:
-        data = json.loads(p.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CliError(f"{path}: not JSON ({e}); expected a record of fp8core.torch.record_numerics "
-                       "(rec.save(path))") from None
-    except RecursionError:  # json's decoder recurses per level of nesting
-        raise CliError(f"{path}: JSON nested too deeply to be a record of fp8core.torch.record_numerics "
-                       "(rec.save(path): a list of flat rows)") from None
-    try:
-        return from_json(data)
-    except ValueError as e:
-        raise CliError(f"{path}: {e}") from None
+        return read(path, max_bytes)
+    except (OSError, ValueError) as e:
+        raise CliError(str(e)) from None
 
 
-def _what(name: str, rows: list[dict[str, Any]]) -> str:
+def _what(name: str) -> str:
+    """A contender's description: a compared recipe's, or (every other name a record may hold) a layer's own."""
     if name in RECIPES:
         return RECIPES[name].what
-    if any(r["recipe"] == name for r in rows):
-        return f"the layer's own cast ({name}, the scale it used)"
-    return "as recorded"
+    return f"the layer's own cast ({name}, the scale it used)"
 
 
 def _lines(entries: dict[str, dict[str, Any]]) -> Iterator[str]:
@@ -60,7 +47,7 @@ def _lines(entries: dict[str, dict[str, Any]]) -> Iterator[str]:
     yield head
     yield "-" * min(len(head), TABLE_WIDTH)
     for key, e in entries.items():
-        yield (f"{printable(key)}  {e['recipe']} {e['format']}  {e['steps']} step(s)  amax "
+        yield (f"{printable(key)}  {printable(e['recipe'])} {printable(e['format'])}  {e['steps']} step(s)  amax "
                f"{cell(e['amax_min'], '.4g', 0)}..{cell(e['amax_max'], '.4g', 0)}")
         yield from recipe_lines(e)
         for note in recipe_notes(e):
@@ -70,12 +57,13 @@ def _lines(entries: dict[str, dict[str, Any]]) -> Iterator[str]:
 def inspect_records(files: list[str], as_json: bool, plot: str | None, max_bytes: int) -> None:
     """Print (or write as JSON, or plot) the records in ``files``; several are keyed ``path:layer.operand``."""
     entries: dict[str, dict[str, Any]] = {}
-    rows_all: list[dict[str, Any]] = []
     for path in files:
         rows = read_record(path, max_bytes)
-        rows_all += rows
         for key, e in per_operand(rows).items():
-            entries[f"{path}:{key}" if len(files) > 1 else key] = e
+            key = f"{path}:{key}" if len(files) > 1 else key
+            if key in entries:  # one record named twice: both shown
+                key = next(f"{key}#{n}" for n in itertools.count(2) if f"{key}#{n}" not in entries)
+            entries[key] = e
     names = list(dict.fromkeys(n for e in entries.values() for n in e["recipes"]))
     for e in entries.values():  # every record's names in each entry, in one order (several records)
         e["recipes"] = {n: e["recipes"].get(n, {"n/a": "not in this record"}) for n in names}
@@ -92,7 +80,7 @@ def inspect_records(files: list[str], as_json: bool, plot: str | None, max_bytes
         chart = plot_recipes(entries, names, plot, beside=False,
                              title=f"worst over the steps (up to {steps}) per layer and operand", underflow=True)
     if as_json:
-        out = {"recipes": {n: _what(n, rows_all) for n in names}, "aggregate": AGGREGATE, "padded": BLOCK_RULE,
+        out = {"recipes": {n: _what(n) for n in names}, "aggregate": AGGREGATE, "padded": BLOCK_RULE,
                "tensors": entries, "summary": over}
         print(json.dumps(strict_json(out), indent=1, allow_nan=False))
         return

@@ -24,6 +24,7 @@ from fp8core import DelayedScaling
 
 from .linear import Float8Linear
 from .scaling import STATE, current_context
+from .te_support import keep_weight_in_fp8, model_init_context
 
 __all__ = ["Linear"]
 
@@ -68,6 +69,9 @@ class Linear(Float8Linear):
                 init_method(self.weight)
                 if self.bias is not None:
                     self.bias.zero_()
+        init = model_init_context()
+        if init is not None:  # inside te.fp8_model_init: the weight kept in fp8 only
+            keep_weight_in_fp8(self, init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_context()

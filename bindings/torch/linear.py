@@ -242,7 +242,7 @@ class Float8Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_context()
-        if ctx is None and (self.autocast_only or autocast_disabled()):
+        if not self.runs_in_fp8():
             calibrating = calibrating_context()
             if calibrating is not None and self._fp8_group is not None and x.numel():
                 self._calibrate(x, calibrating)
@@ -309,6 +309,13 @@ class Float8Linear(torch.nn.Linear):
         torch.maximum(row[0:1], ops.amax(x.reshape(-1, x.shape[-1])), out=row[0:1])
         torch.maximum(row[1:2], ops.amax(self.weight), out=row[1:2])
         ctx.ran[self._fp8_group] = None
+
+    def runs_in_fp8(self) -> bool:
+        """Whether a forward now runs in fp8: inside an enabled :func:`autocast`, or outside any autocast for a
+        layer made with ``autocast_only=False`` (convert_to_float8's)."""
+        if current_context() is not None:
+            return True
+        return not self.autocast_only and not autocast_disabled()
 
     def _fp8_follow(self, device: torch.device) -> None:
         """The state to the weight's device (FSDP2's fully_shard moves parameters and buffers only)."""

@@ -32,7 +32,6 @@ from fp8core.numerics_stats import Recipe, measure, strict_json, winner
 from . import ops
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from .linear import Float8Linear
-from .scaling import current_context
 
 __all__ = ["NumericsRecord", "record_numerics"]
 
@@ -167,8 +166,8 @@ class _Recorder:
 
     def forward_hook(self, module: Float8Linear, args: tuple, kwargs: dict, output: Any) -> None:
         x = args[0] if args else kwargs.get("x")  # Float8Linear.forward(x)
-        if current_context() is None or not isinstance(x, torch.Tensor) or x.numel() == 0:
-            return  # high precision (outside autocast), or nothing cast
+        if not module.runs_in_fp8() or not isinstance(x, torch.Tensor) or x.numel() == 0:
+            return  # high precision (outside autocast, for te.Linear), or nothing cast
         name = self.names[module]
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1
@@ -224,7 +223,8 @@ def record_numerics(model: torch.nn.Module,
     along the operand's last dimension) and name the ``winner`` per row; None (the default): the layers' casts
     only. :meth:`NumericsRecord.save` writes the record that ``fp8core inspect record.json`` prints and plots.
 
-    Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`); under ``torch.no_grad`` only
+    Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`, and outside it for the layers
+    convert_to_float8 made); under ``torch.no_grad`` only
     the forward rows. The backward of a forward recorded here is recorded wherever it runs. Off by default and
     free when off: no hook outside the context. The results are the same bits with or without it.
     ``model``: a torch.nn.Module holding Float8Linear layers of a per-tensor recipe (DelayedScaling or

@@ -161,6 +161,30 @@ def test_a_float8_linear_made_directly_keeps_transformer_engines_rule_unless_tol
         Float8Linear(32, 16, autocast_only=1)
 
 
+@pytest.mark.parametrize("recipe,fullgraph", [(fp8core.Float8CurrentScaling(), True), (DELAYED, False)],
+                         ids=["current_fullgraph", "delayed_graph_break"])
+def test_without_autocast_a_compiled_model_equals_eager(recipe, fullgraph):
+    """Current scaling has no step boundary: fullgraph compiles. Delayed scaling's boundary is Python (a graph
+    break; fullgraph=True refuses it, so such a model runs its steps inside autocast): the same bits as eager."""
+    eager = convert_to_float8(mlp(), recipe)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=fullgraph, backend="aot_eager")
+    oe, oc = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, twin))
+    for step in micro_batches(3, 1):
+        ye, yc = eager(step[0]), compiled(step[0])
+        assert same(ye, yc)
+        ye.square().mean().backward()
+        yc.square().mean().backward()
+        for o in (oe, oc):
+            o.step()
+            o.zero_grad()
+    for a, b in zip(eager.parameters(), twin.parameters()):
+        assert same(a, b)
+    if isinstance(recipe, fp8core.DelayedScaling):
+        assert eager[0].fp8_steps.item() == twin[0].fp8_steps.item() == 2
+        assert same(eager[0].fp8_scale, twin[0].fp8_scale)
+
+
 # ---- transformers' Conv1D (GPT-2) -------------------------------------------------------------------------
 
 def hf():

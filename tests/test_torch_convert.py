@@ -213,6 +213,8 @@ def test_conv1d_is_bit_for_bit_a_float8_linear_of_the_transposed_weight(recipe):
             (yt * yt).sum().backward()
         assert same(y, yt)
         assert same(layer.weight.grad, twin.weight.grad.t()) and same(layer.bias.grad, twin.bias.grad)
+    with pytest.raises(TypeError, match="conv: expected transformers' Conv1D .*got GELU"):
+        Float8Conv1D.from_layer(torch.nn.GELU(), recipe)
     outside = Float8Conv1D.from_layer(conv, recipe)
     outside.autocast_only = True  # high precision: Conv1D's own addmm
     x = torch.randn(5, 64)
@@ -271,7 +273,8 @@ def test_gpt2_checkpoint_loads_in_transformers_and_resumes_bit_for_bit(tmp_path)
 
     plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")  # transformers reads it as GPT-2
     conv = plain.transformer.h[0].attn.c_attn
-    assert type(conv) is transformers.pytorch_utils.Conv1D and same(conv.weight, model.transformer.h[0].attn.c_attn.weight)
+    assert type(conv) is transformers.pytorch_utils.Conv1D
+    assert same(conv.weight, model.transformer.h[0].attn.c_attn.weight)
     resumed = convert_to_float8(plain, DELAYED)
     saved = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
     missing, unexpected = resumed.load_state_dict(saved, strict=False)

@@ -126,7 +126,8 @@ _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 class Float8Linear(torch.nn.Linear):
     """``nn.Linear`` with fp8 GEMMs forward and backward inside :func:`autocast`; outside it, exactly ``nn.Linear``
     (high precision, Transformer Engine's rule) by default, fp8 with ``autocast_only=False`` (torchao's usage;
-    what :func:`convert_to_float8` makes: see it for when delayed scaling then updates). ``in_features`` and ``out_features`` must be positive multiples of 16 (32 under
+    what :func:`convert_to_float8` makes: see it for when delayed scaling then updates).
+    ``in_features`` and ``out_features`` must be positive multiples of 16 (32 under
     MXFP8BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
     x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
@@ -399,7 +400,11 @@ class Float8Conv1D(Float8Linear):
     def from_layer(cls, conv: torch.nn.Module, recipe: Any = None, shared: SharedScaling | None = None
                    ) -> "Float8Conv1D":
         """The same parameters (shared, not copied) of transformers' Conv1D ``conv``."""
-        nx, nf = conv.weight.shape
+        weight = getattr(conv, "weight", None)
+        if not isinstance(conv, torch.nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise TypeError(f"conv: expected transformers' Conv1D (a module with a 2-D weight [nx, nf]), got "
+                            f"{type(conv).__name__}")
+        nx, nf = weight.shape
         new = cls._sharing(conv, nx, nf, recipe, shared, autocast_only=False)
         new.nx, new.nf = nx, nf
         return new

@@ -175,9 +175,25 @@ def test_under_no_grad_only_the_forward_rows():
 def test_outside_autocast_the_layers_run_in_high_precision_and_nothing_is_recorded():
     net = model(DELAYED)
     x, g = batches(1)[0]
-    with record_numerics(net) as rec:
+    with record_numerics(net) as rec, autocast(enabled=False):  # convert_to_float8's layers: fp8 but here
         (net(x) * g).sum().backward()
     assert rec.rows == []
+    te_rule = Float8Linear(32, 16, recipe=DELAYED)  # a Float8Linear made directly: fp8 inside autocast only
+    with record_numerics(te_rule) as rec:
+        (te_rule(x) * g).sum().backward()
+    assert rec.rows == []
+
+
+def test_a_converted_model_records_without_autocast():
+    """convert_to_float8's layers run in fp8 with no context (torchao's loop): recorded as they run."""
+    net = model(DELAYED)
+    x, g = batches(1)[0]
+    with record_numerics(net) as rec:
+        (net(x) * g).sum().backward()
+    assert [(r["module"], r["operand"]) for r in rec.rows] == [
+        ("body.0", "input"), ("body.0", "weight"), ("head", "input"), ("head", "weight"), ("head", "grad_output"),
+        ("body.0", "grad_output")]
+    assert rec.rows[0]["amax"] == x.abs().max().item()
 
 
 def test_closed_it_reaches_nothing(monkeypatch):

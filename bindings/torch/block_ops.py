@@ -16,6 +16,7 @@ from fp8core.args import block_rows
 from fp8core.blocks import BlockScaledTensor, MXTensor, block_layout, mx_layout
 
 from .fake_rules import gemm_shape, matrix, refuse_meta
+from .ops import follow_torch_threads
 
 Tensor = torch.Tensor
 _LIB = "fp8core"
@@ -34,6 +35,7 @@ def _fp8(x: Tensor, fmt: str) -> Tensor:
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_mxfp8", mutates_args=())
+@follow_torch_threads
 def _quantize_mxfp8(x: Tensor, fmt: str, scale_mode: str, columnwise: bool) -> tuple[Tensor, Tensor]:
     return tuple(core.quantize_mxfp8(x, fmt, scale_mode=scale_mode, columnwise=columnwise))
 
@@ -44,6 +46,7 @@ def _(x, fmt, scale_mode, columnwise):
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_mxfp8_both", mutates_args=())
+@follow_torch_threads
 def _quantize_mxfp8_both(x: Tensor, fmt: str, scale_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     row, col = core.quantize_mxfp8_both(x, fmt, scale_mode=scale_mode)
     return (*row, *col)
@@ -55,6 +58,7 @@ def _(x, fmt, scale_mode):
 
 
 @torch.library.custom_op(f"{_LIB}::dequantize_mxfp8", mutates_args=())
+@follow_torch_threads
 def _dequantize_mxfp8(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
     return core.dequantize_mxfp8(MXTensor(data, scale), out_dtype)
 
@@ -67,6 +71,7 @@ def _(data, scale, out_dtype):
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_blockwise", mutates_args=())
+@follow_torch_threads
 def _quantize_blockwise(x: Tensor, fmt: str, block: str, power_of_2: bool, epsilon: float) -> tuple[Tensor, Tensor]:
     return tuple(core.quantize_blockwise(x, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon))
 
@@ -79,6 +84,7 @@ def _(x, fmt, block, power_of_2, epsilon):
 
 
 @torch.library.custom_op(f"{_LIB}::dequantize_blockwise", mutates_args=())
+@follow_torch_threads
 def _dequantize_blockwise(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     return core.dequantize_blockwise(BlockScaledTensor(data, scale_inv), out_dtype)
 
@@ -91,6 +97,7 @@ def _(data, scale_inv, out_dtype):
 
 
 @torch.library.custom_op(f"{_LIB}::transpose_blocks", mutates_args=())
+@follow_torch_threads
 def _transpose_blocks(data: Tensor, scale: Tensor, mx: bool) -> tuple[Tensor, Tensor]:
     out = core.transpose_blocks((MXTensor if mx else BlockScaledTensor)(data, scale))
     # the transpose of a single row or column is the input itself; an op's outputs may not alias its inputs
@@ -106,6 +113,7 @@ def _(data, scale, mx):
 
 
 @torch.library.custom_op(f"{_LIB}::block_gemm", mutates_args=())
+@follow_torch_threads
 def _block_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, mx: bool,
                 out_dtype: torch.dtype) -> Tensor:
     kind = MXTensor if mx else BlockScaledTensor

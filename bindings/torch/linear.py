@@ -13,6 +13,7 @@ follow the same autocast rule; their GEMMs, and the transposes they need, are in
 
 from __future__ import annotations
 
+import logging
 import numbers
 import sys
 import warnings
@@ -22,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+import fp8core
 from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from fp8core.gemm import MULTIPLE
 from fp8core.scaling import check_state_values
@@ -29,9 +31,12 @@ from fp8core.scaling import check_state_values
 from . import ops
 from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
-from .scaling import SLOTS, STATE, SharedScaling, check_recipe, current_context, initial_state
+from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
+                      current_context, initial_state)
 
-__all__ = ["Float8Linear", "convert_to_float8", "enable_fsdp_float8_all_gather"]
+__all__ = ["Float8Linear", "Float8Conv1D", "convert_to_float8", "enable_fsdp_float8_all_gather"]
+
+logger = logging.getLogger("fp8core.torch")
 
 _BIAS_EPILOGUE = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}  # else added after the GEMM
 
@@ -66,17 +71,24 @@ class _Float8Matmul(torch.autograd.Function):
     pre-backward hook)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, hist, scale, scale_inv, fwd, bwd, current):
+    def forward(ctx, x, weight, bias, hist, scale, scale_inv, fwd, bwd, current, in_out=False, group=None,
+                w_scale_inv=None):
         state = None if hist is None else (hist, scale, scale_inv)
         x2, rows = _padded(x.reshape(-1, x.shape[-1]))
-        w_q, w_t, w_inv = _weight_cast(weight, fwd, state, current)
+        if w_scale_inv is not None:  # a weight kept in fp8 (te.fp8_model_init): its codes, cast once
+            w_q, w_t, w_inv = weight, ops.transpose(weight), w_scale_inv.clone()
+        else:
+            w_q, w_t, w_inv = _weight_cast(weight, fwd, state, current)
+        if in_out:  # a weight stored [in, out] (transformers' Conv1D): its cast's transpose is the [out, in] one
+            w_q, w_t = w_t, w_q
         x_q, x_t, x_inv = _cast(x2, fwd, state, 0, current)
         fused = bias is not None and _BIAS_EPILOGUE.get(x2.dtype) == bias.dtype
         y = ops.gemm(x_q, w_q, x_inv, w_inv, x2.dtype, bias if fused else None)
         if bias is not None and not fused:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
-        ctx.state, ctx.bwd, ctx.current, ctx.x_shape = state, bwd, current, x.shape
+        ctx.state, ctx.bwd, ctx.current, ctx.x_shape, ctx.in_out = state, bwd, current, x.shape, in_out
+        ctx.group = group  # outside autocast: told that a backward ran (SharedScaling.open_step)
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1]).detach()
 
@@ -86,12 +98,18 @@ class _Float8Matmul(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g2, rows = _padded(grad.reshape(-1, grad.shape[-1]))
         g_q, g_t, g_inv = _cast(g2, ctx.bwd, ctx.state, 2, ctx.current)
+        if ctx.group is not None:
+            ctx.group.backward_ran = True
         dx = ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype)[:rows].reshape(ctx.x_shape) if ctx.needs_input_grad[0] \
             else None
-        dw = ops.gemm(g_t, x_t, g_inv, x_inv, w_dtype) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.in_out and ctx.needs_input_grad[1]:  # [in, out]; the scales in the [out, in] GEMM's order: the
+            dw = ops.gemm(x_t, g_t, g_inv, x_inv, w_dtype)  # same roundings, so the transpose's bits
+        elif ctx.needs_input_grad[1]:
+            dw = ops.gemm(g_t, x_t, g_inv, x_inv, w_dtype)
         db = g2.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
         # db summed in float64: the same bits whatever order a compiler picks for the reduction
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -124,8 +142,10 @@ _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Float8Linear(torch.nn.Linear):
-    """``nn.Linear`` with fp8 GEMMs forward and backward inside :func:`autocast`; exactly ``nn.Linear``
-    (high precision) outside it. ``in_features`` and ``out_features`` must be positive multiples of 16 (32 under
+    """``nn.Linear`` with fp8 GEMMs forward and backward inside :func:`autocast`; outside it, exactly ``nn.Linear``
+    (high precision, Transformer Engine's rule) by default, fp8 with ``autocast_only=False`` (torchao's usage;
+    what :func:`convert_to_float8` makes: see it for when delayed scaling then updates).
+    ``in_features`` and ``out_features`` must be positive multiples of 16 (32 under
     MXFP8BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
     x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
@@ -153,10 +173,19 @@ class Float8Linear(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None,
                  recipe: DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling | None = None,
-                 shared: SharedScaling | None = None) -> None:
+                 shared: SharedScaling | None = None, autocast_only: bool = True) -> None:
         _check_features(in_features, out_features, check_recipe(recipe) if shared is None else shared.recipe)
+        if not isinstance(autocast_only, bool):
+            raise TypeError(f"autocast_only: expected a bool, got {type(autocast_only).__name__}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        if not autocast_only:
+            self.autocast_only = False
         self._setup(recipe, shared)
+
+    # Whether the layer runs in fp8 only inside autocast (Transformer Engine's rule: te.Linear, and a Float8Linear
+    # built directly), or wherever it runs (torchao's: what convert_to_float8 makes); see convert_to_float8.
+    autocast_only = True
+    in_out = False  # the weight stored [in, out] (Float8Conv1D)
 
     def _setup(self, recipe: Any, shared: SharedScaling | None) -> None:
         if shared is not None and recipe is not None and check_recipe(recipe) != shared.recipe:
@@ -170,17 +199,25 @@ class Float8Linear(torch.nn.Linear):
                 self.recipe.amax_history_len, self.weight.device)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None, shared: SharedScaling | None = None
-                    ) -> "Float8Linear":
-        """The same parameters (shared, not copied) in a Float8Linear."""
+    def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None, shared: SharedScaling | None = None,
+                    autocast_only: bool = True) -> "Float8Linear":
+        """The same parameters (shared, not copied) in a Float8Linear. ``autocast_only=False``: fp8 outside
+        autocast too (what :func:`convert_to_float8` makes)."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
-        _check_features(linear.in_features, linear.out_features,
-                        check_recipe(recipe) if shared is None else shared.recipe)
+        return cls._sharing(linear, linear.in_features, linear.out_features, recipe, shared, autocast_only)
+
+    @classmethod
+    def _sharing(cls, layer: torch.nn.Module, in_features: int, out_features: int, recipe: Any,
+                 shared: SharedScaling | None, autocast_only: bool) -> "Float8Linear":
+        _check_features(in_features, out_features, check_recipe(recipe) if shared is None else shared.recipe)
+        if not isinstance(autocast_only, bool):
+            raise TypeError(f"autocast_only: expected a bool, got {type(autocast_only).__name__}")
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
+        new.in_features, new.out_features = in_features, out_features
+        new.weight, new.bias = layer.weight, layer.bias
+        new.autocast_only = autocast_only
         new._setup(recipe, shared)
         return new
 
@@ -228,8 +265,11 @@ class Float8Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_context()
-        if ctx is None:
-            return F.linear(x, self.weight, self.bias)
+        if not self.runs_in_fp8():
+            calibrating = calibrating_context()
+            if calibrating is not None and self._fp8_group is not None and x.numel():
+                self._calibrate(x, calibrating)
+            return self._high_precision(x)
         if x.dtype not in _HIGH:
             raise TypeError(f"x: expected float32, bfloat16 or float16, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
@@ -240,11 +280,13 @@ class Float8Linear(torch.nn.Linear):
         # No check for CuPy here: torch.compile traces this Python, and a package lookup is not traceable on every
         # torch (2.11 refuses importlib's find_spec). The first op refuses a CUDA tensor without CuPy, by name.
         if x.numel() == 0:
-            return F.linear(x, self.weight, self.bias)
+            return self._high_precision(x)
         if isinstance(self.recipe, BLOCK_RECIPES):
             if self._fp8_recording:  # refused by name before the cast
                 _record(self, x, None)
-            return BlockMatmul.apply(x, self.weight, self.bias, block_spec(self.recipe))
+            self._fp8_weight_scale_inv(None)
+            w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
+            return BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
         if self._fp8_group is None:
@@ -253,12 +295,55 @@ class Float8Linear(torch.nn.Linear):
         else:
             if self._fp8_history.device != self.weight.device:
                 self._fp8_follow(self.weight.device)
+            if ctx is None:
+                self._fp8_group.open_step(self._fp8_slot)
+            else:
+                ctx.ran[self._fp8_group] = None
             state, current = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv), None
-            ctx.ran[self._fp8_group] = None
-        y = _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current)
+        group = self._fp8_group if ctx is None else None
+        y = _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current, self.in_out, group,
+                                self._fp8_weight_scale_inv(fwd))
         if self._fp8_recording:
             _record(self, x, y)
         return y
+
+    def _fp8_weight_scale_inv(self, fwd: Optional[str]) -> Optional[torch.Tensor]:
+        """The scale_inv of a weight kept in fp8 (te.fp8_model_init), checked against the GEMM about to take it;
+        None for a high-precision weight."""
+        if self.weight.dtype in _HIGH:
+            return None
+        if self.weight.requires_grad:
+            raise RuntimeError("weight: kept only in fp8 (made inside fp8_model_init); fp8core trains "
+                               "high-precision weights only: make the layer outside fp8_model_init to train it")
+        if fwd is None or self.weight.dtype != fp8core.as_format(fwd).torch_dtype:
+            raise TypeError(f"weight: kept in fp8 as {self.weight.dtype} under one scale (fp8_model_init); the "
+                            f"layer's {type(self.recipe).__name__} "
+                            f"{'scales blocks' if fwd is None else f'casts its forward to {fwd}'}")
+        return self.weight_scale_inv
+
+    def _high_precision(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype not in _HIGH:  # kept in fp8 (fp8_model_init)
+            weight = ops.dequantize(self.weight, self.weight_scale_inv, x.dtype)
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, self.weight, self.bias)
+
+    @torch.no_grad()
+    def _calibrate(self, x: torch.Tensor, ctx: Any) -> None:
+        """Transformer Engine's calibration: the amaxes of the input and the weight into row 0 (the context's exit
+        updates), the GEMM in high precision."""
+        if self._fp8_history.device != self.weight.device:
+            self._fp8_follow(self.weight.device)
+        row = self._fp8_history[0]
+        torch.maximum(row[0:1], ops.amax(x.reshape(-1, x.shape[-1])), out=row[0:1])
+        torch.maximum(row[1:2], ops.amax(self.weight), out=row[1:2])
+        ctx.ran[self._fp8_group] = None
+
+    def runs_in_fp8(self) -> bool:
+        """Whether a forward now runs in fp8: inside an enabled :func:`autocast`, or outside any autocast for a
+        layer made with ``autocast_only=False`` (convert_to_float8's)."""
+        if current_context() is not None:
+            return True
+        return not self.autocast_only and not autocast_disabled()
 
     def _fp8_follow(self, device: torch.device) -> None:
         """The state to the weight's device (FSDP2's fully_shard moves parameters and buffers only)."""
@@ -329,6 +414,40 @@ class Float8Linear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}, format={self.recipe.fp8_format.name}"
+
+
+class Float8Conv1D(Float8Linear):
+    """transformers' ``Conv1D`` (GPT-2's y = x · weight + bias, weight stored [nx, nf] = [in, out]) with
+    Float8Linear's fp8 GEMMs, numerics and state. The weight keeps its [in, out] layout and the state_dict its
+    keys, so a checkpoint stays loadable by transformers; the fp8 cast's transpose gives the [out, in] operand
+    the forward GEMM takes, so no extra pass is made. Bit for bit a Float8Linear holding weightᵀ (block recipes
+    take a copy of weightᵀ). In high precision: Conv1D's own ``addmm``. Made by :func:`convert_to_float8`,
+    which runs it in fp8 with or without autocast. x: [..., nx] -> [..., nf], x's dtype.
+    """
+
+    in_out = True
+
+    @classmethod
+    def from_layer(cls, conv: torch.nn.Module, recipe: Any = None, shared: SharedScaling | None = None
+                   ) -> "Float8Conv1D":
+        """The same parameters (shared, not copied) of transformers' Conv1D ``conv``."""
+        weight = getattr(conv, "weight", None)
+        if not isinstance(conv, torch.nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise TypeError(f"conv: expected transformers' Conv1D (a module with a 2-D weight [nx, nf]), got "
+                            f"{type(conv).__name__}")
+        nx, nf = weight.shape
+        new = cls._sharing(conv, nx, nf, recipe, shared, autocast_only=False)
+        new.nx, new.nf = nx, nf
+        return new
+
+    def _high_precision(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight) if self.bias is not None else \
+            x.reshape(-1, x.shape[-1]) @ self.weight
+        return y.view(*x.shape[:-1], self.nf)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, recipe={type(self.recipe).__name__}, " \
+               f"format={self.recipe.fp8_format.name}"
 
 
 def _feature_multiple(recipe: Any) -> tuple[int, str]:
@@ -474,18 +593,47 @@ def mark_loads(module: torch.nn.Module) -> None:
     # OptimizedModule) reads an attribute it lacks from the module it wraps
 
 
+def _conv1d_type() -> Optional[type]:
+    """transformers' Conv1D where transformers is loaded (a model holding one has loaded it); fp8core does not
+    import transformers."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return getattr(utils, "Conv1D", None)
+
+
+def _kept_why(child: torch.nn.Module, base: type, names: tuple[str, ...]) -> Optional[str]:
+    """Why a subclass of nn.Linear or Conv1D cannot be swapped for fp8core's layer, or None when it can: its
+    forward must be the base's and its state only the base's (the swap keeps weight and bias only)."""
+    if type(child).forward is not base.forward:
+        return f"{type(child).__name__} has its own forward"
+    extra = [n for n, _ in child.named_parameters(recurse=False) if n not in names]
+    extra += [n for n, _ in child.named_buffers(recurse=False)] + list(child._modules)
+    if extra:
+        return f"{type(child).__name__} holds more than {base.__name__}'s state ({', '.join(extra)})"
+    return None
+
+
 def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
                       module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None) -> torch.nn.Module:
-    """Swap every ``nn.Linear`` of ``module`` (in place; returned) for a Float8Linear sharing its parameters.
+    """Swap every ``nn.Linear`` of ``module`` (in place; returned) for a Float8Linear sharing its parameters, and
+    every ``transformers.pytorch_utils.Conv1D`` (GPT-2's) for a :class:`Float8Conv1D`, which keeps its [in, out]
+    weight and its state_dict keys (a checkpoint stays loadable by transformers). Subclasses of either convert
+    when their forward is the base's and they hold nothing more (torchao's rule); the others stay as they are.
 
-    Under delayed scaling all swapped layers join one group (one all-reduce and one update per step). ``module``
-    and every module between it and a delayed-scaling Float8Linear (converted now or before) are marked:
+    The layers made run in fp8 with or without :func:`autocast` (torchao's usage: a plain training loop, HF's
+    ``Trainer``). Under delayed scaling all swapped layers join one group. Outside autocast its update runs at the
+    first fp8 forward of a new step, the step boundary read from ``module``'s trainable parameters: written by the
+    optimizer (their version counters) or their gradients cleared by ``zero_grad()`` since a backward; gradient
+    accumulation's micro-batches do neither, so the update runs once per optimizer step (the rule and what it does
+    not see: :meth:`SharedScaling.open_step`). Inside autocast the context's exit updates, as in Transformer
+    Engine; under ``torch.compile(fullgraph=True)`` delayed scaling needs that context (the boundary is Python).
+    ``module`` and every module between it and a delayed-scaling Float8Linear (converted now or before) are marked:
     ``load_state_dict`` on any of them checks the whole checkpoint before it writes anything (see
     :class:`Float8Linear`); ``module_filter_fn=lambda m, fqn: False`` marks a module built around converted layers
     later, converting nothing.
-    ``module_filter_fn(linear, fqn) -> bool`` chooses layers; layers the FP8 GEMM cannot take (features not
-    multiples of 16; of 32 under MXFP8BlockScaling, of 128 under Float8BlockScaling) are kept as they are, with
-    a warning naming them.
+    ``module_filter_fn(layer, fqn) -> bool`` chooses layers. Layers left in high precision are named in a
+    warning with the reason: the FP8 GEMM cannot take their features (not multiples of 16; of 32 under
+    MXFP8BlockScaling, of 128 under Float8BlockScaling), or a subclass has its own forward or state. Those the
+    filter declined are logged (logger ``fp8core.torch``, INFO).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
@@ -494,26 +642,52 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
                         f"{type(module_filter_fn).__name__}")
     recipe = check_recipe(recipe)
     multiple, why = _feature_multiple(recipe)
-    chosen, skipped = [], []
+    conv1d = _conv1d_type()
+    chosen, skipped, own, declined = [], [], [], []
     for fqn, child in module.named_modules():
-        if type(child) is not torch.nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, fqn)):
+        if isinstance(child, Float8Linear):
             continue
-        if not (child.in_features > 0 and child.out_features > 0) or child.in_features % multiple \
-                or child.out_features % multiple:
-            skipped.append(f"{fqn} ({child.in_features} -> {child.out_features})")
+        if isinstance(child, torch.nn.Linear):
+            kind, features = Float8Linear, (child.in_features, child.out_features)
+            reason = _kept_why(child, torch.nn.Linear, ("weight", "bias"))
+        elif conv1d is not None and isinstance(child, conv1d):
+            kind, features = Float8Conv1D, tuple(child.weight.shape)
+            reason = _kept_why(child, conv1d, ("weight", "bias"))
+        else:
             continue
-        chosen.append(fqn)
+        if module_filter_fn is not None and not module_filter_fn(child, fqn):
+            declined.append(fqn)
+            continue
+        if reason is not None:
+            own.append(f"{fqn} ({reason})")
+            continue
+        if not all(f > 0 and f % multiple == 0 for f in features):
+            skipped.append(f"{fqn} ({features[0]} -> {features[1]})")
+            continue
+        chosen.append((fqn, kind))
     if skipped:
-        warnings.warn(f"convert_to_float8: kept as nn.Linear, features not multiples of {multiple} under "
+        warnings.warn(f"convert_to_float8: kept in high precision, features not multiples of {multiple} under "
                       f"{type(recipe).__name__} ({why}): " + ", ".join(skipped), stacklevel=2)
+    if own:
+        warnings.warn("convert_to_float8: kept in high precision, a subclass whose forward or state fp8core's "
+                      "layer would not keep (swap it yourself, or give it nn.Linear's forward): " + ", ".join(own),
+                      stacklevel=2)
+    if declined:
+        logger.info("convert_to_float8: kept in high precision by module_filter_fn: %s", ", ".join(declined))
     shared = SharedScaling(recipe) if chosen and isinstance(recipe, DelayedScaling) else None
-    for fqn in chosen:
+    for fqn, kind in chosen:
         parent_name, _, name = fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        new = Float8Linear.from_linear(getattr(parent, name), recipe, shared)
+        new = kind.from_layer(getattr(parent, name), recipe, shared) if kind is Float8Conv1D else \
+            kind.from_linear(getattr(parent, name), recipe, shared, autocast_only=False)
         if fqn == "":
-            return new
-        setattr(parent, name, new)
+            module = new
+        else:
+            setattr(parent, name, new)
+    if shared is not None:
+        shared.watch(module)
+    if chosen and chosen[0][0] == "":
+        return module
     _mark_paths(module)
     return module
 

@@ -36,7 +36,6 @@ from fp8core.text import printable
 from . import ops
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight
 from .linear import RECORDERS, Float8Linear
-from .scaling import current_context
 
 __all__ = ["NumericsRecord", "record_numerics"]
 
@@ -180,8 +179,8 @@ class _Recorder:
             raise TypeError(f"recipe: {name or 'the model'} runs under {type(module.recipe).__name__} (from its "
                             "autocast); record_numerics measures per-tensor recipes (DelayedScaling, "
                             "Float8CurrentScaling), not block scaling")
-        if current_context() is None or x.numel() == 0:
-            return  # high precision (outside autocast), or nothing cast
+        if not module.runs_in_fp8() or x.numel() == 0:
+            return  # high precision (outside autocast for te.Linear), or nothing cast
         with self.lock:
             step = self.steps.get(name, 0)
             self.steps[name] = step + 1
@@ -238,7 +237,8 @@ def record_numerics(model: torch.nn.Module,
     along the operand's last dimension) and name the ``winner`` per row; None (the default): the layers' casts
     only. :meth:`NumericsRecord.save` writes the record that ``fp8core inspect record.json`` prints and plots.
 
-    Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`); under ``torch.no_grad`` only
+    Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`, and outside it for the layers
+    convert_to_float8 made); under ``torch.no_grad`` only
     the forward rows. The backward of a forward recorded here is recorded wherever it runs. Off by default and
     free when off: outside the context a layer's flag is False and nothing runs. The results are the same bits
     with or without it. A model compiled with torch.compile before the context, or inside it, records its eager

@@ -8,6 +8,7 @@ an op infers shapes only (fake_rules.py says why).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -22,11 +23,22 @@ Tensor = torch.Tensor
 _LIB = "fp8core"
 
 
+def follow_torch_threads(fn):
+    """The op's body inside ``fp8core.cpu_threads(torch.get_num_threads())``: fp8core's CPU work (its pool, NumPy's
+    BLAS) takes the threads torch takes, so ``torch.set_num_threads`` is the one setting of a torch program."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with fp8core.cpu_threads(torch.get_num_threads()):
+            return fn(*args, **kwargs)
+    return run
+
+
 def _fp8_dtype(fmt: str) -> torch.dtype:
     return fp8core.as_format(fmt).torch_dtype
 
 
 @torch.library.custom_op(f"{_LIB}::amax", mutates_args=())
+@follow_torch_threads
 def amax(x: Tensor) -> Tensor:
     """max |x| as float32 [1]."""
     return fp8core.amax(x)
@@ -48,11 +60,13 @@ def quantize(x: Tensor, scale: Tensor, fmt: str, amax_out: Optional[Tensor] = No
 
 
 @torch.library.custom_op(f"{_LIB}::quantize", mutates_args=())
+@follow_torch_threads
 def _quantize(x: Tensor, scale: Tensor, fmt: str) -> Tensor:
     return fp8core.quantize(x, scale, fmt)
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_amax", mutates_args=("amax_out",))
+@follow_torch_threads
 def _quantize_amax(x: Tensor, scale: Tensor, fmt: str, amax_out: Tensor) -> Tensor:
     return fp8core.quantize(x, scale, fmt, amax_out=amax_out)
 
@@ -70,6 +84,7 @@ def _(x, scale, fmt, amax_out):
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_dynamic", mutates_args=())
+@follow_torch_threads
 def quantize_dynamic(x: Tensor, fmt: str, margin: int = 0, power_of_2: bool = False,
                      epsilon: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Current scaling: (q, scale_inv [1], amax [1])."""
@@ -83,6 +98,7 @@ def _(x, fmt, margin=0, power_of_2=False, epsilon=0.0):
 
 
 @torch.library.custom_op(f"{_LIB}::dequantize", mutates_args=())
+@follow_torch_threads
 def dequantize(q: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     return fp8core.dequantize(q, scale_inv, out_dtype)
 
@@ -94,6 +110,7 @@ def _(q, scale_inv, out_dtype):
 
 
 @torch.library.custom_op(f"{_LIB}::transpose", mutates_args=())
+@follow_torch_threads
 def transpose(q: Tensor) -> Tensor:
     """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
     return fp8core.transpose(q)
@@ -113,11 +130,13 @@ def cast_transpose(x: Tensor, scale: Tensor, fmt: str, amax_out: Optional[Tensor
 
 
 @torch.library.custom_op(f"{_LIB}::cast_transpose", mutates_args=())
+@follow_torch_threads
 def _cast_transpose(x: Tensor, scale: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     return fp8core.cast_transpose(x, scale, fmt)
 
 
 @torch.library.custom_op(f"{_LIB}::cast_transpose_amax", mutates_args=("amax_out",))
+@follow_torch_threads
 def _cast_transpose_amax(x: Tensor, scale: Tensor, fmt: str, amax_out: Tensor) -> tuple[Tensor, Tensor]:
     return fp8core.cast_transpose(x, scale, fmt, amax_out=amax_out)
 
@@ -134,6 +153,7 @@ _cast_transpose_amax.register_fake(_cast_transpose_fake)
 
 
 @torch.library.custom_op(f"{_LIB}::compute_scale", mutates_args=())
+@follow_torch_threads
 def compute_scale(amax: Tensor, fmt: str, margin: int = 0, power_of_2: bool = False,
                   epsilon: float = 0.0) -> tuple[Tensor, Tensor]:
     """(scale, scale_inv) from amax by the contract's scale rule (1.0 where there is no scale)."""
@@ -157,6 +177,7 @@ def gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dty
 
 
 @torch.library.custom_op(f"{_LIB}::gemm", mutates_args=())
+@follow_torch_threads
 def _gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
           bias: Optional[Tensor], out_scale: Optional[Tensor], use_fast_accum: bool) -> Tensor:
     return fp8core.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias, out_scale=out_scale,
@@ -164,6 +185,7 @@ def _gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dt
 
 
 @torch.library.custom_op(f"{_LIB}::gemm_amax", mutates_args=("out_amax",))
+@follow_torch_threads
 def _gemm_amax(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
                bias: Optional[Tensor], out_scale: Optional[Tensor], out_amax: Tensor, use_fast_accum: bool) -> Tensor:
     return fp8core.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias, out_scale=out_scale,
@@ -182,6 +204,7 @@ _gemm_amax.register_fake(_gemm_fake)
 
 
 @torch.library.custom_op(f"{_LIB}::update", mutates_args=("history", "scale", "scale_inv", "non_finite"))
+@follow_torch_threads
 def update(history: Tensor, scale: Tensor, scale_inv: Tensor, fp8_max: Tensor, non_finite: Tensor, margin: int,
            algo: str, power_of_2: bool, epsilon: float, update_scale: bool) -> None:
     """The batched delayed-scaling update of N tensors, in place: history [L, N], scale/scale_inv/fp8_max

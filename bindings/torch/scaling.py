@@ -17,8 +17,11 @@ model, and writes the results back. So a transform between two steps, whatever i
 at the next step, and the batched update never reads freed or stale memory. (Within one step, from a forward
 to its backward, the autograd graph holds the tensors that forward used, as it holds the weight.)
 
-Outside :func:`autocast` (and inside ``autocast(enabled=False)``) Float8Linear runs in high precision, as
-``nn.Linear`` does: Transformer Engine's rule. fp8 runs only where its scales are kept up to date.
+Inside ``autocast(enabled=False)`` every Float8Linear runs in high precision. Outside :func:`autocast`, a
+Float8Linear built directly (and te.Linear) runs in high precision, as ``nn.Linear`` does: Transformer Engine's
+rule. A layer convert_to_float8 made (``autocast_only=False``) runs in fp8 there too, torchao's usage: its group
+then updates at the first fp8 forward after an optimizer step (:meth:`SharedScaling.open_step`), so its scales
+are kept up to date without a context.
 """
 
 from __future__ import annotations
@@ -65,6 +68,14 @@ class SharedScaling:
         self._members: dict[int, weakref.ref] = {}
         self._next = 0
         self._engine: Optional[ScalingState] = None
+        self._forget_step()
+
+    def _forget_step(self) -> None:
+        """No step open (see :meth:`open_step`); no model watched."""
+        self._root: Optional[weakref.ref] = None
+        self._lead: Optional[int] = None
+        self._mark: tuple[int, ...] = ()
+        self.backward_ran = False  # set by the members' fp8 backward outside autocast
 
     def __getstate__(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "steps": self.steps, "next": self._next}
@@ -72,6 +83,47 @@ class SharedScaling:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.recipe, self.steps, self._next = state["recipe"], state["steps"], state["next"]
         self._members, self._engine = {}, None
+        self._forget_step()
+
+    def watch(self, root: torch.nn.Module) -> None:
+        """Read the step boundary outside autocast from ``root``'s trainable parameters (convert_to_float8 passes
+        the model it converted: a member frozen under adapters still sees the adapters' steps); without it, from
+        the members' own."""
+        self._root = weakref.ref(root)
+
+    def _trainable(self) -> tuple[tuple[int, ...], bool]:
+        """(the version of each trainable parameter watched, whether any of them holds a gradient)."""
+        root = self._root() if self._root is not None else None
+        params = root.parameters() if root is not None else \
+            (p for m in self.modules() for p in m.parameters(recurse=False))
+        trainable = [p for p in params if p.requires_grad]
+        return tuple(p._version for p in trainable), any(p.grad is not None for p in trainable)
+
+    @torch.compiler.disable  # Python state and a host read: under torch.compile a graph break; fullgraph=True
+    # refuses it, so a fullgraph-compiled delayed-scaling model runs its steps inside autocast (its exit updates)
+    def open_step(self, slot: int) -> None:
+        """Called by each member's fp8 forward outside autocast, before its casts: close the step that ended, with
+        one :meth:`update`, where one did. The member whose forward opened the step (the first to run, usually the
+        first layer) looks; the others do nothing more. A step that ran a backward ended when, since it opened, the
+        optimizer wrote the parameters (torch counts each in-place write in the tensor's version; torch's fused
+        optimizers do not) or their gradients were cleared (``zero_grad()``, which sets them to None by default).
+        The micro-batches of gradient accumulation do neither, so their amaxes accumulate into one step, and the
+        update runs once per optimizer step. A step with no backward (inference, evaluation) ends at the next
+        forward. Not seen: a fused optimizer with ``zero_grad(set_to_none=False)``, a write through ``.data``
+        (run those steps inside :func:`autocast`). At the first forward after the group was made, loaded, pickled
+        or copied no step is open: it updates where the members hold amaxes of a step not closed (a checkpoint
+        saved after an optimizer step carries them; read once, the only time this reads the state's values), so
+        a resumed run takes the updates of the run it continues. A forward recomputed inside a backward
+        (activation checkpointing) belongs to its step."""
+        if (self._lead is not None and slot != self._lead) or torch._C._current_graph_task_id() != -1:
+            return
+        versions, grads = self._trainable()
+        if self._lead is None:
+            if any(bool(m._fp8_history[0].any()) for m in self.modules()):
+                self.update()
+        elif not self.backward_ran or versions != self._mark or not grads:
+            self.update()
+        self._lead, self._mark, self.backward_ran = slot, versions, False
 
     def __repr__(self) -> str:
         return f"SharedScaling({len(self.modules())} modules, steps={self.steps}, recipe={self.recipe})"
@@ -152,11 +204,12 @@ def _distributed(group: Any) -> bool:
 
 
 class _Context:
-    def __init__(self, recipe: Any, enabled: bool) -> None:
+    def __init__(self, recipe: Any, enabled: bool, calibrating: bool = False) -> None:
         if recipe is not None and not isinstance(recipe, RECIPES):
             raise TypeError(f"recipe: expected {_NAMES}, got {type(recipe).__name__}")
         self.recipe = recipe
         self.enabled = bool(enabled)
+        self.calibrating = bool(calibrating) and not self.enabled  # enabled, fp8 runs: nothing to calibrate
         self.ran: dict[SharedScaling, None] = {}  # in forward order: the same on every rank
 
 
@@ -168,15 +221,29 @@ def current_context() -> Optional[_Context]:
     return stack[-1]
 
 
+def autocast_disabled() -> bool:
+    """True inside ``autocast(enabled=False)`` (innermost): every layer runs in high precision there."""
+    stack = getattr(_local, "stack", None)
+    return bool(stack) and not stack[-1].enabled
+
+
+def calibrating_context() -> Optional[_Context]:
+    """The innermost autocast when it is ``autocast(enabled=False, calibrating=True)``, else None."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack and stack[-1].calibrating else None
+
+
 def fp8_enabled() -> bool:
     """True only inside an enabled :func:`autocast`."""
     return current_context() is not None
 
 
 @contextlib.contextmanager
-def autocast(recipe: Optional[DelayedScaling] = None, enabled: bool = True,
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Any] = None,
              amax_reduction_group: Any = None) -> Iterator[None]:
-    """Transformer Engine's usage: Float8Linear modules run in fp8 inside, in high precision outside.
+    """Transformer Engine's ``te.autocast`` (its arguments, in its order): Float8Linear modules run in fp8 inside;
+    te.Linear and a Float8Linear built directly run in high precision outside (a model convert_to_float8 made
+    runs in fp8 either way; it needs the context only for ``amax_reduction_group`` or TE's update timing).
 
     At the exit, each delayed-scaling group whose modules ran inside this context (and only those: two models
     in their own contexts keep apart) MAX-reduces its row 0 of amaxes over ``amax_reduction_group`` (default:
@@ -184,8 +251,16 @@ def autocast(recipe: Optional[DelayedScaling] = None, enabled: bool = True,
     Run the backward inside the context too: several forward/backward passes inside one context accumulate
     their amaxes (gradient accumulation); a module that did not run keeps its scale. ``recipe``, when given,
     must be the modules' own recipe (set by :func:`convert_to_float8` or Float8Linear).
+    ``calibrating=True`` with ``enabled=False``: TE's calibration, the layers run in high precision and
+    delayed-scaling layers record the amaxes of their input and weight, updated at the exit, so that fp8 starts
+    from calibrated scales (with ``enabled=True`` it changes nothing: fp8 runs).
     """
-    ctx = _Context(recipe, enabled)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__} (the recipe goes by keyword, "
+                        "autocast(recipe=...), as in Transformer Engine)")
+    if not isinstance(calibrating, bool):
+        raise TypeError(f"calibrating: expected a bool, got {type(calibrating).__name__}")
+    ctx = _Context(recipe, enabled, calibrating)
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
@@ -200,6 +275,13 @@ def autocast(recipe: Optional[DelayedScaling] = None, enabled: bool = True,
             raise ValueError(f"recipe: autocast's {recipe} is not the modules' recipe {shared.recipe}")
     for shared in groups:
         shared.update(amax_reduction_group)
+
+
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Any] = None,
+                 fp8_group: Any = None) -> contextlib.AbstractContextManager:
+    """Transformer Engine's older name for :func:`autocast` (``fp8_recipe`` is ``recipe``, ``fp8_group``
+    ``amax_reduction_group``), still shipped by TE and called by accelerate's TE path."""
+    return autocast(enabled, calibrating, fp8_recipe, fp8_group)
 
 
 def check_recipe(recipe: Any) -> Any:

@@ -27,6 +27,7 @@ from fp8core import DelayedScaling
 
 from .linear import Float8Linear, check_whole_load, module_load_errors
 from .scaling import SLOTS, STATE, current_context
+from .te_support import keep_weight_in_fp8, model_init_context
 
 __all__ = ["Linear"]
 
@@ -78,6 +79,9 @@ class Linear(Float8Linear):
                 init_method(self.weight)
                 if self.bias is not None:
                     self.bias.zero_()
+        init = model_init_context()
+        if init is not None:  # inside te.fp8_model_init: the weight kept in fp8 only
+            keep_weight_in_fp8(self, init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_context()

@@ -5,6 +5,7 @@ Arrays here are NumPy arrays in their logical dtype (ml_dtypes for fp8 and bf16)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -17,6 +18,7 @@ import numpy as np
 from .._caches import cached, memo
 from .._fpenv import ieee, set_default
 from .._views import Tensor, logical_numpy_dtype
+from .cpu_threads import blas_on_one_thread, thread_budget
 from ..formats import E8M0, Encoding
 
 xp = np
@@ -68,9 +70,16 @@ def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> l
 
     From ``_POOL_MIN[kind]`` elements up the chunks go to the pool (:func:`map_spans`).
     """
-    if n < _POOL_MIN[kind] or _THREADS == 1:
+    threads = _threads()
+    if n < _POOL_MIN[kind] or threads == 1:
         return [fn(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
-    return map_spans(n, min(CHUNK, max(_MIN_SHARE, -(-n // (2 * _THREADS)))), fn)
+    return map_spans(n, min(CHUNK, max(_MIN_SHARE, -(-n // (2 * threads)))), fn)
+
+
+def _threads() -> int:
+    """The threads a call may use: the pool's size, or fewer inside cpu_threads(n) (cpu_threads.py)."""
+    budget = thread_budget()
+    return _THREADS if budget is None else min(_THREADS, budget)
 
 
 def map_spans(n: int, size: int, fn: Callable[[int, int], Any]) -> list[Any]:
@@ -83,11 +92,12 @@ def map_spans(n: int, size: int, fn: Callable[[int, int], Any]) -> list[Any]:
     starts = range(0, n, size)
     results: list[Any] = [None] * len(starts)
     tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
-    if _THREADS == 1 or len(starts) < 2:
+    threads = _threads()
+    if threads == 1 or len(starts) < 2:
         _drain(fn, tasks, results)
         return results
     pool = _pool or _get_pool()
-    futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(_THREADS - 1, len(starts) - 1))]
+    futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(threads - 1, len(starts) - 1))]
     try:
         _drain(fn, tasks, results)
     finally:
@@ -482,7 +492,7 @@ def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     if rows * cols < _TRANSPOSE_POOL_MIN:
         strips(0, rows)
     else:  # spans of whole strips: disjoint columns of out
-        map_spans(rows, -(-rows // (2 * _THREADS * strip)) * strip, strips)
+        map_spans(rows, -(-rows // (2 * _threads() * strip)) * strip, strips)
     return out
 
 
@@ -675,8 +685,10 @@ def _blas_on_one_thread() -> bool:
 # BLAS's own threads (OpenBLAS's default) the split took 1.0-1.25x one span's time, two teams of threads on the
 # same cores, so there the GEMM stays one span and BLAS's threads do the sharing. Either way the same code runs
 # and the same bits come out; only the span count differs. bench/results/cpu-2core-2026-11-26-gemm-transpose.txt.
-# fp8core reads BLAS's environment once and changes no BLAS setting.
-_GEMM_POOL_MIN = 1 << 24 if _blas_on_one_thread() else 1 << 62
+# fp8core reads BLAS's environment once. Inside cpu_threads(n) (a torch program: torch's thread count) BLAS is
+# held to one thread for the GEMM, so the one-thread threshold holds there whatever the environment says.
+_GEMM_SPLIT_MIN = 1 << 24
+_GEMM_POOL_MIN = _GEMM_SPLIT_MIN if _blas_on_one_thread() else 1 << 62
 
 
 @ieee
@@ -729,10 +741,13 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
             dst[:, n0:n1] = codes.view(dtype)
             return _amax_bits(d32.reshape(-1)) if out_amax is not None else 0
 
-    if m * n * k >= _GEMM_POOL_MIN:
-        bits = map_spans(n, -(-n // (16 * _THREADS)) * 16, columns)
-    else:
-        bits = [columns(0, n)]
+    budget = thread_budget()
+    with blas_on_one_thread() if budget is not None else contextlib.nullcontext():
+        threads = _threads()
+        if m * n * k >= (_GEMM_POOL_MIN if budget is None else _GEMM_SPLIT_MIN) and threads > 1:
+            bits = map_spans(n, -(-n // (16 * threads)) * 16, columns)
+        else:
+            bits = [columns(0, n)]
     if out_amax is not None:  # N >= 16: one span at least
         _accumulate(out_amax, max(bits))
     return dst if out is None else out

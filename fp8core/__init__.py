@@ -11,6 +11,7 @@ from .ops import (amax, cast_transpose, compute_scale, dequantize, multi_amax, m
                   quantize_dynamic, transpose)
 from .blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequantize_mxfp8, quantize_blockwise,
                      quantize_mxfp8, quantize_mxfp8_both, transpose_blocks)
+from .layouts import Layout, ScaledTensor
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .scaling import ScalingState
 
@@ -20,4 +21,4 @@ __all__ = ["Format", "as_format", "amax", "quantize", "quantize_dynamic", "dequa
            "cast_transpose", "compute_scale", "multi_amax", "multi_quantize", "DelayedScaling",
            "Float8CurrentScaling", "ScalingState", "gemm", "__version__", "MXFP8BlockScaling", "Float8BlockScaling",
            "MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
-           "quantize_blockwise", "dequantize_blockwise", "transpose_blocks"]
+           "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "Layout", "ScaledTensor"]

@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fp8core.blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequantize_mxfp8, quantize_blockwise,
-                            quantize_mxfp8)
+from fp8core.blocks import dequantize_blocks, quantize_blockwise, quantize_mxfp8
 from fp8core.formats import Format
+from fp8core.layouts import Layout, ScaledTensor
 from fp8core.numerics_stats import Recipe
 from fp8core.ops import dequantize, quantize_dynamic
 
@@ -29,33 +29,31 @@ def _current(fmt: Format) -> Recipe:
                   lambda x: quantize_dynamic(x, fmt)[:2], rows, scale_inv=lambda q: float(q[1][0]))
 
 
+def _blocked(name: str, doc: str, layout: Layout, quantize: Any) -> Recipe:
+    br = layout.block[0]
+
+    def rows(t: ScaledTensor, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        part = ScaledTensor(t.data[r0:r1], t.scale[r0 // br:-(-r1 // br)], layout)
+        return part.data, dequantize_blocks(part)
+
+    return Recipe(name, doc, Format.E4M3, quantize, rows, row_step=br, block=layout.block)
+
+
 def _mxfp8(mode: str) -> Recipe:
-    def rows(t: MXTensor, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
-        part = MXTensor(t.data[r0:r1], t.scale[r0:r1])
-        return part.data, dequantize_mxfp8(part)
-
-    return Recipe(f"mxfp8_{mode}", f"MXFP8BlockScaling, E4M3, scale_mode {mode}: an E8M0 scale per 1x32 block",
-                  Format.E4M3, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode), rows, block=(1, 32))
+    return _blocked(f"mxfp8_{mode}", f"MXFP8BlockScaling, E4M3, scale_mode {mode}: an E8M0 scale per 1x32 block",
+                    Layout.MX_ROWWISE, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode))
 
 
-def _blockwise(rows_per_block: int) -> Recipe:
-    block = f"{rows_per_block}x128"
-
-    def rows(t: BlockScaledTensor, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
-        scale = t.scale_inv[r0 // rows_per_block:-(-r1 // rows_per_block)]
-        part = BlockScaledTensor(t.data[r0:r1], scale)
-        return part.data, dequantize_blockwise(part)
-
-    return Recipe(f"block_{block}", f"Float8BlockScaling, E4M3: a power-of-2 fp32 scale per {block} block",
-                  Format.E4M3, lambda x: quantize_blockwise(x, Format.E4M3, block=block), rows,
-                  row_step=rows_per_block, block=(rows_per_block, 128))
+def _blockwise(layout: Layout) -> Recipe:
+    return _blocked(f"block_{layout.value}", f"Float8BlockScaling, E4M3: a power-of-2 fp32 scale per {layout.value} "
+                    "block", layout, lambda x: quantize_blockwise(x, Format.E4M3, block=layout))
 
 
 # A tie in SQNR goes to the recipe listed first: one scale per tensor before any block recipe, which has
 # scales to keep per block.
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    _current(Format.E4M3), _current(Format.E5M2), _mxfp8("rceil"), _mxfp8("floor"), _blockwise(1),
-    _blockwise(128))}
+    _current(Format.E4M3), _current(Format.E5M2), _mxfp8("rceil"), _mxfp8("floor"),
+    _blockwise(Layout.BLOCK_1X128), _blockwise(Layout.BLOCK_128X128))}
 
 BLOCK_RULE = ("block recipes run along the last dimension (a tensor is viewed as [rows, last dim]; 1-D is one "
               "row); a partial block at an edge is zero-padded in effect (its scale comes from its own elements); "

@@ -182,7 +182,7 @@ def _mxfp8(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> Non
 
 
 @check("block scaling: MXFP8 dequantize, every code and scale byte, to every output dtype",
-       covers=("blocks.dequantize_mxfp8",))
+       covers=("blocks.dequantize_blocks",))
 def _mxfp8_dequantize(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
     from fp8core import blocks
 
@@ -233,7 +233,7 @@ def _blockwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) ->
                         r.equal(f"{name} (scale_inv)", ref.scale_inv, got.scale_inv)
 
 
-@check("block scaling: 1x128 and 128x128 dequantize, to every output dtype", covers=("blocks.dequantize_blockwise",))
+@check("block scaling: 1x128 and 128x128 dequantize, to every output dtype", covers=("blocks.dequantize_blocks",))
 def _blockwise_dequantize(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
     from fp8core import blocks
 

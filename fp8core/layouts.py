@@ -99,13 +99,11 @@ def resolve(layout: Layout | None, family: tuple[Layout, ...], shape: tuple[int,
 
 
 def layout_of(t: "ScaledTensor", arg: str = "t") -> Layout:
-    """``t.layout``, from shapes and dtypes alone (so also while torch.compile or jax.jit traces): the layout
-    t names, else the one of its kind that its scale's shape means; an error names ``arg``'s scale."""
-    if t._layout is not None:
-        return t._layout
+    """``t.layout`` from shapes and dtypes alone (so also while torch.compile or jax.jit traces): the layout t
+    names, else the one of its kind its scale's shape means; a scale of another shape is an error naming ``arg``."""
     shape = tuple(t[0].shape)
     rows_cols = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
-    return resolve(None, _FAMILIES[t.kind], rows_cols, tuple(t[1].shape), f"{arg}.{t._fields[1]}")
+    return resolve(t._layout, _FAMILIES[t.kind], rows_cols, tuple(t[1].shape), f"{arg}.{t._fields[1]}")
 
 
 _ENCODING_OF_DTYPE = {row.dtype_name: row for row in ROWS}

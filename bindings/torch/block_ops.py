@@ -13,7 +13,7 @@ import torch
 import fp8core
 from fp8core import args
 from fp8core import blocks as core
-from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of, resolve
+from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
 
 from .fake_rules import gemm_shape, matrix, refuse_meta
 
@@ -31,11 +31,6 @@ def _scale(x: Tensor, layout: Layout) -> Tensor:
 
 def _fp8(x: Tensor, fmt: str) -> Tensor:
     return torch.empty_like(x, dtype=fp8core.as_format(fmt).torch_dtype)
-
-
-def _resolve(data: Tensor, scale: Tensor, arg: str, named: Layout | None, family: tuple[Layout, ...]) -> Layout:
-    """The core's layout rule (fp8core.layouts.resolve) on shapes, with its argument names."""
-    return resolve(named, family, matrix(data, f"{arg}.data"), tuple(scale.shape), f"{arg}.scale")
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_mxfp8", mutates_args=())
@@ -67,7 +62,8 @@ def _dequantize_mxfp8(data: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Te
 @_dequantize_mxfp8.register_fake
 def _(data, scale, out_dtype):
     refuse_meta(("t.data", data), ("t.scale", scale))
-    _resolve(data, scale, "t", None, Layout.MX_ROWWISE.family)
+    matrix(data, "t.data")
+    layout_of(MXTensor(data, scale))
     return torch.empty_like(data, dtype=out_dtype)
 
 
@@ -78,8 +74,7 @@ def _quantize_blockwise(x: Tensor, fmt: str, block: str, power_of_2: bool, epsil
 
 @_quantize_blockwise.register_fake
 def _(x, fmt, block, power_of_2, epsilon):
-    layout = args.block(block)
-    return _fp8(x, fmt), _scale(x, layout)
+    return _fp8(x, fmt), _scale(x, args.block(block))
 
 
 @torch.library.custom_op(f"{_LIB}::dequantize_blockwise", mutates_args=())
@@ -90,7 +85,8 @@ def _dequantize_blockwise(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtyp
 @_dequantize_blockwise.register_fake
 def _(data, scale_inv, out_dtype):
     refuse_meta(("t.data", data), ("t.scale_inv", scale_inv))
-    resolve(None, Layout.BLOCK_1X128.family, matrix(data, "t.data"), tuple(scale_inv.shape), "t.scale_inv")
+    matrix(data, "t.data")
+    layout_of(BlockScaledTensor(data, scale_inv))
     return torch.empty_like(data, dtype=out_dtype)
 
 
@@ -106,8 +102,7 @@ def _transpose_blocks(data: Tensor, scale: Tensor, layout: str) -> tuple[Tensor,
 def _(data, scale, layout):
     refuse_meta(("t.data", data), ("t.scale", scale))
     rows, cols = matrix(data, "t.data")
-    named = Layout.parse(layout)
-    core.transposed_layout(_resolve(data, scale, "t", named, named.family), rows)
+    core.transposed_layout(layout_of(ScaledTensor(data, scale, layout)), rows)
     return data.new_empty((cols, rows)), scale.new_empty((scale.shape[1], scale.shape[0]))
 
 
@@ -124,9 +119,7 @@ def _(a, a_scale, b, b_scale, a_layout, b_layout, out_dtype):
     core.gemm_operands(sa, sb, None, None)
     refuse_meta(("a", a), ("a.scale", a_scale), ("b", b), ("b.scale", b_scale))
     m, n = gemm_shape(a, b)
-    la, lb = sa.layout, sb.layout
-    core.gemm_layouts(_resolve(a, a_scale, "a", la, la.family), _resolve(b, b_scale, "b", lb, lb.family), m, n,
-                      a.shape[1])
+    core.gemm_layouts(layout_of(sa, "a"), layout_of(sb, "b"), m, n, a.shape[1])
     return a.new_empty((m, n), dtype=out_dtype)
 
 

@@ -47,9 +47,9 @@ def _scale_tensor(obj: Any, arg: str, like: Tensor, dtypes: tuple[str, ...]) -> 
 def _family(named: Layout | None, kind: str, arg: str) -> tuple[Layout, ...]:
     """The block layouts of ``kind`` (MX, fp32 blocks), where ``named`` must be."""
     family = _FAMILIES.get(kind, ())
-    if not family or (named is not None and named not in family):
-        have = ", ".join(a.value for f in _FAMILIES.values() for a in f)
-        raise ValueError(f"{arg}: expected a block layout of the kernels ({have}), got {named or kind}")
+    if not family or named not in (None, *family):
+        have = family or [a for f in _FAMILIES.values() for a in f]  # the kernels' layouts
+        raise ValueError(f"{arg}: expected a {' or '.join(have)} layout, got {named or kind}")
     return family
 
 
@@ -62,8 +62,8 @@ def _parts(t: Any, arg: str, fmt: Any, kind: str | None = None) -> tuple[Tensor,
     named = t._layout if isinstance(t, ScaledTensor) else None
     kind = kind or t.kind
     family = _family(named, kind, arg)
-    if fmt is None and isinstance(t, ScaledTensor) and t._encoding is not None:
-        fmt = t._encoding.dtype_name
+    if fmt is None and isinstance(t, ScaledTensor) and t.encoding is not None:
+        fmt = t.encoding.dtype_name
     tq, f = args.fp8(t[0], f"{arg}.data", fmt)
     t2 = args.as_2d(tq, f"{arg}.data")
     name = f"{arg}.{cls._fields[1]}"
@@ -72,8 +72,11 @@ def _parts(t: Any, arg: str, fmt: Any, kind: str | None = None) -> tuple[Tensor,
 
 
 def dequantize_blocks(t: ScaledTensor, out_dtype: Any = "float32", *, fmt: Format | str | None = None) -> Array:
-    """A ScaledTensor of any block layout dequantized by it: :func:`dequantize_mxfp8` or
-    :func:`dequantize_blockwise`."""
+    """:func:`dequantize_mxfp8` or :func:`dequantize_blockwise`, by t's layout.
+
+    t: a ScaledTensor of fp8 data and E8M0 scales in 1x32 or 32x1 blocks, or fp32 scale inverses in 1x128 blocks or
+    128x128 tiles. out_dtype: float32, bfloat16 or float16. Returns data's shape in out_dtype.
+    """
     return _dequantize(t, None, out_dtype, fmt)
 
 

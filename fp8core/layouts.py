@@ -11,7 +11,7 @@ import enum
 import math
 from typing import Any
 
-from .formats import E4M3, E8M0, ROWS, Encoding, dtype_name
+from .formats import E4M3, E8M0, Encoding, dtype_name
 
 __all__ = ["Layout", "ScaledTensor", "MXTensor", "BlockScaledTensor", "resolve", "layout_of"]
 
@@ -106,15 +106,13 @@ def layout_of(t: "ScaledTensor", arg: str = "t") -> Layout:
     return resolve(t._layout, _FAMILIES[t.kind], rows_cols, tuple(t[1].shape), f"{arg}.{t._fields[1]}")
 
 
-_ENCODING_OF_DTYPE = {row.dtype_name: row for row in ROWS}
-
-
 class ScaledTensor(tuple):
     """Data and its scales in one :class:`Layout`; unpacks as ``(data, scale)``, pickles with its layout.
 
     data: fp8 (E4M3 or E5M2), any shape, viewed as [rows, cols]. scale: in the layout's encoding and
     :meth:`Layout.scale_shape`. layout: a Layout or its name; None reads it from the scale (E8M0 or uint8: MX, 2-D
-    float32: fp32 blocks, else one scale) and its shape. encoding: the data's row, for uint8 storage (CuPy).
+    float32: fp32 blocks, else one scale) and its shape. encoding: the data's row, as named (the quantizers
+    do; uint8 storage (CuPy) needs it), else None.
     A tuple with ``_fields``, so ``jax.jit`` carries it as a (data, scale) pair (rebuilt without its layout,
     read back from the shapes) and torch.compile traces it.
     """
@@ -127,11 +125,11 @@ class ScaledTensor(tuple):
         self = super().__new__(cls, (data, scale))
         if layout is not None:
             layout = Layout.parse(layout)
-        self.__dict__.update(_layout=layout, _encoding=encoding)
+        self.__dict__.update(_layout=layout, encoding=encoding)
         return self
 
     def __getnewargs__(self) -> tuple:
-        return self[0], self[1], self._layout, self._encoding
+        return self[0], self[1], self._layout, self.encoding
 
     def __repr__(self) -> str:
         names = self._fields
@@ -158,11 +156,6 @@ class ScaledTensor(tuple):
     def layout(self) -> Layout:
         """The named layout, else the one of this kind that the scale's shape means (ValueError if none)."""
         return layout_of(self)
-
-    @property
-    def encoding(self) -> Encoding | None:
-        """The data's encoding: the one named, else its dtype's (None for uint8 storage)."""
-        return self._encoding or _ENCODING_OF_DTYPE.get(dtype_name(self[0].dtype))
 
 
 class MXTensor(ScaledTensor):

@@ -121,11 +121,6 @@ class MXFP8BlockScaling:
         _format(self)
         args.scale_mode(self.scale_mode)
 
-    @property
-    def layouts(self) -> tuple[Layout, Layout, Layout]:
-        """The (input, weight, grad_output) layouts: 1x32 blocks along each GEMM's K."""
-        return (Layout.MX_ROWWISE,) * 3
-
     __repr__ = _repr
 
 

@@ -64,7 +64,6 @@ def test_recipes_block_dims_are_layouts():
     assert fp8core.Float8BlockScaling().layouts == (Layout.BLOCK_1X128, Layout.BLOCK_128X128, Layout.BLOCK_1X128)
     r = fp8core.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1, grad_block_scaling_dim=2)
     assert r.layouts == (Layout.BLOCK_128X128, Layout.BLOCK_1X128, Layout.BLOCK_128X128)
-    assert fp8core.MXFP8BlockScaling().layouts == (Layout.MX_ROWWISE,) * 3
 
 
 def test_layout_fields():
@@ -154,12 +153,11 @@ def test_a_named_layout_is_checked_against_the_scale(x):
     with pytest.raises(ValueError, match=r"^t\.scale: expected shape \(64, 8\) \(rowwise\) for data viewed as "
                                          r"\(64, 256\), got \(2, 256\)"):
         dequantize_blocks(ScaledTensor(q.data, q.scale, Layout.MX_ROWWISE))
-    with pytest.raises(ValueError, match=r"^t: expected a block layout of the kernels \(1x32, 32x1, 1x128, "
-                                         r"128x128\), got 1x128"):
+    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 layout, got 1x128"):
         dequantize_mxfp8(ScaledTensor(q.data, q.scale, Layout.BLOCK_1X128))
-    with pytest.raises(ValueError, match=r"^t: expected a block layout of the kernels .*got 1x16"):
+    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 layout, got 1x16"):
         dequantize_blocks(ScaledTensor(q.data, q.scale.view(np.uint8).view(ml_dtypes.float8_e4m3fn), "1x16"))
-    with pytest.raises(ValueError, match=r"^t: expected a block layout of the kernels .*got tensor"):
+    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 layout, got tensor"):
         dequantize_blocks(ScaledTensor(q.data, np.float32([1.0])))
     with pytest.raises(TypeError, match=r"^t: expected a ScaledTensor \(data, scale\), got tuple"):
         transpose_blocks(tuple(q))

@@ -44,10 +44,6 @@ def _e8m0(shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float8_e8m0fnu)
 
 
-def _mx_scale_shape(x: Any, columnwise: bool) -> tuple[int, ...]:
-    return (Layout.MX_COLUMNWISE if columnwise else Layout.MX_ROWWISE).scale_shape(rows(x), x.shape[-1])
-
-
 def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
     """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     return _quantize_mxfp8(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
@@ -58,7 +54,8 @@ def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", co
 @jitted("fmt", "scale_mode", "columnwise")
 def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> MXTensor:
     args.scale_mode(scale_mode)
-    shapes = (fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, columnwise)))
+    layout = Layout.MX_COLUMNWISE if columnwise else Layout.MX_ROWWISE
+    shapes = (fp8_shape(x, fmt), _e8m0(layout.scale_shape(rows(x), x.shape[-1])))
     run = _returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
     return MXTensor(*primitive(run, shapes)(x))
 
@@ -72,8 +69,8 @@ def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil
 @jitted("fmt", "scale_mode")
 def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTensor, MXTensor]:
     args.scale_mode(scale_mode)
-    shapes = (fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, False)), fp8_shape(x, fmt),
-              _e8m0(_mx_scale_shape(x, True)))
+    shapes = (fp8_shape(x, fmt), _e8m0(Layout.MX_ROWWISE.scale_shape(rows(x), x.shape[-1])), fp8_shape(x, fmt),
+              _e8m0(Layout.MX_COLUMNWISE.scale_shape(rows(x), x.shape[-1])))
 
     def run(t):
         row, col = core.quantize_mxfp8_both(t, fmt, scale_mode=scale_mode)

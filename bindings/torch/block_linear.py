@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fp8core import Float8BlockScaling, MXFP8BlockScaling
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK
-from fp8core.layouts import ScaledTensor
+from fp8core.layouts import Layout, ScaledTensor
 
 from . import block_ops as bo
 
@@ -52,7 +52,7 @@ def block_spec(recipe: Any) -> tuple:
     the (input, weight, grad_output) layouts, and the scale rule's settings."""
     fmt = recipe.fp8_format
     if isinstance(recipe, MXFP8BlockScaling):
-        return fmt.fwd.value, fmt.bwd.value, recipe.layouts, recipe.scale_mode
+        return fmt.fwd.value, fmt.bwd.value, (Layout.MX_ROWWISE,) * 3, recipe.scale_mode
     return fmt.fwd.value, fmt.bwd.value, recipe.layouts, recipe.power_of_2, float(recipe.epsilon)
 
 

@@ -59,8 +59,7 @@ class Layout(enum.StrEnum):
     def transposed(self) -> "Layout | None":
         """The layout of the transpose's scales (its blocks transposed); None where that is no layout (1x128: the
         transposed data is quantized again)."""
-        flipped = self.block and self.block[::-1]
-        return next((a for a in _FAMILIES[self.kind] if a.block == flipped), None)
+        return _TRANSPOSED[self]
 
     def scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
         """The scales' shape for data viewed as [rows, cols]: ``(1,)`` for one scale, else one per block."""
@@ -74,14 +73,18 @@ class Layout(enum.StrEnum):
         """One of ``allowed`` (default: any) from any spelling: a Layout, its name ("1x128"), or its block as a
         (rows, cols) tuple or list."""
         allowed = tuple(cls) if allowed is None else allowed
-        key = tuple(value) if isinstance(value, (tuple, list)) else value
-        for layout in allowed if isinstance(key, (str, tuple)) else ():
-            if key == layout.value or key == layout.block:
-                return layout
+        try:
+            found = _SPELLINGS.get(tuple(value) if isinstance(value, (tuple, list)) else value)
+        except TypeError:  # unhashable: no spelling
+            found = None
+        if found in allowed:
+            return found
         raise ValueError(f"{arg}: expected {' or '.join(repr(a.value) for a in allowed)}, got {value!r}")
 
 
 _FAMILIES = {kind: tuple(a for a in Layout if a.kind == kind) for kind in dict.fromkeys(a.kind for a in Layout)}
+_SPELLINGS = {**{a.value: a for a in Layout}, **{a.block: a for a in Layout if a.block}}
+_TRANSPOSED = {a: next((b for b in _FAMILIES[a.kind] if b.block == (a.block and a.block[::-1])), None) for a in Layout}
 
 
 def resolve(layout: Layout | None, family: tuple[Layout, ...], shape: tuple[int, int], scale_shape: tuple[int, ...],
@@ -123,9 +126,8 @@ class ScaledTensor(tuple):
     def __new__(cls, data: Any, scale: Any, layout: Layout | str | None = None,
                 encoding: Encoding | None = None) -> "ScaledTensor":
         self = super().__new__(cls, (data, scale))
-        if layout is not None:
-            layout = Layout.parse(layout)
-        self.__dict__.update(_layout=layout, encoding=encoding)
+        self._layout = layout if layout is None or type(layout) is Layout else Layout.parse(layout)
+        self.encoding = encoding
         return self
 
     def __getnewargs__(self) -> tuple:

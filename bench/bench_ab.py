@@ -136,7 +136,8 @@ def main() -> None:
             stats, r = interleaved({"base": lambda: f(base), "this": lambda: f(fp8core)}, args.repeat, args.block,
                                    ratio=("this", "base"))
             rows.append({"op": op, "input": name, "base_us": stats["base"][0] * 1e6,
-                         "this_us": stats["this"][0] * 1e6, "this_over_base": r})
+                         "this_us": stats["this"][0] * 1e6, "this_over_base": r,
+                         **{f"{k}_p{p}_us": stats[k][i] * 1e6 for k in ("base", "this") for i, p in ((1, 20), (2, 80))}})
             print(f"{op:32s} {name:6s} {rows[-1]['base_us']:8.1f} {rows[-1]['this_us']:8.1f} {r:10.2f}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

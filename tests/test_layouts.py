@@ -254,3 +254,7 @@ def test_torch_ops_take_the_layout_by_name(x):
     assert np.array_equal(t.scale.view(torch.uint8).numpy(), bits(quantize_mxfp8(x.T.copy()).scale))
     with pytest.raises(ValueError, match=r"^t\.scale: expected shape \(64, 8\) \(rowwise\)"):
         torch.ops.fp8core.transpose_blocks(col.data, col.scale, "1x32")
+    with pytest.raises(ValueError, match=r"^layout: expected 'tensor' or '1x32' .* got '1x64'"):
+        torch.ops.fp8core.block_gemm(a.data, a.scale, b.data, b.scale, "1x64", "128x128", torch.float32)
+    with pytest.raises(ValueError, match=r"^block: expected '1x128' or '128x128', got '1x32'"):
+        torch.ops.fp8core.quantize_blockwise(tx, "e4m3", "1x32", True, 0.0)

@@ -22,8 +22,8 @@ from fp8core.args import as_format
 from fp8core.blocks import gemm_layouts, scale_dtypes
 from fp8core.blocks import gemm_operands as split_block_operands
 from fp8core.formats import Format
-from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
 from fp8core.gemm import check_bias, check_shapes
+from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
 from fp8core.scaling import check_update_shapes
 
 

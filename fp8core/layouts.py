@@ -91,7 +91,8 @@ def resolve(layout: Layout | None, family: tuple[Layout, ...], shape: tuple[int,
             arg: str) -> Layout:
     """The layout of scales of ``scale_shape`` over data viewed as ``shape``: ``layout`` where the tensor names
     one (its shape checked), else the first of ``family`` whose shape it has. Layouts of a kind share a shape
-    only where they mean the same blocks (MX rowwise and columnwise for rows <= 1, 1x128 and 128x128 too)."""
+    only where they mean the same blocks (MX's for at most one row and one column, 1x128's and 128x128's for one
+    row)."""
     scale_shape = tuple(scale_shape)
     candidates = family if layout is None else (layout,)
     for candidate in candidates:

@@ -2,6 +2,7 @@
 named errors, round trips (pickle, unpacking, the MXTensor / BlockScaledTensor spellings), and the GEMM, the
 dequantizers and transpose_blocks going by the layout, on the CPU reference."""
 
+import copy
 import pickle
 
 import ml_dtypes
@@ -109,8 +110,7 @@ def test_pickle_keeps_type_layout_and_bits(x):
     q = quantize_mxfp8(x, "e5m2", columnwise=True)
     for t in (q, quantize_blockwise(x, block="128x128"), ScaledTensor(q.data, q.scale, "32x1"),
               MXTensor(q.data, q.scale), BlockScaledTensor(*quantize_blockwise(x))):
-        for protocol in (2, pickle.HIGHEST_PROTOCOL):
-            back = pickle.loads(pickle.dumps(t, protocol))
+        for back in [pickle.loads(pickle.dumps(t, p)) for p in (0, 2, pickle.HIGHEST_PROTOCOL)] + [copy.deepcopy(t)]:
             _same(back, t)
             assert back._layout is t._layout and back.encoding is t.encoding
 

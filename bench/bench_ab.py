@@ -2,7 +2,8 @@
 both imported in one process and timed in alternating blocks (bench_cpu.interleaved), 16 elements, NumPy and
 torch CPU inputs. On a VM whose speed drifts 2x within a minute, only such a same-moment ratio measures a change.
 ``--large``: instead, NumPy inputs at a flax training step's shapes and beyond (GEMMs of a 3-layer MLP at width 256
-and 1024, batch 64; transposes up to 4096x4096).
+and 1024, batch 64; transposes up to 4096x4096). ``--blocks``: instead, block scaling's calls on small NumPy inputs
+(quantizers, dequantizers, transpose_blocks, the block-scaled GEMMs): its host overhead.
 
     git worktree add /tmp/base <commit> && python bench/bench_ab.py /tmp/base [--repeat 80] [--large] [--json out.json]
 """
@@ -75,12 +76,41 @@ def large_calls() -> dict:
     return ops
 
 
+def block_calls() -> dict:
+    """op -> f(module): one block-scaling call on a small NumPy input; its operands quantized once per module
+    (each module takes its own scaled tensors)."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((16, 128)).astype(np.float32), rng.standard_normal((16, 128)).astype(np.float32)
+    made: dict = {}
+
+    def once(fc, name: str, make):
+        if (fc, name) not in made:
+            made[fc, name] = make(fc)
+        return made[fc, name]
+
+    mx = lambda fc: fc.quantize_mxfp8(x)  # noqa: E731
+    mx_pair = lambda fc: (fc.quantize_mxfp8(x), fc.quantize_mxfp8(w))  # noqa: E731
+    blocks = lambda fc: fc.quantize_blockwise(x)  # noqa: E731
+    block_pair = lambda fc: (fc.quantize_blockwise(x), fc.quantize_blockwise(w, block="128x128"))  # noqa: E731
+    return {
+        "quantize_mxfp8 16x128": mx,
+        "quantize_mxfp8_both 16x128": lambda fc: fc.quantize_mxfp8_both(x),
+        "quantize_blockwise 16x128": blocks,
+        "dequantize_mxfp8 16x128": lambda fc: fc.dequantize_mxfp8(once(fc, "mx", mx)),
+        "dequantize_blockwise 16x128": lambda fc: fc.dequantize_blockwise(once(fc, "blocks", blocks)),
+        "transpose_blocks 16x128 mx": lambda fc: fc.transpose_blocks(once(fc, "mx", mx)),
+        "gemm mx 16x16x128": lambda fc: fc.gemm(*once(fc, "mx_pair", mx_pair), out_dtype="float32"),
+        "gemm 1x128 x 128x128 16x16x128": lambda fc: fc.gemm(*once(fc, "block_pair", block_pair), out_dtype="float32"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("base", help="a checkout (git worktree) of the fp8core to compare with")
     ap.add_argument("--repeat", type=int, default=80, help="blocks per candidate")
     ap.add_argument("--block", type=int, default=200, help="calls per block")
     ap.add_argument("--large", action="store_true", help="training-step shapes (NumPy) instead of 16 elements")
+    ap.add_argument("--blocks", action="store_true", help="block scaling's calls (NumPy) instead of 16 elements")
     ap.add_argument("--json")
     args = ap.parse_args()
     base = load_base(args.base)
@@ -89,7 +119,7 @@ def main() -> None:
     try:
         import torch
 
-        if not args.large:  # --large: NumPy only
+        if not (args.large or args.blocks):  # NumPy only
             inputs.append(("torch", torch.from_numpy(x.copy()), torch.tensor([2.0]), torch.zeros(1)))
     except ImportError:
         pass
@@ -101,11 +131,13 @@ def main() -> None:
     print(f"{'op':32s} {'input':6s} {'base':>8s} {'this':>8s} {'this/base':>10s}")
     rows = []
     for name, xin, scale, slot in inputs:
-        for op, f in (large_calls() if args.large else calls(xin, scale, slot)).items():
+        ops = large_calls() if args.large else block_calls() if args.blocks else calls(xin, scale, slot)
+        for op, f in ops.items():
             stats, r = interleaved({"base": lambda: f(base), "this": lambda: f(fp8core)}, args.repeat, args.block,
                                    ratio=("this", "base"))
             rows.append({"op": op, "input": name, "base_us": stats["base"][0] * 1e6,
-                         "this_us": stats["this"][0] * 1e6, "this_over_base": r})
+                         "this_us": stats["this"][0] * 1e6, "this_over_base": r,
+                         **{f"{k}_p{p}_us": stats[k][i] * 1e6 for k in ("base", "this") for i, p in ((1, 20), (2, 80))}})
             print(f"{op:32s} {name:6s} {rows[-1]['base_us']:8.1f} {rows[-1]['this_us']:8.1f} {r:10.2f}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

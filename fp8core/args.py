@@ -18,6 +18,7 @@ import numpy as np
 from ._fpenv import ieee
 from ._tensor import Tensor, logical_numpy_dtype, storage_dtype, wrap
 from .formats import ENCODINGS, FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, Encoding, Format, dtype_name
+from .layouts import Layout
 
 MAX_MARGIN = 512
 # A delayed-scaling state's dimensions: the update kernel takes the history length as a 32-bit int, and a count
@@ -138,13 +139,9 @@ def uint64(value: Any, arg: str) -> int:
     return int(value)
 
 
-def block_rows(block: Any) -> int:
-    """Rows of an fp32-scaled block: 1 for "1x128" (or (1, 128)), 128 for "128x128"."""
-    table = {"1x128": 1, (1, 128): 1, "128x128": 128, (128, 128): 128}
-    key = tuple(block) if isinstance(block, (tuple, list)) else block
-    if not isinstance(key, (str, tuple)) or key not in table:
-        raise ValueError(f"block: expected '1x128' or '128x128', got {block!r}")
-    return table[key]
+def block(value: Any, arg: str = "block") -> Layout:
+    """An fp32-scaled block layout: "1x128" (or (1, 128), Layout.BLOCK_1X128) or "128x128"."""
+    return Layout.parse(value, arg, Layout.BLOCK_1X128.family)
 
 
 def scale_value(value: Any, arg: str) -> float:

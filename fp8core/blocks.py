@@ -4,48 +4,36 @@ Every primitive works on the 2-D view ``[rows, cols]`` of its input (leading dim
 ``cast_transpose`` does), validates like :mod:`fp8core.ops`, picks the backend by device and returns the
 caller's array type. The numerics are docs/numerics.md's "Block scaling"; both backends give the same bits.
 
-A block-scaled result is a typed pair: :class:`MXTensor` ``(data, scale)`` with E8M0 scale bytes
-(``float8_e8m0fnu`` for NumPy, torch and JAX; uint8 storage for CuPy), or :class:`BlockScaledTensor`
-``(data, scale_inv)`` with fp32 scale inverses. Both go straight into :func:`fp8core.gemm`.
+A block-scaled result is a :class:`fp8core.layouts.ScaledTensor` that names its layout: an :class:`MXTensor`
+``(data, scale)`` with E8M0 scale bytes (``float8_e8m0fnu`` for NumPy, torch and JAX; uint8 storage for CuPy),
+or a :class:`BlockScaledTensor` ``(data, scale_inv)`` with fp32 scale inverses. Every function here and
+:func:`fp8core.gemm` go by the layout (one built from the pair alone has the one its scale's shape means).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 from . import args, backends, formats
 from ._tensor import Tensor, export, wrap
-from .args import cdiv
 from .formats import FP8_DTYPES, Encoding, Format
+from .layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, resolve
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
-           "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "MX_BLOCK", "FP32_BLOCK", "E8M0",
-           "mx_scale_shape", "mx_layout", "block_scale_shape", "block_layout", "gemm_operands", "gemm_blocks"]
+           "quantize_blockwise", "dequantize_blockwise", "dequantize_blocks", "transpose_blocks", "MX_BLOCK",
+           "FP32_BLOCK", "E8M0", "scale_dtypes", "transposed_layout", "gemm_operands", "gemm_scales", "gemm_layouts"]
 
 Array = Any
 MX_BLOCK = 32
 FP32_BLOCK = 128
 E8M0 = formats.E8M0.dtype_name  # the scales' dtype: float8_e8m0fnu
+_CLASSES = {"mx": MXTensor, "blocks": BlockScaledTensor}  # the block kinds, and the names of their pairs
+_FAMILIES = {kind: layout.family for kind, layout in (("mx", Layout.MX_ROWWISE), ("blocks", Layout.BLOCK_1X128))}
 
 
-class MXTensor(NamedTuple):
-    """MXFP8 data and its E8M0 scales.
-
-    data: fp8 (E4M3 or E5M2), the input's shape. scale: E8M0 bytes, ``[rows, ceil(cols/32)]`` when each block
-    is 32 consecutive elements of a row (rowwise), ``[ceil(rows/32), cols]`` when 32 of a column (columnwise).
-    Element ``data[r, c]`` is ``q * 2^(e - 127)`` with e its block's byte.
-    """
-
-    data: Array
-    scale: Array
-
-
-class BlockScaledTensor(NamedTuple):
-    """FP8 data and one fp32 scale inverse per 1x128 block (``[rows, ceil(cols/128)]``) or per 128x128 tile
-    (``[ceil(rows/128), ceil(cols/128)]``). Element ``data[r, c]`` is ``q * scale_inv[its block]``."""
-
-    data: Array
-    scale_inv: Array
+def scale_dtypes(kind: str) -> tuple[str, ...]:
+    """The dtypes a scale of a layout kind may have: its encoding's, and uint8 storage of E8M0 (CuPy)."""
+    return (E8M0, "uint8") if kind == "mx" else ("float32",)
 
 
 def _scale_tensor(obj: Any, arg: str, like: Tensor, dtypes: tuple[str, ...]) -> Tensor:
@@ -56,10 +44,47 @@ def _scale_tensor(obj: Any, arg: str, like: Tensor, dtypes: tuple[str, ...]) -> 
     return t
 
 
-def _pair(obj: Any, kind: type, arg: str) -> tuple[Any, Any]:
-    if not isinstance(obj, tuple) or len(obj) != 2:
-        raise TypeError(f"{arg}: expected a {kind.__name__} (data, {kind._fields[1]}), got {type(obj).__name__}")
-    return obj[0], obj[1]
+def _family(named: Layout | None, kind: str, arg: str) -> tuple[Layout, ...]:
+    """The block layouts of ``kind`` (MX, fp32 blocks), where ``named`` must be."""
+    family = _FAMILIES.get(kind, ())
+    if not family or named not in (None, *family):
+        have = family or [a for f in _FAMILIES.values() for a in f]  # the kernels' layouts
+        raise ValueError(f"{arg}: expected a {' or '.join(have)} layout, got {named or kind}")
+    return family
+
+
+def _parts(t: Any, arg: str, fmt: Any, kind: str | None = None) -> tuple[Tensor, Tensor, Encoding, Layout]:
+    """(data viewed 2-D, scale, encoding, layout) of a ScaledTensor, or of a plain (data, scale) pair of
+    ``kind``, checked: fp8 data, scales of the kind's dtype on its device, in a layout of the kind."""
+    cls = _CLASSES[kind] if kind else type(t) if isinstance(t, ScaledTensor) else ScaledTensor
+    if not isinstance(t, tuple if kind else ScaledTensor) or len(t) != 2:
+        raise TypeError(f"{arg}: expected a {cls.__name__} (data, {cls._fields[1]}), got {type(t).__name__}")
+    named = t._layout if isinstance(t, ScaledTensor) else None
+    kind = kind or t.kind
+    family = _family(named, kind, arg)
+    if fmt is None and isinstance(t, ScaledTensor) and t.encoding is not None:
+        fmt = t.encoding.dtype_name
+    tq, f = args.fp8(t[0], f"{arg}.data", fmt)
+    t2 = args.as_2d(tq, f"{arg}.data")
+    name = f"{arg}.{cls._fields[1]}"
+    ts = _scale_tensor(t[1], name, tq, scale_dtypes(kind))
+    return t2, ts, f.encoding, resolve(named, family, t2.shape, ts.shape, name)
+
+
+def dequantize_blocks(t: ScaledTensor, out_dtype: Any = "float32", *, fmt: Format | str | None = None) -> Array:
+    """:func:`dequantize_mxfp8` or :func:`dequantize_blockwise`, by t's layout.
+
+    t: a ScaledTensor of fp8 data and E8M0 scales in 1x32 or 32x1 blocks, or fp32 scale inverses in 1x128 blocks or
+    128x128 tiles. out_dtype: float32, bfloat16 or float16. Returns data's shape in out_dtype.
+    """
+    return _dequantize(t, None, out_dtype, fmt)
+
+
+def _dequantize(t: Any, kind: str | None, out_dtype: Any, fmt: Any) -> Array:
+    tq, ts, f, layout = _parts(t, "t", fmt, kind)
+    name = args.out_dtype(out_dtype)
+    y = backends.blocks_for_device(tq.device).dequantize_blocks(tq, ts, f, layout, name)
+    return export(y.reshape(wrap(t[0]).shape), name, tq)
 
 
 # ---- MXFP8 ------------------------------------------------------------------------------------------------
@@ -70,15 +95,15 @@ def quantize_mxfp8(x: Array, fmt: Format | str = Format.E4M3, *, scale_mode: str
 
     x: float32/bfloat16/float16, any shape (viewed as [rows, cols]). scale_mode: "rceil" (default; the block's
     amax lands at or below fp8_max) or "floor" (OCP). Returns ``MXTensor(data, scale)``: data fp8 in x's
-    shape; scale E8M0 [rows, ceil(cols/32)], or [ceil(rows/32), cols] when ``columnwise``.
+    shape; scale E8M0 [rows, ceil(cols/32)] (layout ``1x32``), or [ceil(rows/32), cols] (``32x1``) when
+    ``columnwise``.
     """
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     mode = args.scale_mode(scale_mode)
-    cw = args.flag(columnwise, "columnwise")
-    t2 = args.as_2d(t, "x")
-    q, s = backends.blocks_for_device(t.device).quantize_mxfp8(t2, f, mode, cw)
-    return MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t))
+    layout = Layout.MX_COLUMNWISE if args.flag(columnwise, "columnwise") else Layout.MX_ROWWISE
+    q, s = backends.blocks_for_device(t.device).quantize_mxfp8(args.as_2d(t, "x"), f, mode, layout)
+    return MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t), layout, f)
 
 
 def quantize_mxfp8_both(x: Array, fmt: Format | str = Format.E4M3, *,
@@ -89,44 +114,17 @@ def quantize_mxfp8_both(x: Array, fmt: Format | str = Format.E4M3, *,
     f = args.encoding(fmt)
     mode = args.scale_mode(scale_mode)
     q, s, qc, sc = backends.blocks_for_device(t.device).quantize_mxfp8_both(args.as_2d(t, "x"), f, mode)
-    return (MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t)),
-            MXTensor(export(qc.reshape(t.shape), f.dtype_name, t), export(sc, E8M0, t)))
-
-
-def mx_scale_shape(rows: int, cols: int, columnwise: bool) -> tuple[int, int]:
-    """The E8M0 scale's shape for data viewed as [rows, cols]: one byte per 32 of a row (or of a column)."""
-    return (cdiv(rows, MX_BLOCK), cols) if columnwise else (rows, cdiv(cols, MX_BLOCK))
-
-
-def mx_layout(shape: tuple[int, int], scale_shape: tuple[int, ...], arg: str = "scale") -> bool:
-    """True for columnwise scales of a [rows, cols] tensor, False for rowwise; the two shapes coincide only
-    where they mean the same blocks (rows <= 1 and cols <= 1)."""
-    row, col = mx_scale_shape(*shape, False), mx_scale_shape(*shape, True)
-    if tuple(scale_shape) in (row, col):
-        return tuple(scale_shape) != row
-    raise ValueError(f"{arg}: expected shape {row} (rowwise) or {col} (columnwise) for data viewed as "
-                     f"{tuple(shape)}, got {tuple(scale_shape)}")
-
-
-def _mx_parts(t: Any, arg: str, fmt: Any) -> tuple[Tensor, Tensor, Encoding, bool]:
-    data, scale = _pair(t, MXTensor, arg)
-    tq, f = args.fp8(data, f"{arg}.data", fmt)
-    t2 = args.as_2d(tq, f"{arg}.data")
-    ts = _scale_tensor(scale, f"{arg}.scale", tq, (E8M0, "uint8"))
-    return t2, ts, f.encoding, mx_layout(t2.shape, ts.shape, f"{arg}.scale")
+    return (MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t), Layout.MX_ROWWISE, f),
+            MXTensor(export(qc.reshape(t.shape), f.dtype_name, t), export(sc, E8M0, t), Layout.MX_COLUMNWISE, f))
 
 
 def dequantize_mxfp8(t: MXTensor, out_dtype: Any = "float32", *, fmt: Format | str | None = None) -> Array:
     """``y = ROUND_TO(out_dtype, fp32(q) * 2^(e - 127))`` per block; NaN (and the NaN scale byte) canonical.
 
-    t: an :class:`MXTensor` (rowwise or columnwise, told apart by the scale's shape). out_dtype: float32,
-    bfloat16 or float16. fmt names the format of uint8 data (CuPy).
+    t: an :class:`MXTensor` (rowwise or columnwise: its layout, else told apart by the scale's shape).
+    out_dtype: float32, bfloat16 or float16. fmt names the format of uint8 data (CuPy).
     """
-    tq, ts, f, columnwise = _mx_parts(t, "t", fmt)
-    name = args.out_dtype(out_dtype)
-    y = backends.blocks_for_device(tq.device).dequantize_mxfp8(tq, ts, f, columnwise, name)
-    shape = wrap(t[0]).shape
-    return export(y.reshape(shape), name, tq)
+    return _dequantize(t, "mx", out_dtype, fmt)
 
 
 # ---- fp32 block scales ------------------------------------------------------------------------------------
@@ -136,123 +134,101 @@ def quantize_blockwise(x: Array, fmt: Format | str = Format.E4M3, *, block: Any 
     """Quantization with one fp32 scale per 1x128 block or 128x128 tile, each from its own amax by the
     per-tensor scale rule (``power_of_2``, ``epsilon``; 1.0 where a block's amax is 0, inf or NaN).
 
-    x: float32/bfloat16/float16, any shape (viewed as [rows, cols]). Returns ``BlockScaledTensor(data,
-    scale_inv)``: data fp8 in x's shape, scale_inv float32 [rows, ceil(cols/128)] ("1x128") or
-    [ceil(rows/128), ceil(cols/128)] ("128x128").
+    x: float32/bfloat16/float16, any shape (viewed as [rows, cols]). block: "1x128" or "128x128" (or a Layout,
+    or (1, 128) / (128, 128)). Returns ``BlockScaledTensor(data, scale_inv)``: data fp8 in x's shape, scale_inv
+    float32 [rows, ceil(cols/128)] ("1x128") or [ceil(rows/128), ceil(cols/128)] ("128x128").
     """
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
-    br = args.block_rows(block)
+    layout = args.block(block)
     pow2 = args.flag(power_of_2, "power_of_2")
-    q, s_inv = backends.blocks_for_device(t.device).quantize_blockwise(args.as_2d(t, "x"), f, br, pow2,
+    q, s_inv = backends.blocks_for_device(t.device).quantize_blockwise(args.as_2d(t, "x"), f, layout, pow2,
                                                                        args.epsilon(epsilon))
-    return BlockScaledTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s_inv, "float32", t))
-
-
-def block_scale_shape(rows: int, cols: int, block_rows: int) -> tuple[int, int]:
-    """The fp32 scale_inv's shape for data viewed as [rows, cols] in blocks of ``block_rows`` x 128."""
-    return cdiv(rows, block_rows), cdiv(cols, FP32_BLOCK)
-
-
-def block_layout(shape: tuple[int, int], scale_shape: tuple[int, ...], arg: str = "scale_inv") -> int:
-    """Block rows (1 or 128) that a scale_inv of ``scale_shape`` means for data viewed as ``shape``; the two
-    layouts coincide only for rows <= 1, where a 128x128 tile is a 1x128 block."""
-    blocks, tiles = block_scale_shape(*shape, 1), block_scale_shape(*shape, FP32_BLOCK)
-    if tuple(scale_shape) in (blocks, tiles):
-        return 1 if tuple(scale_shape) == blocks else FP32_BLOCK
-    raise ValueError(f"{arg}: expected shape {blocks} (1x128 blocks) or {tiles} (128x128 tiles) for data viewed "
-                     f"as {tuple(shape)}, got {tuple(scale_shape)}")
-
-
-def _block_parts(t: Any, arg: str, fmt: Any) -> tuple[Tensor, Tensor, Encoding, int]:
-    data, scale_inv = _pair(t, BlockScaledTensor, arg)
-    tq, f = args.fp8(data, f"{arg}.data", fmt)
-    t2 = args.as_2d(tq, f"{arg}.data")
-    ts = _scale_tensor(scale_inv, f"{arg}.scale_inv", tq, ("float32",))
-    return t2, ts, f.encoding, block_layout(t2.shape, ts.shape, f"{arg}.scale_inv")
+    return BlockScaledTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s_inv, "float32", t), layout, f)
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = "float32", *,
                          fmt: Format | str | None = None) -> Array:
     """``y = ROUND_TO(out_dtype, fp32(q) * scale_inv[block])``; NaN canonical.
 
-    t: a :class:`BlockScaledTensor` (1x128 or 128x128, told apart by the scale_inv's shape).
+    t: a :class:`BlockScaledTensor` (1x128 or 128x128: its layout, else told apart by the scale_inv's shape).
     """
-    tq, ts, f, br = _block_parts(t, "t", fmt)
-    name = args.out_dtype(out_dtype)
-    y = backends.blocks_for_device(tq.device).dequantize_blockwise(tq, ts, f, br, name)
-    return export(y.reshape(wrap(t[0]).shape), name, tq)
+    return _dequantize(t, "blocks", out_dtype, fmt)
 
 
 # ---- transposes --------------------------------------------------------------------------------------------
 
-def transpose_blocks(t: MXTensor | BlockScaledTensor, *, fmt: Format | str | None = None) -> Any:
+def transpose_blocks(t: ScaledTensor, *, fmt: Format | str | None = None) -> ScaledTensor:
     """The block-scaled transpose, bits unchanged: what a backward GEMM takes as its K-major operand.
 
-    An MXTensor of x [rows, cols] (viewed 2-D) becomes the MXTensor of x.T: columnwise scales become rowwise
-    ones and back (so ``transpose_blocks(quantize_mxfp8(x, columnwise=True))`` equals
-    ``quantize_mxfp8(x.T)`` bit for bit). A BlockScaledTensor of 128x128 tiles becomes that of x.T; 1x128
-    blocks have no transpose (quantize x.T instead).
+    A ScaledTensor of x [rows, cols] (viewed 2-D) becomes the one of x.T, of the same type, in the transposed
+    layout: MX's columnwise scales become rowwise ones and back (so ``transpose_blocks(quantize_mxfp8(x,
+    columnwise=True))`` equals ``quantize_mxfp8(x.T)`` bit for bit), 128x128 tiles stay tiles. 1x128 blocks have
+    no transpose (quantize x.T instead).
     """
-    if isinstance(t, MXTensor):
-        tq, ts, f, _ = _mx_parts(t, "t", fmt)
-    else:
-        tq, ts, f, br = _block_parts(t, "t", fmt)
-        if br == 1 and tq.shape[0] > 1:
-            raise ValueError("t: 1x128 blocks lie along rows and have no transpose; quantize the transposed "
-                             "tensor instead")
+    tq, ts, f, layout = _parts(t, "t", fmt)
+    layout_t = transposed_layout(layout, tq.shape[0])
     q_t = backends.for_device(tq.device).transpose(tq)
     s_t = backends.blocks_for_device(tq.device).transpose_scale(ts)
-    return type(t)(export(q_t, f.dtype_name, tq), export(s_t, ts.dtype, tq))
+    return type(t)(export(q_t, f.dtype_name, tq), export(s_t, ts.dtype, tq), layout_t, f)
+
+
+def transposed_layout(layout: Layout, rows: int) -> Layout:
+    """The layout of the transpose's scales, for data of ``rows`` rows (viewed 2-D); 1x128 blocks have none but
+    in a single row, where they are a 128x128 tile's."""
+    if layout.transposed is None and rows > 1:
+        raise ValueError(f"t: {layout.value} blocks lie along rows and have no transpose; quantize the transposed "
+                         "tensor instead")
+    return layout.transposed or Layout.BLOCK_128X128
 
 
 # ---- operands of fp8core.gemm -----------------------------------------------------------------------------
 
-class GemmBlocks(NamedTuple):
-    """Block-scaled GEMM operands, unpacked and validated for :func:`fp8core.gemm` (the same on every backend).
-
-    a_block / b_block: "1x32" (MXFP8), "1x128" or "128x128"; the scales are the operands' own arrays.
-    """
-
-    a_data: Any
-    b_data: Any
-    a_scale: Any
-    b_scale: Any
-    kind: type
-
-
-def gemm_operands(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any) -> GemmBlocks:
-    """Split block-scaled a and b into data and scales; both must be MXTensor or both BlockScaledTensor."""
+def gemm_operands(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any) -> None:
+    """Scaled GEMM operands: both ScaledTensors of one kind (MX, fp32 blocks, one scale), no separate scales."""
     for arg, obj in (("a", a), ("b", b)):
-        if not isinstance(obj, (MXTensor, BlockScaledTensor)):
+        if not isinstance(obj, ScaledTensor):
             raise TypeError(f"{arg}: with a block-scaled operand, expected an MXTensor or a BlockScaledTensor, "
                             f"got {type(obj).__name__}; quantize both operands with the same scheme")
-    if type(a) is not type(b):
-        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__}; a block-scaled GEMM takes "
-                         "MXFP8 x MXFP8 or fp32 blocks x fp32 blocks")
+    if a.kind != b.kind:
+        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__} ({a.kind} and {b.kind} scales); "
+                         "a block-scaled GEMM takes MXFP8 x MXFP8 or fp32 blocks x fp32 blocks")
     for arg, value in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
         if value is not None:
             raise ValueError(f"{arg}: block-scaled operands carry their own scales; pass no {arg}")
-    return GemmBlocks(a[0], b[0], a[1], b[1], type(a))
 
 
-def gemm_blocks(mx: bool, m: int, n: int, k: int, a_scale_shape: tuple[int, ...],
-                b_scale_shape: tuple[int, ...]) -> tuple[str, str]:
-    """(a_block, b_block) of a block-scaled ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's limits, from shapes alone:
-    the one statement of the rule, for the core and the front-ends that check it while tracing."""
-    if mx:
+def gemm_scales(a: ScaledTensor, b: ScaledTensor, ta: Tensor, tb: Tensor, k: int,
+                out_name: str) -> tuple[Tensor, Tensor, Layout, Layout]:
+    """(a's scales, b's, a's layout, b's), after the checks cuBLASLt imposes on a scaled GEMM of a [M, K] (ta)
+    and b [N, K] (tb)."""
+    if out_name in FP8_DTYPES:
+        raise ValueError(f"out_dtype: a block-scaled GEMM writes float32, bfloat16 or float16, got {out_name}")
+    scales = []
+    for arg, t, data in (("a", a, ta), ("b", b, tb)):
+        name = f"{arg}.{t._fields[1]}"
+        family = _family(t._layout, t.kind, arg)
+        ts = _scale_tensor(t[1], name, ta, scale_dtypes(t.kind))
+        scales += [ts, resolve(t._layout, family, data.shape, ts.shape, name)]
+    sa, la, sb, lb = scales
+    gemm_layouts(la, lb, ta.shape[0], tb.shape[0], k)
+    return sa, sb, la, lb
+
+
+def gemm_layouts(a_layout: Layout, b_layout: Layout, m: int, n: int, k: int) -> None:
+    """The scaled ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's limits, from layouts and shapes alone: the one
+    statement of the rule, for the core and the front-ends that check it while tracing."""
+    if a_layout.kind == "mx":
         if k % MX_BLOCK:
             raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
-        for arg, shape, rows in (("a.scale", a_scale_shape, m), ("b.scale", b_scale_shape, n)):
-            if tuple(shape) != (rows, k // MX_BLOCK):
+        for arg, layout, rows in (("a.scale", a_layout, m), ("b.scale", b_layout, n)):
+            if layout != Layout.MX_ROWWISE:
                 raise ValueError(f"{arg}: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
-                                 f"{(rows, k // MX_BLOCK)}, got {tuple(shape)}")
-        return "1x32", "1x32"
+                                 f"{Layout.MX_ROWWISE.scale_shape(rows, k)}, got {layout.scale_shape(rows, k)}")
+        return
     if k % FP32_BLOCK:
         raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole blocks)")
-    ka = "1x128" if block_layout((m, k), a_scale_shape, "a.scale_inv") == 1 else "128x128"
-    kb = "1x128" if block_layout((n, k), b_scale_shape, "b.scale_inv") == 1 else "128x128"
-    if ka == kb == "128x128":
+    if a_layout == b_layout == Layout.BLOCK_128X128:
         raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) in "
                          "1x128 blocks")
     # cuBLASLt 13.1 on an H200 found no algorithm for M = 1 and M = 130 (run of 2026-11-26) and ran M = 8, 20, 136;
@@ -261,16 +237,3 @@ def gemm_blocks(mx: bool, m: int, n: int, k: int, a_scale_shape: tuple[int, ...]
         raise ValueError(f"a: M = {m}; a 1x128/128x128 block GEMM needs M to be a multiple of 8 (as Transformer "
                          "Engine asks; cuBLASLt found no algorithm for M = 1 or 130), on both backends: pad a's rows "
                          "with zeros")
-    return ka, kb
-
-
-def gemm_scales(blocks: GemmBlocks, ta: Tensor, tb: Tensor, k: int, out_name: str) -> tuple[Any, Any, str, str]:
-    """(a_scale, b_scale, a_block, b_block): the scales as backend arrays, after the checks cuBLASLt imposes."""
-    if out_name in FP8_DTYPES:
-        raise ValueError(f"out_dtype: a block-scaled GEMM writes float32, bfloat16 or float16, got {out_name}")
-    mx = blocks.kind is MXTensor
-    names, dtypes = (("a.scale", "b.scale"), (E8M0, "uint8")) if mx else (("a.scale_inv", "b.scale_inv"), ("float32",))
-    sa = _scale_tensor(blocks.a_scale, names[0], ta, dtypes)
-    sb = _scale_tensor(blocks.b_scale, names[1], ta, dtypes)
-    a_block, b_block = gemm_blocks(mx, ta.shape[0], tb.shape[0], k, sa.shape, sb.shape)
-    return sa.data, sb.data, a_block, b_block

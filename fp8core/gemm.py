@@ -13,7 +13,9 @@ from typing import Any
 from . import args, backends
 from ._tensor import Tensor, export, wrap
 from .args import as_format
+from .blocks import gemm_operands, gemm_scales
 from .formats import ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
+from .layouts import Layout, ScaledTensor
 
 __all__ = ["gemm", "GemmSpec", "ALIGNMENT", "MULTIPLE", "check_shapes", "check_bias"]
 
@@ -38,8 +40,8 @@ class GemmSpec:
     out_dtype: str          # logical name: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2
     bias_dtype: str | None
     fast_accum: bool
-    a_block: str | None = None  # block-scaled operands (fp8core.blocks): "1x32", "1x128" or "128x128"
-    b_block: str | None = None
+    a_block: Layout | None = None  # block-scaled operands: Layout.MX_ROWWISE, BLOCK_1X128 or BLOCK_128X128
+    b_block: Layout | None = None
 
     @property
     def out_fmt(self) -> Format | None:
@@ -147,24 +149,25 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
 
     FP4 operands (:mod:`fp8core.fp4`: NVFP4Tensor x NVFP4Tensor or MXFP4Tensor x MXFP4Tensor, blocks along K,
     K a multiple of 32) carry their scales: out_dtype (float32, bfloat16, float16) and bias only.
-    Block-scaled operands (:mod:`fp8core.blocks`) carry their scales, so a_scale_inv and b_scale_inv stay
-    None: rowwise ``MXTensor`` x ``MXTensor`` (1x32 E8M0 blocks along K, K a multiple of 32; cuBLASLt on
-    sm_100+), or ``BlockScaledTensor`` x ``BlockScaledTensor`` with 1x128 and/or 128x128 fp32 blocks (not both
-    128x128; K a multiple of 128, M of 8; cuBLASLt >= 12.9 on sm_90 only; no use_fast_accum). Their output is float32,
-    bfloat16 or float16.
+    Scaled operands (:class:`fp8core.ScaledTensor`) carry their scales, so a_scale_inv and b_scale_inv stay
+    None; the GEMM goes by their layouts (both of one kind): rowwise MX x MX (``Layout.MX_ROWWISE``, 1x32 E8M0
+    blocks along K, K a multiple of 32; cuBLASLt on sm_100+), 1x128 and/or 128x128 fp32 blocks (not both 128x128;
+    K a multiple of 128, M of 8; cuBLASLt >= 12.9 on sm_90 only; no use_fast_accum), whose output is float32,
+    bfloat16 or float16; or one scale each (``Layout.TENSORWISE``), the per-tensor GEMM above.
     """
     fast_accum = args.flag(use_fast_accum, "use_fast_accum")
-    blocks = None
+    scaled = None
     if isinstance(a, tuple):
         from .fp4 import MXFP4Tensor, NVFP4Tensor
 
         if isinstance(a, (NVFP4Tensor, MXFP4Tensor)):
             return _fp4(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, out_amax, fast_accum, out)
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        from .blocks import gemm_operands
-
-        blocks = gemm_operands(a, b, a_scale_inv, b_scale_inv)
-        a, b = blocks.a_data, blocks.b_data
+    if isinstance(a, ScaledTensor) or isinstance(b, ScaledTensor):
+        gemm_operands(a, b, a_scale_inv, b_scale_inv)
+        if a.kind == "tensor":  # one scale each: the per-tensor GEMM with the scales they carry
+            a, b, a_scale_inv, b_scale_inv = a[0], b[0], a[1], b[1]
+        else:
+            scaled, a, b = (a, b), a[0], b[0]
     elif a_scale_inv is None or b_scale_inv is None:
         raise TypeError(f"{'a_scale_inv' if a_scale_inv is None else 'b_scale_inv'}: required for fp8 operands "
                         "with per-tensor scales")
@@ -175,12 +178,11 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     out_name = _parse_out_dtype(out_dtype)
     if out_name == "float8_e5m2" and Format.E5M2 not in (fa, fb):
         raise ValueError("out_dtype: E5M2 output needs an E5M2 operand (cuBLASLt); use E4M3 for E4M3 x E4M3")
-    a_block = b_block = None
-    if blocks is not None:
-        from .blocks import gemm_scales
-
-        sa, sb, a_block, b_block = gemm_scales(blocks, ta, tb, k, out_name)
-        if fast_accum and a_block != "1x32":
+    a_layout = b_layout = None
+    if scaled is not None:
+        sa, sb, a_layout, b_layout = gemm_scales(*scaled, ta, tb, k, out_name)
+        sa, sb = sa.data, sb.data
+        if fast_accum and a_layout.kind != "mx":
             # torch._scaled_mm refuses it and Transformer Engine's Float8BlockScaling always splits the
             # accumulator: the block scales are applied where each K-block's partial sum is promoted to fp32.
             raise ValueError("use_fast_accum: a 1x128/128x128 block GEMM accumulates in fp32 at every 128-wide "
@@ -205,7 +207,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
                                          ("b_scale_inv", sb), ("out_scale", so), ("out_amax", am)])
         dst = to.data
     spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, fast_accum,
-                    a_block, b_block)
+                    a_layout, b_layout)
     d = backends.for_device(ta.device).gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
     return out if out is not None else export(d, out_name, ta)
 

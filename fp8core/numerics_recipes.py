@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fp8core.blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequantize_mxfp8, quantize_blockwise,
-                            quantize_mxfp8)
+from fp8core.blocks import dequantize_blocks, quantize_blockwise, quantize_mxfp8
 from fp8core.formats import Format
+from fp8core.layouts import Layout, ScaledTensor
 from fp8core.numerics_stats import Recipe
 from fp8core.ops import dequantize, quantize_dynamic
 
@@ -30,34 +30,32 @@ def _current(fmt: Format) -> Recipe:
                   lambda x: quantize_dynamic(x, fmt)[:2], part, scale_inv=lambda q: float(q[1][0]))
 
 
+def _blocked(name: str, doc: str, layout: Layout, quantize: Any) -> Recipe:
+    br, bc = layout.block
+
+    def part(t: ScaledTensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        piece = ScaledTensor(np.ascontiguousarray(t.data[r0:r1, c0:c1]),
+                             np.ascontiguousarray(t.scale[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)]), layout)
+        return piece.data, dequantize_blocks(piece)
+
+    return Recipe(name, doc, Format.E4M3, quantize, part, row_step=br, block=layout.block)
+
+
 def _mxfp8(mode: str) -> Recipe:
-    def part(t: MXTensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
-        piece = MXTensor(np.ascontiguousarray(t.data[r0:r1, c0:c1]),
-                         np.ascontiguousarray(t.scale[r0:r1, c0 // 32:-(-c1 // 32)]))
-        return piece.data, dequantize_mxfp8(piece)
-
-    return Recipe(f"mxfp8_{mode}", f"MXFP8BlockScaling, E4M3, scale_mode {mode}: an E8M0 scale per 1x32 block",
-                  Format.E4M3, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode), part, block=(1, 32))
+    return _blocked(f"mxfp8_{mode}", f"MXFP8BlockScaling, E4M3, scale_mode {mode}: an E8M0 scale per 1x32 block",
+                    Layout.MX_ROWWISE, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode))
 
 
-def _blockwise(rows_per_block: int) -> Recipe:
-    block = f"{rows_per_block}x128"
-
-    def part(t: BlockScaledTensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
-        scale = t.scale_inv[r0 // rows_per_block:-(-r1 // rows_per_block), c0 // 128:-(-c1 // 128)]
-        piece = BlockScaledTensor(np.ascontiguousarray(t.data[r0:r1, c0:c1]), np.ascontiguousarray(scale))
-        return piece.data, dequantize_blockwise(piece)
-
-    return Recipe(f"block_{block}", f"Float8BlockScaling, E4M3: a power-of-2 fp32 scale per {block} block",
-                  Format.E4M3, lambda x: quantize_blockwise(x, Format.E4M3, block=block), part,
-                  row_step=rows_per_block, block=(rows_per_block, 128))
+def _blockwise(layout: Layout) -> Recipe:
+    return _blocked(f"block_{layout.value}", f"Float8BlockScaling, E4M3: a power-of-2 fp32 scale per {layout.value} "
+                    "block", layout, lambda x: quantize_blockwise(x, Format.E4M3, block=layout))
 
 
 # A tie in SQNR goes to the recipe listed first: one scale per tensor before any block recipe, which has
 # scales to keep per block.
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    _current(Format.E4M3), _current(Format.E5M2), _mxfp8("rceil"), _mxfp8("floor"), _blockwise(1),
-    _blockwise(128))}
+    _current(Format.E4M3), _current(Format.E5M2), _mxfp8("rceil"), _mxfp8("floor"),
+    _blockwise(Layout.BLOCK_1X128), _blockwise(Layout.BLOCK_128X128))}
 
 BLOCK_RULE = ("block recipes run along the last dimension (a tensor is viewed as [rows, last dim]; 1-D is one "
               "row); a partial block at an edge is zero-padded in effect (its scale comes from its own elements); "

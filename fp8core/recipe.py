@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 from . import args
 from .args import AMAX_ALGOS, MAX_HISTORY_LEN
 from .formats import Format
+from .layouts import Layout
 
 __all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling"]
 
@@ -150,5 +151,11 @@ class Float8BlockScaling:
             value = getattr(self, name)
             if isinstance(value, bool) or value not in _BLOCK_DIMS:
                 raise ValueError(f"{name}: expected 1 (1x128 blocks) or 2 (128x128 tiles), got {value!r}")
+
+    @property
+    def layouts(self) -> tuple[Layout, Layout, Layout]:
+        """The (input, weight, grad_output) layouts the block dims name: 1 -> 1x128, 2 -> 128x128."""
+        dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
+        return tuple(Layout.BLOCK_1X128 if d == 1 else Layout.BLOCK_128X128 for d in dims)
 
     __repr__ = _repr

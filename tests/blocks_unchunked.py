@@ -10,7 +10,8 @@ import numpy as np
 from fp8core._fpenv import ieee
 from fp8core._tensor import logical_numpy_dtype
 from fp8core.backends.cpu import scale_rule
-from fp8core.backends.cpu_blocks import FP32_BLOCK, e8m0_factor, e8m0_floor, e8m0_rceil
+from fp8core.backends.cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil
+from fp8core.blocks import FP32_BLOCK
 from fp8core.formats import Format
 
 _NAN = {"float32": (np.uint32, 0x7FFFFFFF), "bfloat16": (np.uint16, 0x7FFF), "float16": (np.uint16, 0x7FFF)}

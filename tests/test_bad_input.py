@@ -166,7 +166,7 @@ RULES = [
     ("fmt hybrid named", lambda: args.fmt("hybrid", "fmts"), ValueError, "fmts"),
     ("fmt unhashable", lambda: args.fmt(["e4m3"]), ValueError, "fmt"),
     ("scale_mode", lambda: args.scale_mode("ceil"), ValueError, "scale_mode"),
-    ("block rows", lambda: args.block_rows("1x64"), ValueError, "block"),
+    ("block rows", lambda: args.block("1x64"), ValueError, "block"),
 ]
 
 
@@ -185,5 +185,5 @@ def test_scalar_rules_pass_valid_values_through():
     assert args.out_dtype(torch.bfloat16) == "bfloat16"
     assert args.array_sequence((np.ones(2),))[0].shape == (2,)
     assert args.fmt("E5M2") is fp8core.Format.E5M2 and args.fmt(torch.float8_e4m3fn) is fp8core.Format.E4M3
-    assert args.block_rows((128, 128)) == 128 and args.scale_mode("floor") == "floor"
+    assert args.block((128, 128)) is fp8core.Layout.BLOCK_128X128 and args.scale_mode("floor") == "floor"
     assert args.cdiv(0, 32) == 0 and args.cdiv(33, 32) == 2

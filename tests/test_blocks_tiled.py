@@ -14,6 +14,7 @@ import blocks_unchunked as twin
 from fp8core._tensor import wrap
 from fp8core.backends import cpu_blocks
 from fp8core.formats import ENCODINGS, Format
+from fp8core.layouts import Layout
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 try:
@@ -44,22 +45,25 @@ def check_every_path(x: np.ndarray, fmts=tuple(ENCODINGS), columnwise=(False, Tr
     for fmt in fmts:
         for cw in columnwise:
             for mode in ("rceil", "floor"):
-                got, want = cpu_blocks.quantize_mxfp8(w, fmt.encoding, mode, cw), twin.quantize_mxfp8(x, fmt, mode, cw)
+                layout = Layout.MX_COLUMNWISE if cw else Layout.MX_ROWWISE
+                got = cpu_blocks.quantize_mxfp8(w, fmt.encoding, mode, layout)
+                want = twin.quantize_mxfp8(x, fmt, mode, cw)
                 for g, e in zip(got, want):
                     np.testing.assert_array_equal(u8(g), u8(e), err_msg=f"mxfp8 {fmt} {mode} columnwise={cw}")
             for out in ("float32", "bfloat16", "float16"):
                 np.testing.assert_array_equal(
-                    u8(cpu_blocks.dequantize_mxfp8(wrap(got[0]), wrap(got[1]), fmt.encoding, cw, out)),
+                    u8(cpu_blocks.dequantize_blocks(wrap(got[0]), wrap(got[1]), fmt.encoding, layout, out)),
                     u8(twin.dequantize_mxfp8(got[0], got[1], cw, out)), err_msg=f"dequantize_mxfp8 {out}")
         for br in brs:
             for pow2 in (True, False):
-                got = cpu_blocks.quantize_blockwise(w, fmt.encoding, br, pow2, 1e-30)
+                layout = Layout.BLOCK_1X128 if br == 1 else Layout.BLOCK_128X128
+                got = cpu_blocks.quantize_blockwise(w, fmt.encoding, layout, pow2, 1e-30)
                 want = twin.quantize_blockwise(x, fmt, br, pow2, 1e-30)
                 for g, e in zip(got, want):
                     np.testing.assert_array_equal(u8(g), u8(e), err_msg=f"blockwise {fmt} {br}x128 pow2={pow2}")
             for out in ("float32", "bfloat16"):
                 np.testing.assert_array_equal(
-                    u8(cpu_blocks.dequantize_blockwise(wrap(got[0]), wrap(got[1]), fmt.encoding, br, out)),
+                    u8(cpu_blocks.dequantize_blocks(wrap(got[0]), wrap(got[1]), fmt.encoding, layout, out)),
                     u8(twin.dequantize_blockwise(got[0], got[1], br, out)), err_msg=f"dequantize_blockwise {out}")
 
 

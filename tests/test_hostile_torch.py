@@ -79,12 +79,14 @@ def op_calls(shape):
         "dequantize_blockwise": (O.dequantize_blockwise, (q, e8m0.float(), torch.float32)),
         "dequantize_mxfp8_rowwise": (O.dequantize_mxfp8, (q, mx_scale, torch.float32)),
         "dequantize_blockwise_tiles": (O.dequantize_blockwise, (q, tiles, torch.float32)),
-        "transpose_blocks_mx": (O.transpose_blocks, (q, mx_scale, True)),
-        "transpose_blocks_tiles": (O.transpose_blocks, (q, tiles, False)),
-        "block_gemm_mx": (O.block_gemm, (q, mx_scale, q, mx_scale, True, torch.float32)),
-        "block_gemm_1x128": (O.block_gemm, (q, blocks, q, blocks, False, torch.bfloat16)),
-        "block_gemm_tiles": (O.block_gemm, (q, tiles, q, tiles, False, torch.float32)),
-        "block_gemm_1x128_tiles": (O.block_gemm, (q, blocks, q, tiles, False, torch.float32)),
+        "transpose_blocks_mx": (O.transpose_blocks, (q, mx_scale, "1x32")),
+        "transpose_blocks_tiles": (O.transpose_blocks, (q, tiles, "128x128")),
+        "transpose_blocks_1x128": (O.transpose_blocks, (q, blocks, "1x128")),
+        "block_gemm_mx": (O.block_gemm, (q, mx_scale, q, mx_scale, "1x32", "1x32", torch.float32)),
+        "block_gemm_1x128": (O.block_gemm, (q, blocks, q, blocks, "1x128", "1x128", torch.bfloat16)),
+        "block_gemm_tiles": (O.block_gemm, (q, tiles, q, tiles, "128x128", "128x128", torch.float32)),
+        "block_gemm_1x128_tiles": (O.block_gemm, (q, blocks, q, tiles, "1x128", "128x128", torch.float32)),
+        "block_gemm_mixed_kinds": (O.block_gemm, (q, mx_scale, q, blocks, "1x32", "1x128", torch.float32)),
     }
 
 

@@ -278,18 +278,20 @@ OTHERS = {
                              update_scale=True),
     "blocks.quantize_mxfp8": lambda x, p: p(x.reshape(32, 32), fmt="e4m3", scale_mode="rceil", columnwise=True),
     "blocks.quantize_mxfp8_both": lambda x, p: p(x.reshape(32, 32), fmt="e5m2", scale_mode="rceil"),
-    "blocks.dequantize_mxfp8": lambda x, p: p(fj.blocks.quantize_mxfp8(x.reshape(32, 32)), out_dtype=jnp.bfloat16),
+    "blocks.dequantize:mxfp8": lambda x, p: p(tuple(fj.blocks.quantize_mxfp8(x.reshape(32, 32))),
+                                              out_dtype=jnp.bfloat16, layout="1x32"),
     "blocks.quantize_blockwise": lambda x, p: p(x.reshape(8, 128), fmt="e4m3", block="128x128", power_of_2=False,
                                                 epsilon=0.0),
-    "blocks.dequantize_blockwise": lambda x, p: p(fj.blocks.quantize_blockwise(x.reshape(8, 128)),
-                                                  out_dtype=jnp.float32),
+    "blocks.dequantize:blockwise": lambda x, p: p(tuple(fj.blocks.quantize_blockwise(x.reshape(8, 128))),
+                                                  out_dtype=jnp.float32, layout="1x128"),
 }
 
 
 @pytest.mark.parametrize("op", list(OTHERS))
 def test_other_eager_primitives_same_bits_as_untraced(op):
     x = jnp.where(jnp.isfinite(_x()), _x(), 1.0)  # finite: NaN/inf would only give NaN scales here
-    module, name = (fj.blocks, op.split(".")[1]) if op.startswith("blocks.") else (fj.primitives, op)
+    # "module.function:case" (one jitted dequantize takes every layout)
+    module, name = (fj.blocks, op.split(".")[1].split(":")[0]) if op.startswith("blocks.") else (fj.primitives, op)
     got = {mode: [_bits(o) for o in jax.tree.leaves(OTHERS[op](x, f))]
            for mode, f in _jitted_and_untraced(module, name).items()}
     assert got["jitted"] == got["untraced"]

@@ -22,7 +22,8 @@ LAYERS = {
     "fp8core.recipe": 3, "fp8core.args": 3,
     "fp8core._tensor": 2, "fp8core._dlpack": 2, "fp8core.boundary": 2,
     "fp8core.backends": 1,
-    "fp8core._kernels": 0, "fp8core._views": 0, "fp8core.formats": 0, "fp8core._fpenv": 0, "fp8core.extras": 0,
+    "fp8core._kernels": 0, "fp8core._views": 0, "fp8core.formats": 0, "fp8core.layouts": 0, "fp8core._fpenv": 0,
+    "fp8core.extras": 0,
     "fp8core.verified": 0, "fp8core._oracle": 0, "fp8core._caches": 0, "fp8core._signatures": 0,
     "fp8core.text": 0,
 }

@@ -19,10 +19,11 @@ import numpy as np
 import fp8core
 from fp8core import args
 from fp8core.args import as_format
-from fp8core.blocks import E8M0, BlockScaledTensor, MXTensor, block_layout, gemm_blocks, mx_layout
+from fp8core.blocks import gemm_layouts, scale_dtypes
 from fp8core.blocks import gemm_operands as split_block_operands
 from fp8core.formats import Format
 from fp8core.gemm import check_bias, check_shapes
+from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
 from fp8core.scaling import check_update_shapes
 
 
@@ -94,36 +95,19 @@ def out_dtype(value: Any, arg: str = "out_dtype") -> Any:
     return value
 
 
-def pair(t: Any, kind: type, arg: str = "t") -> tuple[Any, Any]:
-    """An MXTensor / BlockScaledTensor, or a plain (data, scale) pair."""
+def scaled(t: Any, kind: str | None, arg: str = "t") -> tuple[Format, Layout]:
+    """(format, layout) of a ScaledTensor (or a plain (data, scale) pair of ``kind``, "mx" or "blocks"): fp8
+    data, scales of the kind's dtype in a layout of it (the one named, else the one the scale's shape means)."""
+    cls = {"mx": MXTensor, "blocks": BlockScaledTensor}[kind] if kind else type(t)
     if not isinstance(t, tuple) or len(t) != 2:
-        raise TypeError(f"{arg}: expected a {kind.__name__} (data, {kind._fields[1]}), got {type(t).__name__}")
-    return t[0], t[1]
-
-
-def _rows_cols(q: Any) -> tuple[int, int]:
-    shape = tuple(q.shape)
-    return math.prod(shape[:-1]), shape[-1]
-
-
-def mx_tensor(t: Any, arg: str = "t") -> tuple[Format, bool]:
-    """(format, columnwise) of an MXTensor: fp8 data, E8M0 (or uint8) scales in one of its two layouts."""
-    data, s = pair(t, MXTensor, arg)
+        raise TypeError(f"{arg}: expected a {cls.__name__} (data, {cls._fields[1]}), got {type(t).__name__}")
+    data, s = t
     f = fp8(data, f"{arg}.data", matrix=True)
-    name = _name(array(s, f"{arg}.scale"))
-    if name not in (E8M0, "uint8"):
-        raise TypeError(f"{arg}.scale: expected {E8M0} or uint8, got {name}")
-    return f, mx_layout(_rows_cols(data), tuple(s.shape), f"{arg}.scale")
-
-
-def block_tensor(t: Any, arg: str = "t") -> tuple[Format, int]:
-    """(format, block rows) of a BlockScaledTensor: fp8 data, float32 scale_inv of 1x128 or 128x128 blocks."""
-    data, s = pair(t, BlockScaledTensor, arg)
-    f = fp8(data, f"{arg}.data", matrix=True)
-    name = _name(array(s, f"{arg}.scale_inv"))
-    if name != "float32":
-        raise TypeError(f"{arg}.scale_inv: expected float32, got {name}")
-    return f, block_layout(_rows_cols(data), tuple(s.shape), f"{arg}.scale_inv")
+    name, dtypes = f"{arg}.{cls._fields[1]}", scale_dtypes(kind or t.kind)
+    got = _name(array(s, name))
+    if got not in dtypes:
+        raise TypeError(f"{name}: expected {' or '.join(dtypes)}, got {got}")
+    return f, layout_of(t if isinstance(t, ScaledTensor) else cls(data, s), arg)
 
 
 def gemm_operands(a: Any, b: Any) -> tuple[Format, Format, int, int]:
@@ -153,15 +137,14 @@ def bias(b: Any, n: int, out_name: str) -> None:
         check_bias(_name(array(b, "bias")), tuple(b.shape), n, out_name)
 
 
-def block_gemm_operands(a: Any, b: Any) -> None:
-    """Block-scaled GEMM operands by fp8core.blocks' rules: both MXTensor (rowwise, K a multiple of 32) or
-    both BlockScaledTensor (K a multiple of 128, not both 128x128)."""
-    split_block_operands(a, b, None, None)  # both MXTensor or both BlockScaledTensor: the core's rule
+def block_gemm_operands(a: Any, b: Any) -> tuple[Layout, Layout]:
+    """The layouts of scaled GEMM operands, by fp8core.blocks' rules: both MX (rowwise, K a multiple of 32) or
+    both fp32 blocks (K a multiple of 128, not both 128x128)."""
+    split_block_operands(a, b, None, None)  # both ScaledTensors of one kind: the core's rule
     _, _, k, n = gemm_operands(a[0], b[0])
-    mx = isinstance(a, MXTensor)
-    for arg, t in (("a", a), ("b", b)):
-        (mx_tensor if mx else block_tensor)(t, arg)
-    gemm_blocks(mx, a[0].shape[0], n, k, tuple(a[1].shape), tuple(b[1].shape))
+    la, lb = scaled(a, None, "a")[1], scaled(b, None, "b")[1]
+    gemm_layouts(la, lb, a[0].shape[0], n, k)
+    return la, lb
 
 
 def delayed(recipe: Any, arg: str = "recipe") -> fp8core.DelayedScaling:

@@ -1,7 +1,8 @@
 """Block scaling for JAX, callable inside ``jax.jit``: MXFP8 and 1x128 / 128x128 blocks (fp8core.blocks).
 
-Results are the core's typed pairs of jax.Arrays: ``MXTensor(data, scale)`` with float8_e8m0fnu scales,
-``BlockScaledTensor(data, scale_inv)`` with float32 scale inverses; both go into :func:`block_gemm`.
+Results are the core's scaled tensors of jax.Arrays: ``MXTensor(data, scale)`` with float8_e8m0fnu scales,
+``BlockScaledTensor(data, scale_inv)`` with float32 scale inverses; both go into :func:`block_gemm`. Through
+``jax.jit`` they travel as (data, scale) pairs, their layout read back from the scale's shape.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import numpy as np
 import fp8core
 from fp8core import args
 from fp8core import blocks as core
-from fp8core.blocks import BlockScaledTensor, MXTensor
 from fp8core.boundary import Tensor
+from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor
 
 from . import _args
 from .primitives import fp8_shape, jitted, numbers_of, operands, primitive, rows
@@ -43,10 +44,6 @@ def _e8m0(shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float8_e8m0fnu)
 
 
-def _mx_scale_shape(x: Any, columnwise: bool) -> tuple[int, int]:
-    return core.mx_scale_shape(rows(x), x.shape[-1], columnwise)
-
-
 def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
     """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     return _quantize_mxfp8(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
@@ -57,7 +54,8 @@ def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", co
 @jitted("fmt", "scale_mode", "columnwise")
 def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> MXTensor:
     args.scale_mode(scale_mode)
-    shapes = (fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, columnwise)))
+    layout = Layout.MX_COLUMNWISE if columnwise else Layout.MX_ROWWISE
+    shapes = (fp8_shape(x, fmt), _e8m0(layout.scale_shape(rows(x), x.shape[-1])))
     run = _returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
     return MXTensor(*primitive(run, shapes)(x))
 
@@ -71,8 +69,8 @@ def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil
 @jitted("fmt", "scale_mode")
 def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTensor, MXTensor]:
     args.scale_mode(scale_mode)
-    shapes = (fp8_shape(x, fmt), _e8m0(_mx_scale_shape(x, False)), fp8_shape(x, fmt),
-              _e8m0(_mx_scale_shape(x, True)))
+    shapes = (fp8_shape(x, fmt), _e8m0(Layout.MX_ROWWISE.scale_shape(rows(x), x.shape[-1])), fp8_shape(x, fmt),
+              _e8m0(Layout.MX_COLUMNWISE.scale_shape(rows(x), x.shape[-1])))
 
     def run(t):
         row, col = core.quantize_mxfp8_both(t, fmt, scale_mode=scale_mode)
@@ -84,15 +82,16 @@ def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTens
 
 def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
     """y = data · 2^(scale - 127) per block, in out_dtype (float32, bfloat16 or float16), data's shape."""
-    _args.mx_tensor(t)
-    return _dequantize_mxfp8(MXTensor(*t), out_dtype=_args.out_dtype(out_dtype))
+    _, layout = _args.scaled(t, "mx")
+    return _dequantize(tuple(t), out_dtype=_args.out_dtype(out_dtype), layout=layout.value)
 
 
-@jitted("out_dtype")
-def _dequantize_mxfp8(t: MXTensor, *, out_dtype: Any) -> Array:
+@jitted("out_dtype", "layout")
+def _dequantize(t: tuple[Array, Array], *, out_dtype: Any, layout: str) -> Array:
     data, scale = t
     fmt = fp8core.as_format(data.dtype)
-    run = _returning(lambda q, s: core.dequantize_mxfp8(MXTensor(q, s), jnp.dtype(out_dtype).name, fmt=fmt))
+    run = _returning(lambda q, s: core.dequantize_blocks(ScaledTensor(q, s, layout), jnp.dtype(out_dtype).name,
+                                                         fmt=fmt))
     return primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale)
 
 
@@ -100,7 +99,7 @@ def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", pow
                        epsilon: float = 0.0) -> BlockScaledTensor:
     """BlockScaledTensor(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)]).
     epsilon is data (traced: one program for every value)."""
-    args.block_rows(block)
+    args.block(block)
     return _quantize_blockwise(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
                                block=tuple(block) if isinstance(block, list) else block,
                                power_of_2=args.flag(power_of_2, "power_of_2"), epsilon=epsilon)
@@ -109,8 +108,7 @@ def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", pow
 @jitted("fmt", "block", "power_of_2", numbers=("epsilon",))
 def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numbers: Any,
                         host_numbers: Any) -> BlockScaledTensor:
-    br = args.block_rows(block)
-    s_shape = core.block_scale_shape(rows(x), x.shape[-1], br)
+    s_shape = args.block(block).scale_shape(rows(x), x.shape[-1])
     shapes = (fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
 
     def run(t, nums=None):
@@ -122,31 +120,21 @@ def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numb
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
     """y = data · scale_inv[its block] in out_dtype (float32, bfloat16 or float16), data's shape."""
-    _args.block_tensor(t)
-    return _dequantize_blockwise(BlockScaledTensor(*t), out_dtype=_args.out_dtype(out_dtype))
+    _, layout = _args.scaled(t, "blocks")
+    return _dequantize(tuple(t), out_dtype=_args.out_dtype(out_dtype), layout=layout.value)
 
 
-@jitted("out_dtype")
-def _dequantize_blockwise(t: BlockScaledTensor, *, out_dtype: Any) -> Array:
-    data, scale_inv = t
-    fmt = fp8core.as_format(data.dtype)
-    run = _returning(lambda q, s: core.dequantize_blockwise(BlockScaledTensor(q, s), jnp.dtype(out_dtype).name,
-                                                            fmt=fmt))
-    return primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale_inv)
+def block_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: Any = jnp.bfloat16) -> Array:
+    """[M, N] = sum over K-blocks of the block-scaled products, as :func:`fp8core.gemm` with scaled operands."""
+    la, lb = _args.block_gemm_operands(a, b)
+    return _block_gemm(tuple(a), tuple(b), out_dtype=_args.out_dtype(out_dtype), layouts=(la.value, lb.value))
 
 
-def block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor,
-               out_dtype: Any = jnp.bfloat16) -> Array:
-    """[M, N] = sum over K-blocks of the block-scaled products, as :func:`fp8core.gemm` with block operands."""
-    _args.block_gemm_operands(a, b)
-    return _block_gemm(a, b, out_dtype=_args.out_dtype(out_dtype))
-
-
-@jitted("out_dtype")
-def _block_gemm(a: MXTensor | BlockScaledTensor, b: MXTensor | BlockScaledTensor, *, out_dtype: Any) -> Array:
-    kind = type(a)
+@jitted("out_dtype", "layouts")
+def _block_gemm(a: tuple[Array, Array], b: tuple[Array, Array], *, out_dtype: Any, layouts: tuple[str, str]) -> Array:
     fa, fb = fp8core.as_format(a[0].dtype), fp8core.as_format(b[0].dtype)
     name = jnp.dtype(out_dtype).name
-    run = _returning(lambda ad, asc, bd, bsc: fp8core.gemm(kind(ad, asc), type(b)(bd, bsc), out_dtype=name,
+    run = _returning(lambda ad, asc, bd, bsc: fp8core.gemm(ScaledTensor(ad, asc, layouts[0]),
+                                                           ScaledTensor(bd, bsc, layouts[1]), out_dtype=name,
                                                            a_fmt=fa, b_fmt=fb))
     return primitive(run, jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(a[0], a[1], b[0], b[1])

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 from fp8core import Float8BlockScaling, MXFP8BlockScaling
 from fp8core.blocks import FP32_BLOCK, MX_BLOCK
+from fp8core.layouts import Layout, ScaledTensor
 
 from . import block_ops as bo
 
 BLOCK_RECIPES = (MXFP8BlockScaling, Float8BlockScaling)
-_BLOCKS = {1: "1x128", 2: "128x128"}
 
 
 def block_multiple(recipe: Any) -> tuple[int, str]:
@@ -48,25 +48,25 @@ def check_block_recipe(recipe: Float8BlockScaling) -> None:
 
 
 def block_spec(recipe: Any) -> tuple:
-    """The recipe as a tuple of constants (what the autograd.Function and torch.compile take)."""
+    """The recipe as a tuple of constants (what the autograd.Function and torch.compile take): the formats,
+    the (input, weight, grad_output) layouts, and the scale rule's settings."""
     fmt = recipe.fp8_format
     if isinstance(recipe, MXFP8BlockScaling):
-        return ("mx", fmt.fwd.value, fmt.bwd.value, recipe.scale_mode)
-    return ("fp32", fmt.fwd.value, fmt.bwd.value, recipe.power_of_2, float(recipe.epsilon),
-            recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
+        return fmt.fwd.value, fmt.bwd.value, (Layout.MX_ROWWISE,) * 3, recipe.scale_mode
+    return fmt.fwd.value, fmt.bwd.value, recipe.layouts, recipe.power_of_2, float(recipe.epsilon)
 
 
 def _quantize_both(t: torch.Tensor, fmt: str, spec: tuple, which: int) -> tuple[Any, Any]:
     """(t, t.T) of a 2-D tensor, each block-quantized along its rows (a GEMM's K); ``which`` indexes the
-    recipe's block dims: 0 input, 1 weight, 2 grad_output."""
-    if spec[0] == "mx":
+    recipe's layouts: 0 input, 1 weight, 2 grad_output."""
+    layout = spec[2][which]
+    if layout.kind == "mx":
         row, col = bo.quantize_mxfp8_both(t, fmt, spec[3])
         return row, bo.transpose_blocks(col)
-    power_of_2, epsilon, dim = spec[3], spec[4], spec[5 + which]
-    q = bo.quantize_blockwise(t, fmt, _BLOCKS[dim], power_of_2, epsilon)
-    if dim == 2:
+    q = bo.quantize_blockwise(t, fmt, layout, *spec[3:])
+    if layout.transposed is not None:
         return q, bo.transpose_blocks(q)
-    return q, bo.quantize_blockwise(t.t().contiguous(), fmt, "1x128", power_of_2, epsilon)
+    return q, bo.quantize_blockwise(t.t().contiguous(), fmt, layout, *spec[3:])
 
 
 def _padded(x2: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
@@ -80,26 +80,26 @@ class BlockMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec):
-        multiple = MX_BLOCK if spec[0] == "mx" else FP32_BLOCK
+        multiple = MX_BLOCK if spec[2][0].kind == "mx" else FP32_BLOCK
         x2, rows = _padded(x.reshape(-1, x.shape[-1]), multiple)
-        x_q, x_t = _quantize_both(x2, spec[1], spec, 0)
-        w_q, w_t = _quantize_both(weight.contiguous(), spec[1], spec, 1)
+        x_q, x_t = _quantize_both(x2, spec[0], spec, 0)
+        w_q, w_t = _quantize_both(weight.contiguous(), spec[0], spec, 1)
         y = bo.block_gemm(x_q, w_q, x2.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(*x_t, *w_t)
         ctx.spec, ctx.x_shape, ctx.multiple = spec, x.shape, multiple
-        ctx.kinds = (type(x_t), type(w_t))
+        ctx.layouts = (x_t.layout, w_t.layout)
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1]).detach()
 
     @staticmethod
     def backward(ctx, grad):
         xd, xs, wd, ws = ctx.saved_tensors
-        x_t, w_t = ctx.kinds[0](xd, xs), ctx.kinds[1](wd, ws)
+        x_t, w_t = ScaledTensor(xd, xs, ctx.layouts[0]), ScaledTensor(wd, ws, ctx.layouts[1])
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g2, rows = _padded(grad.reshape(-1, grad.shape[-1]), ctx.multiple)
-        g_q, g_t = _quantize_both(g2, ctx.spec[2], ctx.spec, 2)
+        g_q, g_t = _quantize_both(g2, ctx.spec[1], ctx.spec, 2)
         dx = bo.block_gemm(g_q, w_t, x_dtype)[:rows].reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
         dw = bo.block_gemm(g_t, x_t, w_dtype) if ctx.needs_input_grad[1] else None
         db = g2.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None

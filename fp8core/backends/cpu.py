@@ -20,6 +20,7 @@ from .._fpenv import ieee, set_default
 from .._views import Tensor, logical_numpy_dtype
 from .cpu_threads import blas_on_one_thread, thread_budget
 from ..formats import E8M0, Encoding
+from ..layouts import Layout
 
 xp = np
 name = "cpu"
@@ -597,19 +598,14 @@ def roll(history: Any, ran: Any, cur: Any, L: int) -> None:
 
 # ---- gemm -------------------------------------------------------------------------------------------------
 
-# Block-scaled operands (fp8core.blocks): the K elements and the operand rows each scale covers.
-_BLOCK_K = {"1x32": 32, "1x128": 128, "128x128": 128}
-_BLOCK_ROWS = {"1x32": 1, "1x128": 1, "128x128": 128}
-
-
-def _block_factors(scale: np.ndarray, kind: str, rows: int) -> np.ndarray:
+def _block_factors(scale: np.ndarray, layout: Layout, rows: int) -> np.ndarray:
     """float64 factor of every operand row for every K-block, [rows, KB]: E8M0 bytes as 2^(e-127) (the NaN byte
     NaN), fp32 scale inverses as they are; a 128x128 tile's factor spread over its 128 rows."""
-    if kind == "1x32":
+    if layout.scale is E8M0:
         f = E8M0.values.take(np.asarray(scale).view(np.uint8))
     else:
         f = np.asarray(scale, np.float32).astype(np.float64)
-    return np.repeat(f, _BLOCK_ROWS[kind], axis=0)[:rows]
+    return np.repeat(f, layout.block[0], axis=0)[:rows]
 
 
 @cached("cpu.widen_tables")
@@ -711,8 +707,8 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
     if spec.a_block is None:
         sa, sb = np.float64(scale_value(a_scale_inv)), np.float64(scale_value(b_scale_inv))
     else:
-        fa = _block_factors(a_scale_inv, spec.a_block, m)
-        fb = _block_factors(b_scale_inv, spec.b_block, n)
+        fa = _block_factors(a_scale_inv, Layout(spec.a_block), m)
+        fb = _block_factors(b_scale_inv, Layout(spec.b_block), n)
     bias64 = None if bias is None else bias.data.astype(np.float64)
 
     def columns(n0: int, n1: int) -> int:
@@ -726,7 +722,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
                 d *= sa  # in place: (d * sa) * sb, the same roundings
                 d *= sb
             else:
-                bk = _BLOCK_K[spec.a_block]
+                bk = Layout(spec.a_block).block[1]
                 d.fill(0)
                 for kb in range(-(-k // bk)):
                     ks = slice(kb * bk, (kb + 1) * bk)

@@ -20,13 +20,12 @@ from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
 from ..formats import Encoding
+from ..layouts import Layout
 from .cpu import CANONICAL_NAN, canonical_nan_fp8, map_chunks, quantize_table, to_f32, scale_rule
 
 SCALE = formats.E8M0  # MXFP8's scale encoding
 E8M0 = SCALE.numpy_dtype
 E8M0_NAN = SCALE.nan_cast  # its one NaN byte: what a NaN amax gives, and what reads as NaN
-MX_BLOCK = 32
-FP32_BLOCK = 128
 
 _F32_NAN = np.uint32(0x7FFFFFFF)
 _F32_INF = np.uint32(0x7F800000)
@@ -308,51 +307,47 @@ def _scaled_widen(q: np.ndarray, factor_of: Any, br: int, bc: int, out_dtype: st
 
 # ---- MXFP8 ------------------------------------------------------------------------------------------------
 
-def _mx_shape(columnwise: bool) -> tuple[int, int]:
-    return (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
-
-
 @ieee
-def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
+def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     """x [rows, cols] -> (q [rows, cols] fmt, scale E8M0 [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         e = e8m0_rceil(bits, fmt) if scale_mode == "rceil" else e8m0_floor(bits, fmt)
         return _e8m0_factors(-1).take(e), e
 
-    q, e = _quantize(x.data, *_mx_shape(columnwise), fmt, rule)
+    q, e = _quantize(x.data, *layout.block, fmt, rule)
     return q, e.view(E8M0)
 
 
 @ieee
 def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[np.ndarray, ...]:
     """(q_rowwise, scale_rowwise, q_columnwise, scale_columnwise)."""
-    return (*quantize_mxfp8(x, fmt, scale_mode, False), *quantize_mxfp8(x, fmt, scale_mode, True))
-
-
-@ieee
-def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Encoding, columnwise: bool, out_dtype: str) -> np.ndarray:
-    e = scale.data.view(np.uint8)
-    return _scaled_widen(q.data.view(fmt.numpy_dtype), lambda rs, cs: _e8m0_factors(1).take(e[rs, cs]),
-                         *_mx_shape(columnwise), out_dtype)
+    return (*quantize_mxfp8(x, fmt, scale_mode, Layout.MX_ROWWISE),
+            *quantize_mxfp8(x, fmt, scale_mode, Layout.MX_COLUMNWISE))
 
 
 # ---- fp32 block scales (1x128, 128x128) -------------------------------------------------------------------
 
 @ieee
-def quantize_blockwise(x: Tensor, fmt: Encoding, br: int, power_of_2: bool,
+def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool,
                        epsilon: float) -> tuple[np.ndarray, np.ndarray]:
-    """x [rows, cols] -> (q, scale_inv fp32 [ceil(rows/br), ceil(cols/128)]), each block by the scale rule."""
+    """x [rows, cols] -> (q, scale_inv fp32 in the layout's shape), each block by the scale rule."""
     def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s, s_inv, _ = scale_rule(bits.view(np.float32).reshape(-1), np.float32(fmt.max), 0, power_of_2, epsilon)
         return s.reshape(bits.shape), s_inv.reshape(bits.shape)
 
-    return _quantize(x.data, br, FP32_BLOCK, fmt, rule)
+    return _quantize(x.data, *layout.block, fmt, rule)
 
 
 @ieee
-def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Encoding, br: int, out_dtype: str) -> np.ndarray:
-    s_inv = scale_inv.data
-    return _scaled_widen(q.data.view(fmt.numpy_dtype), lambda rs, cs: s_inv[rs, cs], br, FP32_BLOCK, out_dtype)
+def dequantize_blocks(q: Tensor, scale: Tensor, fmt: Encoding, layout: Layout, out_dtype: str) -> np.ndarray:
+    """ROUND_TO(out_dtype, fp32(q) *rn factor[block]): E8M0 scales' powers of two, fp32 scale_inv as they are."""
+    if layout.scale is SCALE:
+        e = scale.data.view(np.uint8)
+        factor_of = lambda rs, cs: _e8m0_factors(1).take(e[rs, cs])  # noqa: E731
+    else:
+        s_inv = scale.data
+        factor_of = lambda rs, cs: s_inv[rs, cs]  # noqa: E731
+    return _scaled_widen(q.data.view(fmt.numpy_dtype), factor_of, *layout.block, out_dtype)
 
 
 def transpose_scale(scale: Tensor) -> np.ndarray:
@@ -363,7 +358,7 @@ def transpose_scale(scale: Tensor) -> np.ndarray:
 
 # ---- the scale layouts cuBLASLt reads (the reference of cuda_blocks.gemm_scale) ---------------------------
 
-def gemm_scale(scale: Tensor, kind: str) -> np.ndarray:
+def gemm_scale(scale: Tensor, layout: Layout) -> np.ndarray:
     """One GEMM operand's block scales ``[rows or row-tiles, K-blocks]`` as cuBLASLt reads them.
 
     "1x32": flat uint8, 128 x 4 tiles of 512 bytes row-major over the tiles, element (r, c) of a tile at byte
@@ -373,14 +368,14 @@ def gemm_scale(scale: Tensor, kind: str) -> np.ndarray:
     """
     s = scale.data
     rows, kgroups = s.shape
-    if kind == "1x32":
+    if layout == Layout.MX_ROWWISE:
         R, C = -(-rows // 128), -(-kgroups // 4)
         padded = np.zeros((R * 128, C * 4), np.uint8)
         padded[:rows, :kgroups] = s.view(np.uint8)
         # [R, 4 (r // 32), 32 (r % 32), C, 4 (c)] -> [R, C, r % 32, r // 32, c]
         return np.ascontiguousarray(padded.reshape(R, 4, 32, C, 4).transpose(0, 3, 2, 1, 4)).reshape(-1)
     f = s.view(np.float32)
-    if kind == "1x128":
+    if layout == Layout.BLOCK_1X128:
         return np.ascontiguousarray(f.T)
     out = np.zeros((rows, -(-kgroups // 4) * 4), np.float32)
     out[:, :kgroups] = f

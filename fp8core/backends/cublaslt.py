@@ -46,6 +46,7 @@ from .._caches import cached
 from .._views import Tensor, storage_dtype
 from ..extras import install_hint
 from ..formats import ENCODINGS
+from ..layouts import Layout
 from .cuda_blocks import layout_for_cublaslt
 from .cuda_call import empty, merge_amax
 
@@ -395,9 +396,10 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
 MIN_BLOCK_VERSION = 120900  # cuBLAS 12.9: VEC128_32F and BLK128x128_32F
 
 
-def _scale_mode(lt: Any, kind: str) -> int:
+def _scale_mode(lt: Any, layout: Layout) -> int:
     M = lt.MatmulMatrixScale
-    return int({"1x32": M.VEC32_UE8M0, "1x128": M.VEC128_32F, "128x128": M.BLK128x128_32F}[kind])
+    return int({Layout.MX_ROWWISE: M.VEC32_UE8M0, Layout.BLOCK_1X128: M.VEC128_32F,
+                Layout.BLOCK_128X128: M.BLK128x128_32F}[layout])
 
 
 def _set_block_scale_modes(lt: Any, desc: int, spec: Any) -> None:
@@ -410,10 +412,11 @@ def _set_block_scale_modes(lt: Any, desc: int, spec: Any) -> None:
 def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: Any, stream: int) -> tuple[Any, Any]:
     """The operands' block scales rearranged for cuBLASLt on ``stream`` (a raw handle), inside cuda.gemm's guard."""
     cc = compute_capability(device_id)
-    if spec.a_block == "1x32" and cc < 100:
+    mx = spec.a_block == Layout.MX_ROWWISE
+    if mx and cc < 100:
         raise ValueError(f"a: an MXFP8 GEMM needs a GPU of compute capability 10.0 or newer (Blackwell); "
                          f"cuda:{device_id} is {cc // 10}.{cc % 10}")
-    if spec.a_block != "1x32":
+    if not mx:
         # cuBLASLt has the VEC128_32F/BLK128x128_32F scale modes on sm_90 only (torch's tests xfail them elsewhere,
         # PR #188996; Transformer Engine emulates its blockwise recipe through MXFP8 on Blackwell).
         if cc != 90:

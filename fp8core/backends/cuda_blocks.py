@@ -15,8 +15,9 @@ import numpy as np
 
 from .._kernels import BLOCK_DEQUANTIZE, MX_QUANTIZE, MX_SCALE_SWIZZLE, QUANTIZE_1X128, QUANTIZE_128X128
 from .._views import Tensor, storage_dtype
-from ..formats import Encoding
-from .cpu_blocks import FP32_BLOCK, MX_BLOCK, cdiv, inv_fp8_max
+from ..formats import E8M0, Encoding
+from ..layouts import Layout
+from .cpu_blocks import cdiv, inv_fp8_max
 from .cuda_call import On, capture_outlives, cupy, empty, ptr, stream_of
 
 
@@ -28,9 +29,9 @@ def _mx_launch(x: Tensor, fmt: Encoding, mode: str, rowwise: bool, columnwise: b
     with On(device):
         stream = stream_of(x)
         q = empty((rows, cols), np.uint8, x) if rowwise else None
-        s = empty((rows, cdiv(cols, MX_BLOCK)), np.uint8, x) if rowwise else None
+        s = empty(Layout.MX_ROWWISE.scale_shape(rows, cols), np.uint8, x) if rowwise else None
         qc = empty((rows, cols), np.uint8, x) if columnwise else None
-        sc = empty((cdiv(rows, MX_BLOCK), cols), np.uint8, x) if columnwise else None
+        sc = empty(Layout.MX_COLUMNWISE.scale_shape(rows, cols), np.uint8, x) if columnwise else None
         if x.size:
             MX_QUANTIZE.launch(device, (x.dtype, fmt.index, mode == "rceil"), (rows, cols), stream,
                                x=x.data.data.ptr, q=ptr(q), s=ptr(s), qc=ptr(qc), sc=ptr(sc), rows=rows, cols=cols,
@@ -38,7 +39,8 @@ def _mx_launch(x: Tensor, fmt: Encoding, mode: str, rowwise: bool, columnwise: b
         return q, s, qc, sc
 
 
-def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, columnwise: bool) -> tuple[Any, Any]:
+def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, layout: Layout) -> tuple[Any, Any]:
+    columnwise = layout == Layout.MX_COLUMNWISE
     q, s, qc, sc = _mx_launch(x, fmt, scale_mode, not columnwise, columnwise)
     return (qc, sc) if columnwise else (q, s)
 
@@ -47,49 +49,37 @@ def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[Any,
     return _mx_launch(x, fmt, scale_mode, True, True)
 
 
-def _dequantize(q: Tensor, scale: Tensor, fmt: Encoding, out_dtype: str, br: int, bc: int, sld: int,
-                e8m0: bool) -> Any:
+def dequantize_blocks(q: Tensor, scale: Tensor, fmt: Encoding, layout: Layout, out_dtype: str) -> Any:
     rows, cols = q.shape
+    br, bc = layout.block
     device = q.device[1]
     with On(device):
         stream = stream_of(q)
         y = empty((rows, cols), storage_dtype(out_dtype), q)
         if q.size:
-            BLOCK_DEQUANTIZE.launch(device, (fmt.index, out_dtype, e8m0), q.size, stream, q=q.data.data.ptr,
-                                    scale=scale.data.data.ptr, y=y.data.ptr, rows=rows, cols=cols, br=br, bc=bc,
-                                    sld=sld)
+            BLOCK_DEQUANTIZE.launch(device, (fmt.index, out_dtype, layout.scale is E8M0), q.size, stream,
+                                    q=q.data.data.ptr, scale=scale.data.data.ptr, y=y.data.ptr, rows=rows, cols=cols,
+                                    br=br, bc=bc, sld=cdiv(cols, bc))
         return y
-
-
-def dequantize_mxfp8(q: Tensor, scale: Tensor, fmt: Encoding, columnwise: bool, out_dtype: str) -> Any:
-    rows, cols = q.shape
-    if columnwise:
-        return _dequantize(q, scale, fmt, out_dtype, MX_BLOCK, 1, cols, True)
-    return _dequantize(q, scale, fmt, out_dtype, 1, MX_BLOCK, cdiv(cols, MX_BLOCK), True)
 
 
 # ---- fp32 block scales ------------------------------------------------------------------------------------
 
-def quantize_blockwise(x: Tensor, fmt: Encoding, br: int, power_of_2: bool, epsilon: float) -> tuple[Any, Any]:
+def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool, epsilon: float) -> tuple[Any, Any]:
     rows, cols = x.shape
     device = x.device[1]
     with On(device):
         stream = stream_of(x)
         q = empty((rows, cols), np.uint8, x)
-        s_inv = empty((cdiv(rows, br), cdiv(cols, FP32_BLOCK)), np.float32, x)
+        s_inv = empty(layout.scale_shape(rows, cols), np.float32, x)
         if x.size:
             args = {"x": x.data.data.ptr, "q": q.data.ptr, "scale_inv": s_inv.data.ptr, "rows": rows, "cols": cols,
                     "fp8_max": float(fmt.max), "power_of_2": int(power_of_2), "epsilon": float(epsilon)}
-            if br == 1:  # one warp per 1x128 block, grid-stride over the blocks
-                QUANTIZE_1X128.launch(device, (x.dtype, fmt.index), rows * cdiv(cols, FP32_BLOCK) * 32, stream,
-                                      **args)
+            if layout == Layout.BLOCK_1X128:  # one warp per 1x128 block, grid-stride over the blocks
+                QUANTIZE_1X128.launch(device, (x.dtype, fmt.index), s_inv.size * 32, stream, **args)
             else:
                 QUANTIZE_128X128.launch(device, (x.dtype, fmt.index), (rows, cols), stream, **args)
         return q, s_inv
-
-
-def dequantize_blockwise(q: Tensor, scale_inv: Tensor, fmt: Encoding, br: int, out_dtype: str) -> Any:
-    return _dequantize(q, scale_inv, fmt, out_dtype, br, FP32_BLOCK, cdiv(q.shape[1], FP32_BLOCK), False)
 
 
 def transpose_scale(scale: Tensor) -> Any:
@@ -112,14 +102,14 @@ def mx_swizzled_size(rows: int, kgroups: int) -> int:
     return cdiv(rows, 128) * 128 * cdiv(kgroups, 4) * 4
 
 
-def gemm_scale(scale: Tensor, kind: str) -> Any:
+def gemm_scale(scale: Tensor, layout: Layout) -> Any:
     """One GEMM operand's block scales ``[rows or row-tiles, K-blocks]`` in the layout cuBLASLt reads (see
     :func:`layout_for_cublaslt`), on the scale's device and the caller's stream: uint8 for "1x32", else float32."""
     with On(scale.device[1]):
-        return layout_for_cublaslt(scale.data, kind, scale, stream_of(scale), temporary=False)
+        return layout_for_cublaslt(scale.data, layout, scale, stream_of(scale), temporary=False)
 
 
-def layout_for_cublaslt(scale: Any, kind: str, like: Tensor, stream: int, *, temporary: bool = True) -> Any:
+def layout_for_cublaslt(scale: Any, layout: Layout, like: Tensor, stream: int, *, temporary: bool = True) -> Any:
     """:func:`gemm_scale` inside the caller's device guard, on the raw stream handle ``stream``.
 
     "1x32": 128 x 4 swizzled tiles (cuBLAS's "1D block scaling factors layout"), zero padding; flat uint8.
@@ -135,19 +125,20 @@ def layout_for_cublaslt(scale: Any, kind: str, like: Tensor, stream: int, *, tem
         raise ValueError("a, b: a block-scaled GEMM lays its block scales out for cuBLASLt in device temporaries "
                          "that a graph captured with CuPy would read after they are freed; capture it with "
                          "torch.cuda.graph on torch tensors, or make the call outside the capture")
-    if kind == "1x32":
+    if layout == Layout.MX_ROWWISE:
         out = empty((mx_swizzled_size(rows, kgroups),), np.uint8, like)
         if out.size:
             MX_SCALE_SWIZZLE.launch(device, (), out.size, stream, s=scale.data.ptr, out=out.data.ptr, rows=rows,
                                     kgroups=kgroups)
         return out
-    shape = (kgroups, rows) if kind == "1x128" else (rows, cdiv(kgroups, 4) * 4)
+    tiles = layout == Layout.BLOCK_128X128
+    shape = (rows, cdiv(kgroups, 4) * 4) if tiles else (kgroups, rows)
     out = empty(shape, np.float32, like)
     if out.size:
         with cupy.cuda.ExternalStream(stream, device):
-            if kind == "1x128":
-                out[...] = scale.T
-            else:
+            if tiles:
                 out.fill(0)
                 out[:, :kgroups] = scale
+            else:
+                out[...] = scale.T
     return out

@@ -81,30 +81,16 @@ def _pow2(e: int, sign: int) -> float:
     return math.nan if e == SCALE.nan_cast else math.ldexp(1.0, sign * (e - SCALE.bias))
 
 
-def mx_oracle(x: np.ndarray, fmt: Format, mode: str, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(codes [rows, cols], scale bytes) of MXFP8 by the contract, block by block."""
+def block_oracle(x: np.ndarray, fmt: Format, layout: Any, rule: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [rows, cols], stored scales) by the contract, block by block: ``rule(amax)`` gives the block's
+    stored scale (E8M0 byte, fp32 scale_inv) and the factor its elements are cast with."""
     f = _rows_cols(x)
-    br, bc = (_MX, 1) if columnwise else (1, _MX)
-    rows, cols = f.shape
     q = np.zeros(f.shape, np.uint8)
-    e = np.zeros((-(-rows // br), -(-cols // bc)), np.uint8)
-    for i, j, sl in _blocks_of(rows, cols, br, bc):
-        e[i, j] = e8m0_oracle(_block_amax(f[sl]), fmt, mode)
-        q[sl] = _oracle.quantize_bits(f[sl], _pow2(int(e[i, j]), -1), fmt.value)
-    return q, e
-
-
-def blockwise_oracle(x: np.ndarray, fmt: Format, br: int, power_of_2: bool, epsilon: float
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, scale_inv) of 1x128 / 128x128 blocks: the per-tensor scale rule on each block's amax."""
-    f = _rows_cols(x)
-    rows, cols = f.shape
-    q = np.zeros(f.shape, np.uint8)
-    s_inv = np.zeros((-(-rows // br), -(-cols // _FP32_BLOCK)), np.float32)
-    for i, j, sl in _blocks_of(rows, cols, br, _FP32_BLOCK):
-        s, s_inv[i, j], _ = _oracle.scale_rule(_block_amax(f[sl]), fmt.max, 0, power_of_2, epsilon)
-        q[sl] = _oracle.quantize_bits(f[sl], s, fmt.value)
-    return q, s_inv
+    stored = np.zeros(layout.scale_shape(*f.shape), np.uint8 if layout.scale is SCALE else np.float32)
+    for i, j, sl in _blocks_of(*f.shape, *layout.block):
+        stored[i, j], factor = rule(_block_amax(f[sl]))
+        q[sl] = _oracle.quantize_bits(f[sl], factor, fmt.value)
+    return q, stored
 
 
 def block_dequantize_oracle(codes: np.ndarray, factors: np.ndarray, br: int, bc: int, fmt: Format,
@@ -141,7 +127,7 @@ def _block_inputs(rng: np.random.Generator, quick: bool) -> Iterator[tuple[str, 
 
 
 def _put_pair(t: Target, pair: Any, offset: int = 0) -> Any:
-    return type(pair)(t.put(np.asarray(pair[0]), offset), t.put(np.asarray(pair[1])))
+    return type(pair)(t.put(np.asarray(pair[0]), offset), t.put(np.asarray(pair[1])), pair.layout)
 
 
 @check("block scaling: MXFP8 rowwise, columnwise and both, rceil and floor",
@@ -162,9 +148,10 @@ def _mxfp8(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> Non
                         refs = [blocks.quantize_mxfp8(x, fmt, scale_mode=mode, columnwise=c) for c in (False, True)]
                         both_ref = blocks.quantize_mxfp8_both(x, fmt, scale_mode=mode)
                     if offset == 0 and x.size <= _oracle_max(quick):
-                        for c, ref in zip((False, True), refs):
-                            q_or, e_or = mx_oracle(x, fmt, mode, c)
-                            part = "columnwise" if c else "rowwise"
+                        for layout, ref in zip((fp8core.Layout.MX_ROWWISE, fp8core.Layout.MX_COLUMNWISE), refs):
+                            q_or, e_or = block_oracle(x, fmt, layout, lambda a: (e := e8m0_oracle(a, fmt, mode),
+                                                                                 _pow2(e, -1)))
+                            part = layout.label
                             r.equal(f"{name} {part} vs oracle (data)", q_or, ref.data, x)
                             r.equal(f"{name} {part} vs oracle (scale)", e_or, ref.scale)
                     for ref, both in zip(refs, both_ref):
@@ -181,32 +168,37 @@ def _mxfp8(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> Non
                         r.equal(f"{name} both, {part} (scale)", ref.scale, gb.scale)
 
 
-@check("block scaling: MXFP8 dequantize, every code and scale byte, to every output dtype",
-       covers=("blocks.dequantize_mxfp8",))
-def _mxfp8_dequantize(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
+@check("block scaling: dequantize by layout (MXFP8 rowwise and columnwise, every code and scale byte; 1x128 and "
+       "128x128), to every output dtype", covers=("blocks.dequantize_blocks",))
+def _dequantize_blocks(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
     from fp8core import blocks
 
-    for shape in ((64, 256), (33, 65), (1, 1), (0, 32)) + (() if quick else ((1000, 1024),)):
-        for fmt in FORMATS:
-            codes = rng.integers(0, 256, shape, dtype=np.uint8)
-            codes.reshape(-1)[:256] = np.arange(min(256, codes.size))
-            for columnwise in (False, True):
-                s_shape = (-(-shape[0] // _MX), shape[1]) if columnwise else (shape[0], -(-shape[1] // _MX))
-                e = rng.integers(0, 256, s_shape, dtype=np.uint8)
-                # 2^-127 (products go subnormal), 2^-126, 2^127, NaN
-                e.reshape(-1)[:4] = [0, 1, SCALE.max_code, SCALE.nan_cast][:e.size]
-                t_cpu = blocks.MXTensor(codes.view(fmt.numpy_dtype), e.view(E8M0))
+    L = fp8core.Layout
+    for layout in (L.MX_ROWWISE, L.MX_COLUMNWISE, L.BLOCK_1X128, L.BLOCK_128X128):
+        mx = layout.kind == "mx"
+        shapes = ((64, 256), (33, 65) if mx else (130, 257), (1, 1), (0, 32 if mx else 128))
+        for shape in shapes + (() if quick else ((1000, 1024),)):
+            for fmt in FORMATS:
+                codes = rng.integers(0, 256, shape, dtype=np.uint8)
+                codes.reshape(-1)[:256] = np.arange(min(256, codes.size))
+                if mx:
+                    e = rng.integers(0, 256, layout.scale_shape(*shape), dtype=np.uint8)
+                    # 2^-127 (products go subnormal), 2^-126, 2^127, NaN
+                    e.reshape(-1)[:4] = [0, 1, SCALE.max_code, SCALE.nan_cast][:e.size]
+                    scale, factors = e.view(E8M0), np.array([[_pow2(int(v), 1) for v in row] for row in e], np.float32)
+                else:
+                    scale = factors = (2.0 ** rng.uniform(-20, 20, layout.scale_shape(*shape))).astype(np.float32)
+                    scale.reshape(-1)[:5] = [2.0 ** -140, 3.0e38, np.inf, np.nan, 0.0][:scale.size]
+                t_cpu = fp8core.ScaledTensor(codes.view(fmt.numpy_dtype), scale, layout)
                 for out in ("float32", "bfloat16", "float16"):
-                    name = f"{shape} {fmt.name} {'columnwise' if columnwise else 'rowwise'} -> {out}"
+                    name = f"{shape} {fmt.name} {layout.value} -> {out}"
                     with t.ref():
-                        ref = blocks.dequantize_mxfp8(t_cpu, out)
+                        ref = blocks.dequantize_blocks(t_cpu, out)
                     if codes.size <= _oracle_max(quick):
-                        factors = np.array([[_pow2(int(v), 1) for v in row] for row in e], np.float32)
-                        br, bc = (_MX, 1) if columnwise else (1, _MX)
-                        r.equal(f"{name} vs oracle", block_dequantize_oracle(codes, factors, br, bc, fmt, out), ref,
-                                codes)
+                        r.equal(f"{name} vs oracle", block_dequantize_oracle(codes, factors, *layout.block, fmt, out),
+                                ref, codes)
                     with t.dut():
-                        got = blocks.dequantize_mxfp8(_put_pair(t, t_cpu, 1 if out == "float32" else 0), out)
+                        got = blocks.dequantize_blocks(_put_pair(t, t_cpu, 1 if out == "float32" else 0), out)
                     r.equal(name, ref, got, codes)
 
 
@@ -217,45 +209,21 @@ def _blockwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) ->
     for label, x in _block_inputs(rng, quick):
         for offset in (0, 1):
             xd = t.put(x, offset)
-            for block, br in (("1x128", 1), ("128x128", 128)):
+            for block in (fp8core.Layout.BLOCK_1X128, fp8core.Layout.BLOCK_128X128):
                 for fmt in FORMATS:
                     for pow2, eps in ((True, 0.0), (False, 0.0), (False, 1e-30)):
                         name = f"{label} +{offset} {block} {fmt.name} pow2 {pow2} eps {eps:g}"
                         with t.ref():
                             ref = blocks.quantize_blockwise(x, fmt, block=block, power_of_2=pow2, epsilon=eps)
                         if offset == 0 and x.size <= _oracle_max(quick):
-                            q_or, s_or = blockwise_oracle(x, fmt, br, pow2, eps)
+                            rule = lambda amax: _oracle.scale_rule(amax, fmt.max, 0, pow2, eps)[1::-1]  # noqa: E731
+                            q_or, s_or = block_oracle(x, fmt, block, rule)
                             r.equal(f"{name} vs oracle (data)", q_or, ref.data, x)
                             r.equal(f"{name} vs oracle (scale_inv)", s_or, ref.scale_inv)
                         with t.dut():
                             got = blocks.quantize_blockwise(xd, fmt, block=block, power_of_2=pow2, epsilon=eps)
                         r.equal(f"{name} (data)", ref.data, got.data, x)
                         r.equal(f"{name} (scale_inv)", ref.scale_inv, got.scale_inv)
-
-
-@check("block scaling: 1x128 and 128x128 dequantize, to every output dtype", covers=("blocks.dequantize_blockwise",))
-def _blockwise_dequantize(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
-    from fp8core import blocks
-
-    for shape in ((64, 256), (130, 257), (1, 1), (0, 128)) + (() if quick else ((1000, 1024),)):
-        for fmt in FORMATS:
-            codes = rng.integers(0, 256, shape, dtype=np.uint8)
-            codes.reshape(-1)[:256] = np.arange(min(256, codes.size))
-            for br in (1, 128):
-                s_shape = (-(-shape[0] // br), -(-shape[1] // _FP32_BLOCK))
-                s_inv = (2.0 ** rng.uniform(-20, 20, s_shape)).astype(np.float32)
-                s_inv.reshape(-1)[:5] = [2.0 ** -140, 3.0e38, np.inf, np.nan, 0.0][:s_inv.size]
-                t_cpu = blocks.BlockScaledTensor(codes.view(fmt.numpy_dtype), s_inv)
-                for out in ("float32", "bfloat16", "float16"):
-                    name = f"{shape} {fmt.name} {'1x128' if br == 1 else '128x128'} -> {out}"
-                    with t.ref():
-                        ref = blocks.dequantize_blockwise(t_cpu, out)
-                    if codes.size <= _oracle_max(quick):
-                        r.equal(f"{name} vs oracle",
-                                block_dequantize_oracle(codes, s_inv, br, _FP32_BLOCK, fmt, out), ref, codes)
-                    with t.dut():
-                        got = blocks.dequantize_blockwise(_put_pair(t, t_cpu, 1 if out == "float32" else 0), out)
-                    r.equal(name, ref, got, codes)
 
 
 @check("block scaling: transpose_blocks (MXFP8 both ways, 128x128 tiles)",

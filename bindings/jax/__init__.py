@@ -27,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from . import linen
 
         return getattr(linen, name)
+    if name == "combine_calls":
+        from . import tying
+
+        return tying.combine_calls
     if name in ("from_flax_fp8_state", "to_flax_fp8_state"):
         from . import convert
 

@@ -476,7 +476,7 @@ def test_combine_calls_refuses_what_does_not_fit_by_name():
     variables = Single(recipe).init(jax.random.PRNGKey(0), xs[0])
     with pytest.raises(ValueError, match=r"state\['amax_history'\]: expected shape \(8, 3\), got \(4, 3\)"):
         fj.combine_calls(variables, fp8core.DelayedScaling(amax_history_len=8))
-    with pytest.raises(TypeError, match=r"^variables: expected a flax variables dict with a '_overwrite_with_gradient'"):
+    with pytest.raises(TypeError, match=r"^variables: expected a flax variables dict with a '_overwrite_with_grad"):
         fj.combine_calls(variables["params"], recipe)
     with pytest.raises(TypeError, match=r"^recipe: expected DelayedScaling"):
         fj.combine_calls(variables, fp8core.Float8CurrentScaling())

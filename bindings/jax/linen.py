@@ -24,11 +24,10 @@ A layer called more than once in a step (weight tying, a shared encoder) updates
 of its calls' amaxes: the state one call over all the calls' inputs would leave. JAX adds the gradients of a
 variable read twice, and the update is not additive (nor is a max of updated scales the scale of the max amax),
 so the calls do not each return an updated state: within one trace, each call hands its amaxes to the call
-before it (:func:`_link`), and the first call, the only one reading the variables, updates. A layer whose
-calls are traced apart (each call under its own ``nn.remat``, or one state broadcast over ``nn.scan``'s
-iterations) has its updated states added by JAX, as flax's own op does with float32 state: wrap the calls
-together (``nn.remat`` around the module calling the layer), or give each iteration its own state
-(``variable_axes={OVERWRITE_WITH_GRADIENT: 0}``).
+before it (:func:`_link`), and the first call, the only one reading the variables, updates. Calls JAX traces
+apart (two ``apply`` of the same variables, each call under its own ``nn.remat``, one state broadcast over
+``nn.scan``'s iterations) would have their updated states added by JAX: ``fp8core.jax.combine_calls`` ties the
+state at the top of the loss (fp8core.jax.tying), and a call reading a tied state hands its amaxes to the tie.
 """
 
 from __future__ import annotations
@@ -256,7 +255,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     if isinstance(recipe, DelayedScaling):
         linked, _ = _link(tuple(state[k] for k in _KEYS), _Link(recipe, axis_name, True))
         state = dict(zip(_KEYS, linked))
-    return dot_general_with_state(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type, precision)
+    return dot_general_with_state(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
+                                  precision)
 
 
 def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
@@ -469,8 +469,8 @@ class Fp8DotGeneral(nn.Module):
                  preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
         if out_sharding is not None:
             raise ValueError("out_sharding: Fp8DotGeneral takes its sharding from shard_map, not out_sharding")
-        return dot_general_with_state(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe, self.axis_name,
-                            preferred_element_type, precision)
+        return dot_general_with_state(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe,
+                                      self.axis_name, preferred_element_type, precision)
 
 
 def einsum_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,

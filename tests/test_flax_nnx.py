@@ -221,6 +221,43 @@ def test_a_layer_called_twice_is_one_call_over_both_inputs(remat):
     assert_same(jnp.concatenate(ys), one_call(variables), "outputs: the one call's rows")
 
 
+class LinenShared(nn.Module):
+    """The Linen twin of an nnx.scan over one shared block: nn.scan broadcasting parameters and state."""
+    recipe: object
+
+    @nn.compact
+    def __call__(self, h, _):
+        d = nn.Dense(D, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=self.recipe), name="d")
+        return jnp.tanh(h + d(h)), None
+
+
+def test_nnx_scan_over_a_shared_block_is_one_call_over_every_iteration():
+    """nnx.scan applying one block (its layer's state broadcast) 3 times: the state equals the Linen twin's
+    under fj.combine_calls (which tests/test_flax_shared_layers.py checks against one call over the 3
+    iterations' inputs), bit for bit."""
+    r, layers = RECIPES["interval"], 3
+    x = batch((T, D), 0)[0]
+    model = Tied(r, nnx.Rngs(0))
+
+    def loss(m):
+        @nnx.scan(in_axes=(None, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def body(block, h, _):
+            return jnp.tanh(h + block.d(h)), None
+
+        return jnp.sum(jnp.sin(body(m, x, jnp.zeros(layers))[0]))
+
+    variables = {"params": {"d": values(nnx.state(model, nnx.Param))["d"]},
+                 OWG: {"d": {"Fp8DotGeneral_0": values(nnx.state(model, fnnx.Fp8State))["d"]["dot_general"]}}}
+    nnx.jit(lambda m: fnnx.grad(loss)(m))(model)
+    scanned = nn.scan(LinenShared, variable_broadcast=["params", OWG], split_rngs={"params": False},
+                      length=layers)(r)
+    want = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(scanned.apply(fj.combine_calls(v, r), x, None)[0]))))(
+        variables)[OWG]
+    got = values(nnx.state(model, fnnx.Fp8State))["d"]["dot_general"]
+    assert_same(got, want["d"]["Fp8DotGeneral_0"], "state")
+    assert float(got["interval_step"]) == 1
+
+
 def test_a_layer_the_step_does_not_call_keeps_its_state():
     r = RECIPES["delayed"]
     model = MLP(r, nnx.Rngs(0))

@@ -482,3 +482,22 @@ def test_combine_calls_refuses_what_does_not_fit_by_name():
         fj.combine_calls(variables, fp8core.Float8CurrentScaling())
     with pytest.raises(ValueError, match=r"^state: already tied"):
         fj.combine_calls(fj.combine_calls(variables, recipe), recipe)
+
+
+def test_functional_state_tied_takes_the_calls_as_one():
+    """fp8_dot_general's explicit state, tied by combine_calls and given to two calls each under its own
+    jax.checkpoint: its gradient is the next state of one call over both inputs (untied, the two add)."""
+    recipe = RECIPES["max"]
+    xs, gs = data(2)
+    w = jax.random.normal(jax.random.PRNGKey(6), (D_IN, D_OUT))
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(state, xs, gs):
+        tied = fj.combine_calls({OWG: {"layer": state}}, recipe)[OWG]["layer"]
+        call = jax.checkpoint(lambda x: fj.fp8_dot_general(x, w, dn, tied, recipe))
+        return sum(jnp.vdot(call(x), g) for x, g in zip(xs, gs))
+
+    got = jax.jit(jax.grad(loss))(fj.init_state(recipe), xs, gs)
+    want = jax.jit(jax.grad(lambda s: jnp.vdot(fj.fp8_dot_general(jnp.concatenate(xs), w, dn, s, recipe),
+                                               jnp.concatenate(gs))))(fj.init_state(recipe))
+    assert_same(got, want, "state")

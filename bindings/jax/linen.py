@@ -33,6 +33,7 @@ state at the top of the loss (fp8core.jax.tying), and a call reading a tied stat
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -247,7 +248,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     amax over the whole operand, batch included), all elements in one batched GEMM primitive, the output in
     dot_general's layout (batch, lhs free, rhs free)."""
     check_recipe(recipe, functional=True)
-    if isinstance(recipe, DelayedScaling) and isinstance(state, dict) and any(is_tied(v) for v in state.values()):
+    if isinstance(recipe, DelayedScaling) and isinstance(state, Mapping) and any(map(is_tied, state.values())):
         check_state(state, recipe)  # tied (combine_calls): the tie combines this call's amaxes and updates
         return dot_general_with_state(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
                                       precision)

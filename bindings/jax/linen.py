@@ -73,16 +73,16 @@ _UNTIED = ("{dot}: its scaling state was not differentiated through fp8core.jax.
            "gradient with fp8core.jax.nnx.value_and_grad or fp8core.jax.nnx.grad")
 
 
-def _state_cotangents(cfg: _Config, history: Any, scale: Any, scale_inv: Any, amaxes: Any) -> tuple[Any, Any, Any]:
+def _state_cotangents(cfg: _Config, history: Any, scale: Any, amaxes: Any) -> tuple[Any, Any, Any]:
     """The state's cotangent from one call: its amaxes in row 0 of the history's (for _link or a tie to combine
-    and update), zeros elsewhere; in the state's dtype."""
+    and update), zeros elsewhere; in the history's dtype (a tied state is tied whole)."""
     h = jnp.zeros(history.shape, jnp.float32)
     if isinstance(cfg.recipe, DelayedScaling):
         if cfg.tied_only and not is_tied(history):
             raise ValueError(_UNTIED.format(dot=cfg.dot))
         h = h.at[0].set(amaxes)
     zeros = jnp.zeros(scale.shape, jnp.float32)
-    return cotangent(h, history), cotangent(zeros, history), cotangent(zeros, history)  # tied: all of it
+    return cotangent(h, history), cotangent(zeros, history), cotangent(zeros, history)
 
 
 def _cast(x: jax.Array, slot: int, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
@@ -121,10 +121,10 @@ def _dot_fwd_once(x, k, history, scale, scale_inv, cfg):
 
 def _dot_bwd(cfg, res, g):
     qxt, qk, sx, sk, ax, ak, history, scale, scale_inv = res
-    qg, qgt, sg, ag = _cast(g, 2, cfg, untie(scale), untie(scale_inv))
+    qg, qgt, sg, ag = _cast(g, 2, cfg, scale, scale_inv)  # float32: the forward pass untied them
     dx = gemm(qg, qk, sg, sk, cfg.lhs_dtype)     # [M, N] · [K, N]ᵀ
     dk = gemm(qxt, qgt, sx, sg, cfg.rhs_dtype)   # [K, M] · [N, M]ᵀ
-    return (dx, dk, *_state_cotangents(cfg, history, scale, scale_inv, jnp.concatenate([ax, ak, ag])))
+    return (dx, dk, *_state_cotangents(cfg, history, scale, jnp.concatenate([ax, ak, ag])))
 
 
 _fp8_dot.defvjp(_dot_fwd, _dot_bwd)
@@ -409,10 +409,10 @@ def _batched_fwd_once(x, w, history, scale, scale_inv, cfg):
 
 def _batched_bwd(cfg, res, g):
     qx, qw, sx, sw, ax, aw, history, scale, scale_inv = res
-    qg, sg, ag = _cast_whole(g, 2, cfg, untie(scale), untie(scale_inv))
+    qg, sg, ag = _cast_whole(g, 2, cfg, scale, scale_inv)  # float32: the forward pass untied them
     dx = gemm(qg, qw, sg, sw, cfg.lhs_dtype)                  # [B, M, N] · [B, K, N]ᵀ
     dw = gemm(_swap(qx), _swap(qg), sx, sg, cfg.rhs_dtype)    # [B, K, M] · [B, N, M]ᵀ
-    return (dx, dw, *_state_cotangents(cfg, history, scale, scale_inv, jnp.concatenate([ax, aw, ag])))
+    return (dx, dw, *_state_cotangents(cfg, history, scale, jnp.concatenate([ax, aw, ag])))
 
 
 _fp8_batched_dot.defvjp(_batched_fwd, _batched_bwd)

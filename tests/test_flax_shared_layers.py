@@ -501,3 +501,23 @@ def test_functional_state_tied_takes_the_calls_as_one():
     want = jax.jit(jax.grad(lambda s: jnp.vdot(fj.fp8_dot_general(jnp.concatenate(xs), w, dn, s, recipe),
                                                jnp.concatenate(gs))))(fj.init_state(recipe))
     assert_same(got, want, "state")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_applies_with_a_non_finite_input_combine_as_one_call(bad):
+    """One of two applies sees a NaN (or inf) input: the tied state is the one call's over both inputs, bit
+    for bit (MAX keeps the NaN, the update keeps the scale), whichever apply it is in."""
+    recipe = RECIPES["max"]
+    xs, gs = data(2)
+    variables = Single(recipe).init(jax.random.PRNGKey(0), xs[0])
+    for i in range(2):
+        ins = [x.at[3, 5].set(bad) if j == i else x for j, x in enumerate(xs)]
+
+        def loss(v):
+            v = fj.combine_calls(v, recipe)
+            return sum(jnp.vdot(Single(recipe).apply(v, x), g) for x, g in zip(ins, gs))
+
+        state = jax.jit(jax.grad(loss))(variables)[OWG]
+        _, want = step(OneCall(recipe), variables, ins, gs)
+        assert_same(state, want, f"{bad} in apply {i}")
+        assert not np.isfinite(np.asarray(state["d"]["Fp8DotGeneral_0"]["amax_history"])[-1, 0])

@@ -389,3 +389,26 @@ def test_bad_recipes_are_refused_by_name():
         fnnx.Fp8DotGeneral(fp8core.DelayedScaling(amax_compute_algo=lambda h: h.max(axis=0)))
     with pytest.raises(TypeError, match=r"^argnums: expected an int or an nnx.DiffState"):
         fnnx.value_and_grad(lambda m: 0.0, argnums=(0, 1))
+
+
+def test_axis_name_under_shard_map_reduces_in_the_tie():
+    """axis_name: the tie's update MAX-reduces the amaxes over the mesh axis inside shard_map (a one-device
+    mesh here: the state equals the layer's without axis_name, bit for bit; the reduction over two devices is
+    the Linen op's, tests/test_flax.py)."""
+    r = RECIPES["interval"]
+    x = batch((T, D), 0)[0]
+    mesh = jax.make_mesh((1,), ("data",))
+    sharded = nnx.Linear(D, F, dot_general=fnnx.Fp8DotGeneral(r, axis_name="data"), rngs=nnx.Rngs(0))
+    plain = nnx.Linear(D, F, dot_general=fnnx.Fp8DotGeneral(r), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(sharded)
+
+    def step(state, x):
+        model = nnx.merge(graphdef, state)
+        fnnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        return nnx.state(model, fnnx.Fp8State)
+
+    spec = jax.sharding.PartitionSpec()
+    got = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(state, x)
+    fnnx.grad(lambda m: jnp.sum(m(x) ** 2))(plain)
+    assert_same(values(got), values(nnx.state(plain, fnnx.Fp8State)), "state")
+    assert float(values(got)["dot_general"]["interval_step"]) == 1

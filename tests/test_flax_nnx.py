@@ -412,3 +412,19 @@ def test_axis_name_under_shard_map_reduces_in_the_tie():
     fnnx.grad(lambda m: jnp.sum(m(x) ** 2))(plain)
     assert_same(values(got), values(nnx.state(plain, fnnx.Fp8State)), "state")
     assert float(values(got)["dot_general"]["interval_step"]) == 1
+
+
+@pytest.mark.parametrize("rows", [5, 0], ids=["odd", "empty"])
+def test_odd_and_empty_shapes_as_the_linen_op(rows):
+    """nnx.Linear(10, 7) on 5 tokens (K, N and the tokens padded inside the op) and on an empty batch: the
+    outputs and the state after one step equal the Linen op's, bit for bit."""
+    r = RECIPES["delayed"]
+    x = jax.random.normal(jax.random.PRNGKey(4), (rows, 10)) * 3
+    layer = nnx.Linear(10, 7, dot_general=fnnx.Fp8DotGeneral(r), rngs=nnx.Rngs(0))
+    dense = nn.Dense(7, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=r))
+    variables = {"params": values(nnx.state(layer, nnx.Param)),
+                 OWG: {"Fp8DotGeneral_0": values(nnx.state(layer, fnnx.Fp8State))["dot_general"]}}
+    assert_same(layer(x), dense.apply(variables, x), "outputs")
+    fnnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(layer)
+    want = jax.grad(lambda v: jnp.sum(jnp.sin(dense.apply(v, x))))(variables)[OWG]["Fp8DotGeneral_0"]
+    assert_same(values(nnx.state(layer, fnnx.Fp8State))["dot_general"], want, "state")

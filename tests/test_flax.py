@@ -303,3 +303,37 @@ def test_dense_empty_batch_grad_is_zero():
     assert float(dstate["amax_history"][0, 2]) == 0.0
     y, new = fj.dense(x, w, state, DELAYED)
     assert y.shape == (0, 16) and float(new["amax_history"][0, 0]) == 0.0
+
+
+SECOND = r"^(Fp8DotGeneral|fp8core\.jax\.dense): fp8core's FP8 dot has first derivatives only .* plain dot_general"
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, fp8core.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("how", ["grad_of_grad", "hessian", "jvp_of_grad"])
+@pytest.mark.parametrize("door", ["Dense", "batched", "dense"])
+def test_a_second_derivative_is_refused_at_trace_time_by_name(door, how, recipe):
+    """jax.grad of jax.grad (and jax.hessian, a jvp of a grad) through an FP8 dot: refused while tracing,
+    naming the dot and what to do, not JAX's internal "Buffer callbacks do not support JVP"; the first
+    derivative of the same function still works."""
+    x = jax.random.normal(jax.random.PRNGKey(3), (16, D_IN))
+    if door == "Dense":
+        dense = nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=recipe))
+        v = dense.init(jax.random.PRNGKey(0), x)
+        f = lambda x: jnp.sum(dense.apply(v, x) ** 2)  # noqa: E731
+    elif door == "batched":
+        state = fj.init_state(recipe) if isinstance(recipe, fp8core.DelayedScaling) else None
+        dn = (((2,), (2,)), ((0,), (0,)))
+        f = lambda x: jnp.sum(fj.fp8_dot_general(x.reshape(2, 8, D_IN), x.reshape(2, 8, D_IN), dn, state,  # noqa: E731
+                                                 recipe) ** 2)
+    else:
+        state = fj.init_state(recipe) if isinstance(recipe, fp8core.DelayedScaling) else None
+        w = jnp.ones((D_OUT, D_IN))
+        f = lambda x: jnp.sum(fj.dense(x, w, state, recipe)[0] ** 2)  # noqa: E731
+    assert jax.grad(f)(x).shape == x.shape
+    second = {"grad_of_grad": lambda: jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))(x),
+              "hessian": lambda: jax.hessian(f)(x),
+              "jvp_of_grad": lambda: jax.jvp(jax.grad(f), (x,), (x,))}[how]
+    with pytest.raises(NotImplementedError, match=SECOND):
+        second()
+    with pytest.raises(NotImplementedError, match=SECOND):
+        jax.jit(second)()

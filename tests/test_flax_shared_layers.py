@@ -372,3 +372,152 @@ def test_a_bad_state_in_the_variables_is_refused_by_name(key, bad, match):
     variables = {**variables, OWG: {"d": {"Fp8DotGeneral_0": st}}}
     with pytest.raises((ValueError, TypeError), match=match):
         jax.jit(Tied(recipe).apply)(variables, xs)
+
+
+# Calls JAX traces apart: fj.combine_calls at the top of the loss makes them one call too
+
+
+class Single(nn.Module):
+    """One Dense, one call: applied once per input by the loss."""
+    recipe: object
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=self.recipe), name="d")(x)
+
+
+@pytest.mark.parametrize("algo", list(RECIPES))
+@pytest.mark.parametrize("n", [2, 3])
+def test_applies_of_the_same_variables_combine_as_one_call(n, algo):
+    """A siamese loss, sum_i <d.apply(v, x_i), g_i>: with combine_calls each step's state is the one call's,
+    across steps; without it JAX adds the n updated states (what combine_calls is for)."""
+    recipe = RECIPES[algo]
+    xs, _ = data(n)
+    variables = Single(recipe).init(jax.random.PRNGKey(0), xs[0])
+    for s in range(3):
+        xs, gs = data(n, s)
+
+        def loss(v, tie=True):
+            v = fj.combine_calls(v, recipe) if tie else v
+            return sum(jnp.vdot(Single(recipe).apply(v, x), g) for x, g in zip(xs, gs))
+
+        state = jax.jit(jax.grad(loss))(variables)[OWG]
+        ys_ref, state_ref = step(OneCall(recipe), variables, xs, gs)  # Single's variables: the one call's
+        assert_same(state, state_ref, f"step {s} state")
+        assert_same([Single(recipe).apply(variables, x) for x in xs], ys_ref, f"step {s} outputs")
+        summed = jax.jit(jax.grad(partial(loss, tie=False)))(variables)[OWG]
+        assert not np.array_equal(bits(summed["d"]["Fp8DotGeneral_0"]["scale"]),
+                                  bits(state["d"]["Fp8DotGeneral_0"]["scale"]))
+        variables = {**variables, OWG: state}
+
+
+def test_each_call_under_its_own_remat_combines_as_one_call():
+    recipe, n = RECIPES["max"], 3
+    xs, gs = data(n)
+
+    class RematCalls(nn.Module):
+        @nn.compact
+        def __call__(self, xs):
+            d = nn.Dense(D_OUT, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=recipe), name="d")
+            call = nn.remat(lambda mdl, x: mdl(x))
+            return [call(d, x) for x in xs]
+
+    variables = RematCalls().init(jax.random.PRNGKey(0), xs)
+
+    def loss(v):
+        ys = RematCalls().apply(fj.combine_calls(v, recipe), xs)
+        return sum(jnp.vdot(y, g) for y, g in zip(ys, gs))
+
+    state = jax.jit(jax.grad(loss))(variables)[OWG]
+    _, want = step(OneCall(recipe), variables, xs, gs)
+    assert_same(state, want, "state")
+
+
+class SharedBlock(nn.Module):
+    """A residual block calling its Dense twice, for nn.scan with the parameters and the state broadcast (one
+    block applied `layers` times); probes p (zeros) added to each call's output give its grad_output."""
+    recipe: object
+
+    @nn.compact
+    def __call__(self, h, p):
+        d = nn.Dense(D_IN, dot_general_cls=partial(fj.Fp8DotGeneral, recipe=self.recipe), name="d")
+        out = jnp.tanh(h + d(h) + p[0] + d(h * h) + p[1])
+        return out, h
+
+
+@pytest.mark.parametrize("interval", [1, 2])
+def test_one_state_broadcast_over_nn_scan_combines_as_one_call(interval):
+    """nn.scan broadcasting the parameters and the state over 3 iterations, 2 calls each: the state is that of
+    one call over the 6 calls' inputs with their grad_outputs (each read from a zero probe's gradient)."""
+    recipe = fp8core.DelayedScaling(amax_history_len=4, amax_compute_algo="max", interval=interval)
+    layers = 3
+    x = jax.random.normal(jax.random.PRNGKey(2), (TOKENS, D_IN))
+    probes = jnp.zeros((layers, 2, TOKENS, D_IN))
+    scanned = nn.scan(SharedBlock, variable_broadcast=["params", OWG], split_rngs={"params": False},
+                      length=layers)(recipe)
+    variables = scanned.init(jax.random.PRNGKey(0), x, probes)
+
+    def loss(v, p):
+        out, _ = scanned.apply(fj.combine_calls(v, recipe), x, p)
+        return jnp.sum(jnp.sin(out))
+
+    grads, g = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables, probes)
+    _, hs = jax.jit(scanned.apply)(variables, x, probes)  # each iteration's input h
+    ins = [v for h in hs for v in (h, h * h)]
+    outs = [g[i, j] for i in range(layers) for j in range(2)]
+    one = {"params": {"d": variables["params"]["d"]}, OWG: {"d": variables[OWG]["d"]}}
+    _, want = step(OneCall(recipe, D_IN), one, ins, outs)
+    assert_same(grads[OWG], want, "state")
+
+
+def test_combine_calls_refuses_what_does_not_fit_by_name():
+    recipe = RECIPES["max"]
+    xs, _ = data(1)
+    variables = Single(recipe).init(jax.random.PRNGKey(0), xs[0])
+    with pytest.raises(ValueError, match=r"state\['amax_history'\]: expected shape \(8, 3\), got \(4, 3\)"):
+        fj.combine_calls(variables, fp8core.DelayedScaling(amax_history_len=8))
+    with pytest.raises(TypeError, match=r"^variables: expected a flax variables dict with a '_overwrite_with_grad"):
+        fj.combine_calls(variables["params"], recipe)
+    with pytest.raises(TypeError, match=r"^recipe: expected DelayedScaling"):
+        fj.combine_calls(variables, fp8core.Float8CurrentScaling())
+    with pytest.raises(ValueError, match=r"^state: already tied"):
+        fj.combine_calls(fj.combine_calls(variables, recipe), recipe)
+
+
+def test_functional_state_tied_takes_the_calls_as_one():
+    """fp8_dot_general's explicit state, tied by combine_calls and given to two calls each under its own
+    jax.checkpoint: its gradient is the next state of one call over both inputs (untied, the two add)."""
+    recipe = RECIPES["max"]
+    xs, gs = data(2)
+    w = jax.random.normal(jax.random.PRNGKey(6), (D_IN, D_OUT))
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(state, xs, gs):
+        tied = fj.combine_calls({OWG: {"layer": state}}, recipe)[OWG]["layer"]
+        call = jax.checkpoint(lambda x: fj.fp8_dot_general(x, w, dn, tied, recipe))
+        return sum(jnp.vdot(call(x), g) for x, g in zip(xs, gs))
+
+    got = jax.jit(jax.grad(loss))(fj.init_state(recipe), xs, gs)
+    want = jax.jit(jax.grad(lambda s: jnp.vdot(fj.fp8_dot_general(jnp.concatenate(xs), w, dn, s, recipe),
+                                               jnp.concatenate(gs))))(fj.init_state(recipe))
+    assert_same(got, want, "state")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_applies_with_a_non_finite_input_combine_as_one_call(bad):
+    """One of two applies sees a NaN (or inf) input: the tied state is the one call's over both inputs, bit
+    for bit (MAX keeps the NaN, the update keeps the scale), whichever apply it is in."""
+    recipe = RECIPES["max"]
+    xs, gs = data(2)
+    variables = Single(recipe).init(jax.random.PRNGKey(0), xs[0])
+    for i in range(2):
+        ins = [x.at[3, 5].set(bad) if j == i else x for j, x in enumerate(xs)]
+
+        def loss(v):
+            v = fj.combine_calls(v, recipe)
+            return sum(jnp.vdot(Single(recipe).apply(v, x), g) for x, g in zip(ins, gs))
+
+        state = jax.jit(jax.grad(loss))(variables)[OWG]
+        _, want = step(OneCall(recipe), variables, ins, gs)
+        assert_same(state, want, f"{bad} in apply {i}")
+        assert not np.isfinite(np.asarray(state["d"]["Fp8DotGeneral_0"]["amax_history"])[-1, 0])

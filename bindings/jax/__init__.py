@@ -11,6 +11,7 @@ committed x, or where ``in_shardings``/``out_shardings`` say), and XLA refuses a
 devices with its own error.
 """
 
+import importlib
 from typing import Any
 
 from . import blocks  # noqa: F401  (block scaling, fp8core.jax.blocks: MXFP8 and 1x128/128x128 under jit)
@@ -27,6 +28,12 @@ def __getattr__(name: str) -> Any:
         from . import linen
 
         return getattr(linen, name)
+    if name == "combine_calls":
+        from . import tying
+
+        return tying.combine_calls
+    if name == "nnx":  # fp8core.jax.nnx, for flax NNX (``from . import nnx`` would ask this function again)
+        return importlib.import_module(".nnx", __name__)
     if name in ("from_flax_fp8_state", "to_flax_fp8_state"):
         from . import convert
 

@@ -18,6 +18,7 @@ from fp8core import DelayedScaling, Float8CurrentScaling
 from fp8core.gemm import MULTIPLE
 
 from . import _args
+from .derivatives import first_order_only
 from .primitives import cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["init_state", "dense", "next_state"]
@@ -42,6 +43,10 @@ def _fp8_matmul(x, w, scale, scale_inv, grad_slot, recipe):
 
 
 def _forward(x, w, scale, scale_inv, recipe):
+    return first_order_only(partial(_forward_once, recipe=recipe), "fp8core.jax.dense", x, w, scale, scale_inv)
+
+
+def _forward_once(x, w, scale, scale_inv, recipe):
     fmt = recipe.fp8_format
     if isinstance(recipe, Float8CurrentScaling):
         qx, qxt, sx, ax = _current(x, fmt.fwd.value, recipe)

@@ -24,16 +24,16 @@ A layer called more than once in a step (weight tying, a shared encoder) updates
 of its calls' amaxes: the state one call over all the calls' inputs would leave. JAX adds the gradients of a
 variable read twice, and the update is not additive (nor is a max of updated scales the scale of the max amax),
 so the calls do not each return an updated state: within one trace, each call hands its amaxes to the call
-before it (:func:`_link`), and the first call, the only one reading the variables, updates. A layer whose
-calls are traced apart (each call under its own ``nn.remat``, or one state broadcast over ``nn.scan``'s
-iterations) has its updated states added by JAX, as flax's own op does with float32 state: wrap the calls
-together (``nn.remat`` around the module calling the layer), or give each iteration its own state
-(``variable_axes={OVERWRITE_WITH_GRADIENT: 0}``).
+before it (:func:`_link`), and the first call, the only one reading the variables, updates. Calls JAX traces
+apart (two ``apply`` of the same variables, each call under its own ``nn.remat``, one state broadcast over
+``nn.scan``'s iterations) would have their updated states added by JAX: ``fp8core.jax.combine_calls`` ties the
+state at the top of the loss (fp8core.jax.tying), and a call reading a tied state hands its amaxes to the tie.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -45,13 +45,13 @@ from flax.core.tracers import current_trace
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax import lax
 
-import fp8core
 from fp8core import DelayedScaling
 from fp8core.gemm import MULTIPLE
 
 from . import _args
-from .primitives import (amax, cast_transpose, compute_scale, gemm, quantize, quantize_dynamic, reduce_amax,
-                         transpose, update)
+from .derivatives import first_order_only
+from .primitives import amax, cast_transpose, compute_scale, gemm, quantize, quantize_dynamic, reduce_amax, transpose
+from .tying import advance, check_state, cotangent, formats, is_tied, state_keys, untie
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT"]
 
@@ -64,18 +64,32 @@ class _Config(NamedTuple):
     out_dtype: str
     lhs_dtype: str
     rhs_dtype: str
+    dot: str = "Fp8DotGeneral"  # the dot's name in errors
+    tied_only: bool = False  # the state's gradient is taken only through a tie (fp8core.jax.nnx)
 
 
-def _formats(recipe: Any) -> tuple[fp8core.Format, fp8core.Format, fp8core.Format]:
-    fmt = recipe.fp8_format
-    return fmt.fwd, fmt.fwd, fmt.bwd
+_UNTIED = ("{dot}: its scaling state was not differentiated through fp8core.jax.nnx.grad / value_and_grad (plain "
+           "nnx.grad takes the nnx.Param only), so the grad_output amax and the update would be lost; take the "
+           "gradient with fp8core.jax.nnx.value_and_grad or fp8core.jax.nnx.grad")
+
+
+def _state_cotangents(cfg: _Config, history: Any, scale: Any, amaxes: Any) -> tuple[Any, Any, Any]:
+    """The state's cotangent from one call: its amaxes in row 0 of the history's (for _link or a tie to combine
+    and update), zeros elsewhere; in the history's dtype (a tied state is tied whole)."""
+    h = jnp.zeros(history.shape, jnp.float32)
+    if isinstance(cfg.recipe, DelayedScaling):
+        if cfg.tied_only and not is_tied(history):
+            raise ValueError(_UNTIED.format(dot=cfg.dot))
+        h = h.at[0].set(amaxes)
+    zeros = jnp.zeros(scale.shape, jnp.float32)
+    return cotangent(h, history), cotangent(zeros, history), cotangent(zeros, history)
 
 
 def _cast(x: jax.Array, slot: int, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(q, q_t, scale_inv, amax) of one operand: its delayed scale, or its own amax (reduced over the devices
     first when there are some)."""
-    r, fmt = cfg.recipe, _formats(cfg.recipe)[slot].value
+    r, fmt = cfg.recipe, formats(cfg.recipe)[slot].value
     if isinstance(r, DelayedScaling):
         q, qt, a = cast_transpose(x, scale[slot:slot + 1], fmt)
         return q, qt, scale_inv[slot:slot + 1], a
@@ -95,6 +109,10 @@ def _fp8_dot(x, k, history, scale, scale_inv, cfg):
 
 
 def _dot_fwd(x, k, history, scale, scale_inv, cfg):
+    return first_order_only(partial(_dot_fwd_once, cfg=cfg), cfg.dot, x, k, history, untie(scale), untie(scale_inv))
+
+
+def _dot_fwd_once(x, k, history, scale, scale_inv, cfg):
     qx, qxt, sx, ax = _cast(x, 0, cfg, scale, scale_inv)
     qk, qkt, sk, ak = _cast(k, 1, cfg, scale, scale_inv)
     y = gemm(qx, qkt, sx, sk, cfg.out_dtype)
@@ -103,13 +121,10 @@ def _dot_fwd(x, k, history, scale, scale_inv, cfg):
 
 def _dot_bwd(cfg, res, g):
     qxt, qk, sx, sk, ax, ak, history, scale, scale_inv = res
-    qg, qgt, sg, ag = _cast(g, 2, cfg, scale, scale_inv)
+    qg, qgt, sg, ag = _cast(g, 2, cfg, scale, scale_inv)  # float32: the forward pass untied them
     dx = gemm(qg, qk, sg, sk, cfg.lhs_dtype)     # [M, N] · [K, N]ᵀ
     dk = gemm(qxt, qgt, sx, sg, cfg.rhs_dtype)   # [K, M] · [N, M]ᵀ
-    h = jnp.zeros_like(history)
-    if isinstance(cfg.recipe, DelayedScaling):  # this call's amaxes, for _link to combine and update
-        h = h.at[0].set(jnp.concatenate([ax, ak, ag]))
-    return dx, dk, h, jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
+    return (dx, dk, *_state_cotangents(cfg, history, scale, jnp.concatenate([ax, ak, ag])))
 
 
 _fp8_dot.defvjp(_dot_fwd, _dot_bwd)
@@ -135,20 +150,12 @@ def _link_fwd(state, link):
 
 
 def _link_bwd(link, state, cts):
-    history, scale, scale_inv = state[:3]
+    history = state[0]
     mine, later = cts
     row = jnp.maximum(mine[0][0], later[0][0])  # amaxes >= 0, and 0 where no later call; NaN propagates
     if not link.first:
         return ((jnp.zeros_like(history).at[0].set(row), *(jnp.zeros_like(v) for v in state[1:])),)
-    row0 = jnp.maximum(history[0], row)
-    if link.axis_name is not None and link.recipe.reduce_amax:
-        row0 = reduce_amax(row0, link.axis_name)
-    args = (history.at[0].set(row0), scale, scale_inv, link.recipe, _formats(link.recipe))
-    if len(state) == 3:
-        return (update(*args),)
-    step = state[3]  # ScalingState's schedule: the scales move when steps % interval == 0, the history each step
-    new = lax.cond(step == 0, lambda: update(*args, update_scale=True), lambda: update(*args, update_scale=False))
-    return ((*new, jnp.where(step + 1 == link.recipe.interval, 0.0, step + 1).astype(jnp.float32)),)
+    return (advance(state, row, link.recipe, link.axis_name),)
 
 
 _link.defvjp(_link_fwd, _link_bwd)
@@ -175,7 +182,7 @@ _KEYS = ("amax_history", "scale", "scale_inv")
 _MAX_INTERVAL = 2**24
 
 
-def _check_recipe(recipe: Any, functional: bool = False) -> None:
+def check_recipe(recipe: Any, functional: bool = False) -> None:
     _args.dense_recipe(recipe)
     if isinstance(recipe, DelayedScaling):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
@@ -191,7 +198,7 @@ def _check_recipe(recipe: Any, functional: bool = False) -> None:
 
 def _layout(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
     """Permutations that put lhs as [free..., contracting...] and rhs as [contracting..., free...], and K, N."""
-    (lc, rc), _ = dimension_numbers  # no batch dims: _dot_general sends those to _batched_dot_general
+    (lc, rc), _ = dimension_numbers  # no batch dims: dot_general_with_state sends those to _batched_dot_general
     lc, rc = _dims(lc, lhs, "lhs", "contracting"), _dims(rc, rhs, "rhs", "contracting")
     for arg, x, c in (("lhs", lhs, lc), ("rhs", rhs, rc)):
         if len(set(c)) != len(c):
@@ -214,7 +221,7 @@ def _dtype_name(dtype: Any, arg: str) -> str:
     return name
 
 
-def _precision(precision: Any) -> None:
+def check_precision(precision: Any) -> None:
     """None or DEFAULT (per operand too): the GEMM is fp8 with float32 accumulation whatever is asked, so a
     request for more (HIGH, HIGHEST, an algorithm) is refused rather than ignored."""
     pair = isinstance(precision, (tuple, list))
@@ -240,23 +247,31 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, stat
     in JAX, each batch element's GEMMs those of the unbatched op with the operand's one per-tensor scale (its
     amax over the whole operand, batch included), all elements in one batched GEMM primitive, the output in
     dot_general's layout (batch, lhs free, rhs free)."""
-    _check_recipe(recipe, functional=True)
+    check_recipe(recipe, functional=True)
+    if isinstance(recipe, DelayedScaling) and isinstance(state, Mapping) and any(map(is_tied, state.values())):
+        check_state(state, recipe)  # tied (combine_calls): the tie combines this call's amaxes and updates
+        return dot_general_with_state(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
+                                      precision)
     _args.layer_state(state, recipe)
     if isinstance(recipe, DelayedScaling):
         linked, _ = _link(tuple(state[k] for k in _KEYS), _Link(recipe, axis_name, True))
         state = dict(zip(_KEYS, linked))
-    return _dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type, precision)
+    return dot_general_with_state(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
+                                  precision)
 
 
-def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: dict[str, jax.Array] | None,
-                 recipe: Any, axis_name: Any, preferred_element_type: Any, precision: Any) -> jax.Array:
-    """fp8_dot_general over a state already linked (its cotangent is this call's amaxes, see _link)."""
-    _precision(precision)
+def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                           state: dict[str, jax.Array] | None, recipe: Any, axis_name: Any, preferred_element_type: Any,
+                           precision: Any, *, dot: str = "Fp8DotGeneral", tied_only: bool = False) -> jax.Array:
+    """fp8_dot_general over a state already linked or tied (its cotangent is this call's amaxes, see _link and
+    fp8core.jax.tying); ``dot`` names the dot in errors, ``tied_only`` refuses a state's gradient taken untied."""
+    check_precision(precision)
     for arg, t in (("lhs", lhs), ("rhs", rhs)):
         if len(_args.array(t, arg).shape) == 0:
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
     if any(len(tuple(d)) for d in dimension_numbers[1]):
-        return _batched_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type)
+        return _batched_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
+                                    dot, tied_only)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
     lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
     out = _dtype_name(preferred_element_type if preferred_element_type is not None
@@ -279,7 +294,7 @@ def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: 
         h, s, si = (state[key] for key in _KEYS)
     else:
         h = s = si = jnp.zeros(1, jnp.float32)
-    y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname))
+    y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname, dot, tied_only))
     return y[:rows, :n].reshape(out_shape)
 
 
@@ -331,8 +346,8 @@ def _batched_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
 
 def _batched_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                          state: dict[str, jax.Array] | None, recipe: Any, axis_name: Any,
-                         preferred_element_type: Any) -> jax.Array:
-    """_dot_general with batch dims: the batch dims moved to the front (transposes in JAX), each batch element
+                         preferred_element_type: Any, dot: str, tied_only: bool) -> jax.Array:
+    """dot_general_with_state with batch dims: the batch dims moved to the front (transposes in JAX), each batch element
     a GEMM [M, K] · [K, N] of the one batched GEMM primitive, the operands' scales per tensor (the amax over
     the whole operand); padded like the unbatched op (M, K, N to multiples of 16, and an empty batch to one
     element of zeros), and the output put back in dot_general's order."""
@@ -351,7 +366,7 @@ def _batched_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
         h, s, si = (state[key] for key in _KEYS)
     else:
         h = s = si = jnp.zeros(1, jnp.float32)
-    y = _fp8_batched_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname))
+    y = _fp8_batched_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname, dot, tied_only))
     return y[:b, :m, :n].reshape(out_shape)
 
 
@@ -359,7 +374,7 @@ def _cast_whole(x: jax.Array, slot: int, cfg: _Config, scale: jax.Array, scale_i
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(q, scale_inv, amax) of one operand of any shape, as _cast but with no 2-D transpose: the batched GEMMs
     transpose each element's fp8 matrix in JAX instead (bits moved, not changed)."""
-    r, fmt = cfg.recipe, _formats(cfg.recipe)[slot].value
+    r, fmt = cfg.recipe, formats(cfg.recipe)[slot].value
     if isinstance(r, DelayedScaling):
         q, a = quantize(x, scale[slot:slot + 1], fmt)
         return q, scale_inv[slot:slot + 1], a
@@ -381,6 +396,11 @@ def _fp8_batched_dot(x, w, history, scale, scale_inv, cfg):
 
 
 def _batched_fwd(x, w, history, scale, scale_inv, cfg):
+    return first_order_only(partial(_batched_fwd_once, cfg=cfg), cfg.dot, x, w, history, untie(scale),
+                            untie(scale_inv))
+
+
+def _batched_fwd_once(x, w, history, scale, scale_inv, cfg):
     qx, sx, ax = _cast_whole(x, 0, cfg, scale, scale_inv)
     qw, sw, aw = _cast_whole(w, 1, cfg, scale, scale_inv)
     y = gemm(qx, _swap(qw), sx, sw, cfg.out_dtype)
@@ -389,13 +409,10 @@ def _batched_fwd(x, w, history, scale, scale_inv, cfg):
 
 def _batched_bwd(cfg, res, g):
     qx, qw, sx, sw, ax, aw, history, scale, scale_inv = res
-    qg, sg, ag = _cast_whole(g, 2, cfg, scale, scale_inv)
+    qg, sg, ag = _cast_whole(g, 2, cfg, scale, scale_inv)  # float32: the forward pass untied them
     dx = gemm(qg, qw, sg, sw, cfg.lhs_dtype)                  # [B, M, N] · [B, K, N]ᵀ
     dw = gemm(_swap(qx), _swap(qg), sx, sg, cfg.rhs_dtype)    # [B, K, M] · [B, N, M]ᵀ
-    h = jnp.zeros_like(history)
-    if isinstance(cfg.recipe, DelayedScaling):  # this call's amaxes, for _link to combine and update
-        h = h.at[0].set(jnp.concatenate([ax, aw, ag]))
-    return dx, dw, h, jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
+    return (dx, dw, *_state_cotangents(cfg, history, scale, jnp.concatenate([ax, aw, ag])))
 
 
 _fp8_batched_dot.defvjp(_batched_fwd, _batched_bwd)
@@ -425,20 +442,18 @@ class Fp8DotGeneral(nn.Module):
     def _scaling_variables(self) -> dict[str, jax.Array] | None:
         """The state this call's GEMMs use, linked to the layer's previous call in this trace if there was one
         (see _link): the first call reads the variables and updates them, the later ones hand it their amaxes."""
-        _check_recipe(self.recipe)
+        check_recipe(self.recipe)
         if not isinstance(self.recipe, DelayedScaling):
             return None
         L = self.recipe.amax_history_len
         inits = {"amax_history": lambda: jnp.zeros((L, 3), jnp.float32), "scale": lambda: jnp.ones(3, jnp.float32),
                  "scale_inv": lambda: jnp.ones(3, jnp.float32)}
-        keys = _KEYS + (("interval_step",) if self.recipe.interval > 1 else ())  # interval 1: no count to keep
+        keys = state_keys(self.recipe)  # interval 1: no count to keep
         inits["interval_step"] = lambda: jnp.zeros((), jnp.float32)
         read = tuple(self.variable(OVERWRITE_WITH_GRADIENT, k, inits[k]).value for k in keys)
-        _args.layer_state(dict(zip(keys, read)), self.recipe)
-        if len(read) > 3 and (_args.array(read[3], "state['interval_step']").shape != ()
-                              or jnp.dtype(read[3].dtype) != jnp.float32):
-            raise ValueError(f"state['interval_step']: expected a float32 scalar, got {jnp.dtype(read[3].dtype).name} "
-                             f"{tuple(read[3].shape)}")
+        check_state(dict(zip(keys, read)), self.recipe)
+        if any(is_tied(v) for v in read):  # combine_calls: the tie combines every call's amaxes and updates
+            return dict(zip(keys, read))
         chains = _chains(self.scope.root)
         previous = chains.get(self.scope.path)
         # the same variables read in the same trace: a module bound once (Module.bind) reads the same arrays in
@@ -455,13 +470,16 @@ class Fp8DotGeneral(nn.Module):
                  preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
         if out_sharding is not None:
             raise ValueError("out_sharding: Fp8DotGeneral takes its sharding from shard_map, not out_sharding")
-        return _dot_general(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe, self.axis_name,
-                            preferred_element_type, precision)
+        return dot_general_with_state(lhs, rhs, dimension_numbers, self._scaling_variables(), self.recipe,
+                                      self.axis_name, preferred_element_type, precision)
 
 
-def _einsum_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
-                preferred_element_type: Any = None, *, state: Any, recipe: Any, axis_name: Any) -> jax.Array:
-    return _dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type, precision)
+def einsum_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
+               preferred_element_type: Any = None, *, state: Any, recipe: Any, axis_name: Any,
+               dot: str = "Fp8Einsum", tied_only: bool = False) -> jax.Array:
+    """The dot_general jnp.einsum calls inside :class:`Fp8Einsum` (and the NNX one)."""
+    return dot_general_with_state(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
+                                  precision, dot=dot, tied_only=tied_only)
 
 
 class Fp8Einsum(Fp8DotGeneral):
@@ -475,7 +493,7 @@ class Fp8Einsum(Fp8DotGeneral):
     @nn.compact
     def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,  # type: ignore[override]
                  preferred_element_type: Any = None) -> jax.Array:
-        _precision(precision)
-        dot = partial(_einsum_dot, state=self._scaling_variables(), recipe=self.recipe, axis_name=self.axis_name)
+        check_precision(precision)
+        dot = partial(einsum_dot, state=self._scaling_variables(), recipe=self.recipe, axis_name=self.axis_name)
         return jnp.einsum(eqn, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type,
                           _dot_general=dot)

@@ -7,16 +7,17 @@ caller's array type. The numerics are docs/numerics.md's "Block scaling"; both b
 A block-scaled result is a :class:`fp8core.layouts.ScaledTensor` that names its layout: an :class:`MXTensor`
 ``(data, scale)`` with E8M0 scale bytes (``float8_e8m0fnu`` for NumPy, torch and JAX; uint8 storage for CuPy),
 or a :class:`BlockScaledTensor` ``(data, scale_inv)`` with fp32 scale inverses. Every function here and
-:func:`fp8core.gemm` go by the layout (one built from the pair alone has the one its scale's shape means).
+:func:`fp8core.gemm` go by the layout (one built from the pair alone has the one its scale's shape means);
+:func:`dequantize_blocks` and the GEMM take FP4's ScaledTensors (:mod:`fp8core.fp4`) too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import args, backends, formats
+from . import args, backends, formats, fp4
 from ._tensor import Tensor, export, wrap
-from .formats import FP8_DTYPES, Encoding, Format
+from .formats import E2M1, FP8_DTYPES, Encoding, Format, dtype_name
 from .layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, resolve
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
@@ -29,6 +30,7 @@ FP32_BLOCK = 128
 E8M0 = formats.E8M0.dtype_name  # the scales' dtype: float8_e8m0fnu
 _CLASSES = {"mx": MXTensor, "blocks": BlockScaledTensor}  # the block kinds, and the names of their pairs
 _FAMILIES = {kind: layout.family for kind, layout in (("mx", Layout.MX_ROWWISE), ("blocks", Layout.BLOCK_1X128))}
+_ROWS = {row.dtype_name: row for row in formats.ROWS}  # an encoding by its dtype, for errors
 
 
 def scale_dtypes(kind: str) -> tuple[str, ...]:
@@ -57,6 +59,9 @@ def _parts(t: Any, arg: str, fmt: Any, kind: str | None = None) -> tuple[Tensor,
     """(data viewed 2-D, scale, encoding, layout) of a ScaledTensor, or of a plain (data, scale) pair of
     ``kind``, checked: fp8 data, scales of the kind's dtype on its device, in a layout of the kind."""
     cls = _CLASSES[kind] if kind else type(t) if isinstance(t, ScaledTensor) else ScaledTensor
+    if isinstance(t, ScaledTensor) and t.encoding is E2M1:
+        raise TypeError(f"{arg}: expected fp8 data, got {type(t).__name__} of E2M1 (FP4) data, which fp8core.fp4 "
+                        "dequantizes (dequantize_blocks too) and has no transpose of (quantize with columnwise=True)")
     if not isinstance(t, tuple if kind else ScaledTensor) or len(t) != 2:
         raise TypeError(f"{arg}: expected a {cls.__name__} (data, {cls._fields[1]}), got {type(t).__name__}")
     named = t._layout if isinstance(t, ScaledTensor) else None
@@ -72,11 +77,17 @@ def _parts(t: Any, arg: str, fmt: Any, kind: str | None = None) -> tuple[Tensor,
 
 
 def dequantize_blocks(t: ScaledTensor, out_dtype: Any = "float32", *, fmt: Format | str | None = None) -> Array:
-    """:func:`dequantize_mxfp8` or :func:`dequantize_blockwise`, by t's layout.
+    """:func:`dequantize_mxfp8` or :func:`dequantize_blockwise`, by t's layout; FP4 (E2M1 data) as
+    :func:`fp8core.dequantize_nvfp4` or :func:`fp8core.dequantize_mxfp4`.
 
     t: a ScaledTensor of fp8 data and E8M0 scales in 1x32 or 32x1 blocks, or fp32 scale inverses in 1x128 blocks or
-    128x128 tiles. out_dtype: float32, bfloat16 or float16. Returns data's shape in out_dtype.
+    128x128 tiles; or an NVFP4Tensor or MXFP4Tensor. out_dtype: float32, bfloat16 or float16. Returns data's shape
+    in out_dtype (FP4: [R, C], its packed data unpacked). fmt names the format of uint8 fp8 data (CuPy).
     """
+    if isinstance(t, ScaledTensor) and t.encoding is E2M1:
+        if fmt is not None:
+            raise ValueError(f"fmt: t names its data's encoding, E2M1; pass no fmt (got {fmt!r})")
+        return (fp4.dequantize_nvfp4 if t.kind == "nvfp4" else fp4.dequantize_mxfp4)(t, out_dtype)
     return _dequantize(t, None, out_dtype, fmt)
 
 
@@ -185,17 +196,30 @@ def transposed_layout(layout: Layout, rows: int) -> Layout:
 # ---- operands of fp8core.gemm -----------------------------------------------------------------------------
 
 def gemm_operands(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any) -> None:
-    """Scaled GEMM operands: both ScaledTensors of one kind (MX, fp32 blocks, one scale), no separate scales."""
+    """Scaled GEMM operands: both ScaledTensors of one kind (MX, fp32 blocks, one scale, NVFP4) and element
+    width (FP4's E2M1 or fp8), no separate scales."""
     for arg, obj in (("a", a), ("b", b)):
         if not isinstance(obj, ScaledTensor):
-            raise TypeError(f"{arg}: with a block-scaled operand, expected an MXTensor or a BlockScaledTensor, "
-                            f"got {type(obj).__name__}; quantize both operands with the same scheme")
-    if a.kind != b.kind:
-        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__} ({a.kind} and {b.kind} scales); "
-                         "a block-scaled GEMM takes MXFP8 x MXFP8 or fp32 blocks x fp32 blocks")
+            raise TypeError(f"{arg}: with a block-scaled operand, expected a ScaledTensor (MXTensor, "
+                            f"BlockScaledTensor, NVFP4Tensor, MXFP4Tensor), got {type(obj).__name__}; quantize both "
+                            "operands with the same scheme")
+    if a.kind != b.kind or (a.encoding is E2M1) != (b.encoding is E2M1):
+        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__} ({_described(a)} and "
+                         f"{_described(b)}); a scaled GEMM takes two operands of one scheme: MXFP8, fp32 blocks, "
+                         "one scale each, NVFP4 or MXFP4")
     for arg, value in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
         if value is not None:
             raise ValueError(f"{arg}: block-scaled operands carry their own scales; pass no {arg}")
+
+
+def _described(t: ScaledTensor) -> str:
+    """t's layout and element encoding, for an error ("1x16 E2M1")."""
+    try:
+        layout = t.layout.value
+    except ValueError:  # a scale no layout fits: its own error comes once the operands match
+        layout = t.kind
+    row = t.encoding or _ROWS.get(dtype_name(t[0].dtype))
+    return f"{layout} {row.name if row else dtype_name(t[0].dtype)}"
 
 
 def gemm_scales(a: ScaledTensor, b: ScaledTensor, ta: Tensor, tb: Tensor, k: int,

@@ -7,7 +7,10 @@ the tensor's amax; 16x16 tiles with ``weight_2d``) or 32 with an E8M0 scale (MXF
 element 2j of a row in the low nibble of byte j. The numerics are docs/numerics.md's "FP4" section; the CPU
 reference gives its bits (a CUDA input is refused until its kernels exist). Any array in, the caller's type out.
 
-The results are :class:`NVFP4Tensor` ``(data, scale, global_amax)`` and :class:`MXFP4Tensor` ``(data, scale)``.
+The results are scaled tensors (:class:`fp8core.ScaledTensor`) of E2M1 data: :class:`NVFP4Tensor`
+``(data, scale, global_amax)`` in layout ``1x16`` (or ``16x16`` tiles) and :class:`MXFP4Tensor` ``(data, scale)``
+in ``1x32``; every function here, :func:`fp8core.gemm` and :func:`fp8core.blocks.dequantize_blocks` go by the
+layout.
 """
 
 from __future__ import annotations
@@ -16,50 +19,19 @@ from typing import Any, NamedTuple
 
 from . import args, backends, formats
 from ._tensor import Tensor, export, export_all, wrap
-from .args import cdiv
+from .layouts import Layout, MXFP4Tensor, NVFP4Tensor, ScaledTensor, resolve
 
 __all__ = ["NVFP4Tensor", "MXFP4Tensor", "quantize_nvfp4", "quantize_nvfp4_both", "dequantize_nvfp4",
-           "quantize_mxfp4", "quantize_mxfp4_both", "dequantize_mxfp4", "gemm_scale", "nvfp4_scale_shape",
-           "mxfp4_scale_shape", "NVFP4_BLOCK", "MXFP4_BLOCK", "GemmFP4", "gemm_operands", "FP4_GEMM_K"]
+           "quantize_mxfp4", "quantize_mxfp4_both", "dequantize_mxfp4", "gemm_scale", "NVFP4_BLOCK", "MXFP4_BLOCK",
+           "GemmFP4", "gemm_operands", "FP4_GEMM_K"]
 
 Array = Any
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
-TILE_ROWS = 16  # NVFP4's 16x16 weight tiles
 E4M3 = formats.E4M3.dtype_name  # NVFP4's scales: float8_e4m3fn
 E8M0 = formats.E8M0.dtype_name  # MXFP4's scales: float8_e8m0fnu
-
-
-class NVFP4Tensor(NamedTuple):
-    """NVFP4 data, its E4M3 block scales and the global amax its fp32 global scale comes from.
-
-    data: uint8 [R, C/2], E2M1 codes of the operand [R, C] (x [M, K], or x^T when columnwise), two a byte.
-    scale: float8_e4m3fn [R, C/16] (1x16 blocks) or [ceil(R/16), C/16] (16x16 tiles). global_amax: float32 [1].
-    Element (r, c) is ``(q * s_b) * S_dec`` with ``S_dec = 1 / (2688 / global_amax)`` (1 where the amax is 0, inf or
-    NaN).
-    """
-
-    data: Array
-    scale: Array
-    global_amax: Array
-
-
-class MXFP4Tensor(NamedTuple):
-    """MXFP4 data and its E8M0 block scales: data uint8 [R, C/2] (E2M1 codes of the operand, two a byte), scale
-    float8_e8m0fnu [R, C/32]. Element (r, c) is ``q * 2^(e - 127)``."""
-
-    data: Array
-    scale: Array
-
-
-def nvfp4_scale_shape(rows: int, cols: int, weight_2d: bool) -> tuple[int, int]:
-    """The E4M3 scale's shape for an operand [rows, cols]: one byte per 1x16 block, or per 16x16 tile."""
-    return (cdiv(rows, TILE_ROWS) if weight_2d else rows, cols // NVFP4_BLOCK)
-
-
-def mxfp4_scale_shape(rows: int, cols: int) -> tuple[int, int]:
-    """The E8M0 scale's shape for an operand [rows, cols]: one byte per 1x32 block."""
-    return rows, cols // MXFP4_BLOCK
+# the layouts each FP4 tensor may have: MXFP4's blocks always lie along the stored rows (columnwise stores x^T)
+_LAYOUTS = {NVFP4Tensor: Layout.NVFP4_1X16.family, MXFP4Tensor: (Layout.MX_ROWWISE,)}
 
 
 def _operand(x: Any, function: str, block: int, columnwise: bool) -> tuple[Tensor, Any]:
@@ -87,6 +59,10 @@ def _nvfp4_options(weight_2d: Any, hadamard: Any, rounding: Any, seed: Any, offs
     return w2d, rht, stochastic, args.uint64(seed, "seed"), args.uint64(offset, "offset")
 
 
+def _nvfp4_layout(weight_2d: bool) -> Layout:
+    return Layout.NVFP4_16X16 if weight_2d else Layout.NVFP4_1X16
+
+
 def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False, rounding: str = "nearest",
                    seed: int = 0, offset: int = 0, global_amax: Any = None, columnwise: bool = False) -> NVFP4Tensor:
     """NVFP4 quantization of the operand (x [M, K], or x^T [K, M] with ``columnwise``): 16-element blocks with
@@ -100,14 +76,14 @@ def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False,
     after the transform. The operand's rows need C % 16 == 0 (K rowwise, M columnwise); R is free.
 
     Returns ``NVFP4Tensor(data uint8 [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16],
-    global_amax float32 [1])``.
+    global_amax float32 [1])``, layout ``1x16`` or ``16x16`` (weight_2d), encoding E2M1.
     """
     w2d, rht, stochastic, s, o = _nvfp4_options(weight_2d, hadamard, rounding, seed, offset)
     cw = args.flag(columnwise, "columnwise")
     t2, backend = _operand(x, "quantize_nvfp4", NVFP4_BLOCK, cw)
     g = args.global_amax(global_amax, t2)
     data, scale, amax = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, g, cw)
-    return NVFP4Tensor(*export_all(((data, "uint8"), (scale, E4M3), (amax, "float32")), t2))
+    return NVFP4Tensor(*export_all(((data, "uint8"), (scale, E4M3), (amax, "float32")), t2), _nvfp4_layout(w2d))
 
 
 def quantize_nvfp4_both(x: Array, *, weight_2d: bool = False, hadamard: bool = False, rounding: str = "nearest",
@@ -131,7 +107,7 @@ def quantize_nvfp4_both(x: Array, *, weight_2d: bool = False, hadamard: bool = F
     col = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, None if rht else row[2], True)
     out = export_all(((row[0], "uint8"), (row[1], E4M3), (row[2], "float32"),
                       (col[0], "uint8"), (col[1], E4M3), (col[2], "float32")), t2)
-    return NVFP4Tensor(*out[:3]), NVFP4Tensor(*out[3:])
+    return NVFP4Tensor(*out[:3], _nvfp4_layout(w2d)), NVFP4Tensor(*out[3:], _nvfp4_layout(w2d))
 
 
 def quantize_mxfp4(x: Array, *, rounding: str = "rceil", columnwise: bool = False) -> MXFP4Tensor:
@@ -140,7 +116,7 @@ def quantize_mxfp4(x: Array, *, rounding: str = "rceil", columnwise: bool = Fals
 
     rounding: the scale rule, "rceil" (NVIDIA, Transformer Engine: the block's amax lands at or below 6) or "floor"
     (OCP: may saturate). C % 32 == 0 (K rowwise, M columnwise). Returns ``MXFP4Tensor(data uint8 [R, C/2],
-    scale float8_e8m0fnu [R, C/32])``.
+    scale float8_e8m0fnu [R, C/32])``, layout ``1x32`` (blocks along the stored operand's rows), encoding E2M1.
     """
     mode = args.scale_mode(rounding, "rounding")
     cw = args.flag(columnwise, "columnwise")
@@ -161,31 +137,42 @@ def quantize_mxfp4_both(x: Array, *, rounding: str = "rceil") -> tuple[MXFP4Tens
 
 # ---- reading FP4 tensors back ------------------------------------------------------------------------------
 
-def _parts(t: Any, kind: type, arg: str, function: str) -> tuple[Tensor, Tensor, Any, Any]:
-    """(data [R, C/2] uint8, scale, the scale's layout check's input, backend) of an FP4 tensor."""
-    if not isinstance(t, tuple) or len(t) != len(kind._fields):
-        raise TypeError(f"{arg}: expected an {kind.__name__} ({', '.join(kind._fields)}), got {type(t).__name__}")
+def _parts(t: Any, cls: type, arg: str, function: str) -> tuple[Tensor, Tensor, Any, Layout]:
+    """(data uint8 [R, C/2], scale, backend, layout) of a ``cls`` (NVFP4Tensor or MXFP4Tensor), or of a
+    ScaledTensor of E2M1 data in one of its layouts, or of a plain tuple of its fields; checked."""
+    if type(t) is tuple and len(t) == len(cls._fields):
+        t = cls(*t)
+    # a named layout is checked below, by name; an unnamed one is the kind the type or the scale's dtype means
+    if not (isinstance(t, ScaledTensor) and len(t) == len(cls._fields) and t.encoding is formats.E2M1
+            and (t._layout is not None or t.kind == cls._kind)):
+        raise TypeError(f"{arg}: expected an {cls.__name__} ({', '.join(cls._fields)}), got {type(t).__name__}")
+    family = _LAYOUTS[cls]
+    if t._layout not in (None, *family):
+        raise ValueError(f"{arg}: expected a {' or '.join(family)} layout, got {t._layout}")
     data = args.contiguous(wrap(t[0], f"{arg}.data"), f"{arg}.data")
     if data.dtype != "uint8":
         raise TypeError(f"{arg}.data: expected uint8 (E2M1 codes, two a byte), got {data.dtype}")
     backend = backends.fp4_for_device(data.device, function)
     data = args.as_2d(data, f"{arg}.data")
-    scale_dtype = E4M3 if kind is NVFP4Tensor else E8M0
+    scale_dtype = family[0].scale.dtype_name
     scale = args.contiguous(wrap(t[1], f"{arg}.scale"), f"{arg}.scale")
     args.same_device(scale, data, f"{arg}.scale", f"{arg}.data")
     if scale.dtype not in (scale_dtype, "uint8"):
         raise TypeError(f"{arg}.scale: expected {scale_dtype} (or its uint8 bytes), got {scale.dtype}")
     rows, cols = data.shape[0], 2 * data.shape[1]
-    block = NVFP4_BLOCK if kind is NVFP4Tensor else MXFP4_BLOCK
+    block = family[0].block[1]
     if cols % block:
-        raise ValueError(f"{arg}.data: {data.shape[1]} bytes a row hold {cols} elements; {kind.__name__} rows are "
+        raise ValueError(f"{arg}.data: {data.shape[1]} bytes a row hold {cols} elements; {cls.__name__} rows are "
                          f"whole blocks of {block}")
-    shapes = ([nvfp4_scale_shape(rows, cols, False), nvfp4_scale_shape(rows, cols, True)] if kind is NVFP4Tensor
-              else [mxfp4_scale_shape(rows, cols)])
-    if scale.shape not in shapes:
-        expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
-        raise ValueError(f"{arg}.scale: expected shape {expected} for data of shape {data.shape}, got {scale.shape}")
-    return data, scale, backend, rows
+    return data, scale, backend, resolve(t._layout, family, (rows, cols), scale.shape, f"{arg}.scale")
+
+
+def _global_amax(t: NVFP4Tensor, data: Tensor, arg: str, data_arg: str) -> Any:
+    """t's global amax, checked: 1 float32 element on data's device, flat."""
+    amax = args.f32_vector(t[2], data, f"{arg}.global_amax", data_arg)
+    if amax.size != 1:
+        raise ValueError(f"{arg}.global_amax: expected 1 element, got shape {amax.shape}")
+    return amax.data.reshape(-1)
 
 
 def dequantize_nvfp4(t: NVFP4Tensor, out_dtype: Any = "float32") -> Array:
@@ -193,11 +180,9 @@ def dequantize_nvfp4(t: NVFP4Tensor, out_dtype: Any = "float32") -> Array:
     scale rule; a NaN scale gives NaN (canonical). Returns [R, C] in the operand's layout (x^T for a columnwise
     tensor; the transformed values for a Hadamard one). out_dtype: float32, bfloat16 or float16."""
     data, scale, backend, _ = _parts(t, NVFP4Tensor, "t", "dequantize_nvfp4")
-    amax = args.f32_vector(t[2], data, "t.global_amax", "t.data")
-    if amax.size != 1:
-        raise ValueError(f"t.global_amax: expected 1 element, got shape {amax.shape}")
+    amax = _global_amax(t, data, "t", "t.data")
     name = args.out_dtype(out_dtype)
-    return export(backend.dequantize_nvfp4(data, scale, amax.data.reshape(-1), name), name, data)
+    return export(backend.dequantize_nvfp4(data, scale, amax, name), name, data)
 
 
 def dequantize_mxfp4(t: MXFP4Tensor, out_dtype: Any = "float32") -> Array:
@@ -212,9 +197,14 @@ def gemm_scale(t: NVFP4Tensor | MXFP4Tensor) -> Array:
     """An FP4 GEMM operand's scales as cuBLASLt reads them: uint8, flat, in 128x4 tiles of 512 bytes (zero
     padding); scale (r, c) at byte ``((r // 128) * ceil(cols / 4) + c // 4) * 512 + (r % 32) * 16 +
     (r % 128) // 32 * 4 + c % 4``, cols the scale's columns. 16x16 tiles are first expanded to the rows they cover."""
-    kind = NVFP4Tensor if isinstance(t, tuple) and len(t) == len(NVFP4Tensor._fields) else MXFP4Tensor
-    data, scale, backend, rows = _parts(t, kind, "t", "gemm_scale")
-    return export(backend.gemm_scale(scale, rows), "uint8", data)
+    data, scale, backend, _ = _parts(t, _class_of(t), "t", "gemm_scale")
+    return export(backend.gemm_scale(scale, data.shape[0]), "uint8", data)
+
+
+def _class_of(t: Any) -> type:
+    """NVFP4Tensor or MXFP4Tensor: by a ScaledTensor's kind, else (a plain tuple) by its length."""
+    nvfp4 = t.kind == "nvfp4" if isinstance(t, ScaledTensor) else isinstance(t, tuple) and len(t) == 3
+    return NVFP4Tensor if nvfp4 else MXFP4Tensor
 
 
 # ---- operands of fp8core.gemm ---------------------------------------------------------------------------
@@ -235,25 +225,15 @@ class GemmFP4(NamedTuple):
     alpha: float
 
 
-def gemm_operands(a: NVFP4Tensor | MXFP4Tensor, b: Any) -> GemmFP4:
-    """a and b of an FP4 GEMM, TN: both NVFP4Tensor or both MXFP4Tensor, each with its blocks along K (a's data
-    [M, K/2], b's [N, K/2]: rowwise quantizations of a [M, K] and a weight [N, K], or columnwise ones of the
-    transposed tensors)."""
-    nvfp4 = len(a) == len(NVFP4Tensor._fields)
-    kind = NVFP4Tensor if nvfp4 else MXFP4Tensor
-    da, sa, backend, _ = _parts(a, kind, "a", "gemm")
-    if not isinstance(b, kind):
-        raise TypeError(f"b: a is an {kind.__name__}, so b must be one too (got {type(b).__name__}); an FP4 GEMM "
-                        "takes NVFP4 x NVFP4 or MXFP4 x MXFP4")
-    db, sb, _, _ = _parts(b, kind, "b", "gemm")
+def gemm_operands(a: NVFP4Tensor | MXFP4Tensor, b: NVFP4Tensor | MXFP4Tensor) -> GemmFP4:
+    """a and b of an FP4 GEMM, TN, of one kind (fp8core.blocks.gemm_operands has checked that): each with its
+    blocks along K (a's data [M, K/2], b's [N, K/2]: rowwise quantizations of a [M, K] and a weight [N, K], or
+    columnwise ones of the transposed tensors)."""
+    cls = _class_of(a)
+    da, sa, backend, _ = _parts(a, cls, "a", "gemm")
+    db, sb, _, _ = _parts(b, cls, "b", "gemm")
     args.same_device(db, da, "b.data", "a.data")
-    alpha = 1.0
-    if nvfp4:
-        amaxes = []
-        for arg, t in (("a", a), ("b", b)):
-            v = args.f32_vector(t[2], da, f"{arg}.global_amax", "a.data")
-            if v.size != 1:
-                raise ValueError(f"{arg}.global_amax: expected 1 element, got shape {v.shape}")
-            amaxes.append(v.data.reshape(-1))
-        alpha = backend.gemm_alpha(*amaxes)
+    nvfp4 = cls is NVFP4Tensor
+    alpha = backend.gemm_alpha(_global_amax(a, da, "a", "a.data"), _global_amax(b, da, "b", "a.data")) if nvfp4 \
+        else 1.0
     return GemmFP4(da, sa, db, sb, backend, nvfp4, alpha)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import args, backends
+from . import args, backends, fp4
 from ._tensor import Tensor, export, wrap
 from .args import as_format
 from .blocks import gemm_operands, gemm_scales
-from .formats import ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
+from .formats import E2M1, ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
 from .layouts import Layout, ScaledTensor
 
 __all__ = ["gemm", "GemmSpec", "ALIGNMENT", "MULTIPLE", "check_shapes", "check_bias"]
@@ -147,23 +147,21 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     out: an optional preallocated [M, N] result, sharing no memory with the other arguments. a_fmt/b_fmt name
     the format of uint8 storage (CuPy).
 
-    FP4 operands (:mod:`fp8core.fp4`: NVFP4Tensor x NVFP4Tensor or MXFP4Tensor x MXFP4Tensor, blocks along K,
-    K a multiple of 32) carry their scales: out_dtype (float32, bfloat16, float16) and bias only.
     Scaled operands (:class:`fp8core.ScaledTensor`) carry their scales, so a_scale_inv and b_scale_inv stay
-    None; the GEMM goes by their layouts (both of one kind): rowwise MX x MX (``Layout.MX_ROWWISE``, 1x32 E8M0
-    blocks along K, K a multiple of 32; cuBLASLt on sm_100+), 1x128 and/or 128x128 fp32 blocks (not both 128x128;
-    K a multiple of 128, M of 8; cuBLASLt >= 12.9 on sm_90 only; no use_fast_accum), whose output is float32,
-    bfloat16 or float16; or one scale each (``Layout.TENSORWISE``), the per-tensor GEMM above.
+    None; the GEMM goes by their layouts and element encodings (both of one kind): rowwise MXFP8 x MXFP8
+    (``Layout.MX_ROWWISE``, 1x32 E8M0 blocks along K, K a multiple of 32; cuBLASLt on sm_100+), 1x128 and/or
+    128x128 fp32 blocks (not both 128x128; K a multiple of 128, M of 8; cuBLASLt >= 12.9 on sm_90 only; no
+    use_fast_accum), whose output is float32, bfloat16 or float16; one scale each (``Layout.TENSORWISE``), the
+    per-tensor GEMM above; or FP4 (E2M1, :mod:`fp8core.fp4`): NVFP4 x NVFP4 (1x16 blocks or 16x16 tiles) or
+    MXFP4 x MXFP4 (1x32), TN with blocks along K, K a multiple of 32, out_dtype float32, bfloat16 or float16 and
+    bias only.
     """
     fast_accum = args.flag(use_fast_accum, "use_fast_accum")
     scaled = None
-    if isinstance(a, tuple):
-        from .fp4 import MXFP4Tensor, NVFP4Tensor
-
-        if isinstance(a, (NVFP4Tensor, MXFP4Tensor)):
-            return _fp4(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, out_amax, fast_accum, out)
     if isinstance(a, ScaledTensor) or isinstance(b, ScaledTensor):
         gemm_operands(a, b, a_scale_inv, b_scale_inv)
+        if a.encoding is E2M1:  # NVFP4 or MXFP4: packed data, its own GEMM
+            return _fp4(a, b, out_dtype, bias, out_scale, out_amax, fast_accum, out)
         if a.kind == "tensor":  # one scale each: the per-tensor GEMM with the scales they carry
             a, b, a_scale_inv, b_scale_inv = a[0], b[0], a[1], b[1]
         else:
@@ -212,24 +210,22 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     return out if out is not None else export(d, out_name, ta)
 
 
-def _fp4(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any, out_dtype: Any, bias: Any, out_scale: Any,
-         out_amax: Any, fast_accum: bool, out: Any) -> Array:
-    """The FP4 GEMM (fp8core.fp4's operands): D = alpha * sum over K-blocks of s_a * s_b * (q_a . q_b) (+ bias),
-    written as float32, bfloat16 or float16; what it does not take is refused by name."""
-    from .fp4 import FP4_GEMM_K, gemm_operands
-
-    for arg, value in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv), ("out_scale", out_scale),
-                       ("out_amax", out_amax), ("out", out)):
+def _fp4(a: ScaledTensor, b: ScaledTensor, out_dtype: Any, bias: Any, out_scale: Any, out_amax: Any,
+         fast_accum: bool, out: Any) -> Array:
+    """The FP4 GEMM (fp8core.fp4's operands, both NVFP4 or both MXFP4): D = alpha * sum over K-blocks of
+    s_a * s_b * (q_a . q_b) (+ bias), written as float32, bfloat16 or float16; what it does not take is refused
+    by name."""
+    for arg, value in (("out_scale", out_scale), ("out_amax", out_amax), ("out", out)):
         if value is not None:
             raise ValueError(f"{arg}: an FP4 GEMM takes its scales from its operands and writes float32, bfloat16 "
                              f"or float16 to a new array; pass no {arg}")
     if fast_accum:
         raise ValueError("use_fast_accum: the FP4 GEMM has no fast accumulation; pass use_fast_accum=False")
-    ops = gemm_operands(a, b)
+    ops = fp4.gemm_operands(a, b)
     ta, tb = ops.a_data, ops.b_data
     m, k, n = check_shapes((ta.shape[0], 2 * ta.shape[1]), (tb.shape[0], 2 * tb.shape[1]))
-    if k % FP4_GEMM_K:
-        raise ValueError(f"a: K = {k}; the FP4 GEMM needs K to be a multiple of {FP4_GEMM_K}")
+    if k % fp4.FP4_GEMM_K:
+        raise ValueError(f"a: K = {k}; the FP4 GEMM needs K to be a multiple of {fp4.FP4_GEMM_K}")
     out_name = args.out_dtype(out_dtype)
     d = ops.backend.gemm(ta, ops.a_scale, tb, ops.b_scale, ops.alpha, ops.nvfp4, _bias(bias, ta, n, out_name),
                          out_name)

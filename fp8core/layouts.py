@@ -1,8 +1,10 @@
 """Scaled tensors and their layouts (Transformer Engine's scaling modes): how a tensor's scales cover its data.
 
-A :class:`ScaledTensor` is data with its scales in one :class:`Layout`: what the block quantizers return and
-:func:`fp8core.gemm`, the block dequantizers and transpose_blocks take, each going by the layout. It unpacks
-as the pair ``(data, scale)``; ``MXTensor`` and ``BlockScaledTensor`` are its MX and fp32-block spellings.
+A :class:`ScaledTensor` is data with its scales in one :class:`Layout`: what the block and FP4 quantizers return
+and :func:`fp8core.gemm`, the dequantizers and transpose_blocks take, each going by the layout and the data's
+encoding. It unpacks as the pair ``(data, scale)``; ``MXTensor`` and ``BlockScaledTensor`` are its MXFP8 and
+fp32-block spellings, ``MXFP4Tensor`` its MXFP4 one, and ``NVFP4Tensor`` the one that carries NVFP4's global amax
+as a third element.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import enum
 import math
 from typing import Any
 
-from .formats import E4M3, E8M0, Encoding, dtype_name
+from .formats import E2M1, E4M3, E8M0, Encoding, dtype_name
 
-__all__ = ["Layout", "ScaledTensor", "MXTensor", "BlockScaledTensor", "resolve", "layout_of"]
+__all__ = ["Layout", "ScaledTensor", "MXTensor", "BlockScaledTensor", "NVFP4Tensor", "MXFP4Tensor", "resolve",
+           "layout_of"]
 
 
 class Layout(enum.StrEnum):
@@ -23,8 +26,8 @@ class Layout(enum.StrEnum):
     float32). inverse: stored as the inverse of the factor the quantization multiplied by (fp32 ``scale_inv``,
     rounded once), else as that power of two (E8M0). kind: layouts of one kind differ only in their blocks, told
     apart by the scale's shape. global_amax: an fp32 amax of the tensor goes with the scales (NVFP4's second
-    level). The NVFP4 layouts (E2M1 data) are declared for the FP4 recipes; no kernel takes them yet. MXFP4 is
-    MX_ROWWISE over E2M1 data.
+    level). The NVFP4 layouts hold E2M1 data (:class:`NVFP4Tensor`); MXFP4 is MX_ROWWISE over E2M1 data
+    (:class:`MXFP4Tensor`).
     """
 
     block: tuple[int, int] | None
@@ -104,39 +107,55 @@ def resolve(layout: Layout | None, family: tuple[Layout, ...], shape: tuple[int,
 
 def layout_of(t: "ScaledTensor", arg: str = "t") -> Layout:
     """``t.layout`` from shapes and dtypes alone (so also while torch.compile or jax.jit traces): the layout t
-    names, else the one of its kind its scale's shape means; a scale of another shape is an error naming ``arg``."""
+    names, else the one of its kind its scale's shape means; a scale of another shape is an error naming ``arg``.
+    Data packed several elements a byte (E2M1) is viewed as the elements it holds: uint8 [R, C/2] as [R, C]."""
     shape = tuple(t[0].shape)
-    rows_cols = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+    per_byte = t.encoding.elements_per_byte if t.encoding is not None else 1
+    rows_cols = (math.prod(shape[:-1]), shape[-1] * per_byte) if shape else (1, 1)
     return resolve(t._layout, _FAMILIES[t.kind], rows_cols, tuple(t[1].shape), f"{arg}.{t._fields[1]}")
 
 
 class ScaledTensor(tuple):
     """Data and its scales in one :class:`Layout`; unpacks as ``(data, scale)``, pickles with its layout.
 
-    data: fp8 (E4M3 or E5M2), any shape, viewed as [rows, cols]. scale: in the layout's encoding and
-    :meth:`Layout.scale_shape`. layout: a Layout or its name; None reads it from the scale (E8M0 or uint8: MX, 2-D
-    float32: fp32 blocks, else one scale) and its shape. encoding: the data's row, as named (the quantizers
-    do; uint8 storage (CuPy) needs it), else None.
-    A tuple with ``_fields``, so ``jax.jit`` carries it as a (data, scale) pair (rebuilt without its layout,
-    read back from the shapes) and torch.compile traces it.
+    data: fp8 (E4M3 or E5M2), any shape, viewed as [rows, cols]; or E2M1 codes packed two a byte, uint8
+    [rows, cols/2] (FP4). scale: in the layout's encoding and :meth:`Layout.scale_shape`. layout: a Layout or its
+    name; None reads it from the scale (E8M0 or uint8: MX, 2-D float32: fp32 blocks, else one scale) and its
+    shape. encoding: the data's row, as named (the quantizers do; uint8 storage (CuPy) and E2M1 need it), else
+    None. A tuple with ``_fields``, so ``jax.jit`` carries it as a tuple of its fields (rebuilt without its layout,
+    read back from the shapes, and with its class's default encoding) and torch.compile traces it; ``_replace``
+    as a NamedTuple's, keeping the layout and encoding.
     """
 
-    _fields = ("data", "scale")
+    _fields: tuple[str, ...] = ("data", "scale")
     _kind: str | None = None  # the kind its pair-only constructor means; None: read from the scale's dtype
 
     def __new__(cls, data: Any, scale: Any, layout: Layout | str | None = None,
                 encoding: Encoding | None = None) -> "ScaledTensor":
-        self = super().__new__(cls, (data, scale))
+        return cls._new((data, scale), layout, encoding)
+
+    @classmethod
+    def _new(cls, parts: tuple, layout: Layout | str | None, encoding: Encoding | None) -> "ScaledTensor":
+        self = super().__new__(cls, parts)
         self._layout = layout if layout is None or type(layout) is Layout else Layout.parse(layout)
         self.encoding = encoding
         return self
 
     def __getnewargs__(self) -> tuple:
-        return self[0], self[1], self._layout, self.encoding
+        return *self, self._layout, self.encoding
 
     def __repr__(self) -> str:
-        names = self._fields
-        return f"{type(self).__name__}({names[0]}={self[0]!r}, {names[1]}={self[1]!r}, layout={self._layout!r})"
+        parts = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields, self))
+        return f"{type(self).__name__}({parts}, layout={self._layout!r})"
+
+    def _replace(self, **parts: Any) -> "ScaledTensor":
+        """A copy with the named fields replaced (``t._replace(scale=s)``), its layout and encoding kept."""
+        unknown = set(parts) - set(self._fields)
+        if unknown:
+            raise ValueError(f"_replace: {type(self).__name__} has fields {', '.join(self._fields)}; got "
+                             f"{', '.join(sorted(unknown))}")
+        return type(self)(*(parts.get(name, value) for name, value in zip(self._fields, self)), self._layout,
+                          self.encoding)
 
     @property
     def data(self) -> Any:
@@ -180,3 +199,37 @@ class BlockScaledTensor(ScaledTensor):
     @property
     def scale_inv(self) -> Any:
         return self[1]
+
+
+class NVFP4Tensor(ScaledTensor):
+    """NVFP4 data, its E4M3 block scales and the global amax its fp32 global scale comes from:
+    ``NVFP4Tensor(data, scale, global_amax)``, unpacking as those three.
+
+    data: uint8 [R, C/2], E2M1 codes of the operand [R, C] (x [M, K], or x^T when columnwise), two a byte.
+    scale: float8_e4m3fn [R, C/16] (layout ``1x16``) or [ceil(R/16), C/16] (``16x16`` tiles). global_amax:
+    float32 [1]. Element (r, c) is ``(q * s_b) * S_dec`` with ``S_dec = 1 / (2688 / global_amax)`` (1 where the
+    amax is 0, inf or NaN).
+    """
+
+    _fields = ("data", "scale", "global_amax")
+    _kind = "nvfp4"
+
+    def __new__(cls, data: Any, scale: Any, global_amax: Any, layout: Layout | str | None = None,
+                encoding: Encoding | None = E2M1) -> "NVFP4Tensor":
+        return cls._new((data, scale, global_amax), layout, encoding)
+
+    @property
+    def global_amax(self) -> Any:
+        return self[2]
+
+
+class MXFP4Tensor(ScaledTensor):
+    """``MXFP4Tensor(data, scale)``: E2M1 codes, uint8 [R, C/2] two a byte, and E8M0 scales float8_e8m0fnu
+    [R, C/32], one per 32 elements of a row (layout ``1x32``; a columnwise quantization stores the operand x^T,
+    so its blocks lie along rows too). Element (r, c) is ``q * 2^(e - 127)``."""
+
+    _kind = "mx"
+
+    def __new__(cls, data: Any, scale: Any, layout: Layout | str | None = Layout.MX_ROWWISE,
+                encoding: Encoding | None = E2M1) -> "MXFP4Tensor":
+        return cls._new((data, scale), layout, encoding)

@@ -501,7 +501,8 @@ def _bs(m, k, br=1):
 
 GEMM_ERRORS = [
     (lambda: fp8core.gemm(_mx(16, 64), np.zeros((16, 64), ml_dtypes.float8_e4m3fn)), TypeError,
-     "b: with a block-scaled operand, expected an MXTensor or a BlockScaledTensor"),
+     "b: with a block-scaled operand, expected a ScaledTensor \\(MXTensor, BlockScaledTensor, NVFP4Tensor, "
+     "MXFP4Tensor\\), got ndarray"),
     (lambda: fp8core.gemm(_mx(16, 128), _bs(16, 128)), ValueError, "b: a is MXTensor but b is BlockScaledTensor"),
     (lambda: fp8core.gemm(_mx(16, 64), _mx(16, 64), 1.0), ValueError, "a_scale_inv: block-scaled operands carry"),
     (lambda: fp8core.gemm(_mx(16, 48), _mx(16, 48)), ValueError, "a: K = 48; an MXFP8 GEMM needs K"),

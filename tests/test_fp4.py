@@ -576,7 +576,9 @@ def test_bad_dequantize_arguments_are_refused_by_name():
         (lambda: dequantize_nvfp4(m), TypeError, r"^t: expected an NVFP4Tensor"),
         (lambda: dequantize_nvfp4(t._replace(data=t.data.view(np.int8))), TypeError, r"^t.data: expected uint8"),
         (lambda: dequantize_nvfp4(t._replace(scale=t.scale[:, :2].copy())), ValueError,
-         r"^t.scale: expected shape \(32, 4\) or \(2, 4\) .* got \(32, 2\)"),
+         r"^t.scale: expected shape \(32, 4\) \(1x16 blocks\) for data viewed as \(32, 64\), got \(32, 2\)"),
+        (lambda: dequantize_nvfp4(tuple(t._replace(scale=t.scale[:, :2].copy()))), ValueError,  # no layout named
+         r"^t.scale: expected shape \(32, 4\) \(1x16 blocks\) or \(2, 4\) \(16x16 tiles\) .* got \(32, 2\)"),
         (lambda: dequantize_nvfp4(t._replace(scale=t.scale.astype(F32))), TypeError,
          r"^t.scale: expected float8_e4m3fn"),
         (lambda: dequantize_nvfp4(t._replace(data=t.data[:, :4].copy())), ValueError, r"^t.data: 4 bytes a row"),

@@ -87,9 +87,12 @@ def test_fp4_gemm_refuses_by_name():
     x = np.ones((32, 64), F32)
     nv, mx = quantize_nvfp4(x), quantize_mxfp4(x)
     cases = [
-        (lambda: fp8core.gemm(nv, mx), TypeError, r"^b: a is an NVFP4Tensor, so b must be one too"),
-        (lambda: fp8core.gemm(mx, nv), TypeError, r"^b: a is an MXFP4Tensor"),
-        (lambda: fp8core.gemm(nv, nv, 1.0, 1.0), ValueError, r"^a_scale_inv: an FP4 GEMM takes its scales"),
+        (lambda: fp8core.gemm(nv, mx), ValueError, r"^b: a is NVFP4Tensor but b is MXFP4Tensor \(1x16 E2M1 and 1x32 "
+                                                    r"E2M1\); a scaled GEMM takes two operands of one scheme"),
+        (lambda: fp8core.gemm(mx, nv), ValueError, r"^b: a is MXFP4Tensor but b is NVFP4Tensor \(1x32 E2M1 and 1x16"),
+        (lambda: fp8core.gemm(nv, np.ones((32, 64), F32)), TypeError, r"^b: with a block-scaled operand, expected"),
+        (lambda: fp8core.gemm(nv, nv, 1.0, 1.0), ValueError, r"^a_scale_inv: block-scaled operands carry their own"),
+        (lambda: fp8core.gemm(nv, nv, None, 1.0), ValueError, r"^b_scale_inv: block-scaled operands carry their own"),
         (lambda: fp8core.gemm(nv, nv, out_dtype="e4m3"), ValueError, r"^out_dtype: expected float32"),
         (lambda: fp8core.gemm(nv, nv, out_amax=np.zeros(1, F32)), ValueError, r"^out_amax: an FP4 GEMM"),
         (lambda: fp8core.gemm(nv, nv, use_fast_accum=True), ValueError, r"^use_fast_accum: the FP4 GEMM"),

@@ -1,19 +1,22 @@
 """Layout (one value for every block-scaling spelling) and ScaledTensor (data, scale, encoding, layout): parsing with
-named errors, round trips (pickle, unpacking, the MXTensor / BlockScaledTensor spellings), and the GEMM, the
-dequantizers and transpose_blocks going by the layout, on the CPU reference."""
+named errors, round trips (pickle, unpacking, the MXTensor / BlockScaledTensor / NVFP4Tensor / MXFP4Tensor
+spellings), and the GEMM, the dequantizers and transpose_blocks going by the layout, on the CPU reference."""
 
 import copy
 import pickle
+import re
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import fp8core
-from fp8core import BlockScaledTensor, Layout, MXTensor, ScaledTensor, args
+from fp8core import BlockScaledTensor, Layout, MXFP4Tensor, MXTensor, NVFP4Tensor, ScaledTensor, args
 from fp8core.blocks import (dequantize_blocks, dequantize_blockwise, dequantize_mxfp8, quantize_blockwise,
                             quantize_mxfp8, quantize_mxfp8_both, transpose_blocks)
 from fp8core.formats import E2M1, E4M3, E8M0
+from fp8core.fp4 import (dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_mxfp4_both, quantize_nvfp4,
+                         quantize_nvfp4_both)
 
 
 def bits(a) -> np.ndarray:
@@ -169,7 +172,8 @@ def test_the_encoding_a_tensor_names_reads_its_uint8_storage(x):
     assert np.array_equal(bits(dequantize_blocks(u8)), bits(dequantize_mxfp8(q)))
     with pytest.raises(TypeError, match="t.data: uint8 data is fp8 storage only with fmt="):
         dequantize_blocks(ScaledTensor(q.data.view(np.uint8), q.scale, q.layout))
-    with pytest.raises(ValueError, match=r"fmt: E2M1 is not|fmt: unknown|fmt: "):
+    # an E2M1 tensor is FP4's (dequantize_mxfp4's, by the layout), whose data is packed uint8
+    with pytest.raises(TypeError, match=r"^t\.data: expected uint8 \(E2M1 codes, two a byte\), got float8_e5m2"):
         dequantize_blocks(ScaledTensor(q.data, q.scale, q.layout, E2M1))
 
 
@@ -210,7 +214,8 @@ def test_a_tensorwise_scaled_tensor_is_the_per_tensor_gemm(x, rng):
                  (ScaledTensor(qa, sa), ScaledTensor(qw, sw))]:
         assert a.layout is Layout.TENSORWISE
         assert np.array_equal(bits(fp8core.gemm(a, b, out_dtype="float32")), bits(want))
-    with pytest.raises(ValueError, match=r"^b: a is ScaledTensor but b is MXTensor \(tensor and mx scales\)"):
+    with pytest.raises(ValueError, match=r"^b: a is ScaledTensor but b is MXTensor \(tensor E4M3 and 1x32 E4M3\); "
+                                         r"a scaled GEMM takes two operands of one scheme"):
         fp8core.gemm(ScaledTensor(qa, sa), quantize_mxfp8(w))
     with pytest.raises(ValueError, match="^a_scale_inv: block-scaled operands carry their own scales"):
         fp8core.gemm(ScaledTensor(qa, sa), ScaledTensor(qw, sw), 1.0)
@@ -258,3 +263,135 @@ def test_torch_ops_take_the_layout_by_name(x):
         torch.ops.fp8core.block_gemm(a.data, a.scale, b.data, b.scale, "1x64", "128x128", torch.float32)
     with pytest.raises(ValueError, match=r"^block: expected '1x128' or '128x128', got '1x32'"):
         torch.ops.fp8core.quantize_blockwise(tx, "e4m3", "1x32", True, 0.0)
+
+
+# ---- FP4: NVFP4 and MXFP4 are scaled tensors of E2M1 data ---------------------------------------------------
+
+def _same_fp4(a, b) -> None:
+    """Same type, layout, encoding and bits in every field (the global amax too)."""
+    assert type(a) is type(b) and a.layout is b.layout and a.encoding is b.encoding and len(a) == len(b)
+    for u, v in zip(a, b):
+        assert u.dtype == v.dtype and u.shape == v.shape and np.array_equal(bits(u), bits(v))
+
+
+def test_fp4_results_are_scaled_tensors_with_their_layouts(x):
+    nv = [quantize_nvfp4(x), quantize_nvfp4(x, columnwise=True, hadamard=True), *quantize_nvfp4_both(x)]
+    tiles = [quantize_nvfp4(x, weight_2d=True), *quantize_nvfp4_both(x, weight_2d=True)]
+    mx = [quantize_mxfp4(x), quantize_mxfp4(x, columnwise=True, rounding="floor"), *quantize_mxfp4_both(x)]
+    for ts, cls, layout in ((nv, NVFP4Tensor, Layout.NVFP4_1X16), (tiles, NVFP4Tensor, Layout.NVFP4_16X16),
+                            (mx, MXFP4Tensor, Layout.MX_ROWWISE)):
+        for t in ts:
+            assert isinstance(t, ScaledTensor) and type(t) is cls and t._layout is layout and t.layout is layout
+            assert t.encoding is E2M1 and t.kind == layout.kind and t.data.dtype == np.uint8
+            assert t.scale.dtype == layout.scale.numpy_dtype
+    # a columnwise operand is x^T stored with its blocks along rows: 1x16 / 1x32 of the stored data
+    assert nv[1].data.shape == (256, 32) and nv[1].scale.shape == (256, 4) and mx[1].scale.shape == (256, 2)
+    finite = np.nan_to_num(x, nan=0.0, posinf=0.0)
+    t = quantize_nvfp4(finite)
+    assert t.global_amax.dtype == np.float32 and t.global_amax.shape == (1,)
+    assert t.global_amax[0] == np.abs(finite).max() and t[2] is t.global_amax
+
+
+def test_fp4_tensors_unpack_construct_and_replace_as_their_namedtuples_did(x):
+    t = quantize_nvfp4(x, weight_2d=True)
+    data, scale, amax = t
+    assert (data, scale, amax) == (t.data, t.scale, t.global_amax) and t[2] is amax and len(t) == 3
+    assert NVFP4Tensor._fields == ("data", "scale", "global_amax") and MXFP4Tensor._fields == ("data", "scale")
+    _same_fp4(NVFP4Tensor(data, scale, amax), t)  # from its parts alone: 16x16 read back from the scale's shape
+    _same_fp4(NVFP4Tensor(*quantize_nvfp4(x)), quantize_nvfp4(x))
+    m = quantize_mxfp4(x)
+    _same_fp4(MXFP4Tensor(*m), m)
+    r = t._replace(global_amax=np.float32([2.0]))
+    assert type(r) is NVFP4Tensor and r._layout is t._layout and r.encoding is E2M1 and r.data is data
+    assert r.global_amax[0] == 2.0 and t.global_amax is amax
+    with pytest.raises(ValueError, match=r"^_replace: NVFP4Tensor has fields data, scale, global_amax; got scale_inv"):
+        t._replace(scale_inv=scale)
+    assert repr(t).startswith("NVFP4Tensor(data=") and "global_amax=array([" in repr(t)
+    assert "layout=<Layout.NVFP4_16X16" in repr(t)
+
+
+@pytest.mark.parametrize("make", [lambda x: quantize_nvfp4(x), lambda x: quantize_nvfp4(x, weight_2d=True),
+                                  lambda x: quantize_mxfp4(x),
+                                  lambda x: NVFP4Tensor(*quantize_nvfp4(x[:1, :64]))],  # one row: 1x16 = 16x16
+                         ids=["nvfp4", "nvfp4_tiles", "mxfp4", "nvfp4_unnamed"])
+def test_fp4_pickle_and_deepcopy_keep_type_layout_encoding_and_global_amax(x, make):
+    t = make(x)
+    for back in [pickle.loads(pickle.dumps(t, p)) for p in range(pickle.HIGHEST_PROTOCOL + 1)] + [copy.deepcopy(t)]:
+        _same_fp4(back, t)
+        assert back._layout is t._layout
+        if isinstance(t, NVFP4Tensor):
+            assert back.global_amax.dtype == np.float32 and np.array_equal(bits(back.global_amax),
+                                                                           bits(t.global_amax))
+            assert np.array_equal(bits(dequantize_nvfp4(back)), bits(dequantize_nvfp4(t)))
+
+
+def test_fp4_goes_by_the_layout_and_encoding(x, rng):
+    w = rng.standard_normal((32, 256)).astype(np.float32)
+    n, m = quantize_nvfp4(x), quantize_mxfp4(x)
+    assert np.array_equal(bits(dequantize_blocks(n, "bfloat16")), bits(dequantize_nvfp4(n, "bfloat16")))
+    tiles = quantize_nvfp4(x, weight_2d=True)
+    assert np.array_equal(bits(dequantize_blocks(tiles)), bits(dequantize_nvfp4(tiles)))
+    assert np.array_equal(bits(dequantize_blocks(m)), bits(dequantize_mxfp4(m)))
+    # MXFP4 is any ScaledTensor of E2M1 data in 1x32 blocks
+    plain = ScaledTensor(m.data, m.scale, "1x32", E2M1)
+    assert np.array_equal(bits(dequantize_mxfp4(plain)), bits(dequantize_mxfp4(m)))
+    assert np.array_equal(bits(dequantize_blocks(plain)), bits(dequantize_mxfp4(m)))
+    for qa, qb in ((n, quantize_nvfp4(w, weight_2d=True)), (m, quantize_mxfp4(w))):
+        want = fp8core.gemm(qa, qb, out_dtype="float32")
+        rebuilt = type(qa)(*qa), type(qb)(*qb)  # layouts read back from the shapes
+        assert np.array_equal(bits(fp8core.gemm(*rebuilt, out_dtype="float32")), bits(want))
+    got = fp8core.gemm(plain, ScaledTensor(*quantize_mxfp4(w), "1x32", E2M1), out_dtype="float32")
+    assert np.array_equal(bits(got), bits(fp8core.gemm(m, quantize_mxfp4(w), out_dtype="float32")))
+
+
+def test_fp4_layouts_and_kinds_are_refused_by_name(x):
+    n, m = quantize_nvfp4(x), quantize_mxfp4(x)
+    cases = [
+        (lambda: dequantize_nvfp4(ScaledTensor(n.data, n.scale, "1x16", E2M1)), TypeError,
+         r"^t: expected an NVFP4Tensor \(data, scale, global_amax\), got ScaledTensor"),
+        (lambda: dequantize_mxfp4(MXFP4Tensor(m.data, m.scale, "32x1")), ValueError,
+         r"^t: expected a 1x32 layout, got 32x1"),
+        (lambda: dequantize_nvfp4(NVFP4Tensor(*n, layout="1x128")), ValueError,
+         r"^t: expected a 1x16 or 16x16 layout, got 1x128"),
+        (lambda: dequantize_nvfp4(NVFP4Tensor(*n, layout="16x16")), ValueError,
+         r"^t.scale: expected shape \(4, 16\) \(16x16 tiles\) for data viewed as \(64, 256\), got \(64, 16\)"),
+        (lambda: dequantize_mxfp4(quantize_mxfp8(x)), TypeError, r"^t: expected an MXFP4Tensor \(data, scale\), got "
+                                                                 r"MXTensor"),
+        (lambda: dequantize_mxfp8(m), TypeError, r"^t: expected fp8 data, got MXFP4Tensor of E2M1 \(FP4\) data"),
+        (lambda: transpose_blocks(n), TypeError, r"^t: expected fp8 data, got NVFP4Tensor of E2M1 \(FP4\) data"),
+        (lambda: dequantize_blocks(n, fmt="e4m3"), ValueError, r"^fmt: t names its data's encoding, E2M1; pass no fmt"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_gemm_of_mixed_schemes_names_both_layouts(x, rng):
+    w = rng.standard_normal((32, 256)).astype(np.float32)
+    qa, sa, _ = fp8core.quantize_dynamic(x, "e4m3")
+    # (operand, its type and layout as the error names them, its scheme)
+    ops = [(quantize_nvfp4(x), "NVFP4Tensor", "1x16 E2M1", 0), (quantize_nvfp4(w, weight_2d=True), "NVFP4Tensor",
+                                                                "16x16 E2M1", 0),
+           (quantize_mxfp4(x), "MXFP4Tensor", "1x32 E2M1", 1), (quantize_mxfp8(x), "MXTensor", "1x32 E4M3", 2),
+           (quantize_mxfp8(w, "e5m2"), "MXTensor", "1x32 E5M2", 2), (quantize_blockwise(w), "BlockScaledTensor",
+                                                                     "1x128 E4M3", 3),
+           (ScaledTensor(qa, sa), "ScaledTensor", "tensor E4M3", 4)]
+    for a, ta, la, sa_ in ops:
+        for b, tb, lb, sb_ in ops:
+            if sa_ == sb_:
+                continue
+            want = (f"b: a is {ta} but b is {tb} ({la} and {lb}); a scaled GEMM takes two operands of one scheme: "
+                    "MXFP8, fp32 blocks, one scale each, NVFP4 or MXFP4")
+            with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
+                fp8core.gemm(a, b, out_dtype="float32")
+
+
+def test_jax_carries_fp4_tensors_through_jit(x):
+    jnp = pytest.importorskip("jax.numpy")
+    import jax
+
+    for t in (quantize_nvfp4(jnp.asarray(x), weight_2d=True), quantize_mxfp4(jnp.asarray(x))):
+        back = jax.jit(lambda t: t)(t)  # rebuilt from its fields: the layout read back, the encoding the class's
+        assert type(back) is type(t) and back.layout is t.layout and back.encoding is E2M1
+        for u, v in zip(back, t):
+            assert np.array_equal(bits(u), bits(v))

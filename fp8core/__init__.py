@@ -14,7 +14,7 @@ from .blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequanti
                      quantize_mxfp8, quantize_mxfp8_both, transpose_blocks)
 from .fp4 import (MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_mxfp4_both,
                   quantize_nvfp4, quantize_nvfp4_both)
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from .scaling import ScalingState
 
 __version__ = "0.1.0"
@@ -24,4 +24,5 @@ __all__ = ["Format", "as_format", "amax", "quantize", "quantize_dynamic", "dequa
            "Float8CurrentScaling", "ScalingState", "gemm", "__version__", "MXFP8BlockScaling", "Float8BlockScaling",
            "MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
            "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "NVFP4Tensor", "MXFP4Tensor", "quantize_nvfp4",
-           "quantize_nvfp4_both", "dequantize_nvfp4", "quantize_mxfp4", "quantize_mxfp4_both", "dequantize_mxfp4"]
+           "quantize_nvfp4_both", "dequantize_nvfp4", "quantize_mxfp4", "quantize_mxfp4_both", "dequantize_mxfp4",
+           "NVFP4BlockScaling"]

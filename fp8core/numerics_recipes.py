@@ -1,6 +1,7 @@
 """The recipes a numerics study compares (``fp8core inspect --recipes``, ``fp8core.torch.record_numerics``'s
 ``recipes=``), by name, each a :class:`fp8core.numerics_stats.Recipe`: per-tensor current scaling in E4M3 and
-E5M2, MXFP8 (rceil and floor scales), 1x128 and 128x128 blocks.
+E5M2, MXFP8 (rceil and floor scales), 1x128 and 128x128 blocks, NVFP4 (plain, and the Hadamard-transformed
+wgrad operand) and MXFP4.
 
 The quantization is the library's (its public functions, whole tensor at a time).
 """
@@ -13,7 +14,11 @@ import numpy as np
 
 from fp8core.blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequantize_mxfp8, quantize_blockwise,
                             quantize_mxfp8)
-from fp8core.formats import Format
+from fp8core.backends.cpu_fp4 import hadamard16
+from fp8core.formats import E2M1, Format
+from fp8core.fp4 import (MXFP4_BLOCK, NVFP4_BLOCK, MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4, dequantize_nvfp4,
+                         quantize_mxfp4, quantize_nvfp4)
+from fp8core.numerics_blocks import e4m3_scales, e8m0_scales, fp32_scales
 from fp8core.numerics_stats import Recipe
 from fp8core.ops import dequantize, quantize_dynamic
 
@@ -37,7 +42,8 @@ def _mxfp8(mode: str) -> Recipe:
         return piece.data, dequantize_mxfp8(piece)
 
     return Recipe(f"mxfp8_{mode}", f"MXFP8BlockScaling, E4M3, scale_mode {mode}: an E8M0 scale per 1x32 block",
-                  Format.E4M3, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode), part, block=(1, 32))
+                  Format.E4M3, lambda x: quantize_mxfp8(x, Format.E4M3, scale_mode=mode), part, block=(1, 32),
+                  block_scales=lambda t: e8m0_scales(t.scale))
 
 
 def _blockwise(rows_per_block: int) -> Recipe:
@@ -50,18 +56,75 @@ def _blockwise(rows_per_block: int) -> Recipe:
 
     return Recipe(f"block_{block}", f"Float8BlockScaling, E4M3: a power-of-2 fp32 scale per {block} block",
                   Format.E4M3, lambda x: quantize_blockwise(x, Format.E4M3, block=block), part,
-                  row_step=rows_per_block, block=(rows_per_block, 128))
+                  row_step=rows_per_block, block=(rows_per_block, 128),
+                  block_scales=lambda t: fp32_scales(t.scale_inv))
+
+
+def _whole_blocks(x: np.ndarray, block: int) -> np.ndarray:
+    """x [R, C] with zero columns up to a multiple of ``block`` (FP4 rows hold whole blocks; zeros change no
+    block's amax, no global amax)."""
+    pad = -x.shape[1] % block
+    return np.pad(x, ((0, 0), (0, pad))) if pad else x
+
+
+def _fp4_part(t: Any, r0: int, r1: int, c0: int, c1: int, block: int) -> tuple[Any, np.ndarray]:
+    """(data bytes, scales) of the whole blocks under columns c0:c1 of rows r0:r1 (c0 a multiple of block)."""
+    b1 = -(-c1 // block)
+    return (np.ascontiguousarray(t.data[r0:r1, c0 // 2:b1 * block // 2]),
+            np.ascontiguousarray(t.scale[r0:r1, c0 // block:b1]))
+
+
+def _nvfp4(hadamard: bool) -> Recipe:
+    def quantize(x: np.ndarray) -> NVFP4Tensor:
+        return quantize_nvfp4(_whole_blocks(x, NVFP4_BLOCK))
+
+    def part(t: NVFP4Tensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        data, scale = _fp4_part(t, r0, r1, c0, c1, NVFP4_BLOCK)
+        y = dequantize_nvfp4(NVFP4Tensor(data, scale, t.global_amax))
+        return E2M1.unpack(data)[:, :c1 - c0], y[:, :c1 - c0]
+
+    if not hadamard:
+        return Recipe("nvfp4", "NVFP4BlockScaling, E2M1: an E4M3 scale per 1x16 block under an fp32 global scale",
+                      E2M1, quantize, part, block=(1, NVFP4_BLOCK), block_scales=_nvfp4_scales)
+
+    def operand(x: np.ndarray) -> np.ndarray | None:
+        if x.shape[0] == 1:  # a 1-D (one-row) tensor: no tokens to run blocks down
+            return None
+        x = np.pad(x, ((0, -x.shape[0] % NVFP4_BLOCK), (0, 0)))
+        with np.errstate(all="ignore"):  # the transform's own rule for inf and NaN
+            return np.ascontiguousarray(hadamard16(x, True).T)
+
+    return Recipe("nvfp4_rht", "NVFP4BlockScaling's wgrad operand: x^T (blocks of 16 rows of x, zero-padded), "
+                  "each block's random Hadamard transform, then NVFP4 as nvfp4; measured against the transformed "
+                  "values (the transform is orthonormal and cancels in the GEMM)", E2M1, quantize, part,
+                  block=(1, NVFP4_BLOCK), operand=operand, block_scales=_nvfp4_scales,
+                  not_applicable="a 1-D or one-row tensor has no tokens for the wgrad operand's blocks")
+
+
+def _nvfp4_scales(t: NVFP4Tensor) -> Any:
+    return e4m3_scales(t.scale, np.asarray(t.global_amax))
+
+
+def _mxfp4() -> Recipe:
+    def part(t: MXFP4Tensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        data, scale = _fp4_part(t, r0, r1, c0, c1, MXFP4_BLOCK)
+        return E2M1.unpack(data)[:, :c1 - c0], dequantize_mxfp4(MXFP4Tensor(data, scale))[:, :c1 - c0]
+
+    return Recipe("mxfp4", "MXFP4 (OCP MX), E2M1: an E8M0 scale per 1x32 block, rceil", E2M1,
+                  lambda x: quantize_mxfp4(_whole_blocks(x, MXFP4_BLOCK)), part, block=(1, MXFP4_BLOCK),
+                  block_scales=lambda t: e8m0_scales(t.scale))
 
 
 # A tie in SQNR goes to the recipe listed first: one scale per tensor before any block recipe, which has
 # scales to keep per block.
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _current(Format.E4M3), _current(Format.E5M2), _mxfp8("rceil"), _mxfp8("floor"), _blockwise(1),
-    _blockwise(128))}
+    _blockwise(128), _nvfp4(False), _nvfp4(True), _mxfp4())}
 
 BLOCK_RULE = ("block recipes run along the last dimension (a tensor is viewed as [rows, last dim]; 1-D is one "
               "row); a partial block at an edge is zero-padded in effect (its scale comes from its own elements); "
-              "a scalar has no blocks: n/a")
+              "a scalar has no blocks: n/a; nvfp4_rht measures x^T, its blocks down 16 rows of x (rows zero-padded "
+              "to 16), the transformed values, and is n/a for a 1-D or one-row tensor")
 
 
 def select(names: str | Sequence[str], arg: str = "recipes") -> list[Recipe]:

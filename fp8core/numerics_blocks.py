@@ -54,6 +54,10 @@ def e8m0_scales(scale: Any) -> BlockScales:
                        "floor 2^-127 (e = 0), ceiling 2^127 (e = 254)", -127.0, 127.0)
 
 
+_E4M3_LIMITS = ("subnormal below 2^-6, zero 0, ceiling 448 (0x7E; the block holding the global amax lands on it by "
+                "design)")
+
+
 def e4m3_scales(scale: Any, global_amax: np.ndarray) -> BlockScales:
     """NVFP4: E4M3 s_b bytes; zero (0x00: the block's elements are multiplied by FLT_MAX and come back 0),
     subnormal (2^-9 .. 7*2^-9), ceiling 448 (0x7E), NaN 0x7F."""
@@ -62,8 +66,7 @@ def e4m3_scales(scale: Any, global_amax: np.ndarray) -> BlockScales:
         stored = b.view(E4M3.numpy_dtype).astype(np.float64)
     code = b & 0x7F
     return BlockScales("E4M3", stored, np.zeros(b.shape, bool), code == 0x7E, (code >= 1) & (code <= 7),
-                       code == 0, code == 0x7F, "subnormal below 2^-6, zero 0, ceiling 448 (0x7E; the block holding the global amax lands on it by design)", -9.0,
-                       math.log2(448))
+                       code == 0, code == 0x7F, _E4M3_LIMITS, -9.0, math.log2(448))
 
 
 def fp32_scales(scale_inv: Any) -> BlockScales:

@@ -144,6 +144,8 @@ def parts(rows2d: np.ndarray, recipe: Recipe) -> Iterator[tuple[int, int, int, i
     row's columns in parts where it is long (a 1-D or one-row tensor is one row), so the float64 scratch and the
     dequantized part stay small whatever the shape."""
     n_rows, n_cols = rows2d.shape
+    if not rows2d.size:
+        return
     col_block = recipe.block[1] if recipe.block is not None else 1
     width = min(n_cols, max(col_block, _CHUNK // recipe.row_step // col_block * col_block))
     step = max(1, _CHUNK // max(width, 1) // recipe.row_step) * recipe.row_step

@@ -74,6 +74,9 @@ def _fp4_part(t: Any, r0: int, r1: int, c0: int, c1: int, block: int) -> tuple[A
             np.ascontiguousarray(t.scale[r0:r1, c0 // block:b1]))
 
 
+_STRIP = 1 << 20  # elements of x per step of nvfp4_rht's operand
+
+
 def _nvfp4(hadamard: bool) -> Recipe:
     def quantize(x: np.ndarray) -> NVFP4Tensor:
         return quantize_nvfp4(_whole_blocks(x, NVFP4_BLOCK))
@@ -91,8 +94,13 @@ def _nvfp4(hadamard: bool) -> Recipe:
         if x.shape[0] == 1:  # a 1-D (one-row) tensor: no tokens to run blocks down
             return None
         x = np.pad(x, ((0, -x.shape[0] % NVFP4_BLOCK), (0, 0)))
+        out = np.empty((x.shape[1], x.shape[0]), x.dtype)
+        # in strips of x's columns, so that the transform's float32 temporaries stay near _STRIP elements
+        step = max(1, _STRIP // max(x.shape[0], 1))
         with np.errstate(all="ignore"):  # the transform's own rule for inf and NaN
-            return np.ascontiguousarray(hadamard16(x, True).T)
+            for k0 in range(0, x.shape[1], step):
+                out[k0:k0 + step] = hadamard16(x[:, k0:k0 + step], True).T
+        return out
 
     return Recipe("nvfp4_rht", "NVFP4BlockScaling's wgrad operand: x^T (blocks of 16 rows of x, zero-padded), "
                   "each block's random Hadamard transform, then NVFP4 as nvfp4; measured against the transformed "

@@ -8,7 +8,7 @@ The quantization is the library's (its public functions, whole tensor at a time)
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from fp8core.fp4 import (MXFP4_BLOCK, NVFP4_BLOCK, MXFP4Tensor, NVFP4Tensor, deq
                          quantize_mxfp4, quantize_nvfp4)
 from fp8core.numerics_blocks import e4m3_scales, e8m0_scales, fp32_scales
 from fp8core.numerics_stats import Recipe
-from fp8core.ops import dequantize, quantize_dynamic
+from fp8core.ops import amax, dequantize, quantize_dynamic
 
 __all__ = ["RECIPES", "BLOCK_RULE", "select"]
 
@@ -67,6 +67,27 @@ def _whole_blocks(x: np.ndarray, block: int) -> np.ndarray:
     return np.pad(x, ((0, 0), (0, pad))) if pad else x
 
 
+_LONG = 1 << 18  # elements of a row past which FP4 quantizes a tensor in strips of columns
+
+
+def _in_strips(x: np.ndarray, block: int, quantize: Callable[[np.ndarray], Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(data, scale) of x [R, C] (C a multiple of ``block``) quantized whole, or in strips of _LONG columns where
+    its rows are longer: the backend works a row at a time at least, so a long row's temporaries would be many
+    times the tensor. The same bytes: blocks do not span strips, and NVFP4's global amax is passed in."""
+    if x.shape[1] <= _LONG:
+        t = quantize(x)
+        return t.data, t.scale
+    data = np.empty((x.shape[0], x.shape[1] // 2), np.uint8)
+    scale = None
+    for c0 in range(0, x.shape[1], _LONG):
+        t = quantize(np.ascontiguousarray(x[:, c0:c0 + _LONG]))
+        if scale is None:
+            scale = np.empty((x.shape[0], x.shape[1] // block), np.asarray(t.scale).dtype)
+        data[:, c0 // 2:(c0 + _LONG) // 2] = t.data
+        scale[:, c0 // block:(c0 + _LONG) // block] = t.scale
+    return data, scale
+
+
 def _fp4_part(t: Any, r0: int, r1: int, c0: int, c1: int, block: int) -> tuple[Any, np.ndarray]:
     """(data bytes, scales) of the whole blocks under columns c0:c1 of rows r0:r1 (c0 a multiple of block)."""
     b1 = -(-c1 // block)
@@ -79,7 +100,9 @@ _STRIP = 1 << 20  # elements of x per step of nvfp4_rht's operand
 
 def _nvfp4(hadamard: bool) -> Recipe:
     def quantize(x: np.ndarray) -> NVFP4Tensor:
-        return quantize_nvfp4(_whole_blocks(x, NVFP4_BLOCK))
+        x = _whole_blocks(x, NVFP4_BLOCK)
+        g = amax(x)  # the global amax, taken once for every strip
+        return NVFP4Tensor(*_in_strips(x, NVFP4_BLOCK, lambda s: quantize_nvfp4(s, global_amax=g)), g)
 
     def part(t: NVFP4Tensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
         data, scale = _fp4_part(t, r0, r1, c0, c1, NVFP4_BLOCK)
@@ -119,7 +142,8 @@ def _mxfp4() -> Recipe:
         return E2M1.unpack(data)[:, :c1 - c0], dequantize_mxfp4(MXFP4Tensor(data, scale))[:, :c1 - c0]
 
     return Recipe("mxfp4", "MXFP4 (OCP MX), E2M1: an E8M0 scale per 1x32 block, rceil", E2M1,
-                  lambda x: quantize_mxfp4(_whole_blocks(x, MXFP4_BLOCK)), part, block=(1, MXFP4_BLOCK),
+                  lambda x: MXFP4Tensor(*_in_strips(_whole_blocks(x, MXFP4_BLOCK), MXFP4_BLOCK, quantize_mxfp4)),
+                  part, block=(1, MXFP4_BLOCK),
                   block_scales=lambda t: e8m0_scales(t.scale))
 
 

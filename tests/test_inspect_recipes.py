@@ -497,3 +497,21 @@ def test_the_figures_do_not_depend_on_a_caller_that_flushes_subnormals(monkeypat
     finally:
         torch.set_flush_denormal(False)
     assert got == want
+
+
+@pytest.mark.parametrize("poison", [None, np.inf, np.nan])
+def test_fp4_recipes_in_strips_of_columns_give_the_whole_tensors_bytes(monkeypatch, rng, poison):
+    """Long rows are quantized in strips of columns (NVFP4 under the whole tensor's global amax): the same bytes as
+    one call on the whole tensor, an inf or NaN anywhere included."""
+    from fp8core import numerics_recipes
+
+    x = (rng.standard_normal((3, 640)) * np.logspace(-6, 2, 640)).astype(ml_dtypes.bfloat16)
+    if poison is not None:
+        x[2, 600] = poison
+    monkeypatch.setattr(numerics_recipes, "_LONG", 64)  # 10 strips
+    nv, whole = numerics_recipes.RECIPES["nvfp4"].quantize(x), fp8core.quantize_nvfp4(x)
+    assert np.array_equal(np.asarray(nv.data), whole.data)
+    assert np.array_equal(np.asarray(nv.scale).view(np.uint8), whole.scale.view(np.uint8))
+    assert np.array_equal(np.asarray(nv.global_amax), whole.global_amax, equal_nan=True)
+    mx, whole = numerics_recipes.RECIPES["mxfp4"].quantize(x), fp8core.quantize_mxfp4(x)
+    assert np.array_equal(mx.data, whole.data) and np.array_equal(mx.scale.view(np.uint8), whole.scale.view(np.uint8))

@@ -314,7 +314,8 @@ def _inspect(args: argparse.Namespace) -> None:
             raise CliError("--recipes: not with a record (it holds the recipes compared while recording: "
                            "record_numerics(model, recipes=...))")
         if args.blocks:
-            raise CliError("--blocks: not with a record (record_numerics keeps no per-block statistics yet)")
+            raise CliError("--blocks: not with a record (record_numerics(..., blocks=True) keeps them in each row's "
+                           "'blocks': NumericsRecord.load(path).rows)")
         if args.scale is not None:
             raise CliError("--scale: not with a record (its casts used their own scales)")
         inspect_records(records, args.json, args.plot, args.max_bytes)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from fp8core._fpenv import ieee
-from fp8core.formats import Format
+from fp8core.formats import Encoding, Format
 
 _CHUNK = 1 << 18  # elements per step of the statistics: its float64 scratch (3 rows, 6 MiB) stays in cache
 
@@ -34,7 +34,7 @@ class Recipe:
 
     name: str
     what: str
-    fmt: Format
+    fmt: Format | Encoding
     quantize: Callable[[np.ndarray], Any]
     dequantize_part: Callable[[Any, int, int, int, int], tuple[np.ndarray, np.ndarray]]
     row_step: int = 1

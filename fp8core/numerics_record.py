@@ -109,6 +109,25 @@ def per_operand(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "steps": len(group),
             "amax_min": min(amax, default=math.nan), "amax_max": max(amax, default=math.nan),
             "recipes": recipes, "winner": winner(recipes)}
+        blocks = _worst_blocks(group)
+        if blocks:
+            out[f"{module or '<model>'}.{operand}"]["blocks"] = blocks
+    return out
+
+
+def _worst_blocks(group: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per block recipe of the rows' ``blocks``: the per-block statistics of the step whose worst block is the
+    worst (least per-block SQNR; the first such step), with that ``step``; n/a where no step has any."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(n for r in group for n in r.get("blocks", {})):
+        steps = [(r["step"], r["blocks"][name]) for r in group if name in r.get("blocks", {})]
+        measured = [(step, b) for step, b in steps if "n/a" not in b]
+        if not measured:
+            out[name] = steps[0][1]
+            continue
+        least = lambda sb: math.inf if sb[1]["sqnr_db"]["min"] is None else sb[1]["sqnr_db"]["min"]  # noqa: E731
+        step, b = min(measured, key=least)
+        out[name] = {**b, "step": step}
     return out
 
 
@@ -210,8 +229,51 @@ def _blocks(d: Any, where: str) -> dict[str, Any]:
             raise ValueError(f"{where}'s 'blocks' has {_short(name)}, not one of {blocky}")
         if not isinstance(b, dict):
             raise ValueError(f"{where}'s blocks of {name!r} is not an object ({type(b).__name__})")
-        out[name] = {"n/a": str(b["n/a"])} if "n/a" in b else _floats(b)
+        out[name] = {"n/a": str(b["n/a"])} if "n/a" in b else _block_schema(_floats(b), f"{where}'s blocks of {name!r}")
     return out
+
+
+# What a reader of a row's blocks formats (fp8core.cli.blocks), by path: numbers (None allowed where marked), ints,
+# strings, and the worst blocks' fields.
+_BLOCK_NUMBERS = {("scale", "log2_min"): True, ("scale", "log2_max"): True, ("scale", "spread"): True,
+                  ("scale", "log2_floor"): False, ("scale", "log2_ceiling"): False,
+                  ("dynamic_range_log2", "median"): True, ("dynamic_range_log2", "max"): True,
+                  ("flushed", "max_fraction"): False, ("sqnr_db", "min"): True}
+_BLOCK_INTS = [("blocks",), ("all_zero",), ("flushed", "blocks"), ("scale", "at_floor"), ("scale", "at_ceiling"),
+               ("scale", "subnormal"), ("scale", "zero"), ("scale", "nan"), ("sqnr_hist", "exact")]
+_BLOCK_STRINGS = [("scale", "format"), ("scale", "limits")]
+_WORST_FIELDS = ("row_block", "col_block", "sqnr_db", "amax", "scale", "flushed")
+
+
+def _block_schema(b: dict[str, Any], where: str) -> dict[str, Any]:
+    """A row's per-block statistics of one recipe, checked as far as they are read: ValueError naming the field."""
+    def at(path: tuple[str, ...]) -> Any:
+        v: Any = b
+        for k in path:
+            if not isinstance(v, dict) or k not in v:
+                raise ValueError(f"{where} has no {'.'.join(path)!r}")
+            v = v[k]
+        return v
+
+    for path, nullable in _BLOCK_NUMBERS.items():
+        v = at(path)
+        if not (v is None and nullable):
+            _number(v, f"{where}'s {'.'.join(path)!r}")
+    for path in _BLOCK_INTS:
+        v = at(path)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{where}'s {'.'.join(path)!r} is {_short(v)}, not a count")
+    for path in _BLOCK_STRINGS:
+        if not isinstance(at(path), str):
+            raise ValueError(f"{where}'s {'.'.join(path)!r} is not a string")
+    worst = at(("worst",))
+    if not isinstance(worst, list) or not all(isinstance(w, dict) and all(k in w for k in _WORST_FIELDS)
+                                              for w in worst):
+        raise ValueError(f"{where}'s 'worst' is not a list of blocks ({', '.join(_WORST_FIELDS)})")
+    for w in worst:
+        for k in _WORST_FIELDS:
+            _number(w[k], f"{where}'s worst block's {k!r}")
+    return b
 
 
 def _floats(v: Any) -> Any:

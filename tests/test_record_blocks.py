@@ -90,3 +90,40 @@ def test_blocks_without_a_block_recipe_is_refused_naming_the_argument():
         with record_numerics(net, recipes="nvfp4", blocks="yes"):
             pass
     assert strict_json({"a": float("inf")}) == {"a": "inf"}
+
+
+def test_inspect_of_a_record_shows_the_worst_steps_blocks(tmp_path, capsys):
+    from fp8core.cli import main
+
+    torch.manual_seed(0)
+    net = te.convert_to_float8(torch.nn.Sequential(torch.nn.Linear(32, 32)), fp8core.Float8CurrentScaling())
+    xs = [torch.randn(16, 32), torch.randn(16, 32)]
+    xs[1][5, 16:] *= 1e-6  # step 1's input has the block NVFP4 loses
+    with record_numerics(net, recipes="nvfp4", blocks=True) as rec:
+        for x in xs:
+            with te.autocast(enabled=True):
+                net(x)
+    path = rec.save(tmp_path / "rec.json")
+    assert main(["inspect", str(path), "--json"]) == 0
+    entry = strict_json(json.loads(capsys.readouterr()[0]))["tensors"]["0.input"]
+    assert entry["blocks"]["nvfp4"] == strict_json({**block_stats(xs[1].numpy(), RECIPES["nvfp4"]), "step": 1})
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr()[0]
+    worst = entry["blocks"]["nvfp4"]["worst"][0]
+    assert (worst["row_block"], worst["col_block"]) == (5, 1)
+    assert "blocks nvfp4 (step 1): 32 of 1x16" in out and f"(5,1) {worst['sqnr_db']:.1f} dB" in " ".join(out.split())
+    assert main(["inspect", str(path), "--blocks"]) == 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda b: b.pop("worst"), "has no 'worst'"),
+    (lambda b: b["scale"].update(log2_min="x"), "'scale.log2_min' is 'x', not a number"),
+    (lambda b: b.update(all_zero=1.5), "'all_zero' is 1.5, not a count"),
+    (lambda b: b["scale"].update(format=3), "'scale.format' is not a string"),
+    (lambda b: b.update(worst=[{"row_block": 0}]), "'worst' is not a list of blocks"),
+])
+def test_a_records_blocks_are_checked_as_far_as_they_are_read(edit, message):
+    b = strict_json(block_stats(np.ones((2, 32), np.float32), RECIPES["nvfp4"]))
+    edit(b)
+    with pytest.raises(ValueError, match=message):
+        from_json(json.loads(json.dumps([row(blocks={"nvfp4": b})])))

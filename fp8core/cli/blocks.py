@@ -22,7 +22,8 @@ def _position(w: dict) -> str:
 def block_lines(r: dict) -> Iterator[str]:
     """Lines per block recipe of one tensor's row (``r["blocks"]``), TABLE_WIDTH columns at most."""
     for name, b in r.get("blocks", {}).items():
-        head = f"  blocks {printable(name)}: "
+        step = f" (step {b['step']})" if "step" in b else ""  # a record's: the step whose worst block is worst
+        head = f"  blocks {printable(name)}{step}: "
         if "n/a" in b:
             yield f"{head}n/a: {printable(str(b['n/a']))}"
             continue

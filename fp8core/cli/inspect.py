@@ -314,8 +314,8 @@ def _inspect(args: argparse.Namespace) -> None:
             raise CliError("--recipes: not with a record (it holds the recipes compared while recording: "
                            "record_numerics(model, recipes=...))")
         if args.blocks:
-            raise CliError("--blocks: not with a record (record_numerics(..., blocks=True) keeps them in each row's "
-                           "'blocks': NumericsRecord.load(path).rows)")
+            raise CliError("--blocks: not with a record (a record made with record_numerics(..., blocks=True) "
+                           "shows its per-block statistics without the flag)")
         if args.scale is not None:
             raise CliError("--scale: not with a record (its casts used their own scales)")
         inspect_records(records, args.json, args.plot, args.max_bytes)

@@ -26,8 +26,8 @@ from typing import Any, Union
 from fp8core.numerics_recipes import RECIPES
 from fp8core.numerics_stats import winner
 
-__all__ = ["BLOCK_LAYER_RECIPES", "FORMATS", "LAYER_RECIPES", "MAX_BYTES", "OPERANDS", "STATS", "contender_names", "contenders",
-           "from_json", "per_cast", "per_operand", "read"]
+__all__ = ["BLOCK_LAYER_RECIPES", "FORMATS", "LAYER_RECIPES", "MAX_BYTES", "OPERANDS", "STATS", "contender_names",
+           "contenders", "from_json", "per_cast", "per_operand", "read"]
 
 OPERANDS = ("input", "weight", "grad_output")  # in the order of a Float8Linear's state slots (fp8_scale[0:3])
 # a recorded layer's own recipe, by its class's name; the block recipes' rows have no per-tensor scale

@@ -129,7 +129,6 @@ def prepare(x: np.ndarray, recipe: Recipe) -> tuple[np.ndarray, Any]:
     """(what is measured [rows, cols], its quantization): x as rows, or the recipe's operand of them; the
     quantization None where the recipe's operand does not apply."""
     rows2d = as_rows(x)
-    n_rows, n_cols = rows2d.shape
     if rows2d.size == 0:  # an empty tensor costs nothing, whatever its shape: (10**15, 0) is no rows of work
         rows2d = rows2d[:0]
     if recipe.operand is not None:

@@ -244,7 +244,8 @@ def record_numerics(model: torch.nn.Module, recipes: Union[None, str, Sequence[s
     comma-separated string; block recipes along the operand's last dimension) and name the ``winner`` per row;
     None (the default): the layers' casts only. ``blocks``: also each compared block recipe's per-block statistics
     (:func:`fp8core.numerics_blocks.block_stats`: block scales at the format's limits, flushed elements, the worst
-    blocks by position) in each row's ``blocks``, per layer, operand and step. :meth:`NumericsRecord.save` writes the record that ``fp8core inspect record.json`` prints and plots.
+    blocks by position) in each row's ``blocks``, per layer, operand and step. :meth:`NumericsRecord.save` writes
+    the record that ``fp8core inspect record.json`` prints and plots.
 
     Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`); under ``torch.no_grad`` only
     the forward rows. The backward of a forward recorded here is recorded wherever it runs. Off by default and

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 

@@ -15,8 +15,12 @@ float64 copies of the tensor: 258 MiB against 88 MiB at 32 MiB).
 Issue 26's bar: a 1 GiB bf16 file through all recipes on the CPU in under a minute on 2 cores. The process is
 pinned to ``--cores`` cores (default 2, the bar's machine); the default file is 256 MiB, and the time 1 GiB
 would take at the same rate is printed beside it (``--size-mib 1024`` measures it).
+The recipe row (issue 36, the FP4 recipes): ``--recipe-rounds N`` times ``measure`` of each recipe on one 4096x4096
+bf16 tensor, the recipes interleaved round by round, in process CPU time and wall time per element (median, p20,
+p80), and the sum over the FP8 recipes against the sum over the FP4 ones: what ``--recipes all`` costs beyond the
+FP8 six, measured in one process under one load (a shared machine's load moves the absolute figures several-fold).
 Usage: python bench/bench_inspect.py [--size-mib 256] [--shape-mib 32] [--cores 2] [--repeat 3] [--json out.json]
-       [--shapes-only]
+       [--shapes-only] [--recipe-rounds 5 --recipes-only]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import numpy as np
 
 import fp8core
 from fp8core.cli.recipes import RECIPES, measure
+from fp8core.formats import E2M1
 
 _TENSOR = (4096, 4096)  # 32 MiB in bf16: a 7B model's attention projection
 
@@ -107,6 +112,29 @@ def shape_rows(tmp: Path, mib: int, repeat: int) -> dict[str, dict]:
                    "peak_rss_bytes": _quantiles(peaks[kind]), "seconds": _quantiles(walls[kind])} for kind in files}
 
 
+def recipe_rows(rounds: int) -> dict[str, dict]:
+    """Per recipe, ns per element of ``measure`` on one 4096x4096 bf16 tensor: process CPU and wall, quantiles over
+    ``rounds`` interleaved rounds; and the sums of the medians over the FP8 recipes and over the FP4 ones."""
+    import ml_dtypes
+
+    x = (np.random.default_rng(0).standard_normal(_TENSOR) * 0.02).astype(ml_dtypes.bfloat16)
+    cpu: dict[str, list[float]] = {n: [] for n in RECIPES}
+    wall: dict[str, list[float]] = {n: [] for n in RECIPES}
+    for _ in range(rounds):
+        for name, recipe in RECIPES.items():
+            c, w = time.process_time(), time.perf_counter()
+            measure(x, recipe)
+            cpu[name].append((time.process_time() - c) / x.size * 1e9)
+            wall[name].append((time.perf_counter() - w) / x.size * 1e9)
+    out = {n: {"cpu_ns": _quantiles(cpu[n]), "wall_ns": _quantiles(wall[n])} for n in RECIPES}
+    fp4 = [n for n, r in RECIPES.items() if r.fmt is E2M1]
+    for what in ("cpu_ns", "wall_ns"):
+        out.setdefault("sum", {})[what] = {
+            "fp8": sum(out[n][what]["median"] for n in RECIPES if n not in fp4),
+            "fp4": sum(out[n][what]["median"] for n in fp4)}
+    return out
+
+
 def main_bench() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=256)
@@ -115,6 +143,8 @@ def main_bench() -> None:
     ap.add_argument("--shape-mib", type=int, default=32, help="float32 MiB of the shape row's tensor (0: none)")
     ap.add_argument("--shapes-only", action="store_true", help="the shape row alone")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--recipe-rounds", type=int, default=0, help="rounds of the per-recipe row (0: none)")
+    ap.add_argument("--recipes-only", action="store_true", help="the per-recipe row alone")
     args = ap.parse_args()
     if args.cores:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])  # the child inherits it
@@ -129,6 +159,24 @@ def main_bench() -> None:
                   f"{rss['median'] / 2**20:.0f} MiB (p20 {rss['p20'] / 2**20:.0f}, p80 {rss['p80'] / 2**20:.0f}), "
                   f"{secs['median']:.1f} s (p20 {secs['p20']:.1f}, p80 {secs['p80']:.1f}); inspect --recipes all, "
                   f"{args.repeat} runs; {machine}; fp8core from {Path(fp8core.__file__).parent}")
+    if args.recipe_rounds:
+        load = os.getloadavg()[0]
+        rows = recipe_rows(args.recipe_rounds)
+        for name, r in rows.items():
+            c, w = r["cpu_ns"], r["wall_ns"]
+            if name == "sum":
+                print(f"  sum of medians: FP8 recipes {c['fp8']:.1f} CPU ns ({w['fp8']:.1f} wall), FP4 recipes "
+                      f"{c['fp4']:.1f} CPU ns ({w['fp4']:.1f} wall): all = {1 + c['fp4'] / c['fp8']:.2f}x the FP8 "
+                      f"recipes' CPU time")
+                continue
+            print(f"  {name:<14} {c['median']:6.1f} CPU ns/element (p20 {c['p20']:.1f}, p80 {c['p80']:.1f}), wall "
+                  f"{w['median']:.1f} (p20 {w['p20']:.1f}, p80 {w['p80']:.1f})")
+        print(f"per recipe: measure() on one 4096x4096 bf16 tensor, {args.recipe_rounds} interleaved rounds; load "
+              f"average {load:.2f} before, {os.getloadavg()[0]:.2f} after; {machine}")
+        if args.recipes_only:
+            if args.json:
+                Path(args.json).write_text(json.dumps({"machine": machine, "recipes": rows}, indent=1))
+            return
     if args.shapes_only:
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine, "shapes": shapes}, indent=1))

@@ -15,7 +15,7 @@ from .blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequanti
 from .fp4 import (MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_mxfp4_both,
                   quantize_nvfp4, quantize_nvfp4_both)
 from .layouts import Layout, ScaledTensor
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from .scaling import ScalingState
 from .backends.cpu_threads import cpu_threads
 
@@ -27,4 +27,5 @@ __all__ = ["Format", "as_format", "amax", "quantize", "quantize_dynamic", "dequa
            "MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
            "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "NVFP4Tensor", "MXFP4Tensor", "quantize_nvfp4",
            "quantize_nvfp4_both", "dequantize_nvfp4", "quantize_mxfp4", "quantize_mxfp4_both", "dequantize_mxfp4",
-           "cpu_threads", "Layout", "ScaledTensor"]
+           "cpu_threads", "Layout", "ScaledTensor",
+           "NVFP4BlockScaling"]

@@ -8,7 +8,10 @@ A row is a dict: ``module`` (str), ``operand`` (``input``, ``weight`` or ``grad_
 ``recipe`` (the layer's: ``DelayedScaling`` or ``Float8CurrentScaling``), ``format`` (``E4M3``/``E5M2``),
 ``amax``, ``scale``, ``scale_inv``, the statistics of :func:`fp8core.numerics_stats.measure` (:data:`STATS`),
 and optionally ``recipes`` (name -> statistics, or ``{"n/a": why}``) with ``winner`` (the best SQNR among the
-layer's cast and those recipes; None when none has one).
+layer's cast and those recipes; None when none has one), and ``blocks`` (block recipe name -> the per-block
+statistics of :func:`fp8core.numerics_blocks.block_stats`, or ``{"n/a": why}``). The layer recipe names include
+the block recipes' (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling), whose rows have no per-tensor
+scale (``scale``/``scale_inv`` null), and the formats E2M1.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from typing import Any, Union
 from fp8core.numerics_recipes import RECIPES
 from fp8core.numerics_stats import winner
 
-__all__ = ["FORMATS", "LAYER_RECIPES", "MAX_BYTES", "OPERANDS", "STATS", "contender_names", "contenders",
-           "from_json", "per_cast", "per_operand", "read"]
+__all__ = ["BLOCK_LAYER_RECIPES", "FORMATS", "LAYER_RECIPES", "MAX_BYTES", "OPERANDS", "STATS", "contender_names",
+           "contenders", "from_json", "per_cast", "per_operand", "read"]
 
 OPERANDS = ("input", "weight", "grad_output")  # in the order of a Float8Linear's state slots (fp8_scale[0:3])
-LAYER_RECIPES = ("DelayedScaling", "Float8CurrentScaling")  # a recorded layer's own recipe, by its class's name
-FORMATS = ("E4M3", "E5M2")
+# a recorded layer's own recipe, by its class's name; the block recipes' rows have no per-tensor scale
+LAYER_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling",
+                 "NVFP4BlockScaling")
+BLOCK_LAYER_RECIPES = LAYER_RECIPES[2:]
+FORMATS = ("E4M3", "E5M2", "E2M1")
 MAX_BYTES = 1 << 30  # what :func:`read` takes of a file by default (``fp8core inspect --max-bytes``'s default)
 STATS = ("sqnr_db", "underflow", "clipped", "at_max", "max_rel_error", "lost")
 _NUMBERS = ("amax", "scale", "scale_inv") + STATS
@@ -103,6 +109,25 @@ def per_operand(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "steps": len(group),
             "amax_min": min(amax, default=math.nan), "amax_max": max(amax, default=math.nan),
             "recipes": recipes, "winner": winner(recipes)}
+        blocks = _worst_blocks(group)
+        if blocks:
+            out[f"{module or '<model>'}.{operand}"]["blocks"] = blocks
+    return out
+
+
+def _worst_blocks(group: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per block recipe of the rows' ``blocks``: the per-block statistics of the step whose worst block is the
+    worst (least per-block SQNR; the first such step), with that ``step``; n/a where no step has any."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(n for r in group for n in r.get("blocks", {})):
+        steps = [(r["step"], r["blocks"][name]) for r in group if name in r.get("blocks", {})]
+        measured = [(step, b) for step, b in steps if "n/a" not in b]
+        if not measured:
+            out[name] = steps[0][1]
+            continue
+        least = lambda sb: math.inf if sb[1]["sqnr_db"]["min"] is None else sb[1]["sqnr_db"]["min"]  # noqa: E731
+        step, b = min(measured, key=least)
+        out[name] = {**b, "step": step}
     return out
 
 
@@ -171,8 +196,11 @@ def from_json(data: Any) -> list[dict[str, Any]]:
             if isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0:
                 raise ValueError(f"{where}'s 'step' is {_short(r['step'])}, not a count from 0")
             row = dict(r)
-            row.update({k: None if k == "sqnr_db" and r[k] is None else _number(r[k], f"{where}'s {k!r}")
+            nullable = ("sqnr_db", "scale", "scale_inv") if r["recipe"] in BLOCK_LAYER_RECIPES else ("sqnr_db",)
+            row.update({k: None if k in nullable and r[k] is None else _number(r[k], f"{where}'s {k!r}")
                         for k in _NUMBERS})
+            if "blocks" in r:
+                row["blocks"] = _blocks(r["blocks"], where)
             if "recipes" in r:
                 if not isinstance(r["recipes"], dict):
                     raise ValueError(f"{where}'s 'recipes' is not an object of recipe names")
@@ -187,6 +215,74 @@ def from_json(data: Any) -> list[dict[str, Any]]:
         except ValueError as e:
             raise ValueError(f"not a record: {e}; {_EXPECTED}") from None
     return rows
+
+
+def _blocks(d: Any, where: str) -> dict[str, Any]:
+    """A row's per-block statistics: block recipe names of :data:`RECIPES`, each an object of JSON values (their
+    numbers as numbers, "inf"/"-inf"/"nan" back as floats), or ``{"n/a": why}``."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}'s 'blocks' is not an object of block recipe names")
+    out = {}
+    for name, b in d.items():
+        if name not in RECIPES or RECIPES[name].block_scales is None:
+            blocky = ", ".join(n for n, r in RECIPES.items() if r.block_scales is not None)
+            raise ValueError(f"{where}'s 'blocks' has {_short(name)}, not one of {blocky}")
+        if not isinstance(b, dict):
+            raise ValueError(f"{where}'s blocks of {name!r} is not an object ({type(b).__name__})")
+        out[name] = {"n/a": str(b["n/a"])} if "n/a" in b else _block_schema(_floats(b), f"{where}'s blocks of {name!r}")
+    return out
+
+
+# What a reader of a row's blocks formats (fp8core.cli.blocks), by path: numbers (None allowed where marked), ints,
+# strings, and the worst blocks' fields.
+_BLOCK_NUMBERS = {("scale", "log2_min"): True, ("scale", "log2_max"): True, ("scale", "spread"): True,
+                  ("scale", "log2_floor"): False, ("scale", "log2_ceiling"): False,
+                  ("dynamic_range_log2", "median"): True, ("dynamic_range_log2", "max"): True,
+                  ("flushed", "max_fraction"): False, ("sqnr_db", "min"): True}
+_BLOCK_INTS = [("blocks",), ("all_zero",), ("flushed", "blocks"), ("scale", "at_floor"), ("scale", "at_ceiling"),
+               ("scale", "subnormal"), ("scale", "zero"), ("scale", "nan"), ("sqnr_hist", "exact")]
+_BLOCK_STRINGS = [("scale", "format"), ("scale", "limits")]
+_WORST_FIELDS = ("row_block", "col_block", "sqnr_db", "amax", "scale", "flushed")
+
+
+def _block_schema(b: dict[str, Any], where: str) -> dict[str, Any]:
+    """A row's per-block statistics of one recipe, checked as far as they are read: ValueError naming the field."""
+    def at(path: tuple[str, ...]) -> Any:
+        v: Any = b
+        for k in path:
+            if not isinstance(v, dict) or k not in v:
+                raise ValueError(f"{where} has no {'.'.join(path)!r}")
+            v = v[k]
+        return v
+
+    for path, nullable in _BLOCK_NUMBERS.items():
+        v = at(path)
+        if not (v is None and nullable):
+            _number(v, f"{where}'s {'.'.join(path)!r}")
+    for path in _BLOCK_INTS:
+        v = at(path)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{where}'s {'.'.join(path)!r} is {_short(v)}, not a count")
+    for path in _BLOCK_STRINGS:
+        if not isinstance(at(path), str):
+            raise ValueError(f"{where}'s {'.'.join(path)!r} is not a string")
+    worst = at(("worst",))
+    if not isinstance(worst, list) or not all(isinstance(w, dict) and all(k in w for k in _WORST_FIELDS)
+                                              for w in worst):
+        raise ValueError(f"{where}'s 'worst' is not a list of blocks ({', '.join(_WORST_FIELDS)})")
+    for w in worst:
+        for k in _WORST_FIELDS:
+            _number(w[k], f"{where}'s worst block's {k!r}")
+    return b
+
+
+def _floats(v: Any) -> Any:
+    """Strict JSON's "inf", "-inf" and "nan" back as floats, through objects and lists."""
+    if isinstance(v, dict):
+        return {k: _floats(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_floats(x) for x in v]
+    return float(v) if isinstance(v, str) and v in ("inf", "-inf", "nan") else v
 
 
 def read(path: Union[str, Path], max_bytes: int = MAX_BYTES) -> list[dict[str, Any]]:

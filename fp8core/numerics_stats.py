@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from fp8core._fpenv import ieee
-from fp8core.formats import Format
+from fp8core.formats import Encoding, Format
 
 _CHUNK = 1 << 18  # elements per step of the statistics: its float64 scratch (3 rows, 6 MiB) stays in cache
 
@@ -26,16 +26,23 @@ class Recipe:
     """One way to quantize a tensor. ``quantize`` takes the tensor as [rows, cols] (float32/bfloat16/float16);
     ``dequantize_part(q, r0, r1, c0, c1)`` gives the part [r0:r1, c0:c1] back as (fp8 data, float32 values);
     ``row_step`` is the row granularity of its scales (r0 is always a multiple of it, and c0 of the block's
-    columns); ``block`` the block's (rows, cols), None for one scale per tensor."""
+    columns); ``block`` the block's (rows, cols), None for one scale per tensor. ``fmt``: the elements' encoding
+    (a Format, or an :class:`fp8core.formats.Encoding` row such as E2M1, whose codes come one a byte).
+    ``operand``, when given, makes what is measured from the tensor [rows, cols] (nvfp4_rht: the transformed
+    wgrad operand), None where the recipe does not apply (its reason in ``not_applicable``).
+    ``block_scales(q)``: a block recipe's :class:`fp8core.numerics_blocks.BlockScales` (per-block statistics)."""
 
     name: str
     what: str
-    fmt: Format
+    fmt: Format | Encoding
     quantize: Callable[[np.ndarray], Any]
     dequantize_part: Callable[[Any, int, int, int, int], tuple[np.ndarray, np.ndarray]]
     row_step: int = 1
     block: tuple[int, int] | None = None
     scale_inv: Callable[[Any], float] | None = None
+    operand: Callable[[np.ndarray], np.ndarray | None] | None = None
+    not_applicable: str = ""
+    block_scales: Callable[[Any], Any] | None = None
 
 
 def as_rows(x: np.ndarray) -> np.ndarray:
@@ -58,18 +65,18 @@ def _sum_of_squares(a: np.ndarray) -> float:
 
 @ieee  # the caller's flush-to-zero would read float32 subnormals as 0 in the float64 widening
 def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: int, beyond: float,
-                 work: np.ndarray) -> tuple[list[int], float, float, float]:
+                 work: np.ndarray, magnitude: int = 0x7F) -> tuple[list[int], float, float, float]:
     """([finite, nonzero, underflow, clipped, at_max, lost], signal, noise, max_rel) of one flat chunk: the
     values x (float32/bfloat16/float16), their round trip y32 (float32) and its fp8 bytes. ``work``: float64
     [3, >= chunk size], reused from chunk to chunk (fresh memory each time costs more in page faults than the
-    arithmetic); its third row is the scratch of the counts."""
+    arithmetic); its third row is the scratch of the counts. ``magnitude``: the code bits below the sign."""
     v, d = work[0, :x.size], work[1, :x.size]
     np.copyto(v, x)  # exact: every float32/bfloat16/float16 is a float64
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, and the masked path below takes over
         np.subtract(y32, v, out=d)
     signal, noise = _sum_of_squares(v), _sum_of_squares(d)  # f32 squares cannot overflow float64
     if math.isfinite(signal) and math.isfinite(noise):  # all finite: nothing to gather through masks
-        at = np.flatnonzero((codes & 0x7F) == max_code)
+        at = np.flatnonzero((codes & magnitude) == max_code)
         clipped = np.count_nonzero(np.abs(v[at]) > np.abs(y32[at].astype(np.float64)) * beyond)
         # a comparison into a bool scratch, then a count of bools: several times faster than counting floats
         flags = work[2].view(np.bool_)[:x.size]
@@ -82,7 +89,7 @@ def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: in
         np.abs(d, out=d)
         max_rel = float(np.fmax.reduce(d)) if d.size else 0.0
         return counts, signal, noise, 0.0 if math.isnan(max_rel) else max_rel
-    top = (codes & 0x7F) == max_code
+    top = (codes & magnitude) == max_code
     v, y = x.astype(np.float64), y32.astype(np.float64)
     fin = np.isfinite(v)
     bad = fin & ~np.isfinite(y)
@@ -109,34 +116,61 @@ def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
     """
     if recipe.block is not None and x.ndim == 0:
         return {"n/a": "a scalar has no blocks"}
+    rows2d, q = prepare(x, recipe)
+    if q is None:
+        return {"n/a": recipe.not_applicable}
+    row = _measure(rows2d, q, recipe)
+    if recipe.operand is not None:  # its rows were padded to whole blocks
+        row["padded"] = bool(row["padded"] or as_rows(x).shape[0] % recipe.block[1])
+    return row
+
+
+def prepare(x: np.ndarray, recipe: Recipe) -> tuple[np.ndarray, Any]:
+    """(what is measured [rows, cols], its quantization): x as rows, or the recipe's operand of them; the
+    quantization None where the recipe's operand does not apply."""
     rows2d = as_rows(x)
-    n_rows, n_cols = rows2d.shape
     if rows2d.size == 0:  # an empty tensor costs nothing, whatever its shape: (10**15, 0) is no rows of work
         rows2d = rows2d[:0]
-    q = recipe.quantize(rows2d)
-    max_code = int(np.array(recipe.fmt.max, np.float32).astype(recipe.fmt.numpy_dtype).view(np.uint8))
-    below_max = float(np.array(max_code - 1, np.uint8).view(recipe.fmt.numpy_dtype))
-    # Within half a step above max a value rounds onto max like any other value; beyond it, it saturates.
-    beyond = 1 + (recipe.fmt.max - below_max) / (2 * recipe.fmt.max)
-    # Parts of about _CHUNK elements, whole blocks each: whole rows where a row is short, a row's columns in
-    # parts where it is long (a 1-D or one-row tensor is one row), so the float64 scratch and the dequantized
-    # part stay small whatever the shape.
+    if recipe.operand is not None:
+        rows2d = recipe.operand(rows2d)
+        if rows2d is None:
+            return as_rows(x), None
+    return rows2d, recipe.quantize(rows2d)
+
+
+def parts(rows2d: np.ndarray, recipe: Recipe) -> Iterator[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) of about _CHUNK elements each, whole blocks each: whole rows where a row is short, a
+    row's columns in parts where it is long (a 1-D or one-row tensor is one row), so the float64 scratch and the
+    dequantized part stay small whatever the shape."""
+    n_rows, n_cols = rows2d.shape
+    if not rows2d.size:
+        return
     col_block = recipe.block[1] if recipe.block is not None else 1
     width = min(n_cols, max(col_block, _CHUNK // recipe.row_step // col_block * col_block))
     step = max(1, _CHUNK // max(width, 1) // recipe.row_step) * recipe.row_step
-    totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
-    rows_now = rows2d.shape[0]
-    work = np.empty((3, min(step, rows_now) * width))
-    signal = noise = max_rel = 0.0
-    for r0 in range(0, rows_now, step):
-        r1 = min(r0 + step, rows_now)
+    for r0 in range(0, n_rows, step):
         for c0 in range(0, n_cols, width):
-            c1 = min(c0 + width, n_cols)
-            codes, y32 = recipe.dequantize_part(q, r0, r1, c0, c1)
-            counts, s, n, m = _chunk_stats(rows2d[r0:r1, c0:c1].ravel(), np.asarray(y32).ravel(),
-                                           np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work)
-            totals += counts
-            signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
+            yield r0, min(r0 + step, n_rows), c0, min(c0 + width, n_cols)
+
+
+def _measure(rows2d: np.ndarray, q: Any, recipe: Recipe) -> dict[str, Any]:
+    n_rows, n_cols = rows2d.shape
+    enc = recipe.fmt.encoding if isinstance(recipe.fmt, Format) else recipe.fmt
+    magnitude = (1 << (enc.bits - 1)) - 1
+    max_code = int(np.array(enc.max, np.float32).astype(enc.numpy_dtype).view(np.uint8))
+    below_max = float(enc.values[max_code - 1])
+    # Within half a step above max a value rounds onto max like any other value; beyond it, it saturates.
+    beyond = 1 + (enc.max - below_max) / (2 * enc.max)
+    totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
+    work = np.empty((3, max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in parts(rows2d, recipe))
+                     if rows2d.size else 0))
+    signal = noise = max_rel = 0.0
+    for r0, r1, c0, c1 in parts(rows2d, recipe):
+        codes, y32 = recipe.dequantize_part(q, r0, r1, c0, c1)
+        counts, s, n, m = _chunk_stats(rows2d[r0:r1, c0:c1].ravel(), np.asarray(y32).ravel(),
+                                       np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work, magnitude)
+        totals += counts
+        signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
     finite, nonzero, under, clipped, at_max, lost = (int(t) for t in totals)
     if lost:
         sqnr: float | None = -math.inf

@@ -7,10 +7,11 @@ from typing import Any, Callable, Optional
 
 from . import args
 from .args import AMAX_ALGOS, MAX_HISTORY_LEN
-from .formats import Format
+from .formats import E2M1, Encoding, Format
 from .layouts import Layout
 
-__all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling"]
+__all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling",
+           "FP4_TRAINING"]
 
 
 # ---- field checks shared by every recipe: at construction, naming the field -------------------------------
@@ -157,5 +158,45 @@ class Float8BlockScaling:
         """The (input, weight, grad_output) layouts the block dims name: 1 -> 1x128, 2 -> 128x128."""
         dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
         return tuple(Layout.BLOCK_1X128 if d == 1 else Layout.BLOCK_128X128 for d in dims)
+
+    __repr__ = _repr
+
+
+FP4_TRAINING = ("FP4 training is not yet supported: fp8core quantizes NVFP4 and MXFP4 (fp8core.quantize_nvfp4, "
+                "fp8core.quantize_mxfp4) and studies them (fp8core inspect --recipes nvfp4,nvfp4_rht,mxfp4), but no "
+                "front-end trains with them yet")
+
+
+@dataclass(frozen=True, repr=False)
+class NVFP4BlockScaling:
+    """Transformer Engine's NVFP4 recipe: E2M1 elements in 1x16 blocks with E4M3 block scales under an fp32 global
+    scale from the tensor's amax (docs/numerics.md, "NVFP4"). Stateless, like current scaling.
+
+    By default weights take one scale per 16x16 tile, inputs and gradients the random Hadamard transform on their
+    columnwise (wgrad GEMM) operand, and gradients stochastic rounding. disable_rht: no Hadamard transform on any
+    tensor. disable_stochastic_rounding: round every tensor to nearest. disable_2d_quantization: 1x16 blocks for
+    weights too. fp4_format: the elements' encoding (only fp8core.formats.E2M1, or its name "e2m1";
+    fp8core's Format holds the FP8 choices only). fp8_format: the block scales'
+    encoding (only Format.E4M3). TE's further fields (row-scaled activations, 4over6, backward_override) are not in
+    fp8core's contract. The recipe is data for now: the front-ends refuse it (:data:`FP4_TRAINING`).
+    """
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    fp4_format: Encoding = E2M1
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self) -> None:
+        for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
+            _bool(self, name)
+        fp4 = self.fp4_format
+        if fp4 is not E2M1 and not (isinstance(fp4, str) and fp4.lower() == "e2m1"):
+            raise ValueError(f"fp4_format: expected fp8core.formats.E2M1 or 'e2m1' (NVFP4's elements), got {fp4!r}")
+        _set(self, "fp4_format", E2M1)
+        _format(self)
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(f"fp8_format: expected Format.E4M3 (NVFP4's block scales), got "
+                             f"Format.{self.fp8_format.name}")
 
     __repr__ = _repr

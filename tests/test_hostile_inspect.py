@@ -270,7 +270,7 @@ def peak_of(fn) -> int:
         tracemalloc.stop()
 
 
-@pytest.mark.parametrize("name", ["e4m3", "mxfp8_rceil", "block_1x128", "block_128x128"])
+@pytest.mark.parametrize("name", ["e4m3", "mxfp8_rceil", "block_1x128", "block_128x128", "nvfp4", "mxfp4"])
 def test_a_flat_tensor_costs_what_the_same_data_as_a_matrix_costs(name):
     """Peak memory near the tensor whatever its shape: a 1-D (one-row) tensor was measured in one chunk, three
     float64 copies of it (32 MiB float32 -> 258 MiB); the statistics equal the matrix's but for summation

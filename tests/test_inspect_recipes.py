@@ -15,17 +15,48 @@ import numpy as np
 import pytest
 
 import fp8core
+import fp4_reference as ref
+from fp8core.formats import E2M1
 from test_cli import inspect, strict_json
 
-ALL = ["e4m3", "e5m2", "mxfp8_rceil", "mxfp8_floor", "block_1x128", "block_128x128"]
+ALL = ["e4m3", "e5m2", "mxfp8_rceil", "mxfp8_floor", "block_1x128", "block_128x128", "nvfp4", "nvfp4_rht", "mxfp4"]
 BLOCK = ALL[2:]
-# Per format: the byte of +max (sign bit cleared), max, and max plus half a step (beyond it a value saturates
-# instead of rounding onto max).
-TOP = {"e4m3": (0x7E, 448.0, 464.0), "e5m2": (0x7B, 57344.0, 61440.0)}
+FP4 = ("nvfp4", "nvfp4_rht", "mxfp4")
+# Per format: the byte of +max (sign bit cleared), the sign bit, max, and max plus half a step (beyond it a value
+# saturates instead of rounding onto max).
+TOP = {"e4m3": (0x7E, 0x80, 448.0, 464.0), "e5m2": (0x7B, 0x80, 57344.0, 61440.0), "e2m1": (0x7, 0x8, 6.0, 7.0)}
+
+
+def rht_operand(x: np.ndarray) -> np.ndarray:
+    """nvfp4_rht's operand by the contract, block by block: x^T with x's rows zero-padded to 16, each 16-element
+    block of a row of x^T replaced by its Hadamard transform."""
+    op = np.pad(x, ((0, -x.shape[0] % 16), (0, 0))).T
+    return np.stack([np.concatenate([ref.hadamard_block(r[b:b + 16]) for b in range(0, r.size, 16)]) for r in op])
+
+
+def fp4_roundtrip(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
+    """(E2M1 codes one a byte, float64 values) by the public API, rows zero-padded to whole blocks."""
+    if recipe == "nvfp4_rht":
+        m = x.shape[0]
+        t = fp8core.quantize_nvfp4(np.pad(x, ((0, -m % 16), (0, 0))), columnwise=True, hadamard=True)
+        return E2M1.unpack(t.data), np.asarray(fp8core.dequantize_nvfp4(t), np.float64)
+    block = 16 if recipe == "nvfp4" else 32
+    xp = np.pad(x, ((0, 0), (0, -x.shape[1] % block)))
+    if recipe == "nvfp4":
+        t = fp8core.quantize_nvfp4(xp)
+        y = fp8core.dequantize_nvfp4(t)
+    else:
+        t = fp8core.quantize_mxfp4(xp)
+        y = fp8core.dequantize_mxfp4(t)
+    k = x.shape[1]
+    return E2M1.unpack(t.data)[:, :k], np.asarray(y, np.float64)[:, :k]
 
 
 def roundtrip(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
-    """(fp8 bytes, float64 values) of x through one recipe, whole tensor at a time, by the public API."""
+    """(fp8 bytes, float64 values) of x through one recipe, whole tensor at a time, by the public API (nvfp4_rht:
+    of its operand, :func:`rht_operand`)."""
+    if recipe in FP4:
+        return fp4_roundtrip(x.reshape(1, -1) if x.ndim == 1 else x, recipe)
     if recipe in ("e4m3", "e5m2"):
         q, scale_inv, _ = fp8core.quantize_dynamic(x, recipe)
         y = fp8core.dequantize(q, scale_inv)
@@ -40,10 +71,11 @@ def roundtrip(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
 
 def expected(x: np.ndarray, recipe: str) -> dict:
     q, y = roundtrip(x, recipe)
-    v = x.astype(np.float64)
-    code, top, beyond = TOP["e5m2" if recipe == "e5m2" else "e4m3"]
+    v = (rht_operand(x) if recipe == "nvfp4_rht" else x.reshape(1, -1) if recipe in FP4 and x.ndim == 1 else x
+         ).astype(np.float64)
+    code, sign, top, beyond = TOP["e5m2" if recipe == "e5m2" else "e2m1" if recipe in FP4 else "e4m3"]
     nz = v != 0
-    at = (q & 0x7F) == code
+    at = (q & (sign - 1)) == code
     noise = np.sum((y - v) ** 2)
     return {
         "sqnr_db": math.inf if noise == 0 else 10 * math.log10(np.sum(v ** 2) / noise),
@@ -97,7 +129,7 @@ def test_the_winner_and_the_summary_on_a_file_where_they_are_known(tmp_path, cap
     # a block scale does not.
     spread[0] = 0
     spread[0, 0] = 448 * 2 ** 15
-    exact = np.array([[448, -224, 112, 0, 1.5, -3, 0.5, 1.75],  # exact in every recipe: a tie, the first listed wins
+    exact = np.array([[448, -224, 112, 0, 1.5, -3, 0.5, 1.75],  # exact in every FP8 recipe: a tie, the first wins
                       [3, -1.5, 0.75, 0.5, -2, 1, 0.25, 0]], np.float32)
     np.savez(tmp_path / "m.npz", spread=spread, exact=exact, zeros=np.zeros((4, 64), np.float32))
     code, out, err = inspect(capsys, tmp_path / "m.npz", "--recipes", "all", "--json")
@@ -108,13 +140,15 @@ def test_the_winner_and_the_summary_on_a_file_where_they_are_known(tmp_path, cap
     best = rows["spread"]["winner"]
     assert best in BLOCK
     assert rows["spread"]["recipes"][best]["sqnr_db"] > rows["spread"]["recipes"]["e4m3"]["sqnr_db"] + 20
-    assert rows["exact"]["winner"] == "e4m3" and all(r["sqnr_db"] == "inf" for r in rows["exact"]["recipes"].values())
+    assert rows["exact"]["winner"] == "e4m3"
+    assert all(r["sqnr_db"] == "inf" for n, r in rows["exact"]["recipes"].items() if n not in FP4)
+    assert all(isinstance(rows["exact"]["recipes"][n]["sqnr_db"], float) for n in FP4)  # 1.75 is not E2M1
     assert rows["zeros"]["winner"] is None and all(r["sqnr_db"] is None for r in rows["zeros"]["recipes"].values())
     # the counts, from SQNRs computed here
     sqnr = {n: expected(spread, n)["sqnr_db"] for n in ALL}
     top = max(sqnr.values())
     assert sqnr[best] == pytest.approx(top, rel=1e-9)
-    want = {n: {"best": (n == best) + (n == "e4m3"), "within_1db": (sqnr[n] >= top - 1) + 1} for n in ALL}
+    want = {n: {"best": (n == best) + (n == "e4m3"), "within_1db": (sqnr[n] >= top - 1) + (n not in FP4)} for n in ALL}
     assert got["summary"] == {"tensors": 2, "recipes": want}
     code, out, err = inspect(capsys, tmp_path / "m.npz", "--recipes", "all")
     assert code == 0, err
@@ -171,10 +205,17 @@ def test_json_is_strict_and_says_what_is_padded_and_what_is_not_applicable(tmp_p
     for name in BLOCK:
         assert rows["scalar"]["recipes"][name] == {"n/a": "a scalar has no blocks"}
     assert rows["scalar"]["recipes"]["e4m3"]["sqnr_db"] == "inf"
+    for name, lost in (("nvfp4", 15 / 127), ("mxfp4", 31 / 127)):  # a NaN block is NaN throughout in FP4 too
+        r = rows["nan_block"]["recipes"][name]
+        assert r["sqnr_db"] == "-inf" and r["lost"] == lost, name
     padded = {n: rows["zeros"]["recipes"][n]["padded"] for n in BLOCK}
-    assert padded == {"mxfp8_rceil": False, "mxfp8_floor": False, "block_1x128": False, "block_128x128": False}
+    assert padded == {"mxfp8_rceil": False, "mxfp8_floor": False, "block_1x128": False, "block_128x128": False,
+                      "nvfp4": False, "nvfp4_rht": False, "mxfp4": False}
     assert {n: rows["nan_block"]["recipes"][n]["padded"] for n in BLOCK} == {
-        "mxfp8_rceil": False, "mxfp8_floor": False, "block_1x128": True, "block_128x128": True}
+        "mxfp8_rceil": False, "mxfp8_floor": False, "block_1x128": True, "block_128x128": True, "nvfp4": False,
+        "nvfp4_rht": True, "mxfp4": False}  # nvfp4_rht's blocks run down x's 2 rows
+    assert rows["wide"]["recipes"]["nvfp4_rht"] == {
+        "n/a": "a 1-D or one-row tensor has no tokens for the wgrad operand's blocks"}
     assert rows["empty"]["recipes"]["e4m3"]["sqnr_db"] is None and rows["empty"]["winner"] is None
     assert "zero-padded" in got["padded"] and "n/a" in got["padded"]
     code, out, err = inspect(capsys, tmp_path / "odd.npz", "--recipes", "all")
@@ -352,10 +393,15 @@ def test_data_the_quantizers_do_not_take_is_measured_as_its_float32_values(tmp_p
                     ("fp8", np.linspace(-4, 4, 64).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)),
                     ("flags", np.array([1.0, 0.0] * 32, np.float32))):
         for recipe in ALL:
+            if x.ndim == 1 and recipe == "nvfp4_rht":
+                assert "n/a" in rows[name]["recipes"][recipe]
+                continue
             want = expected(x, recipe)["sqnr_db"]
             got = rows[name]["recipes"][recipe]["sqnr_db"]
             assert got == "inf" if want == math.inf else got == pytest.approx(want, rel=1e-9), (name, recipe)
-    assert rows["big"]["inf"] == 1 and all(r["lost"] == 0 for r in rows["big"]["recipes"].values())
+    assert rows["big"]["inf"] == 1
+    assert all(r["lost"] == 0 for n, r in rows["big"]["recipes"].items() if n != "nvfp4_rht")
+    assert "n/a" in rows["big"]["recipes"]["nvfp4_rht"]  # 1-D
     assert "recipes" not in rows["cplx"] and "skipped" in rows["cplx"]
     assert strict_json(out)["summary"]["tensors"] == 4
 
@@ -396,12 +442,13 @@ def test_the_figures_do_not_depend_on_the_chunks_of_the_statistics(monkeypatch, 
     monkeypatch.setattr(numerics_stats, "_CHUNK", chunk)  # a row (or 128 rows) a chunk, or a few rows
     for name, recipe in recipes.RECIPES.items():
         got = recipes.measure(x, recipe)
-        keep = np.isfinite(x)  # the statistics are of the finite values
+        measured = rht_operand(x) if name == "nvfp4_rht" else x
+        keep = np.isfinite(measured)  # the statistics are of the finite values
         _, y = roundtrip(x, name)
         lost = keep & ~np.isfinite(y)
-        v = x.astype(np.float64)
-        if lost.any():
-            assert name.startswith("mxfp8_")
+        v = measured.astype(np.float64)
+        if lost.any():  # a NaN block: MXFP8's, NVFP4's and MXFP4's whole block is NaN
+            assert name.startswith("mxfp8_") or name in FP4
             assert got["sqnr_db"] == -math.inf and got["lost"] == lost.sum() / keep.sum(), name
             continue
         want = 10 * math.log10(np.sum(v[keep] ** 2) / np.sum((y[keep] - v[keep]) ** 2))
@@ -451,3 +498,21 @@ def test_the_figures_do_not_depend_on_a_caller_that_flushes_subnormals(monkeypat
     finally:
         torch.set_flush_denormal(False)
     assert got == want
+
+
+@pytest.mark.parametrize("poison", [None, np.inf, np.nan])
+def test_fp4_recipes_in_strips_of_columns_give_the_whole_tensors_bytes(monkeypatch, rng, poison):
+    """Long rows are quantized in strips of columns (NVFP4 under the whole tensor's global amax): the same bytes as
+    one call on the whole tensor, an inf or NaN anywhere included."""
+    from fp8core import numerics_recipes
+
+    x = (rng.standard_normal((3, 640)) * np.logspace(-6, 2, 640)).astype(ml_dtypes.bfloat16)
+    if poison is not None:
+        x[2, 600] = poison
+    monkeypatch.setattr(numerics_recipes, "_LONG", 64)  # 10 strips
+    nv, whole = numerics_recipes.RECIPES["nvfp4"].quantize(x), fp8core.quantize_nvfp4(x)
+    assert np.array_equal(np.asarray(nv.data), whole.data)
+    assert np.array_equal(np.asarray(nv.scale).view(np.uint8), whole.scale.view(np.uint8))
+    assert np.array_equal(np.asarray(nv.global_amax), whole.global_amax, equal_nan=True)
+    mx, whole = numerics_recipes.RECIPES["mxfp4"].quantize(x), fp8core.quantize_mxfp4(x)
+    assert np.array_equal(mx.data, whole.data) and np.array_equal(mx.scale.view(np.uint8), whole.scale.view(np.uint8))

@@ -117,3 +117,27 @@ def test_format_rows():
             getattr(Format.HYBRID, attr)
     with pytest.raises(AttributeError):
         Format.E4M3.no_such_constant  # noqa: B018
+
+
+@pytest.mark.parametrize("kwargs, error, field", [
+    (dict(disable_rht=1), TypeError, "disable_rht"),
+    (dict(disable_stochastic_rounding="no"), TypeError, "disable_stochastic_rounding"),
+    (dict(disable_2d_quantization=None), TypeError, "disable_2d_quantization"),
+    (dict(fp4_format="e4m3"), ValueError, "fp4_format"),
+    (dict(fp4_format=fp8core.formats.E8M0), ValueError, "fp4_format"),
+    (dict(fp8_format=Format.E5M2), ValueError, "fp8_format"),
+    (dict(fp8_format=Format.HYBRID), ValueError, "fp8_format"),
+])
+def test_nvfp4_block_scaling_refuses_bad_fields(kwargs, error, field):
+    with pytest.raises(error, match=f"^{field}: "):
+        fp8core.NVFP4BlockScaling(**kwargs)
+
+
+def test_nvfp4_block_scaling_has_transformer_engines_fields_and_defaults():
+    r = fp8core.NVFP4BlockScaling()
+    assert (r.disable_rht, r.disable_stochastic_rounding, r.disable_2d_quantization) == (False, False, False)
+    assert r.fp4_format is fp8core.formats.E2M1 and r.fp8_format is Format.E4M3
+    assert fp8core.NVFP4BlockScaling(fp4_format="E2M1") == r
+    assert pickle.loads(pickle.dumps(r)) == r and copy.deepcopy(r) == r
+    assert repr(r).startswith("NVFP4BlockScaling(disable_rht=False, ") and "fp8_format=Format.E4M3" in repr(r)
+    assert fp8core.recipe.NVFP4BlockScaling is fp8core.NVFP4BlockScaling

@@ -28,6 +28,7 @@ import torch
 
 import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling, Format
+from fp8core.numerics_blocks import block_stats
 from fp8core.numerics_record import MAX_BYTES, OPERANDS, contender_names, contenders, per_cast, per_operand, read
 from fp8core.numerics_recipes import select
 from fp8core.numerics_stats import Recipe, measure, strict_json, winner
@@ -127,7 +128,8 @@ class NumericsRecord:
             lines.append(f"{name:<{width}} {s['operand']:<11} {s['format']:<4} "
                          f"{s['steps']:>5} {_cell(s['sqnr_db_min'], 11)} {_cell(s['sqnr_db_max'], 7)} "
                          f"{s['underflow_max']:>9.2%} {s['clipped_max']:>8.2%} {s['at_max_max']:>8.2%} "
-                         f"{s['amax_last']:>9.3g} {s['scale_last']:>9.3g}")
+                         f"{s['amax_last']:>9.3g} " + (f"{'n/a':>9}" if s["scale_last"] is None
+                                                        else f"{s['scale_last']:>9.3g}"))  # a block recipe's row
         lines.append("(worst over the steps: least SQNR, most underflow/clipped/at max; amax and scale of the last)")
         compared = [n for n in self.recipes() if n not in {r["recipe"] for r in self.rows}]
         if compared:
@@ -168,8 +170,10 @@ class _Recorder:
     """What one :func:`record_numerics` context records, and the rows it writes to. Called by each recorded
     layer at the end of its fp8 forward (linear.py's ``_record``), on whichever thread ran it."""
 
-    def __init__(self, record: NumericsRecord, names: dict[Float8Linear, str], compare: list[Recipe]) -> None:
+    def __init__(self, record: NumericsRecord, names: dict[Float8Linear, str], compare: list[Recipe],
+                 blocks: bool = False) -> None:
         self.record, self.names, self.compare = record, names, compare
+        self.blocks = [r for r in compare if r.block_scales is not None] if blocks else []
         self.steps: dict[str, int] = {}
         self.lock = threading.Lock()  # layers run on several threads at once: one step each, one row list
 
@@ -219,13 +223,15 @@ class _Recorder:
         if self.compare:
             row["recipes"] = {r.name: measure(x, r) for r in self.compare}
             row["winner"] = winner(contenders(row))
+        if self.blocks:
+            row["blocks"] = {r.name: block_stats(x, r) for r in self.blocks}
         with self.lock:
             self.record.rows.append(row)
 
 
 @contextlib.contextmanager
-def record_numerics(model: torch.nn.Module,
-                    recipes: Union[None, str, Sequence[str]] = None) -> Iterator[NumericsRecord]:
+def record_numerics(model: torch.nn.Module, recipes: Union[None, str, Sequence[str]] = None,
+                    blocks: bool = False) -> Iterator[NumericsRecord]:
     """Record, while the context is open, what the fp8 casts of every Float8Linear in ``model`` do: per layer,
     per operand (input, weight, grad_output), per step, the amax, the scale the cast used, underflow, saturation
     and SQNR against the high-precision operand (see :class:`NumericsRecord`). Yields the record; ``print`` it
@@ -233,9 +239,12 @@ def record_numerics(model: torch.nn.Module,
 
     ``recipes``: also quantize each operand, from its high-precision values, in these recipes to compare
     (``"all"``, or names of :data:`fp8core.numerics_recipes.RECIPES`: ``e4m3``, ``e5m2``, ``mxfp8_rceil``,
-    ``mxfp8_floor``, ``block_1x128``, ``block_128x128``, as a list or one comma-separated string; block recipes
-    along the operand's last dimension) and name the ``winner`` per row; None (the default): the layers' casts
-    only. :meth:`NumericsRecord.save` writes the record that ``fp8core inspect record.json`` prints and plots.
+    ``mxfp8_floor``, ``block_1x128``, ``block_128x128``, ``nvfp4``, ``nvfp4_rht``, ``mxfp4``, as a list or one
+    comma-separated string; block recipes along the operand's last dimension) and name the ``winner`` per row;
+    None (the default): the layers' casts only. ``blocks``: also each compared block recipe's per-block statistics
+    (:func:`fp8core.numerics_blocks.block_stats`: block scales at the format's limits, flushed elements, the worst
+    blocks by position) in each row's ``blocks``, per layer, operand and step. :meth:`NumericsRecord.save` writes
+    the record that ``fp8core inspect record.json`` prints and plots.
 
     Layers record where they run in fp8 (inside :func:`fp8core.torch.autocast`, and outside it for the layers
     convert_to_float8 made); under ``torch.no_grad`` only
@@ -251,6 +260,10 @@ def record_numerics(model: torch.nn.Module,
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     compare = [] if recipes is None else select(recipes, "recipes")
+    blocks = fp8core.args.flag(blocks, "blocks")
+    if blocks and not any(r.block_scales is not None for r in compare):
+        raise ValueError("blocks: True needs a block recipe in recipes= (mxfp8_rceil, block_1x128, nvfp4, ...): "
+                         "the per-block statistics are of the compared block recipes")
     names: dict[Float8Linear, str] = {}
     for name, m in model.named_modules():
         if not isinstance(m, Float8Linear):
@@ -262,7 +275,7 @@ def record_numerics(model: torch.nn.Module,
     if not names:
         raise ValueError(f"model: no Float8Linear in this {type(model).__name__} (convert_to_float8 it first)")
     record = NumericsRecord()
-    recorder = _Recorder(record, names, compare)
+    recorder = _Recorder(record, names, compare, blocks)
     for m in names:  # recorders of the contexts open on the layer: a list, as they nest
         m.__dict__.setdefault(RECORDERS, []).append(recorder)
         m._fp8_recording = True

@@ -205,8 +205,8 @@ def _distributed(group: Any) -> bool:
 
 class _Context:
     def __init__(self, recipe: Any, enabled: bool, calibrating: bool = False) -> None:
-        if recipe is not None and not isinstance(recipe, RECIPES):
-            raise TypeError(f"recipe: expected {_NAMES}, got {type(recipe).__name__}")
+        if recipe is not None:
+            _refuse_unsupported(recipe)
         self.recipe = recipe
         self.enabled = bool(enabled)
         self.calibrating = bool(calibrating) and not self.enabled  # enabled, fp8 runs: nothing to calibrate
@@ -284,11 +284,17 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
     return autocast(enabled, calibrating, fp8_recipe, fp8_group)
 
 
+def _refuse_unsupported(recipe: Any) -> None:
+    if isinstance(recipe, fp8core.NVFP4BlockScaling):
+        raise NotImplementedError(f"recipe: {recipe}: {fp8core.recipe.FP4_TRAINING}; train with {_NAMES}")
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"recipe: expected {_NAMES}, got {type(recipe).__name__}")
+
+
 def check_recipe(recipe: Any) -> Any:
     if recipe is None:
         return DelayedScaling()
-    if not isinstance(recipe, RECIPES):
-        raise TypeError(f"recipe: expected {_NAMES}, got {type(recipe).__name__}")
+    _refuse_unsupported(recipe)
     fp8core.args.gemm_recipe_format(recipe)
     if isinstance(recipe, fp8core.Float8BlockScaling):
         check_block_recipe(recipe)

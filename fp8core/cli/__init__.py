@@ -59,10 +59,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", metavar="all|LIST", default=None,
                    help="compare recipes per tensor instead: 'all' or a comma-separated list of "
                         f"{', '.join(RECIPES)} (Float8CurrentScaling, MXFP8BlockScaling's scale modes, "
-                        "Float8BlockScaling's blocks; one row each, the best SQNR starred, a summary of how often "
-                        "each is within 1 dB of the best; clipped: more than half a step beyond the block's ±max). "
-                        "Block recipes run along the last dimension, partial blocks zero-padded in effect, n/a for "
-                        "a scalar")
+                        "Float8BlockScaling's blocks, NVFP4BlockScaling's 1x16 E4M3-scaled blocks under a global "
+                        "scale, nvfp4_rht: the tensor as NVFP4's wgrad operand x^T with the random Hadamard "
+                        "transform, measured on the transformed values, and MXFP4; one row each, the best SQNR "
+                        "starred, a summary of how often each is within 1 dB of the best; clipped: more than half "
+                        "a step beyond the block's ±max). Block recipes run along the last dimension, partial "
+                        "blocks zero-padded in effect, n/a for a scalar")
+    p.add_argument("--blocks", action="store_true",
+                   help="with --recipes: per-block statistics of each block recipe: the stored block scales' "
+                        "spread and the blocks at the scale format's floor and ceiling (E8M0 2^-127 and 2^127; "
+                        "NVFP4's E4M3 zero and subnormal scales, 448), all-zero blocks, each block's dynamic "
+                        "range, the blocks with elements flushed to 0, and the worst blocks by SQNR, named by "
+                        "(row block, col block) of the tensor viewed as [rows, last dim] (nvfp4_rht: of x^T); "
+                        "in JSON under each tensor's 'blocks'; with --plot also OUT.blocks.png, the histograms of "
+                        "block scales (limits marked) and of per-block SQNR over every tensor")
     p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
                    help=f"refuse an .npz file whose members would inflate to more than N bytes in all, or a larger "
                         f"record (default "

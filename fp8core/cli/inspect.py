@@ -18,9 +18,11 @@ import fp8core
 from fp8core import Format
 from fp8core.extras import install_hint
 from fp8core.formats import ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES
+from fp8core.numerics_blocks import block_stats
 from fp8core.numerics_stats import strict_json
 from fp8core.selftest.gpu import one_line
 
+from .blocks import block_lines, plot_blocks
 from .common import TABLE_WIDTH, CliError, cell, label, plot_target, printable, progress, status
 from .compare import plot_recipes, recipe_head, recipe_lines, recipe_notes, summary_lines
 from .files import iter_tensors
@@ -29,6 +31,8 @@ from .record import inspect_records
 from .recipes import BLOCK_RULE, Recipe, measure, parse_recipes, summary, winner
 
 _CHUNK = 1 << 20  # elements per step of the statistics
+BLOCK_POSITIONS = ("a block is named (row_block, col_block) in the tensor viewed as [rows, last dim] (nvfp4_rht: in "
+                   "x^T); its statistics are of its finite values")
 # fp8core's own scaling state as its front-ends write it into checkpoints: the state_dict entries of a torch
 # Float8Linear (fp8core.torch's te.Linear too), and fp8core.jax's collection (flax's, which its layers share).
 # Not model tensors: listed apart, never measured, in no summary or chart.
@@ -269,6 +273,7 @@ def _tensor_lines(rows: dict[str, dict], recipes: bool) -> Iterator[str]:
         notes = [r["note"]] if "note" in r else []
         if recipes:
             yield from recipe_lines(r)
+            yield from block_lines(r)
             notes += recipe_notes(r)
         else:
             for fmt in (f.name for f in ENCODINGS):
@@ -292,10 +297,12 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         raise CliError(printable(one_line(e, kind=False))) from None
 
 
-def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe]) -> None:
+def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe], blocks: bool = False) -> None:
     data, _ = _measurable(x, raw_fp8)
     row["recipes"] = {r.name: measure(data, r) for r in recipes}
     row["winner"] = winner(row["recipes"])
+    if blocks:
+        row["blocks"] = {r.name: block_stats(data, r) for r in recipes if r.block_scales is not None}
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -306,11 +313,19 @@ def _inspect(args: argparse.Namespace) -> None:
         if args.recipes is not None:
             raise CliError("--recipes: not with a record (it holds the recipes compared while recording: "
                            "record_numerics(model, recipes=...))")
+        if args.blocks:
+            raise CliError("--blocks: not with a record (a record made with record_numerics(..., blocks=True) "
+                           "shows its per-block statistics without the flag)")
         if args.scale is not None:
             raise CliError("--scale: not with a record (its casts used their own scales)")
         inspect_records(records, args.json, args.plot, args.max_bytes)
         return
     recipes = parse_recipes(args.recipes) if args.recipes is not None else None
+    blocks = [r.name for r in recipes or () if r.block_scales is not None] if args.blocks else []
+    if args.blocks and not recipes:
+        raise CliError("--blocks: with --recipes (the block recipes among them are measured per block)")
+    if args.blocks and not blocks:
+        raise CliError(f"--blocks: --recipes {args.recipes} has no block recipe")
     if recipes and args.scale is not None:
         raise CliError("--scale: not with --recipes (each recipe makes its own scales)")
     rows: dict[str, dict] = {}
@@ -332,7 +347,7 @@ def _inspect(args: argparse.Namespace) -> None:
                 formats = () if recipes else tuple(ENCODINGS)
                 rows[key] = tensor_stats(x, args.raw_fp8, hist, args.scale, formats)
                 if recipes and "skipped" not in rows[key]:
-                    _with_recipes(rows[key], x, args.raw_fp8, recipes)
+                    _with_recipes(rows[key], x, args.raw_fp8, recipes, bool(blocks))
                 if hist is not None and "skipped" not in rows[key]:
                     hists[key] = hist
                 del x  # one tensor at a time
@@ -347,10 +362,12 @@ def _inspect(args: argparse.Namespace) -> None:
     names = [r.name for r in recipes] if recipes else []
     measured = {k: r for k, r in rows.items() if "recipes" in r}
     chart = plot_recipes(measured, names, args.plot) if recipes and args.plot and measured else None
+    block_chart = plot_blocks(measured, blocks, args.plot) if blocks and args.plot and measured else None
     if args.json:  # json escapes control characters itself: strict JSON, names intact
         out: Any = rows
         if recipes:
             out = {"recipes": {r.name: r.what for r in recipes}, "padded": BLOCK_RULE,
+                   **({"blocks": {"recipes": blocks, "positions": BLOCK_POSITIONS}} if blocks else {}),
                    "tensors": {k: r for k, r in rows.items() if "fp8_state" not in r},
                    "fp8_state": {k: r for k, r in rows.items() if "fp8_state" in r},
                    "summary": summary([r["recipes"] for r in measured.values()], names)}
@@ -361,6 +378,6 @@ def _inspect(args: argparse.Namespace) -> None:
     if recipes:
         for line in summary_lines(summary([r["recipes"] for r in measured.values()], names)):
             print(line)
-    for what, target in (("plot", written), ("recipe plot", chart)):
+    for what, target in (("plot", written), ("recipe plot", chart), ("block plot", block_chart)):
         if target is not None:
             print(f"{what} written to {printable(str(target))}")

@@ -15,6 +15,7 @@ from fp8core.numerics_recipes import BLOCK_RULE, RECIPES
 from fp8core.numerics_record import per_operand, read
 from fp8core.numerics_stats import strict_json, summary
 
+from .blocks import block_lines
 from .common import TABLE_WIDTH, CliError, cell, printable
 from .compare import name_width, plot_recipes, recipe_head, recipe_lines, recipe_notes, summary_lines
 
@@ -50,6 +51,7 @@ def _lines(entries: dict[str, dict[str, Any]]) -> Iterator[str]:
         yield (f"{printable(key)}  {printable(e['recipe'])} {printable(e['format'])}  {e['steps']} step(s)  amax "
                f"{cell(e['amax_min'], '.4g', 0)}..{cell(e['amax_max'], '.4g', 0)}")
         yield from recipe_lines(e)
+        yield from block_lines(e)  # recorded with blocks=True: the step whose worst block is the worst
         for note in recipe_notes(e):
             yield f"  note: {note}"
 

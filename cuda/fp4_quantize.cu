@@ -65,6 +65,7 @@ __device__ __forceinline__ uint4 block_random(u64 g, u64 seed, u64 offset) {
 // SR(y, r): |y| >= 6 and inf give 6, NaN 0x7, the sign kept. Below 6, n = |y| * 256 / step (exact: a power of two)
 // truncated: n >> 8 is the magnitude in steps, n & 255 the 8 bits below the step; a carry out of those bits plus r
 // moves it up a step. The code is the step count plus 0, 2 or 4 (steps of 0.5 below 2, 1 below 4, 2 below 6).
+// The comparisons and the truncation may flush under -ftz (FSETP.FTZ, F2I.FTZ): a subnormal |y| gives what 0 does.
 __device__ __forceinline__ u32 e2m1_stochastic(float y, u32 r) {
   const u32 b = __float_as_uint(y), a = b & 0x7fffffffu, sign = (b >> 28) & 8u;
   if (a > F32_INF) return Encoding<E2M1>::NAN_CAST;
@@ -116,9 +117,10 @@ __device__ __forceinline__ void load_block(const T* x, i64 r, i64 j, i64 cols, b
 }
 
 // ---- the random Hadamard transform of one block --------------------------------------------------------------
-// v_i = S_i x_i (a sign flip, exact); the fp32 butterfly for h = 1, 2, 4, 8 in the contract's order; then
-// ROUND_TO(T, v *rn 0.25), widened back. Each sum is taken in fp64 and rounded once to fp32: fp64 holds more than
-// 2 * 24 + 2 bits, so that is the correctly rounded fp32 sum (and immune to -ftz).
+// v_i = S_i x_i (exact: a multiply by -1 never flushed; a sign-bit flip the compiler turns into a negation, which
+// -ftz=true flushes on sm_100, FADD.FTZ); the fp32 butterfly for h = 1, 2, 4, 8 in the contract's order, each sum
+// and difference one IEEE fp32 operation (add_rn, sub_rn: never flushed); then ROUND_TO(T, v *rn 0.25), widened
+// back.
 __device__ __forceinline__ float round_to(float v, float*) { return v; }
 template <typename T>
 __device__ __forceinline__ float round_to(float v, T*) { return to_f32(from_f32_out(v, (T*)nullptr)); }
@@ -126,15 +128,17 @@ __device__ __forceinline__ float round_to(float v, T*) { return to_f32(from_f32_
 template <typename T>
 __device__ __forceinline__ void hadamard16(float* f) {
 #pragma unroll
-  for (int i = 0; i < NVFP4_BLOCK; ++i) f[i] = __uint_as_float(__float_as_uint(f[i]) ^ (((HADAMARD_SIGN_MASK >> i) & 1u) << 31));
+  for (int i = 0; i < NVFP4_BLOCK; ++i) {
+    if ((HADAMARD_SIGN_MASK >> i) & 1u) f[i] = mul_rn(f[i], -1.f);
+  }
 #pragma unroll
   for (int h = 1; h < NVFP4_BLOCK; h <<= 1) {
 #pragma unroll
     for (int i = 0; i < NVFP4_BLOCK; ++i) {
       if (i & h) continue;
-      const double a = f2d(f[i]), b = f2d(f[i + h]);
-      f[i] = d2f(a + b);
-      f[i + h] = d2f(a - b);
+      const float a = f[i], b = f[i + h];
+      f[i] = add_rn(a, b);
+      f[i + h] = sub_rn(a, b);
     }
   }
 #pragma unroll

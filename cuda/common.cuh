@@ -61,6 +61,18 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
   asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
+// One IEEE fp32 sum or difference, round-to-nearest-even, never flushed (a C++ sum under -ftz=true, or an fp64 sum
+// rounded to fp32, which the compiler may fold into one, becomes FADD.FTZ).
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float sub_rn(float a, float b) {
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 __device__ __forceinline__ double f2d(float x) {
   double r;
   asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x));

@@ -211,6 +211,11 @@ QUANTIZE_1X128 = Kernel("block_quantize.cu", "quantize_1x128_kernel", _T_FMT, _s
 QUANTIZE_128X128 = Kernel("block_quantize.cu", "quantize_128x128_kernel", _T_FMT, _tiles(128, 128))
 BLOCK_DEQUANTIZE = Kernel("block_quantize.cu", "block_dequantize_kernel", itertools.product(_FMT, _T, (True, False)))
 MX_SCALE_SWIZZLE = Kernel("block_quantize.cu", "mx_scale_swizzle_kernel", grid=_stride(1))
+# FP4 (fp8core.fp4, backends/cuda_fp4.py): one thread per block of the operand, grid-stride
+NVFP4_QUANTIZE = Kernel("fp4_quantize.cu", "nvfp4_quantize_kernel", itertools.product(_T), _stride(1))
+MXFP4_QUANTIZE = Kernel("fp4_quantize.cu", "mxfp4_quantize_kernel", itertools.product(_T, (True, False)), _stride(1))
+FP4_DEQUANTIZE = Kernel("fp4_quantize.cu", "fp4_dequantize_kernel", itertools.product(_T, (True, False)), _stride(1))
+FP4_SCALE_SWIZZLE = Kernel("fp4_quantize.cu", "fp4_scale_swizzle_kernel", grid=_stride(1))
 
 RECORDS = tuple(k for k in list(globals().values()) if isinstance(k, Kernel))  # every record above, in order
 # Every instantiation of every file, compiled together (name_expressions); selftest's coverage reads it.
@@ -245,8 +250,9 @@ def cuda_sha256() -> str:
 
 def module_options(soft_fp8: bool) -> tuple[str, ...]:
     """The -D options of every compile: the cuda/ hash (CuPy's cache key), the encodings' constants (common.cuh's
-    FP8CORE_ENCODINGS, from the rows of fp8core.formats) and the forced software path."""
-    return (f"-DFP8CORE_CUDA_SHA=0x{cuda_sha256()[:16]}", _encodings_option()) + (
+    FP8CORE_ENCODINGS and fp4_quantize.cu's FP8CORE_FP4_ENCODINGS, from the rows of fp8core.formats) and the forced
+    software path."""
+    return (f"-DFP8CORE_CUDA_SHA=0x{cuda_sha256()[:16]}", _encodings_option(), _fp4_encodings_option()) + (
         ("-DFP8CORE_FORCE_SOFT_FP8=1",) if soft_fp8 else ())
 
 
@@ -254,6 +260,18 @@ def _encodings_option() -> str:
     rows = "".join(f"FP8CORE_ENCODING({r.name},{r.index},{r.exponent_bits},{r.mantissa_bits},{r.bias},{r.max_code},"
                    f"{int(r.has_inf)},{int(bool(r.nan_codes))},{r.nan_cast})" for r in ROWS if r.index is not None)
     return f"-DFP8CORE_ENCODINGS={rows}"
+
+
+# The packed (two a byte) element encodings, E2M1: no instantiation of the FP8 kernels takes them (their rows have
+# no index); fp4_quantize.cu declares them from their own define, with template indices of their own.
+FP4_INDEX = {r.name: 16 + i for i, r in enumerate(r for r in ROWS if r.elements_per_byte == 2)}
+
+
+def _fp4_encodings_option() -> str:
+    rows = "".join(f"FP8CORE_ENCODING({r.name},{FP4_INDEX[r.name]},{r.exponent_bits},{r.mantissa_bits},{r.bias},"
+                   f"{r.max_code},{int(r.has_inf)},{int(bool(r.nan_codes))},{r.nan_cast})"
+                   for r in ROWS if r.name in FP4_INDEX)
+    return f"-DFP8CORE_FP4_ENCODINGS={rows}"
 
 
 # Files with instructions that exist only on family-specific targets (block_quantize.cu: the hardware E8M0

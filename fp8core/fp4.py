@@ -5,7 +5,8 @@ x itself, or x^T [K, M] with ``columnwise=True`` (stored transposed, as cuBLASLt
 Blocks are consecutive elements of an operand row: 16 with an E4M3 scale (NVFP4, under an fp32 global scale from
 the tensor's amax; 16x16 tiles with ``weight_2d``) or 32 with an E8M0 scale (MXFP4). ``.data`` is uint8 [R, C/2],
 element 2j of a row in the low nibble of byte j. The numerics are docs/numerics.md's "FP4" section; the CPU
-reference gives its bits (a CUDA input is refused until its kernels exist). Any array in, the caller's type out.
+reference gives its bits, the CUDA kernels the same (the FP4 GEMM on CUDA operands is refused by name). Any
+array in, the caller's type out.
 
 The results are scaled tensors (:class:`fp8core.ScaledTensor`) of E2M1 data: :class:`NVFP4Tensor`
 ``(data, scale, global_amax)`` in layout ``1x16`` (or ``16x16`` tiles) and :class:`MXFP4Tensor` ``(data, scale)``

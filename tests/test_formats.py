@@ -82,6 +82,14 @@ def test_the_kernels_nan_rule_is_the_rows():
                       "FP8CORE_ENCODING(E5M2,1,5,2,15,123,1,1,127)"]
 
 
+
+def test_the_fp4_kernels_read_e2m1_from_its_row():
+    """fp4_quantize.cu declares E2M1 from FP8CORE_FP4_ENCODINGS (its own template index, outside the FP8 kernels'
+    instantiations): layout 1-2-1, bias 1, +max code 7 (6.0), no inf, no NaN, NaN cast to 0x7."""
+    define = [o for o in _kernels.module_options(False) if o.startswith("-DFP8CORE_FP4_ENCODINGS=")]
+    assert define == ["-DFP8CORE_FP4_ENCODINGS=FP8CORE_ENCODING(E2M1,16,2,1,1,7,0,0,7)"]
+    assert E2M1.index is None and 16 not in [r.index for r in ROWS]
+
 def test_e2m1_packing_against_ml_dtypes():
     """Two codes a byte along the row, element 2j in bits 0-3 of byte j (NUMERICS.md "FP4: E2M1"): ml_dtypes'
     float4_e2m1fn holds one code a byte, and its values come back through pack and unpack."""

@@ -532,10 +532,13 @@ def test_jax_in_jax_out(rng):
 
 # ---- bad input ------------------------------------------------------------------------------------------
 
-def test_cuda_input_is_refused_by_name_until_the_kernels_exist():
-    for name in ("quantize_nvfp4", "dequantize_mxfp4"):
-        with pytest.raises(NotImplementedError, match=f"^{name}: .*cuda:1.*CUDA kernel of {name} is not yet built"):
-            backends.fp4_for_device(("cuda", 1), name)
+def test_cuda_input_takes_the_cuda_kernels_and_the_fp4_gemm_is_refused_by_name():
+    from fp8core.backends import cuda_fp4
+
+    for name in ("quantize_nvfp4", "dequantize_mxfp4", "gemm_scale"):
+        assert backends.fp4_for_device(("cuda", 1), name) is cuda_fp4
+    with pytest.raises(NotImplementedError, match=r"^gemm: the FP4 operands are on cuda:1.*cuBLASLt.*sm_100"):
+        backends.fp4_for_device(("cuda", 1), "gemm")
     assert backends.fp4_for_device(("cpu", 0), "quantize_nvfp4") is cpu_fp4
 
 

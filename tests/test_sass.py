@@ -127,6 +127,8 @@ VECTOR = {
     "mx_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
     "quantize_128x128_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
     "block_dequantize_kernel": [r"LDG\.E\.64", r"STG\.E\.128"],
+    "nvfp4_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
+    "mxfp4_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
 }
 
 

@@ -1,6 +1,6 @@
 """Backends: ``cpu`` (NumPy + ml_dtypes, the reference) and ``cuda`` (the kernels of cuda/, launched through
-fp8core._kernels' records), with ``cpu_blocks``/``cuda_blocks`` for block scaling and ``cpu_fp4`` for FP4
-(NVFP4, MXFP4; its CUDA kernels are not built yet).
+fp8core._kernels' records), with ``cpu_blocks``/``cuda_blocks`` for block scaling and ``cpu_fp4``/``cuda_fp4`` for FP4
+(NVFP4, MXFP4).
 
 Both modules of a pair implement :class:`Backend` (:class:`BlockBackend`) with the same signatures, over
 :class:`fp8core._views.Tensor` views of the caller's arrays; the API layer picks one by the input's device. Arrays
@@ -100,11 +100,17 @@ def blocks_for_device(device: tuple) -> Any:
 
 
 def fp4_for_device(device: tuple, function: str) -> Any:
-    """The :class:`FP4Backend` module for ``device``; ``function`` (the public name called) is named in the error
-    for a CUDA device, which has no FP4 kernel yet."""
+    """The :class:`FP4Backend` module for ``device``; ``function`` is the public name called, named in the error
+    for what a CUDA device cannot do yet: the FP4 GEMM (``"gemm"``), whose cuBLASLt path is not built."""
     if device[0] == "cpu":
         from . import cpu_fp4
 
         return cpu_fp4
-    raise NotImplementedError(f"{function}: the input is on cuda:{device[1]}, and the CUDA kernel of {function} is "
-                              "not yet built; FP4 runs on the CPU reference for now (move the input to the CPU)")
+    if function == "gemm":
+        raise NotImplementedError(f"gemm: the FP4 operands are on cuda:{device[1]}, and fp8core's FP4 GEMM runs on "
+                                  "the CPU emulation only for now (cuBLASLt's block-scaled FP4 modes, sm_100+, are "
+                                  "not wired yet): move the operands to the CPU, or dequantize them and use a "
+                                  "high-precision GEMM")
+    from . import cuda_fp4
+
+    return cuda_fp4

@@ -39,6 +39,7 @@ from . import conversions  # noqa: F401  isort: skip
 from . import scaling  # noqa: F401  isort: skip
 from . import gemm  # noqa: F401  isort: skip
 from . import blocks  # noqa: F401  isort: skip
+from . import fp4  # noqa: F401  isort: skip
 from .blocks import gemm_scale_oracle  # noqa: F401  (tests/emulation compare the GPU's layouts with it)
 from .coverage import Coverage, backend_functions
 from .gpu import gpu_reason

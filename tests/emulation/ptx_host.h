@@ -1,4 +1,4 @@
-// The PTX instructions cuda/ uses in inline asm, on the host, as the PTX ISA documents them (section "cvt", "mul").
+// The PTX instructions cuda/ uses in inline asm, on the host, as the PTX ISA documents them (sections "cvt", "mul", "add", "sub").
 //
 // build.py rewrites `asm("T" : "=c"(d) : "c"(a), "c"(b));` into
 // `::fp8emu::ptx<::fp8emu::op("T")>(::fp8emu::out<'c'>(d), ::fp8emu::in<'c'>(a), ::fp8emu::in<'c'>(b));`
@@ -155,6 +155,13 @@ FP8EMU_PTX("cvt.f32.f16 %0, %1;") {
 FP8EMU_PTX("mul.rn.f32 %0, %1, %2;") {
   // The product of two floats is exact in double; one rounding to float is then the correctly rounded product.
   static void run(float& d, float a, float b) { d = (float)((double)a * (double)b); }
+};
+FP8EMU_PTX("add.rn.f32 %0, %1, %2;") {
+  // double carries more than 2 * 24 + 2 significant bits: its sum rounded once to float is the correctly rounded sum.
+  static void run(float& d, float a, float b) { d = (float)((double)a + (double)b); }
+};
+FP8EMU_PTX("sub.rn.f32 %0, %1, %2;") {
+  static void run(float& d, float a, float b) { d = (float)((double)a - (double)b); }
 };
 FP8EMU_PTX("cvt.f64.f32 %0, %1;") {
   static void run(double& d, float a) { d = (double)a; }

@@ -1,0 +1,121 @@
+"""FP4 on CUDA: NVFP4 and MXFP4 over cuda/fp4_quantize.cu's kernel records, the same functions and signatures as
+backends/cpu_fp4.py (the reference, bit for bit). One thin launch per pass inside cuda_call's device guard, on the
+caller's stream read once per call, into the caller's allocator; no host synchronisation: NVFP4's global amax is
+a device pass of its own (zeroed slot, one atomic per CTA) that the quantize launch reads on the device.
+
+Arrays are CuPy arrays in storage dtype: uint8 for E2M1 data and for E4M3/E8M0 scales, float32 [1] for amaxes.
+Importable without a GPU or CuPy: nothing here touches CUDA before a call.
+
+The FP4 GEMM has no CUDA path yet (cuBLASLt's block-scaled FP4 modes need sm_100): ``backends.fp4_for_device``
+refuses it by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._kernels import FP4_DEQUANTIZE, FP4_SCALE_SWIZZLE, MXFP4_QUANTIZE, NVFP4_QUANTIZE
+from .._views import Tensor, storage_dtype
+from .cpu_fp4 import MXFP4_BLOCK, NVFP4_BLOCK
+from .cuda_blocks import mx_swizzled_size
+from .cuda_call import On, empty, ptr, stream_of
+
+try:
+    from cupy_backends.cuda.api import runtime as _runtime
+except ImportError:  # pragma: no cover - fp8core[cuda12|cuda13] brings it
+    _runtime = None
+
+_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
+
+
+def _operand_shape(x: Tensor, columnwise: bool) -> tuple[int, int]:
+    rows, cols = x.shape
+    return (cols, rows) if columnwise else (rows, cols)
+
+
+def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool, seed: int, offset: int,
+                   global_amax: Any | None, columnwise: bool) -> tuple[Any, Any, Any]:
+    """x [M, K] -> (data uint8 [R, C/2], scale uint8 (E4M3) [R, C/16] or [ceil(R/16), C/16], global amax float32
+    [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G on x's device, or
+    None (then G is taken on the device, after the transform)."""
+    rows, cols = x.shape
+    r_op, c_op = _operand_shape(x, columnwise)
+    device = x.device[1]
+    with On(device):
+        stream = stream_of(x)
+        data = empty((r_op, c_op // 2), np.uint8, x)
+        scale = empty((-(-r_op // NVFP4_BLOCK) if weight_2d else r_op, c_op // NVFP4_BLOCK), np.uint8, x)
+        g = empty((1,), np.float32, x)
+        args = {"x": x.data.data.ptr, "data": data.data.ptr, "scale": scale.data.ptr, "global_amax": g.data.ptr,
+                "rows": rows, "cols": cols, "columnwise": int(columnwise), "hadamard": int(hadamard),
+                "stochastic": int(stochastic), "seed": seed, "offset": offset}
+        if global_amax is None:
+            _runtime.memsetAsync(g.data.ptr, 0, 4, stream)  # the amax of an empty operand is 0
+            if x.size:
+                NVFP4_QUANTIZE.launch(device, (x.dtype,), r_op * (c_op // NVFP4_BLOCK), stream, **args,
+                                      amax_out=g.data.ptr, tiles=0)
+        else:
+            _runtime.memcpyAsync(g.data.ptr, global_amax.data.ptr, 4, _DEVICE_TO_DEVICE, stream)
+        if x.size:
+            items = (-(-r_op // NVFP4_BLOCK) * NVFP4_BLOCK if weight_2d else r_op) * (c_op // NVFP4_BLOCK)
+            NVFP4_QUANTIZE.launch(device, (x.dtype,), items, stream, **args, amax_out=0, tiles=int(weight_2d))
+        return data, scale, g
+
+
+def quantize_mxfp4(x: Tensor, mode: str, columnwise: bool) -> tuple[Any, Any]:
+    """x [M, K] -> (data uint8 [R, C/2], scale uint8 (E8M0) [R, C/32]) for the operand [R, C]; mode "rceil" or
+    "floor"."""
+    rows, cols = x.shape
+    r_op, c_op = _operand_shape(x, columnwise)
+    device = x.device[1]
+    with On(device):
+        stream = stream_of(x)
+        data = empty((r_op, c_op // 2), np.uint8, x)
+        scale = empty((r_op, c_op // MXFP4_BLOCK), np.uint8, x)
+        if x.size:
+            MXFP4_QUANTIZE.launch(device, (x.dtype, mode == "rceil"), r_op * (c_op // MXFP4_BLOCK), stream,
+                                  x=x.data.data.ptr, data=data.data.ptr, scale=scale.data.ptr, rows=rows, cols=cols,
+                                  columnwise=int(columnwise))
+        return data, scale
+
+
+def _dequantize(data: Tensor, scale: Tensor, global_amax: Any | None, out_dtype: str) -> Any:
+    rows, cols = data.shape[0], 2 * data.shape[1]
+    device = data.device[1]
+    nvfp4 = global_amax is not None
+    with On(device):
+        stream = stream_of(data)
+        y = empty((rows, cols), storage_dtype(out_dtype), data)
+        if y.size:
+            FP4_DEQUANTIZE.launch(device, (out_dtype, nvfp4), data.size, stream, data=data.data.data.ptr,
+                                  scale=scale.data.data.ptr, global_amax=ptr(global_amax), y=y.data.ptr, rows=rows,
+                                  cols=cols, tile_rows=NVFP4_BLOCK if scale.shape[0] != rows else 1)
+        return y
+
+
+def dequantize_nvfp4(data: Tensor, scale: Tensor, global_amax: Any, out_dtype: str) -> Any:
+    """y [R, C] (out_dtype's storage) = ROUND_TO(out_dtype, (fp32(q) * fp32(s_b)) *rn S_dec) from data [R, C/2],
+    scale [R, C/16] or 16x16 tiles [ceil(R/16), C/16] and global_amax (float32 [1] on the device)."""
+    return _dequantize(data, scale, global_amax, out_dtype)
+
+
+def dequantize_mxfp4(data: Tensor, scale: Tensor, out_dtype: str) -> Any:
+    """y [R, C] = ROUND_TO(out_dtype, fp32(q) *rn 2^(e - 127)) from data [R, C/2] and scale [R, C/32]."""
+    return _dequantize(data, scale, None, out_dtype)
+
+
+def gemm_scale(scale: Tensor, rows: int) -> Any:
+    """An FP4 operand's scale bytes ([rows or 16-row tiles, K-blocks]) in cuBLASLt's 128x4 tiles, flat uint8 on
+    the scale's device: 16x16 tiles expanded to their rows as they are laid out."""
+    tiles, kgroups = scale.shape
+    device = scale.device[1]
+    with On(device):
+        stream = stream_of(scale)
+        out = empty((mx_swizzled_size(rows, kgroups),), np.uint8, scale)
+        if out.size:
+            FP4_SCALE_SWIZZLE.launch(device, (), out.size, stream, s=scale.data.data.ptr, out=out.data.ptr, rows=rows,
+                                     kgroups=kgroups, tile_rows=NVFP4_BLOCK if tiles != rows else 1)
+        return out
+

@@ -7,7 +7,9 @@ capability gives ``__CUDA_ARCH__``. The only change to the text is mechanical: e
 ``asm("T" : "=c"(d) : "c"(a), ...)`` becomes a call of the host implementation of instruction "T"
 (ptx_host.h), its operands in the statement's order.
 
-Modules are cached on disk by a hash of everything that goes into them (sources, shim, options, compiler).
+Modules are cached on disk by a hash of everything that goes into them: the .cu file and the headers it includes
+(not every header offered), the shim, the options and the compiler. The loader's -DFP8CORE_CUDA_SHA option is a
+hash of the same module's sources, so an edit of one kernel file rebuilds that module alone.
 """
 
 from __future__ import annotations
@@ -98,13 +100,16 @@ def defines(options: tuple[str, ...], compute_capability: int) -> list[str]:
 
 def build_module(code: str, headers: dict[str, str], options: tuple[str, ...], compute_capability: int,
                  name_expressions: tuple[str, ...], filename: str) -> Path:
-    """The shared library of one module: ``code`` (a .cu file's text) with its ``headers`` (name -> text)."""
+    """The shared library of one module: ``code`` (a .cu file's text) with the ``headers`` (name -> text) it
+    includes; the others offered are not part of it."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no host C++ compiler (g++ or clang++) for the CUDA emulator")
+    from fp8core._kernels import included
+
     flags = [*FLAGS, *defines(options, compute_capability)]
     sources = {filename: rewrite_asm(code, filename)}
-    sources.update({h: rewrite_asm(t, h) for h, t in headers.items()})
+    sources.update({h: rewrite_asm(headers[h], h) for h in included(code, headers)})
     table = ",\n".join(f'  fp8emu::KernelOf<&{e}>::entry("{e}")' for e in name_expressions)
     unit = (f'#include "cuda_host.h"\n#include "{filename}"\n#include "launch.h"\n'
             f"static const fp8emu::Entry fp8emu_entries[] = {{\n{table}\n}};\nFP8EMU_EXPORTS\n")

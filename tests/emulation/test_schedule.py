@@ -44,3 +44,16 @@ def test_a_missing_barrier_reads_stale_data_either_way(kernel):
     neighbour = np.maximum(t - 1, 0) if NAMES[kernel].endswith("<true>") else np.minimum(t + 1, threads - 1)
     with_barrier = 1000 * np.arange(blocks)[:, None] + neighbour[None, :] + 1
     assert (got != with_barrier).any(), "every thread saw its neighbour's write: the race went unseen"
+
+
+def test_a_module_is_keyed_by_what_it_includes():
+    """The module's cache entry changes with the headers its source reaches (directly or through another) and with
+    nothing else offered: an edit of one kernel file rebuilds that module alone."""
+    code = '#include "a.cuh"\n__global__ void k(unsigned* out) { out[threadIdx.x] = A + B; }\n'
+    headers = {"a.cuh": '#include "b.cuh"\nconstexpr unsigned A = 1;\n', "b.cuh": "constexpr unsigned B = 2;\n",
+               "c.cuh": "constexpr unsigned C = 3;\n"}
+    first = build.build_module(code, headers, (), 80, ("k",), "keyed.cu")
+    assert build.build_module(code, {**headers, "c.cuh": "constexpr unsigned C = 4;\n"}, (), 80, ("k",),
+                              "keyed.cu") == first
+    assert build.build_module(code, {**headers, "b.cuh": "constexpr unsigned B = 5;\n"}, (), 80, ("k",),
+                              "keyed.cu") != first

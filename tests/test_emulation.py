@@ -4,12 +4,15 @@ in a child process with AddressSanitizer and UndefinedBehaviorSanitizer, and com
 What it sees: indexing, tails, misaligned heads and vector accesses (UBSan's alignment check on uint2/uint4/float4),
 out-of-bounds reads and writes of device memory (ASan, exact-size allocations), barrier and shuffle protocol
 errors, grid-barrier deadlock when too few blocks are resident, the argument layouts the launch layer packs, and
-the exact numerics of both conversion paths (the hardware instructions as the PTX ISA defines them), and the
--ftz=true flush of plain fp32 arithmetic (the host's FTZ/DAZ modes, stricter: they flush fp64 too).
+the exact numerics of both conversion paths (the hardware instructions as the PTX ISA defines them; a NaN's code,
+which the ISA leaves open, as one the contract does not want), and the -ftz=true flush of plain fp32 arithmetic
+(the host's FTZ/DAZ modes, stricter: they flush fp64 too), reads of shared memory no thread of the block wrote
+(poisoned per block), and missing barriers under seeded random thread orders (FP8EMU_SEED, printed with a failure).
 What it cannot see (the GPU verification's to settle): the hardware's own conversion results, the weak memory
-model and independent thread scheduling (fibers of a block run one at a time to their next barrier or shuffle,
-in alternating order), reads of uninitialised shared memory, streams (launches run synchronously), the driver
-(cooperative launch limits, graph capture), cuBLASLt, and speed."""
+model (tests/test_sass.py reads the grid barrier's fences and strong loads from the machine code instead) and
+independent thread scheduling within a warp (fibers of a block run one at a time to their next barrier or
+shuffle), streams (launches run synchronously), the driver (cooperative launch limits, graph capture), cuBLASLt,
+and speed. A sanitizer ends the child at once; the test it ran is named from tests/emulation/running.py."""
 
 import os
 import subprocess

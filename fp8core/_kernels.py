@@ -66,10 +66,13 @@ def _each(per_block: int) -> Any:
 
 
 def _tiles(rows: int, cols: int) -> Any:
-    """One block per rows x cols tile of a ``(rows, cols)`` work, numbered over (x, y) within their limits."""
+    """One block per rows x cols tile of a ``(rows, cols)`` work, numbered over (x, y) within their limits: as few
+    rows of blocks as hold the n tiles, each as short as they allow, so that fewer than gy blocks (under
+    n / 65535 + 1) are idle (a full first row, min(n, 65535) x ceil(n / 65535), idled up to 65534)."""
     def grid(max_blocks: int, work: tuple[int, int]) -> tuple[int, int]:
         n = -(-work[0] // rows) * -(-work[1] // cols)
-        return min(n, _MAX_GRID), -(-n // _MAX_GRID)
+        gy = max(1, -(-n // _MAX_GRID))
+        return max(1, -(-n // gy)), gy
     return grid
 
 

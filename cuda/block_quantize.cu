@@ -11,12 +11,6 @@ static constexpr int MX = 32;         // MXFP8 block: 32 elements of a row or of
 static constexpr int MX_TILE_R = 32;  // one CTA: a 32 x 64 tile, 8 elements per thread
 static constexpr int MX_TILE_C = 64;
 
-template <int FMT>
-__device__ __forceinline__ uint2 quant8(const float* f, float s) {
-  return make_uint2(quant_pair<FMT>(f[0], f[1], s) | (quant_pair<FMT>(f[2], f[3], s) << 16),
-                    quant_pair<FMT>(f[4], f[5], s) | (quant_pair<FMT>(f[6], f[7], s) << 16));
-}
-
 __device__ __forceinline__ i64 tile_index() { return blockIdx.x + (i64)blockIdx.y * gridDim.x; }
 
 // ---- MXFP8 quantize ---------------------------------------------------------------------------------------
@@ -57,7 +51,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
     const float factor = e8m0_quant_factor(e);
     if (in) {
       if (vec && aligned(q, 8)) {
-        *reinterpret_cast<uint2*>(q + row * cols + col) = quant8<FMT>(f, factor);
+        *reinterpret_cast<uint2*>(q + row * cols + col) = quant8_checked<FMT>(f, factor, m);
       } else {
         for (int j = 0; j < 8 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[j], factor);
       }
@@ -85,12 +79,9 @@ __global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
     // The codes go through shared memory so that each thread then stores 8 consecutive bytes of one qc row,
     // as the rowwise half stores q, instead of 8 bounds-checked byte stores down a column.
     __shared__ __align__(16) u8 qtile[MX_TILE_R][MX_TILE_C];
+    const uint2 w = quant8_checked<FMT>(v, factor, m);
 #pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      const u32 pair = quant_pair<FMT>(v[i], v[i + 1], factor);
-      qtile[8 * h + i][c] = (u8)(pair & 0xffu);
-      qtile[8 * h + i + 1][c] = (u8)(pair >> 8);
-    }
+    for (int i = 0; i < 8; ++i) qtile[8 * h + i][c] = (u8)(((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xffu);
     if (h == 0 && c0 + c < cols) sc[(r0 / MX) * cols + c0 + c] = (u8)e;
     __syncthreads();
     if (in) {
@@ -109,7 +100,7 @@ __device__ __forceinline__ void block_scale(u32 amax_bits, float fp8_max, int po
                                             float* s_inv) {
   *s = 1.f;
   *s_inv = 1.f;
-  scale_from_amax(__uint_as_float(amax_bits), fp8_max, 0, power_of_2 != 0, epsilon, s, s_inv);
+  scale_from_amax_f32(amax_bits, fp8_max, power_of_2 != 0, epsilon, s, s_inv);
 }
 
 // x [rows, cols]: block (row, kb) is x[row, 128 kb : 128 kb + 128]; lane l holds its elements 4l .. 4l+3.
@@ -147,13 +138,14 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_1x128_kernel(
 #pragma unroll
     for (int j = 0; j < 4; ++j) m = umax(m, abs_bits(f[j]));
     m = warp_max(m);
-    // The scale rule runs in fp64 (immune to -ftz): once per block in lane 0, not in all 32 lanes, which on
-    // GPUs with few FP64 units (sm_89, sm_120) would bound the kernel by FP64 throughput.
+    // The scale rule (two fp32 divisions) once per block in lane 0, not in all 32 lanes.
     float sc = 1.f, sc_inv = 1.f;
     if (lane == 0) block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
     sc = __shfl_sync(0xffffffffu, sc, 0);
     if (vec && col < cols) {
-      *reinterpret_cast<u32*>(q + row * cols + col) = quant_pair<FMT>(f[0], f[1], sc) | (quant_pair<FMT>(f[2], f[3], sc) << 16);
+      *reinterpret_cast<u32*>(q + row * cols + col) =
+          nan_free(m, sc) ? quant_pair<FMT, false>(f[0], f[1], sc) | (quant_pair<FMT, false>(f[2], f[3], sc) << 16)
+                          : quant_pair<FMT>(f[0], f[1], sc) | (quant_pair<FMT>(f[2], f[3], sc) << 16);
     } else {
       for (int j = 0; j < 4 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[j], sc);
     }
@@ -189,6 +181,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_128x128_kernel(
 #pragma unroll
     for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(f[i][j]));
   }
+  const u32 mine = m;  // this thread's 64 values: one NaN test for all of them
   m = block_max(m);
   __shared__ float shared_scale;
   if (t == 0) {
@@ -204,7 +197,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_128x128_kernel(
     const i64 row = r0 + (t >> 4) + 16 * i;
     if (row >= rows || col >= cols) continue;
     if (vec && aligned(q, 8)) {
-      *reinterpret_cast<uint2*>(q + row * cols + col) = quant8<FMT>(f[i], sc);
+      *reinterpret_cast<uint2*>(q + row * cols + col) = quant8_checked<FMT>(f[i], sc, mine);
     } else {
       for (int j = 0; j < 8 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[i][j], sc);
     }

@@ -34,10 +34,13 @@ __device__ __forceinline__ void convert16(const T* x, float scale, u32& m, u32* 
   for (int h = 0; h < 2; ++h) {
     float f[8];
     load8(x + 8 * h, f);
+    u32 m8 = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(f[j]));
-    w[2 * h] = quant_pair<FMT>(f[0], f[1], scale) | (quant_pair<FMT>(f[2], f[3], scale) << 16);
-    w[2 * h + 1] = quant_pair<FMT>(f[4], f[5], scale) | (quant_pair<FMT>(f[6], f[7], scale) << 16);
+    for (int j = 0; j < 8; ++j) m8 = umax(m8, abs_bits(f[j]));
+    m = umax(m, m8);
+    const uint2 q8 = quant8_checked<FMT>(f, scale, m8);
+    w[2 * h] = q8.x;
+    w[2 * h + 1] = q8.y;
   }
 }
 template <>

@@ -83,6 +83,12 @@ __device__ __forceinline__ float d2f(double x) {
   asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
   return r;
 }
+// One IEEE fp32 division, round-to-nearest-even, never flushed (no FP64 pipe).
+__device__ __forceinline__ float div_rn(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 
 // ---- fp32 -> fp8, RTNE with saturation; NaN of either sign -> 0x7F ---------------------------------------
 // sm_89+ converts in hardware (cvt.rn.satfinite); older GPUs (sm_80/86), or any GPU when the backend is told to
@@ -141,18 +147,40 @@ template <> __device__ __forceinline__ u16 cvt_pair<E5M2>(float lo, float hi) {
 #endif
 
 // Quantize two values already widened to fp32; returns lo in bits 0-7, hi in bits 8-15. A NaN gets the
-// encoding's NaN code whatever the hardware writes for it.
-template <int FMT>
+// encoding's NaN code whatever the hardware writes for it (which NaN code the silicon's conversion writes is not
+// settled): unless MAY_NAN is false, where the caller knows no product is NaN (nan_free), and the fix-up, two
+// compares and selects per pair, costs nothing. The software conversion writes the NaN code itself.
+template <int FMT, bool MAY_NAN = true>
 __device__ __forceinline__ u32 quant_pair(float lo, float hi, float scale) {
   constexpr u32 NAN_CODE = Encoding<FMT>::NAN_CAST;
   float a = mul_rn(lo, scale), b = mul_rn(hi, scale);
   u32 r = cvt_pair<FMT>(a, b);
-  if (is_nan(a)) r = (r & 0xff00u) | NAN_CODE;
-  if (is_nan(b)) r = (r & 0x00ffu) | (NAN_CODE << 8);
+  if (MAY_NAN) {
+    if (is_nan(a)) r = (r & 0xff00u) | NAN_CODE;
+    if (is_nan(b)) r = (r & 0x00ffu) | (NAN_CODE << 8);
+  }
   return r;
 }
 template <int FMT>
 __device__ __forceinline__ u8 quant_one(float x, float scale) { return (u8)(quant_pair<FMT>(x, 0.f, scale) & 0xffu); }
+
+// Whether no x * scale is NaN for values x whose abs_bits are at most m: a NaN product needs a NaN x (m above
+// inf), inf * 0 or 0 * inf, or a NaN scale. One test per vector or block instead of two per pair.
+__device__ __forceinline__ bool nan_free(u32 m, float scale) {
+  const u32 s = __float_as_uint(scale) & 0x7fffffffu;
+  return m < F32_INF && s < F32_INF && s != 0u;
+}
+
+// Four pairs (8 values) into two words, with the NaN fix-up only where nan_free(m, scale) is false.
+template <int FMT>
+__device__ __forceinline__ uint2 quant8_checked(const float* f, float scale, u32 m) {
+  if (nan_free(m, scale)) {
+    return make_uint2(quant_pair<FMT, false>(f[0], f[1], scale) | (quant_pair<FMT, false>(f[2], f[3], scale) << 16),
+                      quant_pair<FMT, false>(f[4], f[5], scale) | (quant_pair<FMT, false>(f[6], f[7], scale) << 16));
+  }
+  return make_uint2(quant_pair<FMT>(f[0], f[1], scale) | (quant_pair<FMT>(f[2], f[3], scale) << 16),
+                    quant_pair<FMT>(f[4], f[5], scale) | (quant_pair<FMT>(f[6], f[7], scale) << 16));
+}
 
 // ---- fp8 -> fp32, exact, by bit manipulation ------------------------------------------------------------
 template <int FMT>
@@ -280,6 +308,24 @@ __device__ __forceinline__ bool scale_from_amax(float amax, float fp8_max, int m
   if (power_of_2) s = pow2_floor(s);
   *s_out = s;
   *s_inv_out = d2f(1.0 / f2d(s));
+  return true;
+}
+
+// The same rule with margin 0 in fp32, for block scales (one per 128 or 128x128 values: fp64 would occupy the
+// narrow FP64 pipe). Same bits: for fp32 a and b, fp32(fp64(a) / fp64(b)) is the correctly rounded fp32 quotient
+// (53 >= 2 * 24 + 2: rounding twice is innocuous for division, subnormal and overflowing quotients included), which
+// div.rn.f32 computes; with margin 0 the multiply by 2^-margin is exact, and the compares are on bits, which
+// -ftz cannot flush. amax_bits: abs_bits of the amax (NaN canonical); epsilon >= 0 (args.epsilon).
+__device__ __forceinline__ bool scale_from_amax_f32(u32 amax_bits, float fp8_max, bool power_of_2, float epsilon,
+                                                    float* s_out, float* s_inv_out) {
+  const u32 eps = __float_as_uint(epsilon) & 0x7fffffffu;  // -0.0 is 0
+  const u32 a = amax_bits < eps ? eps : amax_bits;          // unsigned order is the float order; NaN stays
+  if (a == 0u || a >= F32_INF) return false;                // 0, inf or NaN: no new scale
+  float s = div_rn(fp8_max, __uint_as_float(a));
+  if (__float_as_uint(s) == F32_INF) s = FLT_MAX_F;
+  if (power_of_2) s = pow2_floor(s);
+  *s_out = s;
+  *s_inv_out = div_rn(1.f, s);
   return true;
 }
 

@@ -6,14 +6,11 @@ namespace fp8core {
 // Amax bits of 8 values and their quantized bytes as two words.
 template <int FMT>
 __device__ __forceinline__ uint2 quant8(const float* f, float scale, u32& m) {
-  u32 w[2];
+  u32 m8 = 0;
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) m = umax(m, abs_bits(f[4 * k + j]));
-    w[k] = quant_pair<FMT>(f[4 * k], f[4 * k + 1], scale) | (quant_pair<FMT>(f[4 * k + 2], f[4 * k + 3], scale) << 16);
-  }
-  return make_uint2(w[0], w[1]);
+  for (int j = 0; j < 8; ++j) m8 = umax(m8, abs_bits(f[j]));
+  m = umax(m, m8);
+  return quant8_checked<FMT>(f, scale, m8);
 }
 
 // Quantize x[i] for i = start, start + stride, ... (in vectors of 8 after a peeled head, two vectors in flight

@@ -9,8 +9,9 @@ parameter before anything reaches the driver.
 
 The loader: ``cupy.RawModule`` compiles each ``cuda/*.cu`` with NVRTC for the device it runs on. CuPy keys its disk
 cache on the source text and the options, not on included headers, so the options carry ``-DFP8CORE_CUDA_SHA=``
-(a hash of every file under cuda/): a header edit recompiles. Modules are held per (file, device); concurrent
-first calls from threads compile once.
+(a hash of the module's own sources: its .cu and the headers it includes): a header edit recompiles the modules
+that include it, and only those. Modules are held per (file, device); concurrent first calls from threads compile
+once.
 
 ``compile_cubin`` compiles without a GPU for any architecture (the CI's NVRTC and SASS tests), with the same
 source and options. It calls NVRTC itself and sizes the cubin with nvrtcGetCUBINSize: CuPy's
@@ -27,7 +28,9 @@ import ctypes
 import hashlib
 import itertools
 import os
+import re
 import threading
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -63,10 +66,13 @@ def _each(per_block: int) -> Any:
 
 
 def _tiles(rows: int, cols: int) -> Any:
-    """One block per rows x cols tile of a ``(rows, cols)`` work, numbered over (x, y) within their limits."""
+    """One block per rows x cols tile of a ``(rows, cols)`` work, numbered over (x, y) within their limits: as few
+    rows of blocks as hold the n tiles, each as short as they allow, so that fewer than gy blocks (under
+    n / 65535 + 1) are idle (a full first row, min(n, 65535) x ceil(n / 65535), idled up to 65534)."""
     def grid(max_blocks: int, work: tuple[int, int]) -> tuple[int, int]:
         n = -(-work[0] // rows) * -(-work[1] // cols)
-        return min(n, _MAX_GRID), -(-n // _MAX_GRID)
+        gy = max(1, -(-n // _MAX_GRID))
+        return max(1, -(-n // gy)), gy
     return grid
 
 
@@ -248,11 +254,45 @@ def cuda_sha256() -> str:
     return h.hexdigest()
 
 
-def module_options(soft_fp8: bool) -> tuple[str, ...]:
-    """The -D options of every compile: the cuda/ hash (CuPy's cache key), the encodings' constants (common.cuh's
-    FP8CORE_ENCODINGS and fp4_quantize.cu's FP8CORE_FP4_ENCODINGS, from the rows of fp8core.formats) and the forced
-    software path."""
-    return (f"-DFP8CORE_CUDA_SHA=0x{cuda_sha256()[:16]}", _encodings_option(), _fp4_encodings_option()) + (
+def included(code: str, headers: Mapping[str, str]) -> list[str]:
+    """The names of ``headers`` (name -> text) that ``code`` reaches through ``#include "name"``, directly or through
+    another header, in the order first reached. A name not in ``headers`` (a system header) is not followed."""
+    found: list[str] = []
+    pending = [code]
+    while pending:
+        for name in _INCLUDE.findall(pending.pop()):
+            if name in headers and name not in found:
+                found.append(name)
+                pending.append(headers[name])
+    return found
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def module_sources(filename: str) -> list[Path]:
+    """The files one module is compiled from: ``cuda/filename`` and the headers it includes."""
+    root = cuda_dir()
+    headers = {p.relative_to(root).as_posix(): p for p in _sources() if p.suffix == ".cuh"}
+    reached = included((root / filename).read_text(), {n: p.read_text() for n, p in headers.items()})
+    return [root / filename, *(headers[n] for n in reached)]
+
+
+def module_sha256(filename: str) -> str:
+    """sha256 over the files of one module (module_sources), as cuda_sha256 hashes all of cuda/."""
+    root, h = cuda_dir(), hashlib.sha256()
+    for p in module_sources(filename):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def module_options(soft_fp8: bool, filename: str | None = None) -> tuple[str, ...]:
+    """The -D options of a compile: the sources' hash (CuPy's cache key: of ``filename``'s module, so that an edit
+    of one kernel file recompiles that module alone; of all of cuda/ without one), the encodings' constants
+    (common.cuh's FP8CORE_ENCODINGS and fp4_quantize.cu's FP8CORE_FP4_ENCODINGS, from the rows of
+    fp8core.formats) and the forced software path."""
+    sha = module_sha256(filename) if filename is not None else cuda_sha256()
+    return (f"-DFP8CORE_CUDA_SHA=0x{sha[:16]}", _encodings_option(), _fp4_encodings_option()) + (
         ("-DFP8CORE_FORCE_SOFT_FP8=1",) if soft_fp8 else ())
 
 
@@ -336,8 +376,8 @@ _compiled: dict[tuple[str, str, bool, str], tuple[bytes, dict[str, str]]] = memo
 def compile_cubin(filename: str, arch: str, soft_fp8: bool = False) -> tuple[bytes, dict[str, str]]:
     """Compile ``cuda/filename`` for ``arch`` (e.g. "90"), no GPU needed; the cubin and name expression -> symbol.
 
-    Kept in memory per (file, arch, path, cuda/ hash) for the tests that read the same cubins."""
-    key = (filename, arch, soft_fp8, cuda_sha256())
+    Kept in memory per (file, arch, path, the module's sources' hash) for the tests that read the same cubins."""
+    key = (filename, arch, soft_fp8, module_sha256(filename))
     if key not in _compiled:
         _compiled[key] = _compile_cubin(filename, arch, soft_fp8)
     return _compiled[key]
@@ -352,7 +392,7 @@ def _compile_cubin(filename: str, arch: str, soft_fp8: bool) -> tuple[bytes, dic
     try:
         for expr in KERNELS[filename]:
             nvrtc.addNameExpression(prog, expr)
-        options = [*OPTIONS, f"-arch=sm_{arch}", *module_options(soft_fp8)]
+        options = [*OPTIONS, f"-arch=sm_{arch}", *module_options(soft_fp8, filename)]
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as e:
@@ -391,7 +431,7 @@ def _module(filename: str, device_id: int) -> Any:
             soft = soft_fp8()
             module = cupy.RawModule(
                 code=(cuda_dir() / filename).read_text(), backend="nvrtc",
-                options=(*_RAWMODULE_OPTIONS, f"-I{cuda_dir()}", *module_options(soft),
+                options=(*_RAWMODULE_OPTIONS, f"-I{cuda_dir()}", *module_options(soft, filename),
                          *arch_options(filename, cc, soft)),
                 name_expressions=KERNELS[filename])
             with cupy.cuda.Device(device_id):

@@ -50,6 +50,15 @@ def test_tiles_stay_within_grid_limits(kernel, tile):
     assert kernel.rule(1056, (tile + 1, 1)) == (2, 1)
     gx, gy = kernel.rule(1056, (1 << 20, 1 << 16))
     assert gx <= 65535 and gy <= 65535 and gx * gy >= (1 << 20) * (1 << 16) // tile ** 2
+    assert kernel.rule(1056, (0, 5)) == (1, 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 65534, 65535, 65536, 65537, 2 * 65535 + 1, 3 * 65535 - 1, 1000003, 2 ** 31 - 1,
+                               65535 * 65535])
+def test_tiles_leave_no_row_of_idle_blocks(n):
+    """Fewer idle blocks than rows of the grid (a first row filled to 65535 idled up to 65534 at the end)."""
+    gx, gy = _kernels.CAST_TRANSPOSE.rule(1056, (64, 64 * n))
+    assert gx <= 65535 and gy <= 65535 and 0 <= gx * gy - n < gy, (gx, gy)
 
 
 def test_grid_stride_rules():

@@ -53,6 +53,33 @@ def test_cuda_hash_covers_every_file(tmp_path, monkeypatch):
     assert _kernels.module_options(True) != _kernels.module_options(False)
 
 
+def test_module_hash_covers_its_own_sources_only(tmp_path, monkeypatch):
+    """A module's options (CuPy's cache key) change with its .cu and the headers it includes, directly or through
+    another header, and with nothing else: an edit of one kernel file recompiles that module alone."""
+    import shutil
+
+    src = tmp_path / "cuda"
+    shutil.copytree(_kernels.cuda_dir(), src)
+    monkeypatch.setattr(_kernels, "cuda_dir", lambda: src)
+    files = sorted(_kernels.KERNELS)
+    options = lambda: {f: _kernels.module_options(False, f) for f in files}  # noqa: E731
+    assert all(_kernels.module_sources(f)[:2] == [src / f, src / "common.cuh"] for f in files)
+    before = options()
+    assert len(set(before.values())) == len(files)
+    (src / "quantize.cu").write_text((src / "quantize.cu").read_text() + "\n// edit\n")
+    after = options()
+    assert [f for f in files if after[f] != before[f]] == ["quantize.cu"]
+    (src / "unused.cuh").write_text("// included by no module\n")
+    assert options() == after
+    (src / "common.cuh").write_text((src / "common.cuh").read_text() + '\n#include "nested.cuh"\n')
+    (src / "nested.cuh").write_text("// reached through common.cuh\n")
+    nested = options()
+    assert all(nested[f] != after[f] for f in files)
+    assert all(src / "nested.cuh" in _kernels.module_sources(f) for f in files)
+    (src / "nested.cuh").write_text("// edited\n")
+    assert all(options()[f] != nested[f] for f in files)
+
+
 @pytest.mark.parametrize("filename", sorted(_kernels.KERNELS))
 def test_cupy_compiles_what_rawmodule_is_given(filename, monkeypatch):
     """CuPy's own NVRTC path (the one RawModule takes on a GPU: source in a temporary directory, -I for the
@@ -61,7 +88,8 @@ def test_cupy_compiles_what_rawmodule_is_given(filename, monkeypatch):
 
     monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
     source = (_kernels.cuda_dir() / filename).read_text()
-    options = (*_kernels._RAWMODULE_OPTIONS, f"-I{_kernels.cuda_dir()}", *_kernels.module_options(False), "-ftz=true")
+    options = (*_kernels._RAWMODULE_OPTIONS, f"-I{_kernels.cuda_dir()}", *_kernels.module_options(False, filename),
+               "-ftz=true")
     cubin, mapping = compiler.compile_using_nvrtc(source, options, arch="90",
                                                   name_expressions=_kernels.KERNELS[filename])
     assert cubin[:4] == b"\x7fELF" and set(mapping) == set(_kernels.KERNELS[filename])

@@ -3,11 +3,14 @@
 A module is built from exactly what ``cupy.RawModule`` receives from fp8core._kernels (the file's text, the
 options, the name expressions), so the emulator compiles what the loader would hand NVRTC: the -D options
 pass through, ``-arch=sm_XXXf`` defines the family-specific macro NVRTC defines, and the device's compute
-capability gives ``__CUDA_ARCH__``. The only change to the text is mechanical: every inline-PTX statement
+capability gives ``__CUDA_ARCH__``. The only changes to the text are mechanical: every inline-PTX statement
 ``asm("T" : "=c"(d) : "c"(a), ...)`` becomes a call of the host implementation of instruction "T"
-(ptx_host.h), its operands in the statement's order.
+(ptx_host.h), its operands in the statement's order; and every ``__shared__`` declaration is followed by the
+poisoning of its variable once per block (poison_shared).
 
-Modules are cached on disk by a hash of everything that goes into them (sources, shim, options, compiler).
+Modules are cached on disk by a hash of everything that goes into them: the .cu file and the headers it includes
+(not every header offered), the shim, the options and the compiler. The loader's -DFP8CORE_CUDA_SHA option is a
+hash of the same module's sources, so an edit of one kernel file rebuilds that module alone.
 """
 
 from __future__ import annotations
@@ -80,6 +83,16 @@ def rewrite_asm(source: str, name: str) -> str:
     return "".join(out)
 
 
+_SHARED = re.compile(r"\b__shared__\b([^;{}]*?)\b([A-Za-z_]\w*)\s*((?:\[[^\]]*\]\s*)*);")
+
+
+def poison_shared(source: str) -> str:
+    """Every ``__shared__ T name[...];`` of ``source`` followed by ``FP8EMU_SHARED(name);`` (cuda_host.h), which
+    poisons the variable once per block: uninitialised shared memory then reads as neither zeros nor the
+    previous block's data. Declarations at function scope, as CUDA's static shared memory is declared here."""
+    return _SHARED.sub(lambda m: f"{m.group(0)} FP8EMU_SHARED({m.group(2)});", source)
+
+
 def defines(options: tuple[str, ...], compute_capability: int) -> list[str]:
     """The host compiler's -D flags for NVRTC ``options`` on a device of ``compute_capability`` (e.g. 90)."""
     flags = [o for o in options if o.startswith("-D")]
@@ -98,13 +111,16 @@ def defines(options: tuple[str, ...], compute_capability: int) -> list[str]:
 
 def build_module(code: str, headers: dict[str, str], options: tuple[str, ...], compute_capability: int,
                  name_expressions: tuple[str, ...], filename: str) -> Path:
-    """The shared library of one module: ``code`` (a .cu file's text) with its ``headers`` (name -> text)."""
+    """The shared library of one module: ``code`` (a .cu file's text) with the ``headers`` (name -> text) it
+    includes; the others offered are not part of it."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no host C++ compiler (g++ or clang++) for the CUDA emulator")
+    from fp8core._kernels import included
+
     flags = [*FLAGS, *defines(options, compute_capability)]
-    sources = {filename: rewrite_asm(code, filename)}
-    sources.update({h: rewrite_asm(t, h) for h, t in headers.items()})
+    sources = {filename: poison_shared(rewrite_asm(code, filename))}
+    sources.update({h: poison_shared(rewrite_asm(headers[h], h)) for h in included(code, headers)})
     table = ",\n".join(f'  fp8emu::KernelOf<&{e}>::entry("{e}")' for e in name_expressions)
     unit = (f'#include "cuda_host.h"\n#include "{filename}"\n#include "launch.h"\n'
             f"static const fp8emu::Entry fp8emu_entries[] = {{\n{table}\n}};\nFP8EMU_EXPORTS\n")

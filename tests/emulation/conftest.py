@@ -6,6 +6,7 @@ fp8core's real CUDA path: the public API, the backend's launch plans, the loader
 
 import os
 import sys
+import zlib
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -39,6 +40,41 @@ def dev(request):
 def block_dev(request):
     """sm_80, sm_90 and sm_100 in turn, current for the test (block scaling)."""
     yield from _current(request)
+
+
+def _session_seed() -> int:
+    """$FP8EMU_SEED, else a fresh one per run: the thread orders of this run, printed to reproduce them."""
+    given = os.environ.get("FP8EMU_SEED")
+    return int(given) if given else int.from_bytes(os.urandom(4), "little") or 1
+
+
+SEED = _session_seed()
+
+
+def seed_of(nodeid: str) -> int:
+    """The thread-order seed of one test: the same for the same session seed whatever else runs."""
+    return device.launch_seed(SEED, zlib.crc32(nodeid.encode()))
+
+
+def pytest_report_header(config):
+    return f"fp8emu thread orders: FP8EMU_SEED={SEED}"
+
+
+@pytest.fixture(autouse=True)
+def thread_orders(request):
+    """Each test's launches run their threads in seeded random orders (runtime.cpp, round_order)."""
+    device.set_seed(seed_of(request.node.nodeid))
+    yield
+    device.set_seed(0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("fp8emu thread orders", f"rerun this test with FP8EMU_SEED={SEED} to repeat its "
+                                                        f"thread orders (its seed: {seed_of(item.nodeid)})"))
 
 
 @pytest.fixture

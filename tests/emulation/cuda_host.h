@@ -7,7 +7,11 @@
 // a mask naming an exited lane, nothing runnable) is reported as the error it would be on a GPU, with the line.
 // Blocks run concurrently on `resident` OS threads (what the occupancy rule lets be resident), so atomics and
 // a spinning grid barrier work across blocks as on a GPU, and hang as on a GPU when too few blocks are resident.
-// __shared__ variables are thread_local statics: one per OS thread, which runs one block at a time.
+// __shared__ variables are thread_local statics: one per OS thread, which runs one block at a time. build.py
+// follows each declaration with FP8EMU_SHARED(name): the first thread of a block to pass it fills the variable
+// with a poison byte (0x7F or 0xFF, alternating from block to block: a large finite float and a NaN, a large
+// positive and a negative integer), so a read of what no thread of the block wrote sees neither zeros nor the
+// previous block's data, as on a GPU it would see whatever the SM's shared memory last held.
 //
 // Inline PTX is rewritten by build.py into calls of fp8emu::ptx<op>(...) (ptx_host.h), each instruction
 // implemented as the PTX ISA documents it, operands in the order the asm statement binds them.
@@ -43,6 +47,7 @@ namespace fp8emu {
 
 struct BlockCtx {
   uint3 idx, dim, grid;
+  unsigned long long serial;  // unique to this run of this block in the process
 };
 struct FiberCtx {
   uint3 idx;
@@ -66,7 +71,19 @@ inline T shfl_t(unsigned mask, T v, int arg, int mode, const char* file, int lin
   return r;
 }
 
+// Poison a __shared__ variable the first time a thread of this block reaches its declaration (`seen` holds the
+// serial of the block that last poisoned it on this OS thread).
+inline void poison_shared(void* p, size_t n, unsigned long long& seen) {
+  if (seen == tls_block->serial) return;
+  seen = tls_block->serial;
+  std::memset(p, (seen & 1u) ? 0xff : 0x7f, n);
+}
+
 }  // namespace fp8emu
+
+#define FP8EMU_SHARED(name)                                  \
+  static thread_local unsigned long long fp8emu_seen_##name = 0; \
+  ::fp8emu::poison_shared(&(name), sizeof(name), fp8emu_seen_##name)
 
 #define threadIdx (::fp8emu::tls_fiber->idx)
 #define blockIdx (::fp8emu::tls_block->idx)

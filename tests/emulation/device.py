@@ -56,6 +56,8 @@ class State:
     capturing: bool = False
     block_window: tuple[int, int] | None = None  # run only these blocks of the next launch (huge grids)
     resident: int | None = None  # OS threads for the next launch instead of the occupancy rule's (deadlock demo)
+    seed: int = 0  # thread orders: 0 the two fixed ones, else seeded random ones (launch k gets its own seed)
+    seeded_launches: int = 0  # launches since the seed was set
 
 
 state = State()
@@ -388,7 +390,7 @@ class RawModule:
         self.lib.fp8emu_name.restype = ctypes.c_char_p
         self.lib.fp8emu_launch.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                                            ctypes.c_void_p, ctypes.c_int, ctypes.c_double, ctypes.c_ulonglong,
-                                           ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int]
+                                           ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int]
         self.index = {self.lib.fp8emu_name(k).decode(): k for k in range(self.lib.fp8emu_count())}
 
     def get_function(self, name: str) -> _RawKernel:
@@ -404,6 +406,16 @@ def param_layout(fn: _Function) -> list[tuple[int, int]]:
     sizes, offsets = (ctypes.c_size_t * 32)(), (ctypes.c_size_t * 32)()
     n = fn.lib.fp8emu_params(fn.index, sizes, offsets)
     return [(offsets[j], sizes[j]) for j in range(n)]
+
+
+def launch_seed(seed: int, k: int) -> int:
+    """The thread-order seed of the k-th launch under ``seed`` (never 0, which means the fixed orders)."""
+    return ((seed * 0x9E3779B97F4A7C15 + k) & (2 ** 64 - 1)) or 1
+
+
+def set_seed(seed: int) -> None:
+    """Seeded random thread orders from the next launch on (0: the two fixed orders)."""
+    state.seed, state.seeded_launches = seed, 0
 
 
 def _launch(f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shmem: int, stream: int, params: int,
@@ -426,7 +438,12 @@ def _launch(f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shmem:
     state.launches.append(LaunchRecord(fn.name, fn.device, (gx, gy), (bx, by), cooperative))
     err = ctypes.create_string_buffer(1024)
     first, last = window if window is not None else (0, 1 << 62)
-    rc = fn.lib.fp8emu_launch(fn.index, gx, gy, bx, by, params, resident, TIMEOUT_S, first, last, err, len(err))
+    seed = 0
+    if state.seed:
+        seed = launch_seed(state.seed, state.seeded_launches)
+        state.seeded_launches += 1
+    rc = fn.lib.fp8emu_launch(fn.index, gx, gy, bx, by, params, resident, TIMEOUT_S, first, last, seed, err,
+                              len(err))
     if rc:
         raise CUDADriverError(700 if rc == 2 else 1, f"{fn.name}: {err.value.decode()}")
 

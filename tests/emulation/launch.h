@@ -21,6 +21,7 @@ struct Launch {
   int resident;       // blocks running at once (OS threads): the occupancy rule's number
   double timeout_s;   // no progress for this long: a deadlock (the process exits, see runtime.cpp)
   unsigned long long first, last;  // run only the blocks numbered [first, last) (x fastest): huge grids
+  unsigned long long seed;  // 0: the two fixed thread orders; else seeded random orders (runtime.cpp, run_block)
 };
 
 // Runs body() in every thread of every block; "" or the first error.
@@ -107,9 +108,9 @@ struct KernelOf<FN> {
   }                                                                                                             \
   extern "C" __attribute__((visibility("default"))) int fp8emu_launch(                                          \
       int k, unsigned gx, unsigned gy, unsigned bx, unsigned by, void** params, int resident, double timeout_s, \
-      unsigned long long first, unsigned long long last, char* err, int errlen) {                               \
+      unsigned long long first, unsigned long long last, unsigned long long seed, char* err, int errlen) {     \
     std::string e;                                                                                              \
-    const fp8emu::Launch l{gx, gy, bx, by, resident, timeout_s, first, last};                                  \
+    const fp8emu::Launch l{gx, gy, bx, by, resident, timeout_s, first, last, seed};                            \
     const int rc = fp8emu_entries[k].launch(params, l, e);                                                      \
     std::snprintf(err, (size_t)errlen, "%s", e.c_str());                                                        \
     return rc;                                                                                                  \

@@ -237,7 +237,35 @@ bool release(Scheduler& s, int nthreads) {
   return true;
 }
 
-void run_block(Scheduler& s, BlockCtx& blk) {
+std::atomic<unsigned long long> block_serial{0};
+
+unsigned long long splitmix64(unsigned long long x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The order of one round: with seed 0, increasing thread order on even rounds and decreasing on odd ones, the
+// first round's parity alternating from block to block: shared memory read with no barrier after another thread's
+// write then reads stale data whichever way the data flows between two threads (in one fixed order, a reader that
+// runs after its writer would see the data as if the barrier were there). A race among three or more threads can
+// still hide from both (two writers at either end of the block publishing one value: every reader runs after one
+// of them), so a seed gives each round of each block its own random order, the same for the same seed.
+void round_order(std::vector<int>& order, int nthreads, unsigned long long seed, const BlockCtx& blk,
+                 unsigned round) {
+  order.resize(nthreads);
+  for (int k = 0; k < nthreads; ++k) order[k] = ((blk.idx.x + blk.idx.y + round) & 1u) ? nthreads - 1 - k : k;
+  if (seed == 0) return;
+  unsigned long long r = splitmix64(seed ^ splitmix64(((unsigned long long)blk.idx.y << 32 | blk.idx.x) ^
+                                                      splitmix64(round)));
+  for (int k = nthreads - 1; k > 0; --k) {  // Fisher-Yates
+    r = splitmix64(r);
+    std::swap(order[k], order[(int)(r % (unsigned long long)(k + 1))]);
+  }
+}
+
+void run_block(Scheduler& s, BlockCtx& blk, unsigned long long seed) {
   const int nthreads = (int)(blk.dim.x * blk.dim.y);
   if ((int)s.fibers.size() < nthreads) s.fibers.resize(nthreads);
   tls_block = &blk;
@@ -256,13 +284,12 @@ void run_block(Scheduler& s, BlockCtx& blk) {
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, trampoline, 0);
   }
-  // Each round runs every runnable thread up to its next collective, in increasing thread order on even rounds
-  // and decreasing on odd ones, the first round's parity alternating from block to block: shared memory read
-  // with no barrier after another thread's write then reads stale data whichever way the data flows (in one
-  // fixed order, a reader that runs after its writer would see the data as if the barrier were there).
-  for (unsigned round = (blk.idx.x + blk.idx.y) & 1u;; ++round) {
+  // Each round runs every runnable thread up to its next collective, in the round's order (round_order).
+  std::vector<int> order;
+  for (unsigned round = 0;; ++round) {
+    round_order(order, nthreads, seed, blk, round);
     for (int k = 0; k < nthreads && s.error.empty(); ++k) {
-      const int i = (round & 1u) ? nthreads - 1 - k : k;
+      const int i = order[k];
       if (s.fibers[i].st == State::Run) run_fiber(s, i);
     }
     if (!s.error.empty()) break;
@@ -332,8 +359,8 @@ std::string run_grid(const Launch& l, const std::function<void()>& body) {
           if (!error.empty()) break;
         }
         BlockCtx blk{uint3{(unsigned)(b % l.gx), (unsigned)(b / l.gx), 0u}, uint3{l.bx, l.by, 1u},
-                     uint3{l.gx, l.gy, 1u}};
-        run_block(s, blk);
+                     uint3{l.gx, l.gy, 1u}, block_serial.fetch_add(1) + 1};
+        run_block(s, blk, l.seed);
         progress.fetch_add(1, std::memory_order_relaxed);
         if (!s.error.empty()) {
           std::lock_guard<std::mutex> g(m);

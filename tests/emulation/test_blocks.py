@@ -71,3 +71,33 @@ def test_gemm_scale_layouts(block_dev, kind, shape, rng):
     got = cuda_blocks.gemm_scale(wrap(upload(s)), kind)
     np.testing.assert_array_equal(bits(got), bits(selftest.gemm_scale_oracle(s, kind)))
     np.testing.assert_array_equal(bits(got), bits(cpu_blocks.gemm_scale(wrap(s), kind)))
+
+
+def _amax_sweep(rng) -> np.ndarray:
+    """One block amax per row: every fp32 binade from the subnormals to the top, each with random mantissas and
+    its ends (the smallest and largest value), then 0, the largest subnormal and the largest float."""
+    bits = []
+    for e in range(0, 255):
+        mant = [0, 0x7FFFFF, *rng.integers(1, 0x7FFFFF, 3)]
+        bits += [(e << 23) | int(m) for m in mant]
+    bits += [0, 0x007FFFFF, 0x7F7FFFFF, 1, 2, 3]
+    return np.array(bits, np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_block_scales_over_every_binade(block_dev, fmt, rng):
+    """The 1x128 and 128x128 scales (two fp32 divisions, div.rn.f32) against the CPU's fp64 rule, by bits, for a
+    block amax in every fp32 binade, subnormal to FLT_MAX, with and without power-of-2 scales and a subnormal
+    epsilon: the fp32 quotient equals fp32(fp64 quotient) there (the argument in common.cuh)."""
+    amax = _amax_sweep(rng)
+    x = (rng.random((amax.size, 128)) * amax[:, None]).astype(np.float32)
+    x[np.arange(amax.size), rng.integers(0, 128, amax.size)] = amax * np.where(rng.random(amax.size) < 0.5, -1, 1)
+    tiles = amax[::40]  # 128x128: one tile per amax of a sparser sweep, its peak at a random place
+    t = (rng.random((128, 128 * tiles.size)) * np.repeat(tiles, 128)[None, :]).astype(np.float32)
+    t[rng.integers(0, 128, tiles.size), 128 * np.arange(tiles.size) + rng.integers(0, 128, tiles.size)] = tiles
+    for kw in ({"power_of_2": False}, {"power_of_2": True}, {"power_of_2": False, "epsilon": 1e-40}):
+        for block, xs in (("1x128", x), ("128x128", t)):
+            got = fp8core.quantize_blockwise(upload(xs), fmt, block=block, **kw)
+            ref = fp8core.quantize_blockwise(xs, fmt, block=block, **kw)
+            np.testing.assert_array_equal(bits(got.scale_inv), bits(ref.scale_inv), err_msg=f"{block} {kw}")
+            np.testing.assert_array_equal(bits(got.data), bits(ref.data), err_msg=f"{block} {kw}")

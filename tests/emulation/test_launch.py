@@ -33,14 +33,14 @@ def _window(first, last):
 
 
 def test_transpose_beyond_one_grid_row(dev, rng):
-    rows, tiles = 64, 65536 + 3  # tile t covers columns [64 t, 64 t + 64): grid (65535, 2)
+    rows, tiles = 64, 65536 + 3  # tile t covers columns [64 t, 64 t + 64): grid (32770, 2), one block idle
     q = device.empty((rows, 64 * tiles), np.uint8)
     c0 = 64 * (65535 - 2)
     region = rng.integers(0, 256, (rows, 64 * (tiles - 65533)), dtype=np.uint8)
     q[:, c0:] = device.asarray(region)
-    _window(65535 - 2, 65535 + 8)  # the last tiles of row 0, the first of row 1, and blocks past the last tile
+    _window(65535 - 2, 65535 + 8)  # tiles numbered past 65535 (blockIdx.y 1) and the idle block after the last
     qt = fp8core.transpose(q, fmt="e4m3")
-    assert device.state.launches[-1].grid == (65535, 2)
+    assert device.state.launches[-1].grid == (32770, 2)
     np.testing.assert_array_equal(qt[c0:].get(), region.T)
 
 

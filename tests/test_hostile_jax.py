@@ -98,7 +98,7 @@ CASES = [
                                                                                                BS.scale_inv[:2])),
      ValueError, "t.scale_inv", "1x128 blocks"),
     ("block_gemm mixed kinds", lambda: fb.block_gemm(MX, BS), ValueError, "b", "MXTensor but b is"),
-    ("block_gemm plain arrays", lambda: fb.block_gemm(Q, Q), TypeError, "a", "MXTensor or a BlockScaledTensor"),
+    ("block_gemm plain arrays", lambda: fb.block_gemm(Q, Q), TypeError, "a", "expected a ScaledTensor (MXTensor, BlockScaledTensor"),
     ("block_gemm MX K", lambda: fb.block_gemm(MXTensor(Q[:, :16], MX.scale), MXTensor(Q[:, :16], MX.scale)),
      ValueError, "a", "multiple of 32"),
     ("block_gemm columnwise MX", lambda: fb.block_gemm(MX, MXTensor(Q, jnp.ones((1, 32), jnp.float8_e8m0fnu))),

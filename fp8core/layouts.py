@@ -19,7 +19,7 @@ __all__ = ["Layout", "ScaledTensor", "MXTensor", "BlockScaledTensor", "NVFP4Tens
            "layout_of"]
 
 
-class Layout(enum.StrEnum):
+class Layout(str, enum.Enum):
     """How scales cover a tensor viewed as [rows, cols]; a Layout equals its name ("1x32", "128x128", ...).
 
     block: (rows, cols) of data under one scale, None for one per tensor. scale: the scales' encoding row (None:
@@ -44,6 +44,10 @@ class Layout(enum.StrEnum):
     BLOCK_128X128 = "128x128", (128, 128), None, True, "blocks", "128x128 tiles"
     NVFP4_1X16 = "1x16", (1, 16), E4M3, True, "nvfp4", "1x16 blocks", True
     NVFP4_16X16 = "16x16", (16, 16), E4M3, True, "nvfp4", "16x16 tiles", True
+
+    # What enum.StrEnum gives (Python 3.11+; requires-python is 3.10): str() and format() are the name itself.
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     def __new__(cls, name: str, block: Any, scale: Any, inverse: bool, kind: str, label: str,
                 global_amax: bool = False) -> "Layout":

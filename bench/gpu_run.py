@@ -270,11 +270,11 @@ def phase1(run: Run) -> int:
         run.facts["verdict"] = f"no usable GPU ({gpu_reason()}); nothing else was run"
         run.summary()
         return EXIT_NO_GPU
-    parallel = ["-n", "8", "--dist", "loadfile"] if _has_module("xdist") else []
+    parallel = ["-n", "12", "--dist", "loadfile"] if _has_module("xdist") else []
     timeout = ["--timeout", "240"] if _has_module("pytest_timeout") else []
     tests = run.execute(Step("test suite (GPU tests included)",
                              [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *parallel,
-                              *timeout, "--junitxml", str(run.results / "junit.xml")], 300, "tests.log"))
+                              *timeout, "--junitxml", str(run.results / "junit.xml")], 330, "tests.log"))
     counts = _junit_counts(run.results / "junit.xml") if not run.dry_run else None
     run.facts["test suite"] = counts or "no junit report"
     sanitizers = {}

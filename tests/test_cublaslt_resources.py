@@ -291,3 +291,24 @@ def test_a_thread_that_ends_destroys_its_plans(lt):
     _in_thread(lambda: run(lt, 10))
     assert sorted(lt.destroyed) == [0, 1, 2, 3, 4], "the plan's descriptor and its four layouts"
     assert len(cublaslt._handle_pool[0]) == 1
+
+
+def test_a_lease_gives_back_to_the_pool_and_bindings_it_was_made_with(monkeypatch):
+    """The H200 run of 2026-11-27: a main-thread lease made under this file's stand-ins was collected after they
+    were restored, and gave its stand-in handle to the real pool; a later GEMM on a thread with no handle took it
+    and cuBLASLt's heuristic segfaulted. A lease gives its handles back to the pool it was made with, and its
+    plans to the bindings that made them."""
+    real_pool, real_bindings = cublaslt._handle_pool, cublaslt.lt_bindings
+    before = {device: list(handles) for device, handles in real_pool.items()}
+    fake, stand_in_pool, local = FakeLt([]), {}, threading.local()
+    with monkeypatch.context() as m:
+        m.setattr(cublaslt, "lt_bindings", lambda: fake)
+        m.setattr(cublaslt, "_handle_pool", stand_in_pool)
+        m.setattr(cublaslt, "_local", local)
+        handle = cublaslt._handle(0)
+        cublaslt._plans()["key"] = cublaslt._Plan(7, (8, 9, 10, 11), None, False)
+    assert cublaslt._handle_pool is real_pool and cublaslt.lt_bindings is real_bindings
+    del local
+    gc.collect()
+    assert stand_in_pool == {0: [handle]} and sorted(fake.destroyed) == [7, 8, 9, 10, 11]
+    assert cublaslt._handle_pool == before, "the stand-in's handle reached the real pool"

@@ -106,21 +106,24 @@ def _check_device(device_id: int) -> None:
 
 
 class _Lease:
-    """This thread's handles (device -> handle) and plans, given back by :func:`_give_back` when the thread ends."""
+    """This thread's handles (device -> handle) and plans, given back by :func:`_give_back` when the thread ends
+    to the pool they came from and destroyed by the bindings that made them (both bound when the lease is made:
+    a lease that outlives a swap of either, as a test's stand-in, must not hand its handles to the other)."""
 
-    __slots__ = ("handles", "plans", "__weakref__")
+    __slots__ = ("handles", "plans", "pool", "bindings", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, pool: dict[int, list[int]], bindings: Any) -> None:
         self.handles: dict[int, int] = {}
         self.plans: OrderedDict = OrderedDict()
+        self.pool, self.bindings = pool, bindings
 
 
-def _give_back(handles: dict[int, int], plans: OrderedDict) -> None:
+def _give_back(handles: dict[int, int], plans: OrderedDict, pool: dict[int, list[int]], bindings: Any) -> None:
     with _handle_lock:
         for device_id, handle in handles.items():
-            _handle_pool.setdefault(device_id, []).append(handle)
+            pool.setdefault(device_id, []).append(handle)
     if plans:
-        lt = lt_bindings()
+        lt = bindings()
         while plans:
             _destroy(lt, plans.popitem()[1])
 
@@ -128,24 +131,24 @@ def _give_back(handles: dict[int, int], plans: OrderedDict) -> None:
 def _lease() -> _Lease:
     lease = getattr(_local, "lease", None)
     if lease is None:
-        lease = _local.lease = _Lease()
+        lease = _local.lease = _Lease(_handle_pool, lt_bindings)
         # Runs when the thread's local storage goes (the thread ended); not at interpreter exit, when cuBLASLt
         # may be unloaded already.
-        weakref.finalize(lease, _give_back, lease.handles, lease.plans).atexit = False
+        weakref.finalize(lease, _give_back, lease.handles, lease.plans, lease.pool, lease.bindings).atexit = False
     return lease
 
 
 def _handle(device_id: int) -> int:
-    """This thread's handle on device_id (inside the device guard): from the pool, else a new one."""
-    handles = _lease().handles
-    handle = handles.get(device_id)
+    """This thread's handle on device_id (inside the device guard): from the lease's pool, else a new one."""
+    lease = _lease()
+    handle = lease.handles.get(device_id)
     if handle is None:
         with _handle_lock:
-            pool = _handle_pool.get(device_id)
+            pool = lease.pool.get(device_id)
             handle = pool.pop() if pool else None
         if handle is None:
-            handle = lt_bindings().create()
-        handles[device_id] = handle
+            handle = lease.bindings().create()
+        lease.handles[device_id] = handle
     return handle
 
 

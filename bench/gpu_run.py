@@ -2,7 +2,7 @@
 
     python bench/gpu_run.py phase1 RESULTS [--budget 540]   selftest, the test suite with the GPU tests,
                                                             compute-sanitizer memcheck and racecheck over the
-                                                            kernel tests, then the stamp
+                                                            kernel tests and over selftest --quick, the stamp
     python bench/gpu_run.py phase2 RESULTS [--budget 540]   every bench/bench_*.py, the goals table, ncu
                                                             summaries of the kernels whose goals are missed
     python bench/gpu_run.py all RESULTS                     both, one after the other
@@ -97,6 +97,10 @@ MIN_STEP_S = 10  # a step with less time than this left is skipped, not started
 MEMCHECK_K = "not over_2_31 and not cuda_graph and not capture"
 RACECHECK_K = "(quantize_amax_cast_transpose and float32) or update_matches_cpu or multi_tensor or " \
               "(quantize_dynamic and (1000 or 1048576))"
+# fp8core selftest with CuPy allocating by cudaMalloc, as the pytest plugin below arranges for the tests
+SELFTEST_RAW_ALLOCATIONS = ("import runpy, sys, cupy; cupy.cuda.set_allocator(None); "
+                            "cupy.cuda.set_pinned_memory_allocator(None); sys.argv = ['fp8core', 'selftest', '--quick']; "
+                            "runpy.run_module('fp8core', run_name='__main__')")
 FIRST_BENCHES = ("bench_gpu.py", "bench_gemm.py", "bench_mlp.py")
 # cuBLASLt's GEMM kernels (Hopper's are named nvjet_*, sm90_xmma_*, cutlass_*); fp8core's are read from cuda/.
 CUBLASLT_KERNELS = ("gemm", "nvjet", "xmma", "cutlass")
@@ -246,18 +250,31 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _sanitizer_step(tool: str, selection: str, cap: float) -> Step:
+def _xdist_mode() -> str:
+    """worksteal (pytest-xdist 3.2+) balances tests of very different lengths; loadfile before it."""
+    from importlib.metadata import version
+
+    major, minor = (int(p) for p in version("pytest-xdist").split(".")[:2])
+    return "worksteal" if (major, minor) >= (3, 2) else "loadfile"
+
+
+def _sanitizer_step(tool: str, selection: str | None, cap: float) -> Step:
+    """The sanitizer over tests/test_gpu.py's ``selection``, or (None) over ``fp8core selftest --quick``: the one
+    run that reaches every kernel, the block and FP4 quantizers' shared-memory transposes included."""
+    target = (["-m", "pytest", "-q", "-p", "gpu_run", "-p", "no:cacheprovider", "tests/test_gpu.py", "-k", selection]
+              if selection is not None else ["-c", SELFTEST_RAW_ALLOCATIONS])
+    name = f"{tool}{'' if selection is not None else '-selftest'}"
     cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "86", "--print-limit", "30",
-           sys.executable, "-m", "pytest", "-q", "-p", "gpu_run", "-p", "no:cacheprovider",
-           "tests/test_gpu.py", "-k", selection]
-    return Step(f"compute-sanitizer {tool}", cmd, cap, f"sanitizer-{tool}.log",
+           sys.executable, *target]
+    return Step(f"compute-sanitizer {name}", cmd, cap, f"sanitizer-{name}.log",
                 env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "FP8CORE_GPU_RUN_SANITIZER": "1"})
 
 
 def _sanitizer_errors(path: Path) -> int | None:
     text = path.read_text(errors="replace") if path.is_file() else ""
-    m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
-    return sum(int(x) for x in m) if m else None
+    # memcheck ends "ERROR SUMMARY: N errors", racecheck "RACECHECK SUMMARY: H hazards displayed (N errors, ...)"
+    m = re.findall(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error)", text)
+    return sum(int(a or b) for a, b in m) if m else None
 
 
 def phase1(run: Run) -> int:
@@ -270,16 +287,22 @@ def phase1(run: Run) -> int:
         run.facts["verdict"] = f"no usable GPU ({gpu_reason()}); nothing else was run"
         run.summary()
         return EXIT_NO_GPU
-    parallel = ["-n", "12", "--dist", "loadfile"] if _has_module("xdist") else []
-    timeout = ["--timeout", "240"] if _has_module("pytest_timeout") else []
+    # 2026-11-27 (H200): 4,341 tests on 12 workers by file did not end in 330 s; test_sass alone holds minutes of
+    # compiles. Work stealing evens the workers; -v names every test as it ends, so a run stopped at its cap (no
+    # junit then) still says what failed and what was running; a test over 150 s is stopped and named.
+    parallel = ["-n", "15", "--dist", _xdist_mode()] if _has_module("xdist") else []
+    timeout = ["--timeout", "150"] if _has_module("pytest_timeout") else []
     tests = run.execute(Step("test suite (GPU tests included)",
-                             [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *parallel,
-                              *timeout, "--junitxml", str(run.results / "junit.xml")], 330, "tests.log"))
+                             [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", *parallel,
+                              *timeout, "--durations", "40", "--junitxml", str(run.results / "junit.xml")], 380,
+                             "tests.log"))
     counts = _junit_counts(run.results / "junit.xml") if not run.dry_run else None
     run.facts["test suite"] = counts or "no junit report"
     sanitizers = {}
-    for tool, selection, cap in (("memcheck", MEMCHECK_K, 120), ("racecheck", RACECHECK_K, 120)):
+    for tool, selection, cap in (("memcheck", MEMCHECK_K, 120), ("racecheck", RACECHECK_K, 120),
+                                 ("memcheck", None, 90), ("racecheck", None, 90)):
         step = run.execute(_sanitizer_step(tool, selection, cap))
+        tool = step.name.removeprefix("compute-sanitizer ")
         errors = _sanitizer_errors(run.results / step.log) if not run.dry_run else None
         sanitizers[tool] = {"status": step.status, "errors": errors,
                             "complete": step.status in ("passed", "failed")}

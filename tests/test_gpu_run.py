@@ -25,7 +25,8 @@ def test_phase1_plan(tmp_path):
     p = _script("phase1", str(tmp_path), "--dry-run")
     assert p.returncode == 0, p.stderr
     summary = (tmp_path / "summary.md").read_text()
-    order = ["fp8core selftest", "test suite", "compute-sanitizer memcheck", "compute-sanitizer racecheck", "stamp"]
+    order = ["fp8core selftest", "test suite", "compute-sanitizer memcheck", "compute-sanitizer racecheck",
+             "compute-sanitizer memcheck-selftest", "compute-sanitizer racecheck-selftest", "stamp"]
     positions = [summary.index(f"| {name}") for name in order]
     assert positions == sorted(positions)
     assert "--stamp" in summary and "--junitxml" in summary and "tests/test_gpu.py -k" in summary
@@ -163,6 +164,7 @@ def test_phase1_writes_the_stamp_when_everything_passed(tmp_path, monkeypatch):
     assert stamp["cuda_sha256"] == cuda_sha256() and stamp["passed"] == 8 and stamp["failed"] == 0
     assert stamp["selftest"] == {"passed": 99, "failed": 0}
     assert stamp["sanitizer"]["memcheck"]["errors"] == 0 and stamp["sanitizer"]["racecheck"]["complete"]
+    assert stamp["sanitizer"]["racecheck-selftest"]["errors"] == 0, "every kernel under the sanitizers"
     assert "| stamp | written" in (tmp_path / "r" / "summary.md").read_text()
 
 
@@ -212,3 +214,17 @@ def test_profiled_kernels_name_every_kernel_under_cuda():
                    "update_kernel", "nvjet"):
         assert kernel in names
     assert not any("launch_bounds" in n for n in names)
+
+
+@pytest.mark.parametrize("text,errors", [
+    ("========= ERROR SUMMARY: 0 errors\n", 0),
+    ("========= ERROR SUMMARY: 3 errors\n", 3),
+    # racecheck's own last line (the H200 run of 2026-11-27 read it as "no error summary")
+    ("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", 0),
+    ("========= RACECHECK SUMMARY: 4 hazards displayed (2 errors, 2 warnings)\n", 2),
+    ("32 passed in 7.44s\n", None),
+])
+def test_sanitizer_summaries_are_read(tmp_path, text, errors):
+    log = tmp_path / "sanitizer.log"
+    log.write_text(text)
+    assert gpu_run._sanitizer_errors(log) == errors

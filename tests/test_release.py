@@ -83,7 +83,7 @@ def test_stamp_and_benchmarks_are_found_in_the_installed_package(installed):
     bench, stamp, ok, words = json.loads(in_installed(installed, code))
     assert Path(bench) == installed / "fp8core" / "bench" and (Path(bench) / "bench_cpu.py").is_file()
     assert Path(stamp) == results / "gpu-verified.json"
-    assert not ok and words.startswith("not yet run on a GPU") and "no stamp" in words
+    assert not ok and words.startswith("not verified on a GPU") and "no stamp" in words
     sha = in_installed(installed, "from fp8core._kernels import cuda_sha256; print(cuda_sha256())").strip()
     results.mkdir(parents=True, exist_ok=True)
     try:

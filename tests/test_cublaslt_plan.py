@@ -17,7 +17,7 @@ from fp8core.backends import cublaslt  # noqa: E402  (after the skip: it needs n
 
 CUDA_R = {name: int(getattr(nvmath.CudaDataType, f"CUDA_R_{code}").value)
           for name, code in (("float32", "32F"), ("float16", "16F"), ("bfloat16", "16BF"),
-                             ("float8_e4m3fn", "8F_E4M3"), ("float8_e5m2", "8F_E5M2"))}
+                             ("float8_e4m3fn", "8F_E4M3"), ("float8_e5m2", "8F_E5M2"), ("float4_e2m1fn", "4F_E2M1"))}
 A = lt_real.MatmulDescAttribute
 SCALE = lt_real.MatmulMatrixScale
 
@@ -32,6 +32,7 @@ class RecordingLt:
     MatmulDescAttribute = lt_real.MatmulDescAttribute
     MatmulPreferenceAttribute = lt_real.MatmulPreferenceAttribute
     MatmulMatrixScale = lt_real.MatmulMatrixScale
+    PointerMode = lt_real.PointerMode
     Epilogue = lt_real.Epilogue
     MatmulHeuristicResult = lt_real.MatmulHeuristicResult
     get_matmul_desc_attribute_dtype = staticmethod(lt_real.get_matmul_desc_attribute_dtype)
@@ -254,3 +255,75 @@ def test_scales_off_a_16_byte_boundary_are_staged_in_the_scratch():
     assert cublaslt.staged_scales((0x2000, 0x2010, 0, 0, 0), scratch) == ((0x2000, 0x2010, 0, 0, 0), [])
     with pytest.raises(ValueError, match="a_scale_inv: cuBLASLt needs a 16-byte aligned scale"):
         cublaslt.staged_scales((0x2004, 0x2010, 0, 0, 0), 0)
+
+
+# ---- the FP4 GEMM (NVFP4, MXFP4): E2M1 operands, block scale modes, NVFP4's alpha on the device -------------
+
+E2M1_R = CUDA_R["float4_e2m1fn"]
+
+
+def fp4_spec(a_block="1x16", b_block="1x16", out="bfloat16", bias=None):
+    return GemmSpec(M, N, K, fp8core.formats.E2M1, fp8core.formats.E2M1, out, bias, False, fp8core.Layout(a_block),
+                    fp8core.Layout(b_block))
+
+
+@pytest.mark.parametrize("a_block,b_block", [("1x16", "1x16"), ("1x16", "16x16"), ("16x16", "1x16")])
+def test_nvfp4_plan(a_block, b_block):
+    """E2M1 operands in TN form (K counted in elements, ld K), VEC16_UE4M3 scales on both (16x16 tiles are read as
+    the 1x16 rows gemm_scale expands them to), the block scale pointers swapped with the operands, and alpha and
+    beta read from the device (POINTER_MODE_DEVICE): alpha = S_dec_a * S_dec_b never visits the host."""
+    lt, p = plan(fp4_spec(a_block, b_block, bias="bfloat16"))
+    assert lt.desc[A.TRANSA] == 1 and lt.desc[A.TRANSB] == 0
+    assert lt.layouts == [(E2M1_R, K, N, K), (E2M1_R, K, M, K), (CUDA_R["bfloat16"], N, M, N),
+                          (CUDA_R["bfloat16"], N, M, N)]
+    assert lt.desc[A.A_SCALE_MODE] == lt.desc[A.B_SCALE_MODE] == int(SCALE.VEC16_UE4M3)
+    assert lt.desc[A.A_SCALE_POINTER] == B_S and lt.desc[A.B_SCALE_POINTER] == A_S
+    assert lt.desc[A.POINTER_MODE] == int(lt_real.PointerMode.DEVICE) and p.device_alpha
+    assert lt.compute[1] == CUDA_R["float32"]  # alpha's type (SCALE_TYPE): fp32
+    assert lt.desc[A.EPILOGUE] == int(lt_real.Epilogue.BIAS) and lt.desc[A.BIAS_POINTER] == BIAS
+    assert A.D_SCALE_POINTER not in lt.desc and A.AMAX_D_POINTER not in lt.desc
+
+
+def test_mxfp4_plan():
+    """MXFP4: VEC32_UE8M0 scales, alpha 1 from the host (the default pointer mode)."""
+    lt, p = plan(fp4_spec("1x32", "1x32", out="float32"))
+    assert lt.layouts[:2] == [(E2M1_R, K, N, K), (E2M1_R, K, M, K)]
+    assert lt.desc[A.A_SCALE_MODE] == lt.desc[A.B_SCALE_MODE] == int(SCALE.VEC32_UE8M0)
+    assert A.POINTER_MODE not in lt.desc and not p.device_alpha
+    assert cublaslt.scalars(p, None) == (cublaslt._ONE.ctypes.data, cublaslt._ZERO.ctypes.data)
+
+
+def test_nvfp4_alpha_and_beta_are_the_device_arrays_two_floats():
+    _, p = plan(fp4_spec())
+
+    class Alpha:
+        data = type("Memory", (), {"ptr": 0x7000})()
+        itemsize = 4
+
+    assert cublaslt.scalars(p, Alpha()) == (0x7000, 0x7004)
+    with pytest.raises(ValueError, match="^alpha: an NVFP4 GEMM reads alpha and beta from the device"):
+        cublaslt.scalars(p, None)
+
+
+def test_no_fp4_algorithm_names_fp4():
+    with pytest.raises(RuntimeError, match=r"no FP4 GEMM algorithm for M=48, N=32, K=256, a E2M1 x b E2M1"):
+        plan(fp4_spec(), RecordingLt(found=0))
+
+
+@pytest.mark.parametrize("cc", [80, 89, 90])
+def test_fp4_gemm_is_refused_before_blackwell_by_compute_capability(monkeypatch, cc):
+    """The H100/H200 (9.0) and older have no block-scaled FP4 in cuBLASLt: a ValueError naming the capability."""
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    with pytest.raises(ValueError, match=rf"^a: an FP4 GEMM \(NVFP4, MXFP4\) needs a GPU of compute capability "
+                                         rf"10.x, 11.x or 12.x .*cuda:0 is {cc // 10}\.{cc % 10}: move the operands"):
+        cublaslt.check_fp4_device(0)
+
+
+@pytest.mark.parametrize("cc", [100, 103, 110, 120, 121])
+def test_fp4_gemm_is_taken_on_blackwell(monkeypatch, cc):
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    monkeypatch.setattr(cublaslt, "lt_bindings", lambda: type("Lt", (), {"get_version": staticmethod(lambda: 130100)}))
+    cublaslt.check_fp4_device(0)
+    monkeypatch.setattr(cublaslt, "lt_bindings", lambda: type("Lt", (), {"get_version": staticmethod(lambda: 120700)}))
+    with pytest.raises(ValueError, match="^a: an FP4 GEMM needs cuBLAS 12.8 or newer, found 120700"):
+        cublaslt.check_fp4_device(0)

@@ -384,10 +384,12 @@ def global_scales(g: Any) -> tuple[np.float32, np.float32]:
 
 
 @ieee
-def gemm_alpha(amax_a: Any, amax_b: Any) -> np.float32:
-    """alpha = S_dec_a *rn S_dec_b, each from its operand's global amax by the global scale rule."""
+def gemm_alpha(amax_a: Tensor, amax_b: Tensor) -> np.ndarray:
+    """float32 [2]: (alpha, beta) = (S_dec_a *rn S_dec_b, 0), each S_dec from its operand's global amax (float32,
+    1 element) by the global scale rule; beta is there because cuBLASLt's device pointer mode reads both."""
     with np.errstate(all="ignore"):
-        return np.float32(global_scales(amax_a)[1] * global_scales(amax_b)[1])
+        alpha = np.float32(global_scales(amax_a.data)[1] * global_scales(amax_b.data)[1])
+    return np.array([alpha, 0], np.float32)
 
 
 @cached("cpu_fp4.e4m3_f32")
@@ -503,13 +505,18 @@ def _operand64(data: Tensor, scale: Tensor, block: int, nvfp4: bool) -> tuple[np
 
 
 @ieee
-def gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, alpha: np.float32, nvfp4: bool,
-         bias: Tensor | None, out_dtype: str) -> np.ndarray:
+def gemm(spec: Any, a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
+         global_amaxes: tuple[Tensor, Tensor] | None, bias: Tensor | None) -> np.ndarray:
     """The FP4 GEMM's exact-input emulation, TN (both operands' blocks along K): D[m, n] = alpha * sum over
-    K-blocks kb of s_a[m, kb] * s_b[n, kb] * (sum over k in kb of q_a * q_b) (+ bias[n]). Each K-block's sum and
+    K-blocks kb of s_a[m, kb] * s_b[n, kb] * (sum over k in kb of q_a * q_b) (+ bias[n]), a [M, K/2] and b [N, K/2]
+    packed, their scales as quantized (16x16 tiles too); global_amaxes (NVFP4: each operand's, alpha from them by
+    :func:`gemm_alpha`) or None (MXFP4, alpha 1); spec: fp8core.gemm.GemmSpec (out_dtype). Each K-block's sum and
     its product with the two factors are exact in float64 (E2M1 products are multiples of 1/4 below 36, the
     factors powers of two or E4M3 values); the sum over K-blocks is float64's, then times alpha, rounded once to
     fp32 and cast to out_dtype (RTNE). The GPU's fp32 accumulation is compared with tolerances that grow with K."""
+    nvfp4 = global_amaxes is not None
+    alpha = gemm_alpha(*global_amaxes)[0] if nvfp4 else np.float32(1)
+    out_dtype = spec.out_dtype
     block = NVFP4_BLOCK if nvfp4 else MXFP4_BLOCK
     qa, fa = _operand64(a, a_scale, block, nvfp4)
     qb, fb = _operand64(b, b_scale, block, nvfp4)

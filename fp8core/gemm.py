@@ -223,6 +223,8 @@ def _fp4(a: ScaledTensor, b: ScaledTensor, out_dtype: Any, bias: Any, out_scale:
         raise ValueError("use_fast_accum: the FP4 GEMM has no fast accumulation; pass use_fast_accum=False")
     ops = fp4.gemm_operands(a, b)
     ta, tb = ops.a_data, ops.b_data
+    _aligned(ta, "a")  # cuBLASLt's, as for FP8: refused on every backend alike
+    _aligned(tb, "b")
     m, k, n = check_shapes((ta.shape[0], 2 * ta.shape[1]), (tb.shape[0], 2 * tb.shape[1]))
     if k % fp4.FP4_GEMM_K:
         raise ValueError(f"a: K = {k}; the FP4 GEMM needs K to be a multiple of {fp4.FP4_GEMM_K}")

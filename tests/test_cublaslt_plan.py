@@ -327,3 +327,106 @@ def test_fp4_gemm_is_taken_on_blackwell(monkeypatch, cc):
     monkeypatch.setattr(cublaslt, "lt_bindings", lambda: type("Lt", (), {"get_version": staticmethod(lambda: 120700)}))
     with pytest.raises(ValueError, match="^a: an FP4 GEMM needs cuBLAS 12.8 or newer, found 120700"):
         cublaslt.check_fp4_device(0)
+
+
+# ---- cuda_fp4.gemm: what it launches before cuBLASLt, on the caller's stream --------------------------------
+
+class _FP4Call:
+    """cuda_fp4.gemm's surroundings replaced: the device guard, stream, allocator and launches recorded, and
+    cublaslt.gemm recording what it is handed."""
+
+    def __init__(self, monkeypatch, cc=100, capturing=False):
+        pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed")
+        from test_cupy_capture import FakeArray
+
+        from fp8core import _kernels
+        from fp8core.backends import cuda_fp4
+
+        self.log, self.FakeArray, self.next = [], FakeArray, 0x100000
+        monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+        monkeypatch.setattr(cublaslt, "lt_bindings", lambda: type("Lt", (), {"get_version": lambda: 130100}))
+        monkeypatch.setattr(cuda_fp4, "On", lambda device: _Guard(self.log, device))
+        monkeypatch.setattr(cuda_fp4, "stream_of", lambda t: 77)
+        monkeypatch.setattr(cuda_fp4, "capture_outlives", lambda t, stream: capturing)
+        monkeypatch.setattr(cuda_fp4, "empty", self.empty)
+        monkeypatch.setattr(_kernels.Kernel, "launch", lambda kernel, *args, **kwargs: self.launch(kernel, *args,
+                                                                                                   **kwargs))
+        monkeypatch.setattr(cublaslt, "gemm", self.gemm)
+        self.cuda_fp4 = cuda_fp4
+
+    def empty(self, shape, dtype, like):
+        self.next += 0x10000
+        return self.FakeArray(shape, dtype, self.next)
+
+    def launch(self, kernel, device, targs, work, stream, **args):
+        kernel.signature.pack(args)  # the names and kinds the kernel's C++ signature takes
+        self.log.append(("launch", kernel.name, stream, args))
+
+    def gemm(self, spec, a, b, a_scale, b_scale, bias, out_scale, out_amax, out, stream, alpha=None):
+        self.log.append(("cublaslt", spec, a_scale.data.ptr, b_scale.data.ptr, stream, alpha))
+        return "D"
+
+    def tensor(self, shape, dtype, ptr):
+        from fp8core._tensor import Tensor
+
+        return Tensor(self.FakeArray(shape, np.uint8 if dtype != "float32" else np.float32, ptr), dtype,
+                      ("cuda", 0), "cupy")
+
+
+class _Guard:
+    def __init__(self, log, device):
+        self.log, self.device = log, device
+
+    def __enter__(self):
+        self.log.append(("device", self.device))
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fp4_operands(call):
+    a, b = call.tensor((M, K // 2), "uint8", 0x1000), call.tensor((N, K // 2), "uint8", 0x2000)
+    sa, sb = call.tensor((M, K // 16), "float8_e4m3fn", 0x3000), call.tensor((N // 16, K // 16), "float8_e4m3fn", 0x4000)
+    amaxes = (call.tensor((1,), "float32", 0x5000), call.tensor((1,), "float32", 0x6000))
+    return a, sa, b, sb, amaxes
+
+
+def test_cuda_fp4_gemm_computes_alpha_and_scale_layouts_on_the_callers_stream(monkeypatch):
+    """NVFP4 (a 1x16, b 16x16 tiles): alpha from the two amax pointers, both scales swizzled (b's tiles expanded to
+    its N rows), all on the caller's stream, then cuBLASLt with those arrays; nothing read back to the host."""
+    call = _FP4Call(monkeypatch)
+    a, sa, b, sb, amaxes = _fp4_operands(call)
+    assert call.cuda_fp4.gemm(fp4_spec("1x16", "16x16"), a, sa, b, sb, amaxes, None) == "D"
+    launches = [e for e in call.log if e[0] == "launch"]
+    assert [(e[1], e[2]) for e in launches] == [("nvfp4_gemm_alpha_kernel", 77), ("fp4_scale_swizzle_kernel", 77),
+                                                ("fp4_scale_swizzle_kernel", 77)]
+    alpha_args, a_sw, b_sw = (e[3] for e in launches)
+    assert (alpha_args["amax_a"], alpha_args["amax_b"]) == (0x5000, 0x6000)
+    assert (a_sw["s"], a_sw["rows"], a_sw["tile_rows"]) == (0x3000, M, 1)
+    assert (b_sw["s"], b_sw["rows"], b_sw["tile_rows"]) == (0x4000, N, 16)
+    (_, spec_, a_scale, b_scale, stream, alpha), = [e for e in call.log if e[0] == "cublaslt"]
+    assert (a_scale, b_scale, stream) == (a_sw["out"], b_sw["out"], 77)
+    assert alpha.data.ptr == alpha_args["alpha_beta"] and alpha.shape == (2,) and alpha.dtype == np.float32
+
+
+def test_cuda_mxfp4_gemm_has_no_alpha(monkeypatch):
+    call = _FP4Call(monkeypatch)
+    a, b = call.tensor((M, K // 2), "uint8", 0x1000), call.tensor((N, K // 2), "uint8", 0x2000)
+    sa, sb = call.tensor((M, K // 32), "float8_e8m0fnu", 0x3000), call.tensor((N, K // 32), "float8_e8m0fnu", 0x4000)
+    call.cuda_fp4.gemm(fp4_spec("1x32", "1x32"), a, sa, b, sb, None, None)
+    assert [e[1] for e in call.log if e[0] == "launch"] == ["fp4_scale_swizzle_kernel"] * 2
+    assert [e for e in call.log if e[0] == "cublaslt"][0][-1] is None
+
+
+def test_cuda_fp4_gemm_on_a_hopper_is_refused_before_any_launch(monkeypatch):
+    call = _FP4Call(monkeypatch, cc=90)
+    with pytest.raises(ValueError, match=r"^a: an FP4 GEMM .* cuda:0 is 9\.0"):
+        call.cuda_fp4.gemm(fp4_spec(), *_fp4_operands(call), None)
+    assert call.log == []
+
+
+def test_cuda_fp4_gemm_inside_a_cupy_capture_is_refused_before_any_launch(monkeypatch):
+    call = _FP4Call(monkeypatch, capturing=True)
+    with pytest.raises(ValueError, match=r"^a, b: an FP4 GEMM lays its block scales out .* captured with CuPy"):
+        call.cuda_fp4.gemm(fp4_spec(), *_fp4_operands(call), None)
+    assert not [e for e in call.log if e[0] != "device"]

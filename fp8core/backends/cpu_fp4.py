@@ -22,7 +22,7 @@ from .. import formats
 from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
-from .cpu import CANONICAL_NAN, FLT_MAX, amax, canonical_nan_fp8, map_spans, to_f32, transpose
+from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast, to_f32, transpose
 from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
 
 E2M1 = formats.E2M1
@@ -37,7 +37,6 @@ _LOW15 = np.array(0x7FFF, np.uint32)
 _FIFTEEN = np.array(15, np.uint32)
 _ONE_SIXTH = np.float32(1.0 / 6.0)  # 0x3E2AAAAB, rounded once
 _NVFP4_RANGE = np.float32(E4M3.max * E2M1.max)  # 2688, exact
-_E4M3_MAX = np.float32(E4M3.max)
 
 
 # ---- E2M1 ---------------------------------------------------------------------------------------------------
@@ -67,13 +66,15 @@ def e2m1_table() -> np.ndarray:
     return table
 
 
-def e2m1_index(y: np.ndarray) -> np.ndarray:
-    """(top 16 bits of each fp32 value << 1) | (any of its low 16 bits set), as uint32: the table's index."""
+def e2m1_index(y: np.ndarray, dtype: Any = np.uint32) -> np.ndarray:
+    """(top 16 bits of each fp32 value << 1) | (any of its low 16 bits set), in ``dtype`` (uint32, or intp for a
+    lookup: the last shift then writes the wide index itself, where a separate widening pass cost a quarter of the
+    cast): the table's index."""
     bits = y.view(np.uint32)
     low = np.bitwise_and(bits, _LOW15)
     np.add(low, _LOW15, out=low)  # bit 15 set iff any of bits 14..0 was
     np.bitwise_or(low, bits, out=low)
-    return np.right_shift(low, _FIFTEEN, out=low)
+    return np.right_shift(low, _FIFTEEN, out=low if dtype == np.uint32 else np.empty(low.shape, dtype))
 
 
 def e2m1_codes(y: np.ndarray) -> np.ndarray:
@@ -160,12 +161,16 @@ def _positions(t: np.ndarray, b: int, columnwise: bool) -> np.ndarray:
 
 
 def _max_over_positions(v: np.ndarray) -> np.ndarray:
-    """max over axis 1 of an [A, b, B] integer array, as [A, B]: b elementwise maxima of [A, B] slices (a
-    reduction over a short axis pays NumPy's per-row set-up for every block)."""
-    acc = v[:, 0].copy()
-    for i in range(1, v.shape[1]):
-        np.maximum(acc, v[:, i], out=acc)
-    return acc
+    """max over axis 1 of an [A, b, B] integer array (b a power of two), as [A, B]: the halves of axis 1 folded
+    onto each other, log2(b) elementwise maxima over long rows (a reduction over a short axis pays NumPy's per-row
+    set-up for every block). Rowwise blocks ([A, b, 1]) are first copied position-major, [b, A]: folding [A, b]
+    in place would be short rows again, and b strided [A] slices each sweep the whole tile."""
+    a, b, _ = v.shape
+    acc = np.ascontiguousarray(v[:, :, 0].T).reshape(1, b, a) if v.shape[2] == 1 else v
+    while b > 1:
+        b //= 2
+        acc = np.maximum(acc[:, :b], acc[:, b:2 * b], out=acc[:, :b] if acc is not v else None)
+    return acc[:, 0].reshape(a, -1)
 
 
 def _magnitudes(t: np.ndarray) -> np.ndarray:
@@ -215,15 +220,15 @@ def _scaled(t: np.ndarray, e: np.ndarray, b: int, columnwise: bool, tiles: bool)
             y.reshape(s // b, b, k // b, b)[...] *= e[:, None, :, None]
     elif columnwise:
         y.reshape(s // b, b, k)[...] *= e[:, None, :]
-    else:
-        y.reshape(s, k // b, b)[...] *= e[:, :, None]
+    else:  # each block's multiplier spread over its elements: a broadcast over b-element rows pays NumPy's
+        np.multiply(y, np.repeat(e, b, axis=1), out=y)  # per-row set-up for every block
     return y
 
 
 def _codes(y: np.ndarray) -> np.ndarray:
-    """E2M1(y), uint8 codes of fp32 values (contiguous). The index is widened to intp before the lookup: take's
-    own conversion of uint32 indices cost 3-4x the widening and the lookup together."""
-    return e2m1_table().take(e2m1_index(y).astype(np.intp), mode="clip")
+    """E2M1(y), uint8 codes of fp32 values (contiguous). The index is intp for the lookup: take's own conversion
+    of uint32 indices cost 3-4x the widening and the lookup together."""
+    return e2m1_table().take(e2m1_index(y, np.intp), mode="clip")
 
 
 def _pack_rows(codes: np.ndarray) -> np.ndarray:
@@ -406,8 +411,7 @@ def nvfp4_block_scales(amax_bits: np.ndarray, s_enc: np.float32, s_dec: np.float
     s_b = SATFINITE_RTNE_E4M3(d_b), e_b = 1 /rn (fp32(s_b) *rn S_dec) with inf -> FLT_MAX (NaN stays).
     NumPy's warnings must be off."""
     d = amax_bits.view(np.float32) * np.float32(s_enc * _ONE_SIXTH)
-    codes = np.minimum(d, _E4M3_MAX).astype(E4M3.numpy_dtype).view(np.uint8)  # >= 448 and inf saturate
-    canonical_nan_fp8(codes, E4M3)
+    codes = satfinite_cast(d, E4M3)  # >= 448 and inf saturate, NaN is 0x7F
     e = np.divide(np.float32(1), _e4m3_f32().take(codes) * s_dec, dtype=np.float32)
     e[np.isinf(e)] = FLT_MAX
     return codes, e

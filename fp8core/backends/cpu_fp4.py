@@ -213,15 +213,18 @@ def _scaled(t: np.ndarray, e: np.ndarray, b: int, columnwise: bool, tiles: bool)
     """fp32(t) *rn e[its block], [s, K]; e in x's block grid (:func:`block_amax_bits`)."""
     y = to_f32(t)
     s, k = t.shape
-    if tiles:
-        if s % b:  # a partial last tile: each row its tile's multipliers
-            y.reshape(s, k // b, b)[...] *= np.repeat(e, b, axis=0)[:s, :, None]
-        else:
-            y.reshape(s // b, b, k // b, b)[...] *= e[:, None, :, None]
-    elif columnwise:
+    if columnwise and not tiles:
         y.reshape(s // b, b, k)[...] *= e[:, None, :]
-    else:  # each block's multiplier spread over its elements: a broadcast over b-element rows pays NumPy's
-        np.multiply(y, np.repeat(e, b, axis=1), out=y)  # per-row set-up for every block
+        return y
+    # Rowwise and 16x16 tiles (either operand: x's tiles), each block's multiplier is first spread over its b columns: a broadcast over
+    # b-element rows pays NumPy's per-row set-up for every block
+    f = np.repeat(e, b, axis=1)
+    if not tiles:
+        y *= f
+    elif s % b == 0:
+        y.reshape(s // b, b, k)[...] *= f[:, None, :]
+    else:  # a partial last tile: each row its tile's multipliers
+        y *= np.repeat(f, b, axis=0)[:s]
     return y
 
 

@@ -160,17 +160,30 @@ def _positions(t: np.ndarray, b: int, columnwise: bool) -> np.ndarray:
     return t.reshape(s // b, b, k) if columnwise else t.reshape(s * k // b, b, 1)
 
 
-def _max_over_positions(v: np.ndarray) -> np.ndarray:
-    """max over axis 1 of an [A, b, B] integer array (b a power of two), as [A, B]: the halves of axis 1 folded
-    onto each other, log2(b) elementwise maxima over long rows (a reduction over a short axis pays NumPy's per-row
-    set-up for every block). Rowwise blocks ([A, b, 1]) are first copied position-major, [b, A]: folding [A, b]
-    in place would be short rows again, and b strided [A] slices each sweep the whole tile."""
-    a, b, _ = v.shape
-    acc = np.ascontiguousarray(v[:, :, 0].T).reshape(1, b, a) if v.shape[2] == 1 else v
+def _fold(v: np.ndarray, copy: bool) -> np.ndarray:
+    """max over axis 1 of [A, b, B] (b a power of two) as [A, B]: the halves of axis 1 folded onto each other,
+    log2(b) elementwise maxima over rows of B; in place unless ``copy``."""
+    b = v.shape[1]
     while b > 1:
         b //= 2
-        acc = np.maximum(acc[:, :b], acc[:, b:2 * b], out=acc[:, :b] if acc is not v else None)
-    return acc[:, 0].reshape(a, -1)
+        v = np.maximum(v[:, :b], v[:, b:2 * b], out=None if copy else v[:, :b])
+        copy = False
+    return v[:, 0]
+
+
+def _max_over_positions(v: np.ndarray) -> np.ndarray:
+    """max over axis 1 of an [A, b, B] integer array (b a power of two), as [A, B], by folding halves (a reduction
+    over a short axis pays NumPy's per-row set-up for every block). Rowwise blocks ([A, b, 1], contiguous) are
+    first made position-major, where folding runs over long rows: b strided [A] slices would each sweep the whole
+    tile. That transposition moves 8-byte words of 8 / itemsize positions first (cheaper per byte than 2- or
+    4-byte elements), folds those, then transposes the [A, 8 / itemsize] maxima left."""
+    a, b, n = v.shape
+    if n != 1:
+        return _fold(v, True)
+    per = 8 // v.itemsize
+    words = np.ascontiguousarray(v.reshape(a, b).view(np.uint64).T)  # [b / per, A]: word j holds positions of j
+    m = _fold(words.view(v.dtype).reshape(1, b // per, a * per), False).reshape(a, per)
+    return _fold(np.ascontiguousarray(m.T).reshape(1, per, a), False).reshape(a, 1)
 
 
 def _magnitudes(t: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from .. import formats
 from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
-from .cpu import CANONICAL_NAN, FLT_MAX, map_spans, satfinite_cast, to_f32, transpose
+from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast, to_f32, transpose
 from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
 
 E2M1 = formats.E2M1
@@ -289,37 +289,26 @@ def _tiles(m: int, k: int, step: int, columnwise: bool) -> list[tuple[int, int, 
     return [(m0, min(m0 + rows, m), k0, min(k0 + cols, k)) for m0 in range(0, m, rows) for k0 in range(0, k, cols)]
 
 
-def _grid_slices(tile: tuple[int, int, int, int], b: int, columnwise: bool, tiles: bool) -> tuple[slice, slice]:
-    """The blocks of the tile (m0, m1, k0, k1) of x in x's block grid (:func:`block_amax_bits`)."""
-    m0, m1, k0, k1 = tile
-    if columnwise and not tiles:
-        return slice(m0 // b, m1 // b), slice(k0, k1)
-    return (slice(m0 // b, -(-m1 // b)) if tiles else slice(m0, m1)), slice(k0 // b, k1 // b)
-
-
 def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callable[[np.ndarray], tuple],
               sr: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
-    """(packed [R, C/2], stored scales) of the operand of x [M, K] (x or x^T): every block's amax bits through
-    ``rule`` -> (stored bytes, fp32 multipliers); q = E2M1(fp32(x) *rn multiplier), or SR with ``sr`` = (seed,
-    offset); scales [R, C/b], or [ceil(R/16), C/16] with ``tiles``. Two passes over the tiles of x (:func:`_tiles`,
-    on cpu's pool): the blocks' amaxes, then the elements; ``rule`` takes all the amaxes at once between them, in
-    x's block grid, so the per-block arithmetic is a few calls for the tensor rather than a few per tile."""
+    """(packed [R, C/2], stored scales) of the operand of x [M, K] (x or x^T): each block's amax bits through
+    ``rule`` -> (stored bytes, fp32 multiplier); q = E2M1(fp32(x) *rn multiplier), or SR with ``sr`` = (seed,
+    offset). Tiles of x (:func:`_tiles`) on cpu's pool; scales [R, C/b], or [ceil(R/16), C/16] with ``tiles``."""
     m, k = x.shape
     grid = (-(-m // b), k // b) if tiles else ((m // b, k) if columnwise else (m, k // b))
-    amax_bits = np.empty(grid, np.uint32)
+    stored = np.empty(grid, np.uint8)
     packed = np.empty((m // 2, k) if columnwise else (m, k // 2), np.uint8)
-    todo = _tiles(m, k, b if columnwise or tiles else 1, columnwise)
-
-    def measure(i0: int, i1: int) -> None:
-        for m0, m1, k0, k1 in todo[i0:i1]:
-            amax_bits[_grid_slices((m0, m1, k0, k1), b, columnwise, tiles)] = \
-                block_amax_bits(x[m0:m1, k0:k1], b, columnwise, tiles)
+    step = b if columnwise or tiles else 1
+    todo = _tiles(m, k, step, columnwise)
 
     def work(i0: int, i1: int) -> None:
         for m0, m1, k0, k1 in todo[i0:i1]:
+            t = x[m0:m1, k0:k1]
             with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
-                y = _scaled(x[m0:m1, k0:k1], e[_grid_slices((m0, m1, k0, k1), b, columnwise, tiles)], b,
-                            columnwise, tiles)
+                codes, e = rule(block_amax_bits(t, b, columnwise, tiles))
+                g0, c0 = m0 // step, (k0 // b if tiles else k0)
+                stored[g0:g0 + codes.shape[0], c0:c0 + codes.shape[1]] = codes
+                y = _scaled(t, e, b, columnwise, tiles)
                 q = _codes(y) if sr is None else \
                     e2m1_stochastic(y, _random_bytes((m0, m1, k0, k1), (m, k), columnwise, *sr))
                 if columnwise:
@@ -327,8 +316,6 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
                 else:
                     packed[m0:m1] = _pack_rows(q)
 
-    map_spans(len(todo), 1, measure)
-    stored, e = rule(amax_bits)
     map_spans(len(todo), 1, work)
     if not columnwise:
         return packed, stored
@@ -453,16 +440,12 @@ def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool,
     float32 [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G or None."""
     m, k = x.data.shape
     data = _transformed(x.data, columnwise) if hadamard else x.data
-    g = None if global_amax is None else np.asarray(global_amax, np.float32).reshape(1).copy()
-
-    def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        nonlocal g
-        if g is None:  # the operand's amax is its largest block amax (a NaN's canonical bits are above all others)
-            g = np.array([bits.max(initial=0)], np.uint32).view(np.float32)
-        return nvfp4_block_scales(bits, *global_scales(g))
-
+    g = amax(Tensor(data, x.dtype, x.device, "numpy")) if global_amax is None else \
+        np.asarray(global_amax, np.float32).reshape(1).copy()
+    s_enc, s_dec = global_scales(g)
     # Rowwise, the transform left x's blocks position-major: its columnwise operand is x's blocks, one a row
-    packed, scales = _quantize(data, NVFP4_BLOCK, columnwise or hadamard, weight_2d, rule,
+    packed, scales = _quantize(data, NVFP4_BLOCK, columnwise or hadamard, weight_2d,
+                               lambda bits: nvfp4_block_scales(bits, s_enc, s_dec),
                                (seed, offset) if stochastic else None)
     if hadamard and not columnwise:
         packed, scales = packed.reshape(m, k // 2), scales.reshape(m, k // NVFP4_BLOCK)

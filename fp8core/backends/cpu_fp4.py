@@ -247,21 +247,28 @@ def _codes(y: np.ndarray) -> np.ndarray:
     return e2m1_table().take(e2m1_index(y, np.intp), mode="clip")
 
 
-def _pack_rows(codes: np.ndarray) -> np.ndarray:
-    """Codes [s, C] (each < 16) packed along rows, [s, C/2]: E2M1.pack's layout, element 2j in the low nibble,
-    read as little-endian pairs (byte 2j + (byte 2j+1 << 8)) folded by one shift: a third of pack's passes."""
+def _pack_rows(codes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out [s, C/2] (new when None) = codes [s, C] (each < 16) packed along rows: E2M1.pack's layout, element 2j
+    in the low nibble, read as little-endian pairs (byte 2j + (byte 2j+1 << 8)) folded by one shift: a third of
+    pack's passes."""
+    if out is None:
+        out = np.empty((codes.shape[0], codes.shape[1] // 2), np.uint8)
     if not E2M1.low_nibble_first:
-        return E2M1.pack(codes)
+        out[...] = E2M1.pack(codes)
+        return out
     pairs = np.ascontiguousarray(codes).view("<u2")
-    return np.bitwise_or(pairs, np.right_shift(pairs, np.uint16(4))).astype(np.uint8)
+    folded = np.right_shift(pairs, np.uint16(4))
+    out[...] = np.bitwise_or(pairs, folded, out=folded)  # the low byte of each pair: the assignment casts
+    return out
 
 
-def _pack_columns(codes: np.ndarray) -> np.ndarray:
-    """Codes [s, K] (s even) packed down the columns, [s/2, K]: row 2j in the low nibble (the transposed
-    operand's packing, before its transpose)."""
+def _pack_columns(codes: np.ndarray, out: np.ndarray) -> None:
+    """out [s/2, K] = codes [s, K] (s even) packed down the columns: row 2j in the low nibble (the transposed
+    operand's packing, before its transpose), written in place."""
     pairs = codes.reshape(codes.shape[0] // 2, 2, codes.shape[1])
     lo, hi = (pairs[:, 0], pairs[:, 1]) if E2M1.low_nibble_first else (pairs[:, 1], pairs[:, 0])
-    return np.bitwise_or(lo, np.left_shift(hi, 4, dtype=np.uint8))
+    np.left_shift(hi, 4, out=out, dtype=np.uint8)
+    np.bitwise_or(out, lo, out=out)
 
 
 def _random_bytes(tile: tuple[int, int, int, int], shape: tuple[int, int], columnwise: bool, seed: int,
@@ -312,9 +319,9 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
                 q = _codes(y) if sr is None else \
                     e2m1_stochastic(y, _random_bytes((m0, m1, k0, k1), (m, k), columnwise, *sr))
                 if columnwise:
-                    packed[m0 // 2:m1 // 2, k0:k1] = _pack_columns(q)
+                    _pack_columns(q, packed[m0 // 2:m1 // 2, k0:k1])
                 else:
-                    packed[m0:m1] = _pack_rows(q)
+                    _pack_rows(q, packed[m0:m1])
 
     map_spans(len(todo), 1, work)
     if not columnwise:

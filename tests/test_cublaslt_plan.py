@@ -386,7 +386,8 @@ class _Guard:
 
 def _fp4_operands(call):
     a, b = call.tensor((M, K // 2), "uint8", 0x1000), call.tensor((N, K // 2), "uint8", 0x2000)
-    sa, sb = call.tensor((M, K // 16), "float8_e4m3fn", 0x3000), call.tensor((N // 16, K // 16), "float8_e4m3fn", 0x4000)
+    sa = call.tensor((M, K // 16), "float8_e4m3fn", 0x3000)
+    sb = call.tensor((N // 16, K // 16), "float8_e4m3fn", 0x4000)
     amaxes = (call.tensor((1,), "float32", 0x5000), call.tensor((1,), "float32", 0x6000))
     return a, sa, b, sb, amaxes
 

@@ -229,8 +229,8 @@ def _scaled(t: np.ndarray, e: np.ndarray, b: int, columnwise: bool, tiles: bool)
     if columnwise and not tiles:
         y.reshape(s // b, b, k)[...] *= e[:, None, :]
         return y
-    # Rowwise and 16x16 tiles (either operand: x's tiles), each block's multiplier is first spread over its b columns: a broadcast over
-    # b-element rows pays NumPy's per-row set-up for every block
+    # Rowwise and 16x16 tiles (either operand: x's tiles), each block's multiplier is first spread over its b
+    # columns: a broadcast over b-element rows pays NumPy's per-row set-up for every block
     f = np.repeat(e, b, axis=1)
     if not tiles:
         y *= f

@@ -222,6 +222,7 @@ NVFP4_QUANTIZE = Kernel("fp4_quantize.cu", "nvfp4_quantize_kernel", itertools.pr
 MXFP4_QUANTIZE = Kernel("fp4_quantize.cu", "mxfp4_quantize_kernel", itertools.product(_T, (True, False)), _stride(1))
 FP4_DEQUANTIZE = Kernel("fp4_quantize.cu", "fp4_dequantize_kernel", itertools.product(_T, (True, False)), _stride(1))
 FP4_SCALE_SWIZZLE = Kernel("fp4_quantize.cu", "fp4_scale_swizzle_kernel", grid=_stride(1))
+NVFP4_GEMM_ALPHA = Kernel("fp4_gemm.cu", "nvfp4_gemm_alpha_kernel", grid=_stride(1))  # one thread: alpha, beta
 
 RECORDS = tuple(k for k in list(globals().values()) if isinstance(k, Kernel))  # every record above, in order
 # Every instantiation of every file, compiled together (name_expressions); selftest's coverage reads it.

@@ -5,8 +5,9 @@ x itself, or x^T [K, M] with ``columnwise=True`` (stored transposed, as cuBLASLt
 Blocks are consecutive elements of an operand row: 16 with an E4M3 scale (NVFP4, under an fp32 global scale from
 the tensor's amax; 16x16 tiles with ``weight_2d``) or 32 with an E8M0 scale (MXFP4). ``.data`` is uint8 [R, C/2],
 element 2j of a row in the low nibble of byte j. The numerics are docs/numerics.md's "FP4" section; the CPU
-reference gives its bits, the CUDA kernels the same (the FP4 GEMM on CUDA operands is refused by name). Any
-array in, the caller's type out.
+reference gives its bits, the CUDA kernels the same (the FP4 GEMM runs through cuBLASLt on GPUs that have its
+block-scaled FP4 modes, compute capability 10.x and 12.x, and is refused by name elsewhere). Any array in, the
+caller's type out.
 
 The results are scaled tensors (:class:`fp8core.ScaledTensor`) of E2M1 data: :class:`NVFP4Tensor`
 ``(data, scale, global_amax)`` in layout ``1x16`` (or ``16x16`` tiles) and :class:`MXFP4Tensor` ``(data, scale)``
@@ -168,12 +169,17 @@ def _parts(t: Any, cls: type, arg: str, function: str) -> tuple[Tensor, Tensor, 
     return data, scale, backend, resolve(t._layout, family, (rows, cols), scale.shape, f"{arg}.scale")
 
 
-def _global_amax(t: NVFP4Tensor, data: Tensor, arg: str, data_arg: str) -> Any:
-    """t's global amax, checked: 1 float32 element on data's device, flat."""
+def _global_amax_tensor(t: NVFP4Tensor, data: Tensor, arg: str, data_arg: str) -> Tensor:
+    """t's global amax, checked: 1 float32 element on data's device."""
     amax = args.f32_vector(t[2], data, f"{arg}.global_amax", data_arg)
     if amax.size != 1:
         raise ValueError(f"{arg}.global_amax: expected 1 element, got shape {amax.shape}")
-    return amax.data.reshape(-1)
+    return amax
+
+
+def _global_amax(t: NVFP4Tensor, data: Tensor, arg: str, data_arg: str) -> Any:
+    """t's global amax, checked, as the backend's flat 1-element array."""
+    return _global_amax_tensor(t, data, arg, data_arg).data.reshape(-1)
 
 
 def dequantize_nvfp4(t: NVFP4Tensor, out_dtype: Any = "float32") -> Array:
@@ -215,15 +221,17 @@ FP4_GEMM_K = 32  # K: a multiple of 32 (Transformer Engine's reference GEMM; cuB
 
 class GemmFP4(NamedTuple):
     """FP4 GEMM operands, unpacked and validated for :func:`fp8core.gemm`: data [rows, K/2] and scales of each,
-    the backend, NVFP4 or MXFP4, and alpha (S_dec_a *rn S_dec_b for NVFP4, 1 for MXFP4)."""
+    their layouts, the backend, and the two global amaxes (NVFP4, whose alpha = S_dec_a *rn S_dec_b the backend
+    computes where the data is) or None (MXFP4: alpha 1)."""
 
     a_data: Tensor
     a_scale: Tensor
     b_data: Tensor
     b_scale: Tensor
+    a_layout: Layout
+    b_layout: Layout
     backend: Any
-    nvfp4: bool
-    alpha: float
+    global_amaxes: tuple[Tensor, Tensor] | None
 
 
 def gemm_operands(a: NVFP4Tensor | MXFP4Tensor, b: NVFP4Tensor | MXFP4Tensor) -> GemmFP4:
@@ -231,10 +239,10 @@ def gemm_operands(a: NVFP4Tensor | MXFP4Tensor, b: NVFP4Tensor | MXFP4Tensor) ->
     blocks along K (a's data [M, K/2], b's [N, K/2]: rowwise quantizations of a [M, K] and a weight [N, K], or
     columnwise ones of the transposed tensors)."""
     cls = _class_of(a)
-    da, sa, backend, _ = _parts(a, cls, "a", "gemm")
-    db, sb, _, _ = _parts(b, cls, "b", "gemm")
+    da, sa, backend, la = _parts(a, cls, "a", "gemm")
+    db, sb, _, lb = _parts(b, cls, "b", "gemm")
     args.same_device(db, da, "b.data", "a.data")
-    nvfp4 = cls is NVFP4Tensor
-    alpha = backend.gemm_alpha(_global_amax(a, da, "a", "a.data"), _global_amax(b, da, "b", "a.data")) if nvfp4 \
-        else 1.0
-    return GemmFP4(da, sa, db, sb, backend, nvfp4, alpha)
+    amaxes = None
+    if cls is NVFP4Tensor:
+        amaxes = (_global_amax_tensor(a, da, "a", "a.data"), _global_amax_tensor(b, da, "b", "a.data"))
+    return GemmFP4(da, sa, db, sb, la, lb, backend, amaxes)

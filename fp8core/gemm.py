@@ -14,7 +14,7 @@ from . import args, backends, fp4
 from ._tensor import Tensor, export, wrap
 from .args import as_format
 from .blocks import gemm_operands, gemm_scales
-from .formats import E2M1, ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Format, dtype_name
+from .formats import E2M1, ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Encoding, Format, dtype_name
 from .layouts import Layout, ScaledTensor
 
 __all__ = ["gemm", "GemmSpec", "ALIGNMENT", "MULTIPLE", "check_shapes", "check_bias"]
@@ -35,13 +35,13 @@ class GemmSpec:
     m: int
     n: int
     k: int
-    a_fmt: Format
-    b_fmt: Format
+    a_fmt: Format | Encoding  # Format.E4M3/E5M2, or formats.E2M1 for FP4
+    b_fmt: Format | Encoding
     out_dtype: str          # logical name: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2
     bias_dtype: str | None
     fast_accum: bool
-    a_block: Layout | None = None  # block-scaled operands: Layout.MX_ROWWISE, BLOCK_1X128 or BLOCK_128X128
-    b_block: Layout | None = None
+    a_block: Layout | None = None  # block-scaled operands: Layout.MX_ROWWISE, BLOCK_1X128 or BLOCK_128X128, and
+    b_block: Layout | None = None  # with E2M1 (FP4) formats NVFP4_1X16, NVFP4_16X16 or MX_ROWWISE (MXFP4)
 
     @property
     def out_fmt(self) -> Format | None:
@@ -154,7 +154,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     use_fast_accum), whose output is float32, bfloat16 or float16; one scale each (``Layout.TENSORWISE``), the
     per-tensor GEMM above; or FP4 (E2M1, :mod:`fp8core.fp4`): NVFP4 x NVFP4 (1x16 blocks or 16x16 tiles) or
     MXFP4 x MXFP4 (1x32), TN with blocks along K, K a multiple of 32, out_dtype float32, bfloat16 or float16 and
-    bias only.
+    bias only (cuBLASLt on compute capability 10.x and 12.x, with NVFP4's alpha computed on the device).
     """
     fast_accum = args.flag(use_fast_accum, "use_fast_accum")
     scaled = None
@@ -223,10 +223,14 @@ def _fp4(a: ScaledTensor, b: ScaledTensor, out_dtype: Any, bias: Any, out_scale:
         raise ValueError("use_fast_accum: the FP4 GEMM has no fast accumulation; pass use_fast_accum=False")
     ops = fp4.gemm_operands(a, b)
     ta, tb = ops.a_data, ops.b_data
+    _aligned(ta, "a")  # cuBLASLt's, as for FP8: refused on every backend alike
+    _aligned(tb, "b")
     m, k, n = check_shapes((ta.shape[0], 2 * ta.shape[1]), (tb.shape[0], 2 * tb.shape[1]))
     if k % fp4.FP4_GEMM_K:
         raise ValueError(f"a: K = {k}; the FP4 GEMM needs K to be a multiple of {fp4.FP4_GEMM_K}")
     out_name = args.out_dtype(out_dtype)
-    d = ops.backend.gemm(ta, ops.a_scale, tb, ops.b_scale, ops.alpha, ops.nvfp4, _bias(bias, ta, n, out_name),
-                         out_name)
+    tbias = _bias(bias, ta, n, out_name)
+    spec = GemmSpec(m, n, k, E2M1, E2M1, out_name, tbias.dtype if tbias is not None else None, False, ops.a_layout,
+                    ops.b_layout)
+    d = ops.backend.gemm(spec, ta, ops.a_scale, tb, ops.b_scale, ops.global_amaxes, tbias)
     return export(d, out_name, ta)

@@ -17,7 +17,7 @@ from fp8core.backends import cublaslt  # noqa: E402  (after the skip: it needs n
 
 CUDA_R = {name: int(getattr(nvmath.CudaDataType, f"CUDA_R_{code}").value)
           for name, code in (("float32", "32F"), ("float16", "16F"), ("bfloat16", "16BF"),
-                             ("float8_e4m3fn", "8F_E4M3"), ("float8_e5m2", "8F_E5M2"))}
+                             ("float8_e4m3fn", "8F_E4M3"), ("float8_e5m2", "8F_E5M2"), ("float4_e2m1fn", "4F_E2M1"))}
 A = lt_real.MatmulDescAttribute
 SCALE = lt_real.MatmulMatrixScale
 
@@ -32,6 +32,7 @@ class RecordingLt:
     MatmulDescAttribute = lt_real.MatmulDescAttribute
     MatmulPreferenceAttribute = lt_real.MatmulPreferenceAttribute
     MatmulMatrixScale = lt_real.MatmulMatrixScale
+    PointerMode = lt_real.PointerMode
     Epilogue = lt_real.Epilogue
     MatmulHeuristicResult = lt_real.MatmulHeuristicResult
     get_matmul_desc_attribute_dtype = staticmethod(lt_real.get_matmul_desc_attribute_dtype)
@@ -254,3 +255,179 @@ def test_scales_off_a_16_byte_boundary_are_staged_in_the_scratch():
     assert cublaslt.staged_scales((0x2000, 0x2010, 0, 0, 0), scratch) == ((0x2000, 0x2010, 0, 0, 0), [])
     with pytest.raises(ValueError, match="a_scale_inv: cuBLASLt needs a 16-byte aligned scale"):
         cublaslt.staged_scales((0x2004, 0x2010, 0, 0, 0), 0)
+
+
+# ---- the FP4 GEMM (NVFP4, MXFP4): E2M1 operands, block scale modes, NVFP4's alpha on the device -------------
+
+E2M1_R = CUDA_R["float4_e2m1fn"]
+
+
+def fp4_spec(a_block="1x16", b_block="1x16", out="bfloat16", bias=None):
+    return GemmSpec(M, N, K, fp8core.formats.E2M1, fp8core.formats.E2M1, out, bias, False, fp8core.Layout(a_block),
+                    fp8core.Layout(b_block))
+
+
+@pytest.mark.parametrize("a_block,b_block", [("1x16", "1x16"), ("1x16", "16x16"), ("16x16", "1x16")])
+def test_nvfp4_plan(a_block, b_block):
+    """E2M1 operands in TN form (K counted in elements, ld K), VEC16_UE4M3 scales on both (16x16 tiles are read as
+    the 1x16 rows gemm_scale expands them to), the block scale pointers swapped with the operands, and alpha and
+    beta read from the device (POINTER_MODE_DEVICE): alpha = S_dec_a * S_dec_b never visits the host."""
+    lt, p = plan(fp4_spec(a_block, b_block, bias="bfloat16"))
+    assert lt.desc[A.TRANSA] == 1 and lt.desc[A.TRANSB] == 0
+    assert lt.layouts == [(E2M1_R, K, N, K), (E2M1_R, K, M, K), (CUDA_R["bfloat16"], N, M, N),
+                          (CUDA_R["bfloat16"], N, M, N)]
+    assert lt.desc[A.A_SCALE_MODE] == lt.desc[A.B_SCALE_MODE] == int(SCALE.VEC16_UE4M3)
+    assert lt.desc[A.A_SCALE_POINTER] == B_S and lt.desc[A.B_SCALE_POINTER] == A_S
+    assert lt.desc[A.POINTER_MODE] == int(lt_real.PointerMode.DEVICE) and p.device_alpha
+    assert lt.compute[1] == CUDA_R["float32"]  # alpha's type (SCALE_TYPE): fp32
+    assert lt.desc[A.EPILOGUE] == int(lt_real.Epilogue.BIAS) and lt.desc[A.BIAS_POINTER] == BIAS
+    assert A.D_SCALE_POINTER not in lt.desc and A.AMAX_D_POINTER not in lt.desc
+
+
+def test_mxfp4_plan():
+    """MXFP4: VEC32_UE8M0 scales, alpha 1 from the host (the default pointer mode)."""
+    lt, p = plan(fp4_spec("1x32", "1x32", out="float32"))
+    assert lt.layouts[:2] == [(E2M1_R, K, N, K), (E2M1_R, K, M, K)]
+    assert lt.desc[A.A_SCALE_MODE] == lt.desc[A.B_SCALE_MODE] == int(SCALE.VEC32_UE8M0)
+    assert A.POINTER_MODE not in lt.desc and not p.device_alpha
+    assert cublaslt.scalars(p, None) == (cublaslt._ONE.ctypes.data, cublaslt._ZERO.ctypes.data)
+
+
+def test_nvfp4_alpha_and_beta_are_the_device_arrays_two_floats():
+    _, p = plan(fp4_spec())
+
+    class Alpha:
+        data = type("Memory", (), {"ptr": 0x7000})()
+        itemsize = 4
+
+    assert cublaslt.scalars(p, Alpha()) == (0x7000, 0x7004)
+    with pytest.raises(ValueError, match="^alpha: an NVFP4 GEMM reads alpha and beta from the device"):
+        cublaslt.scalars(p, None)
+
+
+def test_no_fp4_algorithm_names_fp4():
+    with pytest.raises(RuntimeError, match=r"no FP4 GEMM algorithm for M=48, N=32, K=256, a E2M1 x b E2M1"):
+        plan(fp4_spec(), RecordingLt(found=0))
+
+
+@pytest.mark.parametrize("cc", [80, 89, 90])
+def test_fp4_gemm_is_refused_before_blackwell_by_compute_capability(monkeypatch, cc):
+    """The H100/H200 (9.0) and older have no block-scaled FP4 in cuBLASLt: a ValueError naming the capability."""
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    with pytest.raises(ValueError, match=rf"^a: an FP4 GEMM \(NVFP4, MXFP4\) needs a GPU of compute capability "
+                                         rf"10.x, 11.x or 12.x .*cuda:0 is {cc // 10}\.{cc % 10}: move the operands"):
+        cublaslt.check_fp4_device(0)
+
+
+@pytest.mark.parametrize("cc", [100, 103, 110, 120, 121])
+def test_fp4_gemm_is_taken_on_blackwell(monkeypatch, cc):
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    monkeypatch.setattr(cublaslt, "lt_bindings", lambda: type("Lt", (), {"get_version": staticmethod(lambda: 130100)}))
+    cublaslt.check_fp4_device(0)
+    monkeypatch.setattr(cublaslt, "lt_bindings", lambda: type("Lt", (), {"get_version": staticmethod(lambda: 120700)}))
+    with pytest.raises(ValueError, match="^a: an FP4 GEMM needs cuBLAS 12.8 or newer, found 120700"):
+        cublaslt.check_fp4_device(0)
+
+
+# ---- cuda_fp4.gemm: what it launches before cuBLASLt, on the caller's stream --------------------------------
+
+class _FP4Call:
+    """cuda_fp4.gemm's surroundings replaced: the device guard, stream, allocator and launches recorded, and
+    cublaslt.gemm recording what it is handed."""
+
+    def __init__(self, monkeypatch, cc=100, capturing=False):
+        pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed")
+        from test_cupy_capture import FakeArray
+
+        from fp8core import _kernels
+        from fp8core.backends import cuda_fp4
+
+        self.log, self.FakeArray, self.next = [], FakeArray, 0x100000
+        monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+        monkeypatch.setattr(cublaslt, "lt_bindings", lambda: type("Lt", (), {"get_version": lambda: 130100}))
+        monkeypatch.setattr(cuda_fp4, "On", lambda device: _Guard(self.log, device))
+        monkeypatch.setattr(cuda_fp4, "stream_of", lambda t: 77)
+        monkeypatch.setattr(cuda_fp4, "capture_outlives", lambda t, stream: capturing)
+        monkeypatch.setattr(cuda_fp4, "empty", self.empty)
+        monkeypatch.setattr(_kernels.Kernel, "launch", lambda kernel, *args, **kwargs: self.launch(kernel, *args,
+                                                                                                   **kwargs))
+        monkeypatch.setattr(cublaslt, "gemm", self.gemm)
+        self.cuda_fp4 = cuda_fp4
+
+    def empty(self, shape, dtype, like):
+        self.next += 0x10000
+        return self.FakeArray(shape, dtype, self.next)
+
+    def launch(self, kernel, device, targs, work, stream, **args):
+        kernel.signature.pack(args)  # the names and kinds the kernel's C++ signature takes
+        self.log.append(("launch", kernel.name, stream, args))
+
+    def gemm(self, spec, a, b, a_scale, b_scale, bias, out_scale, out_amax, out, stream, alpha=None):
+        self.log.append(("cublaslt", spec, a_scale.data.ptr, b_scale.data.ptr, stream, alpha))
+        return "D"
+
+    def tensor(self, shape, dtype, ptr):
+        from fp8core._tensor import Tensor
+
+        return Tensor(self.FakeArray(shape, np.uint8 if dtype != "float32" else np.float32, ptr), dtype,
+                      ("cuda", 0), "cupy")
+
+
+class _Guard:
+    def __init__(self, log, device):
+        self.log, self.device = log, device
+
+    def __enter__(self):
+        self.log.append(("device", self.device))
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fp4_operands(call):
+    a, b = call.tensor((M, K // 2), "uint8", 0x1000), call.tensor((N, K // 2), "uint8", 0x2000)
+    sa = call.tensor((M, K // 16), "float8_e4m3fn", 0x3000)
+    sb = call.tensor((N // 16, K // 16), "float8_e4m3fn", 0x4000)
+    amaxes = (call.tensor((1,), "float32", 0x5000), call.tensor((1,), "float32", 0x6000))
+    return a, sa, b, sb, amaxes
+
+
+def test_cuda_fp4_gemm_computes_alpha_and_scale_layouts_on_the_callers_stream(monkeypatch):
+    """NVFP4 (a 1x16, b 16x16 tiles): alpha from the two amax pointers, both scales swizzled (b's tiles expanded to
+    its N rows), all on the caller's stream, then cuBLASLt with those arrays; nothing read back to the host."""
+    call = _FP4Call(monkeypatch)
+    a, sa, b, sb, amaxes = _fp4_operands(call)
+    assert call.cuda_fp4.gemm(fp4_spec("1x16", "16x16"), a, sa, b, sb, amaxes, None) == "D"
+    launches = [e for e in call.log if e[0] == "launch"]
+    assert [(e[1], e[2]) for e in launches] == [("nvfp4_gemm_alpha_kernel", 77), ("fp4_scale_swizzle_kernel", 77),
+                                                ("fp4_scale_swizzle_kernel", 77)]
+    alpha_args, a_sw, b_sw = (e[3] for e in launches)
+    assert (alpha_args["amax_a"], alpha_args["amax_b"]) == (0x5000, 0x6000)
+    assert (a_sw["s"], a_sw["rows"], a_sw["tile_rows"]) == (0x3000, M, 1)
+    assert (b_sw["s"], b_sw["rows"], b_sw["tile_rows"]) == (0x4000, N, 16)
+    (_, spec_, a_scale, b_scale, stream, alpha), = [e for e in call.log if e[0] == "cublaslt"]
+    assert (a_scale, b_scale, stream) == (a_sw["out"], b_sw["out"], 77)
+    assert alpha.data.ptr == alpha_args["alpha_beta"] and alpha.shape == (2,) and alpha.dtype == np.float32
+
+
+def test_cuda_mxfp4_gemm_has_no_alpha(monkeypatch):
+    call = _FP4Call(monkeypatch)
+    a, b = call.tensor((M, K // 2), "uint8", 0x1000), call.tensor((N, K // 2), "uint8", 0x2000)
+    sa, sb = call.tensor((M, K // 32), "float8_e8m0fnu", 0x3000), call.tensor((N, K // 32), "float8_e8m0fnu", 0x4000)
+    call.cuda_fp4.gemm(fp4_spec("1x32", "1x32"), a, sa, b, sb, None, None)
+    assert [e[1] for e in call.log if e[0] == "launch"] == ["fp4_scale_swizzle_kernel"] * 2
+    assert [e for e in call.log if e[0] == "cublaslt"][0][-1] is None
+
+
+def test_cuda_fp4_gemm_on_a_hopper_is_refused_before_any_launch(monkeypatch):
+    call = _FP4Call(monkeypatch, cc=90)
+    with pytest.raises(ValueError, match=r"^a: an FP4 GEMM .* cuda:0 is 9\.0"):
+        call.cuda_fp4.gemm(fp4_spec(), *_fp4_operands(call), None)
+    assert call.log == []
+
+
+def test_cuda_fp4_gemm_inside_a_cupy_capture_is_refused_before_any_launch(monkeypatch):
+    call = _FP4Call(monkeypatch, capturing=True)
+    with pytest.raises(ValueError, match=r"^a, b: an FP4 GEMM lays its block scales out .* captured with CuPy"):
+        call.cuda_fp4.gemm(fp4_spec(), *_fp4_operands(call), None)
+    assert not [e for e in call.log if e[0] != "device"]

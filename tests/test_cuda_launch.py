@@ -39,7 +39,7 @@ def test_records_are_the_loaders_table():
     """KERNELS (what the loader compiles, what selftest covers) is every record's instantiations, each once."""
     exprs = [k.expr(t) for k in _kernels.RECORDS for t in k.instances]
     assert sorted(exprs) == sorted(e for es in _kernels.KERNELS.values() for e in es)
-    assert len(set(exprs)) == 94  # 78 FP8 instantiations and fp4_quantize.cu's 16
+    assert len(set(exprs)) == 95  # 78 FP8 instantiations, fp4_quantize.cu's 16 and fp4_gemm.cu's alpha
     assert _kernels.QUANTIZE.expr(("bfloat16", 1)) == "fp8core::quantize_kernel<fp8core::bf16, 1>"
     assert _kernels.CAST_TRANSPOSE.expr(("float32", 0, True)) == "fp8core::cast_transpose_kernel<float, 0, true>"
     assert _kernels.FILL.expr() == "fp8core::fill_kernel"
@@ -183,7 +183,7 @@ def test_gemm_with_no_rows_still_merges_amax_zero(monkeypatch):
     monkeypatch.setattr(cublaslt, "lt_bindings", lambda: None)  # no cuBLASLt call is made for M = 0 (nvmath not needed)
     monkeypatch.setattr(_kernels.Kernel, "launch", _recording(calls))
     monkeypatch.setattr(cublaslt, "empty", lambda shape, dtype, like: ("D", shape))
-    spec = type("Spec", (), {"m": 0, "n": 16, "out_dtype": "float8_e4m3fn"})()
+    spec = type("Spec", (), {"m": 0, "n": 16, "out_dtype": "float8_e4m3fn", "a_fmt": None})()
     a = type("T", (), {"device": ("cuda", 3)})()
     d = cublaslt.gemm(spec, a, None, None, None, None, None, _Dev(0x1000), None, 77)
     assert d == ("D", (0, 16))

@@ -532,13 +532,13 @@ def test_jax_in_jax_out(rng):
 
 # ---- bad input ------------------------------------------------------------------------------------------
 
-def test_cuda_input_takes_the_cuda_kernels_and_the_fp4_gemm_is_refused_by_name():
+def test_cuda_input_takes_the_cuda_backend():
+    """Every FP4 function, the GEMM included (cuda_fp4.gemm refuses a GPU without FP4 GEMMs by its compute
+    capability: tests/test_cublaslt_plan.py), goes to cuda_fp4 for a CUDA input."""
     from fp8core.backends import cuda_fp4
 
-    for name in ("quantize_nvfp4", "dequantize_mxfp4", "gemm_scale"):
+    for name in ("quantize_nvfp4", "dequantize_mxfp4", "gemm_scale", "gemm"):
         assert backends.fp4_for_device(("cuda", 1), name) is cuda_fp4
-    with pytest.raises(NotImplementedError, match=r"^gemm: the FP4 operands are on cuda:1.*cuBLASLt.*sm_100"):
-        backends.fp4_for_device(("cuda", 1), "gemm")
     assert backends.fp4_for_device(("cpu", 0), "quantize_nvfp4") is cpu_fp4
 
 

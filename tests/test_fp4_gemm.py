@@ -102,7 +102,41 @@ def test_fp4_gemm_refuses_by_name():
          ValueError, r"^a: K = 48; the FP4 GEMM needs K to be a multiple of 32"),
         (lambda: fp8core.gemm(nv, quantize_nvfp4(np.ones((8, 64), F32))), ValueError, r"^b: N = 8"),
         (lambda: fp8core.gemm(nv, quantize_nvfp4(np.ones((16, 32), F32))), ValueError, r"^b: expected \[N, K\]"),
+        (lambda: fp8core.gemm(nv, fp8core.NVFP4Tensor(np.zeros(32 * 32 + 1, np.uint8)[1:].reshape(32, 32), nv.scale,
+                                                      nv.global_amax)),
+         ValueError, r"^b: its data pointer must be 16-byte aligned"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
+
+
+def test_16x16_weight_tiles_are_the_gemm_of_their_1x16_rows(rng):
+    """cuBLASLt has no 2D scale mode for FP4: as Transformer Engine does, a 16x16-tiled weight goes to the GEMM as
+    1x16 blocks whose scales repeat each tile's on its 16 rows. The tiled operand and that 1x16 operand give the
+    same scale layout (gemm_scale, on a partial last tile too) and the same GEMM, bit for bit."""
+    x = rng.standard_normal((40, 128)).astype(F32)
+    w = (rng.standard_normal((56, 128)) * 2.0 ** rng.integers(-6, 6, (56, 1))).astype(F32)  # 56: a partial tile
+
+    def as_rows(t, n):
+        return fp8core.NVFP4Tensor(t.data, np.repeat(t.scale, 16, axis=0)[:n], t.global_amax, "1x16")
+
+    partial = quantize_nvfp4(w, weight_2d=True)
+    np.testing.assert_array_equal(fp8core.fp4.gemm_scale(partial), fp8core.fp4.gemm_scale(as_rows(partial, 56)))
+    a, tiled = quantize_nvfp4(x), quantize_nvfp4(w[:48], weight_2d=True)  # the GEMM: N a multiple of 16
+    for out in ("float32", "bfloat16"):
+        np.testing.assert_array_equal(fp8core.gemm(a, tiled, out_dtype=out).view(np.uint8),
+                                      fp8core.gemm(a, as_rows(tiled, 48), out_dtype=out).view(np.uint8))
+    assert len(np.unique(np.asarray(tiled.scale).view(np.uint8))) > 1  # the tiles' scales differ: a real test
+
+
+def test_nvfp4_alpha_is_s_dec_a_times_s_dec_b_and_beta_0():
+    from fp8core._tensor import wrap
+    from fp8core.backends import cpu_fp4
+
+    for ga, gb in ((2688.0, 2688.0), (1.0, 448.0), (0.0, 6.0), (np.inf, np.nan), (1e-40, 3.0)):
+        a, b = np.array([ga], F32), np.array([gb], F32)
+        ab = cpu_fp4.gemm_alpha(wrap(a), wrap(b))
+        expected = F32(ref.global_scales(F32(ga))[1] * ref.global_scales(F32(gb))[1])
+        assert ab.dtype == F32 and ab.shape == (2,) and ab[1] == 0
+        assert ab[:1].view(np.uint32)[0] == np.array([expected], F32).view(np.uint32)[0], (ga, gb)

@@ -75,6 +75,9 @@ class FP4Backend(Protocol):
     def quantize_mxfp4(self, x: Tensor, mode: str, columnwise: bool) -> tuple[Any, Any]: ...
     def dequantize_mxfp4(self, data: Tensor, scale: Tensor, out_dtype: str) -> Any: ...
     def gemm_scale(self, scale: Tensor, rows: int) -> Any: ...
+    def gemm_alpha(self, amax_a: Tensor, amax_b: Tensor) -> Any: ...
+    def gemm(self, spec: Any, a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
+             global_amaxes: tuple[Tensor, Tensor] | None, bias: Tensor | None) -> Any: ...
 
 
 def for_device(device: tuple) -> Any:
@@ -100,17 +103,12 @@ def blocks_for_device(device: tuple) -> Any:
 
 
 def fp4_for_device(device: tuple, function: str) -> Any:
-    """The :class:`FP4Backend` module for ``device``; ``function`` is the public name called, named in the error
-    for what a CUDA device cannot do yet: the FP4 GEMM (``"gemm"``), whose cuBLASLt path is not built."""
+    """The :class:`FP4Backend` module for ``device``; ``function``: the public name called (every one has both
+    backends; what a GPU lacks for the FP4 GEMM is refused by cuda_fp4.gemm, naming its compute capability)."""
     if device[0] == "cpu":
         from . import cpu_fp4
 
         return cpu_fp4
-    if function == "gemm":
-        raise NotImplementedError(f"gemm: the FP4 operands are on cuda:{device[1]}, and fp8core's FP4 GEMM runs on "
-                                  "the CPU emulation only for now (cuBLASLt's block-scaled FP4 modes, sm_100+, are "
-                                  "not wired yet): move the operands to the CPU, or dequantize them and use a "
-                                  "high-precision GEMM")
     from . import cuda_fp4
 
     return cuda_fp4

@@ -281,6 +281,12 @@ def _cast_f32(f: np.ndarray, fmt: Encoding, out: np.ndarray | None = None) -> np
     return (table if table is not None else _cast_table(fmt)).take(low, out=out, mode="clip")
 
 
+def satfinite_cast(f: np.ndarray, fmt: Encoding) -> np.ndarray:
+    """SATFINITE_RTNE(f) into fmt's codes (uint8, f's shape; NaN canonical) for fp32 f, by the cast table: the
+    quantize cast without a scale."""
+    return _cast_f32(np.ascontiguousarray(f, np.float32).reshape(-1), fmt).reshape(np.shape(f))
+
+
 def _scaled_f32(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """fp32(x) * scale as a new flat fp32 array, scale a 0-d float32 array. NumPy's warnings must be off (the
     product may overflow or be inf * 0): @ieee callers have them off; the pool's threads use

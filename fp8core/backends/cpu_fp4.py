@@ -22,7 +22,7 @@ from .. import formats
 from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
-from .cpu import CANONICAL_NAN, FLT_MAX, amax, canonical_nan_fp8, map_spans, to_f32, transpose
+from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast, to_f32, transpose
 from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
 
 E2M1 = formats.E2M1
@@ -37,7 +37,6 @@ _LOW15 = np.array(0x7FFF, np.uint32)
 _FIFTEEN = np.array(15, np.uint32)
 _ONE_SIXTH = np.float32(1.0 / 6.0)  # 0x3E2AAAAB, rounded once
 _NVFP4_RANGE = np.float32(E4M3.max * E2M1.max)  # 2688, exact
-_E4M3_MAX = np.float32(E4M3.max)
 
 
 # ---- E2M1 ---------------------------------------------------------------------------------------------------
@@ -67,13 +66,15 @@ def e2m1_table() -> np.ndarray:
     return table
 
 
-def e2m1_index(y: np.ndarray) -> np.ndarray:
-    """(top 16 bits of each fp32 value << 1) | (any of its low 16 bits set), as uint32: the table's index."""
+def e2m1_index(y: np.ndarray, dtype: Any = np.uint32) -> np.ndarray:
+    """(top 16 bits of each fp32 value << 1) | (any of its low 16 bits set), in ``dtype`` (uint32, or intp for a
+    lookup: the last shift then writes the wide index itself, where a separate widening pass cost a quarter of the
+    cast): the table's index."""
     bits = y.view(np.uint32)
     low = np.bitwise_and(bits, _LOW15)
     np.add(low, _LOW15, out=low)  # bit 15 set iff any of bits 14..0 was
     np.bitwise_or(low, bits, out=low)
-    return np.right_shift(low, _FIFTEEN, out=low)
+    return np.right_shift(low, _FIFTEEN, out=low if dtype == np.uint32 else np.empty(low.shape, dtype))
 
 
 def e2m1_codes(y: np.ndarray) -> np.ndarray:
@@ -159,13 +160,30 @@ def _positions(t: np.ndarray, b: int, columnwise: bool) -> np.ndarray:
     return t.reshape(s // b, b, k) if columnwise else t.reshape(s * k // b, b, 1)
 
 
+def _fold(v: np.ndarray, copy: bool) -> np.ndarray:
+    """max over axis 1 of [A, b, B] (b a power of two) as [A, B]: the halves of axis 1 folded onto each other,
+    log2(b) elementwise maxima over rows of B; in place unless ``copy``."""
+    b = v.shape[1]
+    while b > 1:
+        b //= 2
+        v = np.maximum(v[:, :b], v[:, b:2 * b], out=None if copy else v[:, :b])
+        copy = False
+    return v[:, 0]
+
+
 def _max_over_positions(v: np.ndarray) -> np.ndarray:
-    """max over axis 1 of an [A, b, B] integer array, as [A, B]: b elementwise maxima of [A, B] slices (a
-    reduction over a short axis pays NumPy's per-row set-up for every block)."""
-    acc = v[:, 0].copy()
-    for i in range(1, v.shape[1]):
-        np.maximum(acc, v[:, i], out=acc)
-    return acc
+    """max over axis 1 of an [A, b, B] integer array (b a power of two), as [A, B], by folding halves (a reduction
+    over a short axis pays NumPy's per-row set-up for every block). Rowwise blocks ([A, b, 1], contiguous) are
+    first made position-major, where folding runs over long rows: b strided [A] slices would each sweep the whole
+    tile. That transposition moves 8-byte words of 8 / itemsize positions first (cheaper per byte than 2- or
+    4-byte elements), folds those, then transposes the [A, 8 / itemsize] maxima left."""
+    a, b, n = v.shape
+    if n != 1:
+        return _fold(v, True)
+    per = 8 // v.itemsize
+    words = np.ascontiguousarray(v.reshape(a, b).view(np.uint64).T)  # [b / per, A]: word j holds positions of j
+    m = _fold(words.view(v.dtype).reshape(1, b // per, a * per), False).reshape(a, per)
+    return _fold(np.ascontiguousarray(m.T).reshape(1, per, a), False).reshape(a, 1)
 
 
 def _magnitudes(t: np.ndarray) -> np.ndarray:
@@ -208,39 +226,49 @@ def _scaled(t: np.ndarray, e: np.ndarray, b: int, columnwise: bool, tiles: bool)
     """fp32(t) *rn e[its block], [s, K]; e in x's block grid (:func:`block_amax_bits`)."""
     y = to_f32(t)
     s, k = t.shape
-    if tiles:
-        if s % b:  # a partial last tile: each row its tile's multipliers
-            y.reshape(s, k // b, b)[...] *= np.repeat(e, b, axis=0)[:s, :, None]
-        else:
-            y.reshape(s // b, b, k // b, b)[...] *= e[:, None, :, None]
-    elif columnwise:
+    if columnwise and not tiles:
         y.reshape(s // b, b, k)[...] *= e[:, None, :]
-    else:
-        y.reshape(s, k // b, b)[...] *= e[:, :, None]
+        return y
+    # Rowwise and 16x16 tiles (either operand: x's tiles), each block's multiplier is first spread over its b
+    # columns: a broadcast over b-element rows pays NumPy's per-row set-up for every block
+    f = np.repeat(e, b, axis=1)
+    if not tiles:
+        y *= f
+    elif s % b == 0:
+        y.reshape(s // b, b, k)[...] *= f[:, None, :]
+    else:  # a partial last tile: each row its tile's multipliers
+        y *= np.repeat(f, b, axis=0)[:s]
     return y
 
 
 def _codes(y: np.ndarray) -> np.ndarray:
-    """E2M1(y), uint8 codes of fp32 values (contiguous). The index is widened to intp before the lookup: take's
-    own conversion of uint32 indices cost 3-4x the widening and the lookup together."""
-    return e2m1_table().take(e2m1_index(y).astype(np.intp), mode="clip")
+    """E2M1(y), uint8 codes of fp32 values (contiguous). The index is intp for the lookup: take's own conversion
+    of uint32 indices cost 3-4x the widening and the lookup together."""
+    return e2m1_table().take(e2m1_index(y, np.intp), mode="clip")
 
 
-def _pack_rows(codes: np.ndarray) -> np.ndarray:
-    """Codes [s, C] (each < 16) packed along rows, [s, C/2]: E2M1.pack's layout, element 2j in the low nibble,
-    read as little-endian pairs (byte 2j + (byte 2j+1 << 8)) folded by one shift: a third of pack's passes."""
+def _pack_rows(codes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out [s, C/2] (new when None) = codes [s, C] (each < 16) packed along rows: E2M1.pack's layout, element 2j
+    in the low nibble, read as little-endian pairs (byte 2j + (byte 2j+1 << 8)) folded by one shift: a third of
+    pack's passes."""
+    if out is None:
+        out = np.empty((codes.shape[0], codes.shape[1] // 2), np.uint8)
     if not E2M1.low_nibble_first:
-        return E2M1.pack(codes)
+        out[...] = E2M1.pack(codes)
+        return out
     pairs = np.ascontiguousarray(codes).view("<u2")
-    return np.bitwise_or(pairs, np.right_shift(pairs, np.uint16(4))).astype(np.uint8)
+    folded = np.right_shift(pairs, np.uint16(4))
+    out[...] = np.bitwise_or(pairs, folded, out=folded)  # the low byte of each pair: the assignment casts
+    return out
 
 
-def _pack_columns(codes: np.ndarray) -> np.ndarray:
-    """Codes [s, K] (s even) packed down the columns, [s/2, K]: row 2j in the low nibble (the transposed
-    operand's packing, before its transpose)."""
+def _pack_columns(codes: np.ndarray, out: np.ndarray) -> None:
+    """out [s/2, K] = codes [s, K] (s even) packed down the columns: row 2j in the low nibble (the transposed
+    operand's packing, before its transpose), written in place."""
     pairs = codes.reshape(codes.shape[0] // 2, 2, codes.shape[1])
     lo, hi = (pairs[:, 0], pairs[:, 1]) if E2M1.low_nibble_first else (pairs[:, 1], pairs[:, 0])
-    return np.bitwise_or(lo, np.left_shift(hi, 4, dtype=np.uint8))
+    np.left_shift(hi, 4, out=out, dtype=np.uint8)
+    np.bitwise_or(out, lo, out=out)
 
 
 def _random_bytes(tile: tuple[int, int, int, int], shape: tuple[int, int], columnwise: bool, seed: int,
@@ -291,9 +319,9 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
                 q = _codes(y) if sr is None else \
                     e2m1_stochastic(y, _random_bytes((m0, m1, k0, k1), (m, k), columnwise, *sr))
                 if columnwise:
-                    packed[m0 // 2:m1 // 2, k0:k1] = _pack_columns(q)
+                    _pack_columns(q, packed[m0 // 2:m1 // 2, k0:k1])
                 else:
-                    packed[m0:m1] = _pack_rows(q)
+                    _pack_rows(q, packed[m0:m1])
 
     map_spans(len(todo), 1, work)
     if not columnwise:
@@ -384,10 +412,12 @@ def global_scales(g: Any) -> tuple[np.float32, np.float32]:
 
 
 @ieee
-def gemm_alpha(amax_a: Any, amax_b: Any) -> np.float32:
-    """alpha = S_dec_a *rn S_dec_b, each from its operand's global amax by the global scale rule."""
+def gemm_alpha(amax_a: Tensor, amax_b: Tensor) -> np.ndarray:
+    """float32 [2]: (alpha, beta) = (S_dec_a *rn S_dec_b, 0), each S_dec from its operand's global amax (float32,
+    1 element) by the global scale rule; beta is there because cuBLASLt's device pointer mode reads both."""
     with np.errstate(all="ignore"):
-        return np.float32(global_scales(amax_a)[1] * global_scales(amax_b)[1])
+        alpha = np.float32(global_scales(amax_a.data)[1] * global_scales(amax_b.data)[1])
+    return np.array([alpha, 0], np.float32)
 
 
 @cached("cpu_fp4.e4m3_f32")
@@ -404,8 +434,7 @@ def nvfp4_block_scales(amax_bits: np.ndarray, s_enc: np.float32, s_dec: np.float
     s_b = SATFINITE_RTNE_E4M3(d_b), e_b = 1 /rn (fp32(s_b) *rn S_dec) with inf -> FLT_MAX (NaN stays).
     NumPy's warnings must be off."""
     d = amax_bits.view(np.float32) * np.float32(s_enc * _ONE_SIXTH)
-    codes = np.minimum(d, _E4M3_MAX).astype(E4M3.numpy_dtype).view(np.uint8)  # >= 448 and inf saturate
-    canonical_nan_fp8(codes, E4M3)
+    codes = satfinite_cast(d, E4M3)  # >= 448 and inf saturate, NaN is 0x7F
     e = np.divide(np.float32(1), _e4m3_f32().take(codes) * s_dec, dtype=np.float32)
     e[np.isinf(e)] = FLT_MAX
     return codes, e
@@ -503,13 +532,18 @@ def _operand64(data: Tensor, scale: Tensor, block: int, nvfp4: bool) -> tuple[np
 
 
 @ieee
-def gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, alpha: np.float32, nvfp4: bool,
-         bias: Tensor | None, out_dtype: str) -> np.ndarray:
+def gemm(spec: Any, a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
+         global_amaxes: tuple[Tensor, Tensor] | None, bias: Tensor | None) -> np.ndarray:
     """The FP4 GEMM's exact-input emulation, TN (both operands' blocks along K): D[m, n] = alpha * sum over
-    K-blocks kb of s_a[m, kb] * s_b[n, kb] * (sum over k in kb of q_a * q_b) (+ bias[n]). Each K-block's sum and
+    K-blocks kb of s_a[m, kb] * s_b[n, kb] * (sum over k in kb of q_a * q_b) (+ bias[n]), a [M, K/2] and b [N, K/2]
+    packed, their scales as quantized (16x16 tiles too); global_amaxes (NVFP4: each operand's, alpha from them by
+    :func:`gemm_alpha`) or None (MXFP4, alpha 1); spec: fp8core.gemm.GemmSpec (out_dtype). Each K-block's sum and
     its product with the two factors are exact in float64 (E2M1 products are multiples of 1/4 below 36, the
     factors powers of two or E4M3 values); the sum over K-blocks is float64's, then times alpha, rounded once to
     fp32 and cast to out_dtype (RTNE). The GPU's fp32 accumulation is compared with tolerances that grow with K."""
+    nvfp4 = global_amaxes is not None
+    alpha = gemm_alpha(*global_amaxes)[0] if nvfp4 else np.float32(1)
+    out_dtype = spec.out_dtype
     block = NVFP4_BLOCK if nvfp4 else MXFP4_BLOCK
     qa, fa = _operand64(a, a_scale, block, nvfp4)
     qb, fb = _operand64(b, b_scale, block, nvfp4)

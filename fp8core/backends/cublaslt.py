@@ -45,13 +45,13 @@ import numpy as np
 from .._caches import cached
 from .._views import Tensor, storage_dtype
 from ..extras import install_hint
-from ..formats import ENCODINGS
+from ..formats import E2M1, ENCODINGS
 from ..layouts import Layout
 from .cuda_blocks import layout_for_cublaslt
 from .cuda_call import empty, merge_amax
 
 _CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14,
-           **{row.dtype_name: row.cuda_data_type for row in ENCODINGS.values()}}
+           **{row.dtype_name: row.cuda_data_type for row in (*ENCODINGS.values(), E2M1)}}
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _WORKSPACE_SM90 = 32 << 20  # Hopper and newer pick faster split-K/stream-K kernels with room to spare
@@ -200,6 +200,7 @@ class _Plan:
     layouts: tuple[int, int, int, int]   # A (= b), B (= a), C, D
     algo: Any                             # MatmulHeuristicResult, kept alive for its pointer
     fp8_out: bool
+    device_alpha: bool = False            # alpha and beta are read from the device (NVFP4's alpha)
 
 
 def _alignment(ptrs: list[int]) -> int:
@@ -242,6 +243,9 @@ def _configure(lt: Any, spec: Any, handle: int, workspace_bytes: int, align: int
     put(desc, A.FAST_ACCUM, 1 if spec.fast_accum else 0)
     if spec.a_block is not None:
         _set_block_scale_modes(lt, desc, spec)
+    device_alpha = nvfp4(spec)
+    if device_alpha:  # alpha = S_dec_a * S_dec_b stays where the amaxes are: no host sync (beta reads from there too)
+        put(desc, A.POINTER_MODE, int(lt.PointerMode.DEVICE))
     fp8_out = spec.out_fmt is not None
     if spec.bias_dtype is not None:
         put(desc, A.EPILOGUE, int(lt.Epilogue.BIAS))
@@ -252,7 +256,7 @@ def _configure(lt: Any, spec: Any, handle: int, workspace_bytes: int, align: int
     for args in ((_CUDA_R[spec.b_fmt.dtype_name], k, n, k), (_CUDA_R[spec.a_fmt.dtype_name], k, m, k),
                  (c_type, n, m, n), (_CUDA_R[spec.out_dtype], n, m, n)):
         layouts.append(lt.matrix_layout_create(*args))
-    plan = _Plan(desc, tuple(layouts), lt.MatmulHeuristicResult(1), fp8_out)  # type: ignore[arg-type]
+    plan = _Plan(desc, tuple(layouts), lt.MatmulHeuristicResult(1), fp8_out, device_alpha)  # type: ignore[arg-type]
     _set_pointers(lt, plan, *pointers)
     P = lt.MatmulPreferenceAttribute
     pref = lt.matmul_preference_create()
@@ -278,7 +282,8 @@ def _configure(lt: Any, spec: Any, handle: int, workspace_bytes: int, align: int
 def _no_algorithm(spec: Any, cause: Any) -> str:
     """What the heuristic was asked for, and why it answered none."""
     blocks = f", blocks a {spec.a_block} x b {spec.b_block}" if spec.a_block is not None else ""
-    msg = (f"cuBLASLt found no FP8 GEMM algorithm for M={spec.m}, N={spec.n}, K={spec.k}, a {spec.a_fmt.name} x "
+    kind = "FP4" if spec.a_fmt is E2M1 else "FP8"
+    msg = (f"cuBLASLt found no {kind} GEMM algorithm for M={spec.m}, N={spec.n}, K={spec.k}, a {spec.a_fmt.name} x "
            f"b {spec.b_fmt.name} -> {spec.out_dtype}, bias {spec.bias_dtype}, fast_accum {spec.fast_accum}{blocks}")
     if cause is not None:
         msg += f" ({cause})"
@@ -287,6 +292,16 @@ def _no_algorithm(spec: Any, cause: Any) -> str:
 
 _ONE = np.ones(1, dtype=np.float32)
 _ZERO = np.zeros(1, dtype=np.float32)
+
+
+def scalars(plan: _Plan, alpha: Any | None) -> tuple[int, int]:
+    """The (alpha, beta) pointers of cublasLtMatmul: the host's 1 and 0, or in the device pointer mode (NVFP4) the
+    two floats of ``alpha``, a float32 [2] device array (cuda_fp4.gemm_alpha) that must then be given."""
+    if not plan.device_alpha:
+        return _ONE.ctypes.data, _ZERO.ctypes.data
+    if alpha is None:
+        raise ValueError("alpha: an NVFP4 GEMM reads alpha and beta from the device; pass cuda_fp4.gemm_alpha's array")
+    return alpha.data.ptr, alpha.data.ptr + alpha.itemsize
 
 
 def _plans() -> OrderedDict:
@@ -324,10 +339,15 @@ def staged_scales(pointers: tuple[int, ...], scratch: int) -> tuple[tuple[int, .
 
 
 def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bias: Tensor | None,
-         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: int) -> Any:
-    """stream: the raw handle of the caller's stream."""
+         out_scale: Any | None, out_amax: Any | None, out: Any | None, stream: int, alpha: Any | None = None) -> Any:
+    """stream: the raw handle of the caller's stream. FP4 (``spec.a_fmt`` E2M1): a_scale_inv and b_scale_inv are the
+    operands' block scales already in cuBLASLt's layout (cuda_fp4.gemm), and ``alpha`` (NVFP4) a float32 [2] device
+    array (alpha, beta), read by cuBLASLt in its device pointer mode."""
     device_id = a.device[1]
-    _check_device(device_id)
+    if spec.a_fmt is E2M1:
+        check_fp4_device(device_id)
+    else:
+        _check_device(device_id)
     lt = lt_bindings()
     if spec.m == 0:
         d = out if out is not None else empty((spec.m, spec.n), storage_dtype(spec.out_dtype), a)
@@ -341,7 +361,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
                          "captured with CuPy would read after it is freed; call this GEMM outside the capture, or "
                          "capture with torch.cuda.graph (whose private pool keeps it)")
     d = out if out is not None else empty((spec.m, spec.n), storage_dtype(spec.out_dtype), a)
-    if spec.a_block is not None:
+    if spec.a_block is not None and spec.a_fmt is not E2M1:
         a_scale_inv, b_scale_inv = _block_scales(spec, device_id, a, a_scale_inv, b_scale_inv, stream)
     pooled = None
     if cupy_capture:
@@ -372,13 +392,13 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
         plans.move_to_end(key)
         _set_pointers(lt, plan, *pointers)
     c_ptr = 0 if plan.fp8_out else ptr(d)
+    alpha_ptr, beta_ptr = scalars(plan, alpha)
 
     def run() -> None:
         for src, dst in copies:
             _runtime().memcpyAsync(dst, src, 4, _MEMCPY_DEVICE_TO_DEVICE, stream)
-        lt.matmul(handle, plan.desc, _ONE.ctypes.data, ptr(b.data), plan.layouts[0], ptr(a.data), plan.layouts[1],
-                  _ZERO.ctypes.data, c_ptr, plan.layouts[2], ptr(d), plan.layouts[3], plan.algo.ptr, ptr(ws),
-                  ws_bytes, stream)
+        lt.matmul(handle, plan.desc, alpha_ptr, ptr(b.data), plan.layouts[0], ptr(a.data), plan.layouts[1],
+                  beta_ptr, c_ptr, plan.layouts[2], ptr(d), plan.layouts[3], plan.algo.ptr, ptr(ws), ws_bytes, stream)
         if scratch is not None:
             merge_amax(out_amax, scratch, device_id, stream)  # max(out_amax, |amax(D)|); NaN propagates
 
@@ -400,9 +420,36 @@ MIN_BLOCK_VERSION = 120900  # cuBLAS 12.9: VEC128_32F and BLK128x128_32F
 
 
 def _scale_mode(lt: Any, layout: Layout) -> int:
+    """NVFP4's 16x16 weight tiles are read as 1x16 blocks: cuda_fp4.gemm_scale repeats each tile's scale on its 16
+    rows (as Transformer Engine does), since cuBLASLt has no 2D mode for FP4."""
     M = lt.MatmulMatrixScale
     return int({Layout.MX_ROWWISE: M.VEC32_UE8M0, Layout.BLOCK_1X128: M.VEC128_32F,
-                Layout.BLOCK_128X128: M.BLK128x128_32F}[layout])
+                Layout.BLOCK_128X128: M.BLK128x128_32F, Layout.NVFP4_1X16: M.VEC16_UE4M3,
+                Layout.NVFP4_16X16: M.VEC16_UE4M3}[layout])
+
+
+def nvfp4(spec: Any) -> bool:
+    """Whether spec is an NVFP4 GEMM (E4M3 block scales and a per-tensor alpha from the global amaxes)."""
+    return spec.a_fmt is E2M1 and spec.a_block in (Layout.NVFP4_1X16, Layout.NVFP4_16X16)
+
+
+# cuBLASLt's block-scaled FP4 GEMM (CUDA_R_4F_E2M1 with VEC16_UE4M3 or VEC32_UE8M0 scales): cuBLAS 12.8 on the
+# tensor cores of Blackwell's families, sm_100/sm_103 (10.x), Thor (11.0) and sm_120/sm_121 (12.x); none before.
+MIN_FP4_VERSION = 120800
+FP4_MAJORS = (10, 11, 12)
+
+
+def check_fp4_device(device_id: int) -> None:
+    """A clear ValueError where cuda:device_id has no FP4 GEMM: its compute capability, or cuBLAS before 12.8."""
+    cc = compute_capability(device_id)
+    if cc // 10 not in FP4_MAJORS:
+        raise ValueError(f"a: an FP4 GEMM (NVFP4, MXFP4) needs a GPU of compute capability 10.x, 11.x or 12.x "
+                         f"(Blackwell), whose cuBLASLt has block-scaled FP4; cuda:{device_id} is "
+                         f"{cc // 10}.{cc % 10}: move the operands to the CPU (the exact emulation), or dequantize "
+                         f"them and use a high-precision GEMM")
+    version = int(lt_bindings().get_version())
+    if version < MIN_FP4_VERSION:
+        raise ValueError(f"a: an FP4 GEMM needs cuBLAS 12.8 or newer, found {version}")
 
 
 def _set_block_scale_modes(lt: Any, desc: int, spec: Any) -> None:

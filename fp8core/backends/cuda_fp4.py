@@ -6,8 +6,9 @@ a device pass of its own (zeroed slot, one atomic per CTA) that the quantize lau
 Arrays are CuPy arrays in storage dtype: uint8 for E2M1 data and for E4M3/E8M0 scales, float32 [1] for amaxes.
 Importable without a GPU or CuPy: nothing here touches CUDA before a call.
 
-The FP4 GEMM has no CUDA path yet (cuBLASLt's block-scaled FP4 modes need sm_100): ``backends.fp4_for_device``
-refuses it by name.
+The FP4 GEMM goes through cuBLASLt (backends/cublaslt.py) on the GPUs whose cuBLASLt has block-scaled FP4
+(compute capability 10.x, 11.x, 12.x; refused by name elsewhere): the scales laid out in its 128x4 tiles and NVFP4's
+alpha computed on the device (cuda/fp4_gemm.cu), both on the caller's stream, then one cublasLtMatmul.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from .._kernels import FP4_DEQUANTIZE, FP4_SCALE_SWIZZLE, MXFP4_QUANTIZE, NVFP4_QUANTIZE
+from .._kernels import FP4_DEQUANTIZE, FP4_SCALE_SWIZZLE, MXFP4_QUANTIZE, NVFP4_GEMM_ALPHA, NVFP4_QUANTIZE
 from .._views import Tensor, storage_dtype
+from . import cublaslt
 from .cpu_fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from .cuda_blocks import mx_swizzled_size
-from .cuda_call import On, empty, ptr, stream_of
+from .cuda_call import On, capture_outlives, empty, ptr, stream_of
 
 try:
     from cupy_backends.cuda.api import runtime as _runtime
@@ -119,3 +121,35 @@ def gemm_scale(scale: Tensor, rows: int) -> Any:
                                      kgroups=kgroups, tile_rows=NVFP4_BLOCK if tiles != rows else 1)
         return out
 
+
+
+def gemm_alpha(amax_a: Tensor, amax_b: Tensor) -> Any:
+    """float32 [2] on the amaxes' device: (alpha, beta) = (S_dec_a *rn S_dec_b, 0) from the two global amaxes
+    (float32, 1 element each), as cuBLASLt's device pointer mode reads them; computed there, no host sync."""
+    device = amax_a.device[1]
+    with On(device):
+        stream = stream_of(amax_a)
+        out = empty((2,), np.float32, amax_a)
+        NVFP4_GEMM_ALPHA.launch(device, (), 1, stream, amax_a=amax_a.data.data.ptr, amax_b=amax_b.data.data.ptr,
+                                alpha_beta=out.data.ptr)
+        return out
+
+
+def gemm(spec: Any, a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
+         global_amaxes: tuple[Tensor, Tensor] | None, bias: Tensor | None) -> Any:
+    """D [M, N] (spec.out_dtype's storage) = alpha * a . b^T with block scales, through cuBLASLt: a [M, K/2] and
+    b [N, K/2] E2M1 packed (TN, blocks along K), their scales as quantized ([rows or 16-row tiles, K/block]);
+    global_amaxes: NVFP4's two (alpha computed on the device) or None (MXFP4). The device is checked before any
+    launch; the scale layouts and alpha are temporaries of the caller's allocator, so a CuPy capture is refused."""
+    device = a.device[1]
+    cublaslt.check_fp4_device(device)
+    with On(device):
+        stream = stream_of(a)
+        if capture_outlives(a, stream):
+            raise ValueError("a, b: an FP4 GEMM lays its block scales out for cuBLASLt (and computes NVFP4's alpha) "
+                             "in device temporaries that a graph captured with CuPy would read after they are freed; "
+                             "capture it with torch.cuda.graph on torch tensors, or make the call outside the "
+                             "capture")
+        alpha = gemm_alpha(*global_amaxes) if global_amaxes is not None else None
+        a_tiles, b_tiles = gemm_scale(a_scale, spec.m), gemm_scale(b_scale, spec.n)
+        return cublaslt.gemm(spec, a, b, a_tiles, b_tiles, bias, None, None, None, stream, alpha=alpha)

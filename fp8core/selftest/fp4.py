@@ -1,5 +1,6 @@
 """Checks of FP4 (fp8core.fp4): NVFP4 and MXFP4 quantize and dequantize by bits against the CPU reference, the
-E2M1 ties and Philox's known answer against values written from the contract, and the GEMM's scale layout."""
+E2M1 ties and Philox's known answer against values written from the contract, the GEMM's scale layout and NVFP4's
+alpha by bits, and the FP4 GEMM (cuBLASLt, compute capability 10.x-12.x) against the CPU emulation."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 import numpy as np
 
 from .. import formats
+from fp8core._views import logical_numpy_dtype
 from .blocks import gemm_scale_oracle
-from .harness import HIGH, CpuTarget, Recorder, Target, check, name_of, sample
+from .gemm import gemm_unavailable
+from .harness import HIGH, CpuTarget, CudaTarget, Recorder, Target, check, name_of, sample
 
 E2M1 = formats.E2M1
 SHAPES = ((16, 32), (17, 48), (48, 64), (0, 32))
@@ -119,3 +122,64 @@ def _gemm_scale(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -
         with t.dut():
             got = _backend(t).gemm_scale(wrap(t.put(s)), rows)
         r.equal(name, ref, got)
+
+
+# global amaxes at the edges of the global scale rule (0, inf, NaN, subnormal, S_enc just finite) and ordinary ones
+ALPHA_AMAXES = (0.0, float("inf"), float("nan"), 1e-40, 7.9e-36, 2688.0, 1.0, 3.4028235e38, 0.3, 448.0)
+
+
+@check("fp4: the NVFP4 GEMM's alpha and beta as cuBLASLt reads them from the device", covers=("fp4.gemm_alpha",))
+def _gemm_alpha(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
+    from fp8core._tensor import wrap
+
+    for ga in ALPHA_AMAXES:
+        for gb in ALPHA_AMAXES:
+            a, b = np.array([ga], np.float32), np.array([gb], np.float32)
+            with t.ref():
+                ref = _backend(CpuTarget()).gemm_alpha(wrap(a), wrap(b))
+            with t.dut():
+                got = _backend(t).gemm_alpha(wrap(t.put(a)), wrap(t.put(b)))
+            r.equal(f"amaxes {ga}, {gb}", ref, got)
+
+
+def fp4_gemm_unavailable(t: Target) -> str:
+    from fp8core.backends.cublaslt import FP4_MAJORS
+
+    if isinstance(t, CudaTarget) and t.cc // 10 not in FP4_MAJORS:
+        return (f"the FP4 GEMM needs compute capability 10.x-12.x (cuBLASLt's block-scaled FP4), this GPU is "
+                f"{t.cc // 10}.{t.cc % 10}")
+    return gemm_unavailable(t)
+
+
+# out dtype -> its relative rounding (half an ulp) on top of the fp32 accumulation's
+_OUT_RTOL = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+@check("fp4: the FP4 GEMM (NVFP4 1x16 and 16x16 tiles, MXFP4) against the CPU emulation, tolerance growing with K",
+       needs=fp4_gemm_unavailable, covers=("fp4.gemm",))
+def _fp4_gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
+    import fp8core
+    from fp8core import fp4
+
+    shapes = ((1, 16, 32), (130, 48, 256)) + (() if quick else ((256, 128, 4096),))
+    kinds = (("nvfp4", {}, fp4.quantize_nvfp4, fp4.dequantize_nvfp4),
+             ("nvfp4 16x16 weight", {"weight_2d": True}, fp4.quantize_nvfp4, fp4.dequantize_nvfp4),
+             ("mxfp4", {}, fp4.quantize_mxfp4, fp4.dequantize_mxfp4))
+    for m, n, k in shapes:
+        # rows over a few binades: D stays inside float16's range
+        x = (rng.standard_normal((m, k)) * 2.0 ** rng.uniform(-4, 4, (m, 1))).astype(np.float32)
+        w = (rng.standard_normal((n, k)) * 2.0 ** rng.uniform(-4, 4, (n, 1))).astype(np.float32)
+        for label, w_opts, quantize, dequantize in kinds:
+            a, b = quantize(x), quantize(w, **w_opts)
+            # |a| . |b|^T of the dequantized operands bounds every partial sum the fp32 accumulation rounds
+            magnitude = np.abs(dequantize(a).astype(np.float64)) @ np.abs(dequantize(b).astype(np.float64)).T
+            for out in ("float32", "bfloat16", "float16"):
+                name = f"{m}x{n}x{k} {label} -> {out}"
+                with t.ref():
+                    emu = fp8core.gemm(a, b, out_dtype=out)
+                da, db = (type(v)(*(t.put(np.asarray(p)) for p in v), v.layout) for v in (a, b))
+                with t.dut():
+                    got = fp8core.gemm(da, db, out_dtype=out)
+                emu64 = np.asarray(emu).astype(np.float64)
+                got64 = t.bits(got).view(logical_numpy_dtype(out)).astype(np.float64).reshape(emu64.shape)
+                r.close(name, emu64, got64, k * 2.0 ** -23 * magnitude + 2.0 ** -126, 2 * _OUT_RTOL[out])

@@ -176,3 +176,21 @@ def test_gemm_scale(fp4_dev, rng, rows, kgroups, tiles):
     s = rng.integers(0, 255, (-(-rows // 16) if tiles else rows, kgroups)).astype(np.uint8)
     got = cuda_fp4.gemm_scale(wrap(upload(s)), rows)
     np.testing.assert_array_equal(bits(got), bits(cpu_fp4.gemm_scale(wrap(s), rows)))
+
+
+# global amaxes at the edges of the global scale rule: 0, +-inf, NaN, a subnormal (S_enc FLT_MAX, S_dec 2^-128),
+# the largest amax whose S_enc is finite, 2688 (S_enc 1), FLT_MAX, and ordinary ones
+ALPHA_AMAXES = np.array([0.0, np.inf, np.nan, 1e-40, 2688 / 3.4028235e38, 7.9e-36, 2688.0, 1.0, 3.4028235e38, 0.3,
+                         448.0, 6.0, 1e-20, 123456.78], np.float32)
+
+
+def test_nvfp4_gemm_alpha(fp4_dev):
+    """The NVFP4 GEMM's alpha (and beta 0) as cuBLASLt reads it from the device: S_dec_a *rn S_dec_b for every pair
+    of edge amaxes, the bits of the CPU reference."""
+    for ga in ALPHA_AMAXES:
+        for gb in ALPHA_AMAXES:
+            a, b = np.array([ga], np.float32), np.array([gb], np.float32)
+            got = cuda_fp4.gemm_alpha(wrap(upload(a)), wrap(upload(b)))
+            ref = cpu_fp4.gemm_alpha(wrap(a), wrap(b))
+            np.testing.assert_array_equal(bits(got), bits(ref), err_msg=f"amaxes {ga!r}, {gb!r}")
+    assert bits(ref)[1] == 0  # beta

@@ -43,15 +43,14 @@ def _amax(x: Spec) -> tuple[Spec, ...]:
 
 
 @declare("quantize", (Arg("x"), Arg("scale"), Arg("fmt", "str"), _AMAX_OUT), returns=1, backend=("quantize",),
-         call=lambda x, scale, fmt, amax_out=None: ops.quantize(x, scale, fmt, amax_out=amax_out))
+         call=ops.quantize)
 def _quantize(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
     """SATFINITE_RTNE(fp32(x) * scale) in fmt; amax_out (float32 [1]) accumulates max |x| in place."""
     return (_fp8(x, fmt),)
 
 
 @declare("quantize_dynamic", (Arg("x"), Arg("fmt", "str"), *_RULE), returns=3, backend=("quantize_dynamic",),
-         call=lambda x, fmt, margin=0, power_of_2=False, epsilon=0.0: ops.quantize_dynamic(
-             x, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon))
+         call=ops.quantize_dynamic)
 def _quantize_dynamic(x: Spec, fmt: str, margin: int = 0, power_of_2: bool = False,
                       epsilon: float = 0.0) -> tuple[Spec, ...]:
     """Current scaling: (q, scale_inv [1], amax [1])."""
@@ -73,8 +72,7 @@ def _transpose(q: Spec) -> tuple[Spec, ...]:
 
 
 @declare("cast_transpose", (Arg("x"), Arg("scale"), Arg("fmt", "str"), _AMAX_OUT), returns=2,
-         backend=("cast_transpose",),
-         call=lambda x, scale, fmt, amax_out=None: ops.cast_transpose(x, scale, fmt, amax_out=amax_out))
+         backend=("cast_transpose",), call=ops.cast_transpose)
 def _cast_transpose(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
     """(quantize(x), its [last, prod(leading)] transpose) from one read of x."""
     rows, cols = matrix(x, "x")
@@ -82,8 +80,7 @@ def _cast_transpose(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
 
 
 @declare("compute_scale", (Arg("amax"), Arg("fmt", "str"), *_RULE), returns=2, backend=("compute_scale",),
-         call=lambda amax, fmt, margin=0, power_of_2=False, epsilon=0.0: ops.compute_scale(
-             amax, fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon))
+         call=ops.compute_scale)
 def _compute_scale(amax: Spec, fmt: str, margin: int = 0, power_of_2: bool = False,
                    epsilon: float = 0.0) -> tuple[Spec, ...]:
     """(scale, scale_inv) from amax by the contract's scale rule (1.0 where there is no scale); a 0-d amax gives
@@ -95,10 +92,7 @@ def _compute_scale(amax: Spec, fmt: str, margin: int = 0, power_of_2: bool = Fal
 @declare("gemm", (Arg("a"), Arg("b"), Arg("a_scale_inv"), Arg("b_scale_inv"), Arg("out_dtype", "dtype"),
                   Arg("bias", "Tensor?"), Arg("out_scale", "Tensor?"),
                   Arg("out_amax", "Tensor?", None, mutated=True, slot=F32_1), Arg("use_fast_accum", "bool")),
-         returns=1, backend=("gemm",),
-         call=lambda a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, use_fast_accum, out_amax=None:
-         gemm(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias, out_scale=out_scale,
-              out_amax=out_amax, use_fast_accum=use_fast_accum))
+         returns=1, backend=("gemm",), call=gemm)
 def _gemm(a: Spec, b: Spec, a_scale_inv: Spec, b_scale_inv: Spec, out_dtype: str, bias: Spec | None = None,
           out_scale: Spec | None = None, use_fast_accum: bool = False) -> tuple[Spec, ...]:
     """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias); see fp8core.gemm."""
@@ -118,8 +112,8 @@ def _update(history: Spec, scale: Spec, scale_inv: Spec, fp8_max: Spec, non_fini
     """The batched delayed-scaling update of N tensors, in place: history [L, N], scale/scale_inv/fp8_max
     float32 [N], non_finite bool [N], all on one device; margin |m| <= 512, algo 'max' or 'most_recent',
     epsilon finite >= 0. Everything is checked (the core's checks) before the one launch on a GPU."""
-    scaling.check_update_shapes((history.dtype, history.shape), [(n, v.dtype, v.shape, "bool" if n == "non_finite" else "float32")
-                                          for n, v in zip(_STATE[1:], (scale, scale_inv, fp8_max, non_finite))])
+    vectors = zip(_STATE[1:], (scale, scale_inv, fp8_max, non_finite), ("float32",) * 3 + ("bool",))
+    scaling.check_update_shapes((history.dtype, history.shape), [(n, v.dtype, v.shape, want) for n, v, want in vectors])
     args.amax_algo(algo)
     args.margin(margin)
     args.epsilon(epsilon)
@@ -137,9 +131,7 @@ def _mx(columnwise: bool) -> Layout:
 
 
 @declare("quantize_mxfp8", (Arg("x"), Arg("fmt", "str"), Arg("scale_mode", "str"), Arg("columnwise", "bool")),
-         returns=2, backend=("blocks.quantize_mxfp8",),
-         call=lambda x, fmt, scale_mode, columnwise: tuple(
-             blocks.quantize_mxfp8(x, fmt, scale_mode=scale_mode, columnwise=columnwise)))
+         returns=2, backend=("blocks.quantize_mxfp8",), call=blocks.quantize_mxfp8)
 def _quantize_mxfp8(x: Spec, fmt: str, scale_mode: str, columnwise: bool) -> tuple[Spec, ...]:
     """(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     return _fp8(x, fmt), _scale(x, _mx(columnwise))
@@ -176,8 +168,7 @@ def _dequantize_mxfp8(data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ..
 
 @declare("quantize_blockwise", (Arg("x"), Arg("fmt", "str"), Arg("block", "str"), Arg("power_of_2", "bool"),
                                 Arg("epsilon", "float")), returns=2, backend=("blocks.quantize_blockwise",),
-         call=lambda x, fmt, block, power_of_2, epsilon: tuple(
-             blocks.quantize_blockwise(x, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon)))
+         call=blocks.quantize_blockwise)
 def _quantize_blockwise(x: Spec, fmt: str, block: Any, power_of_2: bool, epsilon: float) -> tuple[Spec, ...]:
     """(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)])."""
     return _fp8(x, fmt), _scale(x, args.block(block))
@@ -194,7 +185,7 @@ def _dequantize_blockwise(data: Spec, scale_inv: Spec, out_dtype: str) -> tuple[
 
 @declare("transpose_blocks", (_T_DATA, Arg("scale", label="t.scale"), Arg("layout", "str")), returns=2,
          may_alias=True, backend=("transpose", "blocks.transpose_scale"),
-         call=lambda data, scale, layout: tuple(blocks.transpose_blocks(ScaledTensor(data, scale, layout))))
+         call=lambda data, scale, layout: blocks.transpose_blocks(ScaledTensor(data, scale, layout)))
 def _transpose_blocks(data: Spec, scale: Spec, layout: str) -> tuple[Spec, ...]:
     """The block-scaled transpose (fp8core.blocks.transpose_blocks): (data [cols, rows], its scales)."""
     rows, cols = matrix(data, "t.data")

@@ -62,7 +62,8 @@ class Primitive:
     """A primitive as the front-ends see it.
 
     outputs: ``rule(**inputs) -> tuple[Spec, ...]`` (tensors as Specs, dtypes as names). call: the core's
-    function with the same named arguments, returning the outputs (one array, or a tuple in the rule's order).
+    function, called with the declared arguments by name, returning the outputs (one array, or a tuple (a
+    ScaledTensor too) in the rule's order).
     returns: how many arrays it returns (0: it only mutates, 1: one array, n: a tuple). precheck: type rules the
     core applies before it looks at devices (the scaled operands' kinds), run first. backend: the backend
     functions it reaches (selftest's coverage). may_alias: an output may be an input itself (a 1-row transpose).

@@ -122,6 +122,6 @@ def test_jax_shapes_are_the_declared_ones(shape):
     got = jax.eval_shape(lambda v: fj.cast_transpose(v, 2.0, "e5m2"), x)
     want = PRIMITIVES["cast_transpose"].functional(x=x, scale=Spec((1,), "float32"), fmt="e5m2")
     assert [Spec.of(g) for g in got] == list(want)
-    got = jax.eval_shape(lambda v: fj.quantize_blockwise(v, "e4m3", block="1x128"), x)
+    got = jax.eval_shape(lambda v: fj.blocks.quantize_blockwise(v, "e4m3", block="1x128"), x)
     want = PRIMITIVES["quantize_blockwise"].specs(x=x, fmt="e4m3", block="1x128", power_of_2=True, epsilon=0.0)
     assert [Spec.of(g) for g in got] == list(want)

@@ -140,10 +140,12 @@ def numbers_of(buf: Tensor | None, host: tuple[float, ...] | None) -> tuple[floa
     return host if host is not None else _args.unpack(buf.data)
 
 
-def shapes(name: str, **inputs: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """XLA's output buffers for primitive ``name``: its declared outputs (fp8core.declarations), then the slots
-    it accumulates into, which a JAX primitive returns."""
-    return tuple(jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in PRIMITIVES[name].functional(**inputs))
+def shapes(name: str, slots: bool = True, **inputs: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """XLA's output buffers for primitive ``name``: its declared outputs (fp8core.declarations), then (``slots``)
+    the ones it accumulates into, which a JAX primitive returns."""
+    p = PRIMITIVES[name]
+    specs = p.functional(**inputs) if slots else p.specs(**inputs)
+    return tuple(jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in specs)
 
 
 def amax(x: Array) -> Array:
@@ -271,8 +273,7 @@ def _gemm(a: Array, b: Array, a_scale_inv: Any, b_scale_inv: Any, bias: Array | 
 
 
 def _gemm_shape(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any, out_dtype: Any) -> jax.ShapeDtypeStruct:
-    (shape,) = shapes("gemm", a=a, b=b, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, out_dtype=out_dtype)
-    return shape
+    return shapes("gemm", False, a=a, b=b, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, out_dtype=out_dtype)[0]
 
 
 def _elements(t: Tensor) -> list[Tensor]:

@@ -13,11 +13,11 @@ import torch
 
 from fp8core import args
 from fp8core import blocks as core
-from fp8core.declarations import PRIMITIVES, matrix
-from fp8core.declare import Spec
+from fp8core.declarations import PRIMITIVES
 from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
 
 from .custom_ops import custom_ops
+from .fake_rules import matrix
 
 Tensor = torch.Tensor
 
@@ -65,7 +65,7 @@ def transpose_blocks(t: ScaledTensor) -> ScaledTensor:
         core.transpose_blocks(t)  # raises the core's error
     layout = layout_of(t)
     return type(t)(*torch.ops.fp8core.transpose_blocks(t[0], t[1], layout.value),
-                   core.transposed_layout(layout, matrix(Spec.of(t[0]), "t.data")[0]))
+                   core.transposed_layout(layout, matrix(t[0], "t.data")[0]))
 
 
 def block_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:

@@ -2,10 +2,8 @@
 arguments, its body the declared call into the core, its fake the declared output rule, so that
 ``torch.compile(fullgraph=True)`` and eager agree on shapes, dtypes and the core's errors.
 
-A fake also runs in eager mode, as the op's Meta kernel, whenever one argument is on the meta device: left
-unchecked it would hand back uninitialised memory (or, for an in-place op, do nothing). So an argument on meta
-beside real ones is refused with the core's error. All arguments on meta is shape inference, which the meta
-device is for: meta results, no data.
+An argument on the meta device beside real ones is refused with the core's error, as a hand-written op's fake
+does (fake_rules.py says why).
 
 An optional argument that an op mutates (an amax slot) trips Inductor when it is None (torch 2.13), so such a
 declaration makes two ops: ``name`` without the slot and ``name_amax`` with it.
@@ -22,7 +20,9 @@ import torch
 import fp8core
 from fp8core.declare import REQUIRED, Primitive, Spec
 
-__all__ = ["follow_torch_threads", "refuse_meta", "custom_op", "custom_ops"]
+from .fake_rules import refuse_meta
+
+__all__ = ["follow_torch_threads", "custom_op", "custom_ops"]
 
 _LIB = "fp8core"
 _TYPES = {"Tensor": torch.Tensor, "Tensor?": Optional[torch.Tensor], "str": str, "int": int, "float": float,
@@ -38,16 +38,6 @@ def follow_torch_threads(fn: Callable) -> Callable:
         with fp8core.cpu_threads(torch.get_num_threads()):
             return fn(*args, **kwargs)
     return run
-
-
-def refuse_meta(*named: tuple[str, Optional[torch.Tensor]]) -> None:
-    """Raise the core's error for the first argument on the meta device, unless every tensor is there.
-    ``named``: (argument name, tensor or None) in the core's order of checks."""
-    tensors = [(arg, t) for arg, t in named if t is not None]
-    on_meta = [t.is_meta for _, t in tensors]
-    if any(on_meta) and not all(on_meta):
-        arg, t = tensors[on_meta.index(True)]
-        raise ValueError(f"{arg}: torch device 'meta' is neither CPU nor CUDA")  # the core's words
 
 
 def _unaliased(outs: tuple, ins: tuple) -> tuple:

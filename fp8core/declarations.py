@@ -3,6 +3,9 @@ dtypes of its outputs, its call into the core. fp8core.torch makes each a custom
 takes its output shapes from here, and selftest lists them; the numerics are the core's (docs/numerics.md).
 
 Formats are names ("e4m3", "e5m2"), layouts their names ("1x32", "128x128"); scales and amax slots float32 [1].
+
+A new primitive is a row here (its arguments, its rule, ``call=`` the core function, ``backend=`` what it reaches),
+then ``custom_ops(PRIMITIVES[name])`` in fp8core.torch and ``primitive(run, shapes(name, ...))`` in fp8core.jax.
 """
 
 from __future__ import annotations

@@ -104,6 +104,17 @@ def check_update_args(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, no
     return h, s, si, fm, nf, args.margin(margin), algo, args.epsilon(epsilon)
 
 
+def update_in_place(history: Any, scale: Any, scale_inv: Any, fp8_max: Any, non_finite: Any, margin: int, algo: str,
+                    power_of_2: bool, epsilon: float, update_scale: bool) -> None:
+    """The batched delayed-scaling update of N tensors, in place (arguments as :func:`check_update_args`): every
+    argument is checked before the one launch, which goes on history's caller's stream."""
+    h, s, si, fm, nf, margin, algo, epsilon = check_update_args(history, scale, scale_inv, fp8_max, non_finite,
+                                                                margin, algo, epsilon)
+    with _caller_stream(h):
+        backends.for_device(h.device).update(h.data, s, si, fm, margin, algo, bool(power_of_2), epsilon,
+                                             bool(update_scale), nf)
+
+
 def _host(obj: Any, arg: str) -> tuple[np.ndarray, str, tuple]:
     """A host copy of a checkpoint array with its dtype name and shape (checkpoints are read once, on load)."""
     t = wrap(obj, arg)

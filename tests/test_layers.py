@@ -18,14 +18,14 @@ PACKAGES = {"fp8core": ROOT / "fp8core", "fp8core.torch": ROOT / "bindings" / "t
 LAYERS = {
     "fp8core.cli": 5, "fp8core.selftest": 5, "fp8core.__main__": 5, "fp8core.torch": 5, "fp8core.jax": 5,
     "fp8core": 4, "fp8core.ops": 4, "fp8core.blocks": 4, "fp8core.fp4": 4, "fp8core.gemm": 4, "fp8core.scaling": 4,
-    "fp8core.numerics_stats": 4, "fp8core.numerics_recipes": 4,
+    "fp8core.numerics_stats": 4, "fp8core.numerics_recipes": 4, "fp8core.declarations": 4,
     "fp8core.recipe": 3, "fp8core.args": 3,
     "fp8core._tensor": 2, "fp8core._dlpack": 2, "fp8core.boundary": 2,
     "fp8core.backends": 1,
     "fp8core._kernels": 0, "fp8core._views": 0, "fp8core.formats": 0, "fp8core.layouts": 0, "fp8core._fpenv": 0,
     "fp8core.extras": 0,
     "fp8core.verified": 0, "fp8core._oracle": 0, "fp8core._caches": 0, "fp8core._signatures": 0,
-    "fp8core.text": 0,
+    "fp8core.text": 0, "fp8core.declare": 0,
 }
 FRONT_ENDS = ("fp8core.cli", "fp8core.selftest", "fp8core.__main__", "fp8core.torch", "fp8core.jax")
 

@@ -17,10 +17,11 @@ import fp8core
 from fp8core import args
 from fp8core import blocks as core
 from fp8core.boundary import Tensor
+from fp8core.declarations import PRIMITIVES
 from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor
 
 from . import _args
-from .primitives import fp8_shape, jitted, numbers_of, operands, primitive, rows
+from .primitives import jitted, numbers_of, operands, primitive, shapes
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
            "dequantize_blockwise", "block_gemm"]
@@ -40,10 +41,6 @@ def _returning(fn: Callable[..., Any]) -> Callable[..., None]:
     return run
 
 
-def _e8m0(shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.float8_e8m0fnu)
-
-
 def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
     """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     return _quantize_mxfp8(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
@@ -54,10 +51,9 @@ def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", co
 @jitted("fmt", "scale_mode", "columnwise")
 def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> MXTensor:
     args.scale_mode(scale_mode)
-    layout = Layout.MX_COLUMNWISE if columnwise else Layout.MX_ROWWISE
-    shapes = (fp8_shape(x, fmt), _e8m0(layout.scale_shape(rows(x), x.shape[-1])))
-    run = _returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
-    return MXTensor(*primitive(run, shapes)(x))
+    named = dict(fmt=fmt, scale_mode=scale_mode, columnwise=columnwise)
+    run = _returning(lambda t: PRIMITIVES["quantize_mxfp8"].call(t, **named))
+    return MXTensor(*primitive(run, shapes("quantize_mxfp8", x=x, **named))(x))
 
 
 def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
@@ -69,14 +65,8 @@ def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil
 @jitted("fmt", "scale_mode")
 def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTensor, MXTensor]:
     args.scale_mode(scale_mode)
-    shapes = (fp8_shape(x, fmt), _e8m0(Layout.MX_ROWWISE.scale_shape(rows(x), x.shape[-1])), fp8_shape(x, fmt),
-              _e8m0(Layout.MX_COLUMNWISE.scale_shape(rows(x), x.shape[-1])))
-
-    def run(t):
-        row, col = core.quantize_mxfp8_both(t, fmt, scale_mode=scale_mode)
-        return (*row, *col)
-
-    q, s, qc, sc = primitive(_returning(run), shapes)(x)
+    run = _returning(lambda t: PRIMITIVES["quantize_mxfp8_both"].call(t, fmt, scale_mode))
+    q, s, qc, sc = primitive(run, shapes("quantize_mxfp8_both", x=x, fmt=fmt, scale_mode=scale_mode))(x)
     return MXTensor(q, s), MXTensor(qc, sc)
 
 
@@ -92,7 +82,9 @@ def _dequantize(t: tuple[Array, Array], *, out_dtype: Any, layout: str) -> Array
     fmt = fp8core.as_format(data.dtype)
     run = _returning(lambda q, s: core.dequantize_blocks(ScaledTensor(q, s, layout), jnp.dtype(out_dtype).name,
                                                          fmt=fmt))
-    return primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale)
+    name = "dequantize_mxfp8" if Layout(layout).kind == "mx" else "dequantize_blockwise"
+    (shape,) = shapes(name, data=data, **{PRIMITIVES[name].args[1].name: scale}, out_dtype=out_dtype)
+    return primitive(run, shape)(data, scale)
 
 
 def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", power_of_2: bool = True,
@@ -108,14 +100,14 @@ def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", pow
 @jitted("fmt", "block", "power_of_2", numbers=("epsilon",))
 def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numbers: Any,
                         host_numbers: Any) -> BlockScaledTensor:
-    s_shape = args.block(block).scale_shape(rows(x), x.shape[-1])
-    shapes = (fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
+    named = dict(fmt=fmt, block=block, power_of_2=power_of_2)
 
     def run(t, nums=None):
         (epsilon,) = numbers_of(nums, host_numbers)
-        return tuple(core.quantize_blockwise(t, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon))
+        return PRIMITIVES["quantize_blockwise"].call(t, epsilon=epsilon, **named)
 
-    return BlockScaledTensor(*primitive(_returning(run), shapes)(x, *operands(numbers)))
+    out = shapes("quantize_blockwise", x=x, epsilon=0.0, **named)  # epsilon is data: no part of the shapes
+    return BlockScaledTensor(*primitive(_returning(run), out)(x, *operands(numbers)))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
@@ -137,4 +129,6 @@ def _block_gemm(a: tuple[Array, Array], b: tuple[Array, Array], *, out_dtype: An
     run = _returning(lambda ad, asc, bd, bsc: fp8core.gemm(ScaledTensor(ad, asc, layouts[0]),
                                                            ScaledTensor(bd, bsc, layouts[1]), out_dtype=name,
                                                            a_fmt=fa, b_fmt=fb))
-    return primitive(run, jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(a[0], a[1], b[0], b[1])
+    (shape,) = shapes("block_gemm", a=a[0], a_scale=a[1], b=b[0], b_scale=b[1], a_layout=layouts[0],
+                      b_layout=layouts[1], out_dtype=out_dtype)
+    return primitive(run, shape)(a[0], a[1], b[0], b[1])

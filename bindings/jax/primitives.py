@@ -14,6 +14,7 @@ from jax.experimental.buffer_callback import buffer_callback
 import fp8core
 from fp8core.backends import for_device
 from fp8core.boundary import Tensor, ieee, wrap
+from fp8core.declarations import PRIMITIVES
 
 from . import _args
 
@@ -21,7 +22,6 @@ __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "c
            "compute_scale", "update", "reduce_amax"]
 
 Array = jax.Array
-_F32_1 = jax.ShapeDtypeStruct((1,), jnp.float32)
 
 
 def _raw(buf: Any) -> Tensor:
@@ -140,12 +140,12 @@ def numbers_of(buf: Tensor | None, host: tuple[float, ...] | None) -> tuple[floa
     return host if host is not None else _args.unpack(buf.data)
 
 
-def fp8_shape(x: Any, fmt: Any, shape: Any = None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(x.shape) if shape is None else shape, fp8core.as_format(fmt).jax_dtype)
-
-
-def rows(x: Any) -> int:
-    return int(np.prod(x.shape[:-1], dtype=np.int64)) if len(x.shape) > 1 else 1
+def shapes(name: str, slots: bool = True, **inputs: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """XLA's output buffers for primitive ``name``: its declared outputs (fp8core.declarations), then (``slots``)
+    the ones it accumulates into, which a JAX primitive returns."""
+    p = PRIMITIVES[name]
+    specs = p.functional(**inputs) if slots else p.specs(**inputs)
+    return tuple(jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in specs)
 
 
 def amax(x: Array) -> Array:
@@ -155,7 +155,7 @@ def amax(x: Array) -> Array:
 
 @jitted()
 def _amax(x: Array) -> Array:
-    return primitive(lambda outs, t: fp8core.multi_amax([t], out=_zero(outs[0])), _F32_1)(x)
+    return primitive(lambda outs, t: fp8core.multi_amax([t], out=_zero(outs[0])), shapes("amax", x=x)[0])(x)
 
 
 def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array]:
@@ -168,7 +168,8 @@ def _quantize(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array]:
     def run(outs, t, s):
         fp8core.quantize(t, s.data, fmt, amax_out=_zero(outs[1]), out=outs[0])
 
-    return primitive(run, (fp8_shape(x, fmt), _F32_1))(x, _f32(scale))
+    scale = _f32(scale)
+    return primitive(run, shapes("quantize", x=x, scale=scale, fmt=fmt))(x, scale)
 
 
 def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2: bool = False,
@@ -186,7 +187,7 @@ def _quantize_dynamic(x: Array, *, fmt: Any, power_of_2: Any, numbers: Any,
         m, epsilon = numbers_of(nums, host_numbers)
         fp8core.quantize_dynamic(t, fmt, margin=int(m), power_of_2=power_of_2, epsilon=epsilon, out=tuple(outs))
 
-    return primitive(run, (fp8_shape(x, fmt), _F32_1, _F32_1))(x, *operands(numbers))
+    return primitive(run, shapes("quantize_dynamic", x=x, fmt=fmt))(x, *operands(numbers))
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = jnp.float32) -> Array:
@@ -203,7 +204,8 @@ def _dequantize(q: Array, scale_inv: Any, *, out_dtype: Any) -> Array:
     def run(outs, t, s):
         fp8core.dequantize(t, s.data, name, fmt=fmt, out=outs[0])
 
-    return primitive(run, jax.ShapeDtypeStruct(q.shape, out_dtype))(q, _f32(scale_inv))
+    scale_inv = _f32(scale_inv)
+    return primitive(run, shapes("dequantize", q=q, scale_inv=scale_inv, out_dtype=out_dtype)[0])(q, scale_inv)
 
 
 def transpose(q: Array) -> Array:
@@ -219,7 +221,7 @@ def _transpose(q: Array) -> Array:
     def run(outs, t):
         fp8core.transpose(t, fmt=fmt, out=outs[0])
 
-    return primitive(run, fp8_shape(q, fmt, (q.shape[-1], rows(q))))(q)
+    return primitive(run, shapes("transpose", q=q)[0])(q)
 
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array, Array]:
@@ -232,8 +234,8 @@ def _cast_transpose(x: Array, scale: Any, *, fmt: Any) -> tuple[Array, Array, Ar
     def run(outs, t, s):
         fp8core.cast_transpose(t, s.data, fmt, amax_out=_zero(outs[2]), out=(outs[0], outs[1]))
 
-    return primitive(run, (fp8_shape(x, fmt), fp8_shape(x, fmt, (x.shape[-1], rows(x))), _F32_1))(
-        x, _f32(scale))
+    scale = _f32(scale)
+    return primitive(run, shapes("cast_transpose", x=x, scale=scale, fmt=fmt))(x, scale)
 
 
 def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | float,
@@ -262,13 +264,16 @@ def _gemm(a: Array, b: Array, a_scale_inv: Any, b_scale_inv: Any, bias: Array | 
           out_dtype: Any) -> Array:
     fa, fb = fp8core.as_format(a.dtype), fp8core.as_format(b.dtype)
     name = jnp.dtype(out_dtype).name
-    shape = jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype)
 
     def run(outs, ta, tb, sa, sb, tbias=None):
         fp8core.gemm(ta, tb, sa.data, sb.data, out_dtype=name, a_fmt=fa, b_fmt=fb, bias=tbias, out=outs[0])
 
     args = (a, b, _f32(a_scale_inv), _f32(b_scale_inv)) + (() if bias is None else (bias,))
-    return primitive(run, shape)(*args)
+    return primitive(run, _gemm_shape(*args[:4], out_dtype))(*args)
+
+
+def _gemm_shape(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any, out_dtype: Any) -> jax.ShapeDtypeStruct:
+    return shapes("gemm", False, a=a, b=b, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, out_dtype=out_dtype)[0]
 
 
 def _elements(t: Tensor) -> list[Tensor]:
@@ -283,7 +288,6 @@ def _batched_gemm(a: Array, b: Array, a_scale_inv: Any, b_scale_inv: Any, bias: 
     name = jnp.dtype(out_dtype).name
     batch, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-2]
     count = int(np.prod(batch, dtype=np.int64))
-    shape = jax.ShapeDtypeStruct((count, m, n), out_dtype)
 
     # One callback for the whole batch: the per-element loop costs a core call each, not a callback each
     def run(outs, ta, tb, sa, sb, tbias=None):
@@ -292,7 +296,9 @@ def _batched_gemm(a: Array, b: Array, a_scale_inv: Any, b_scale_inv: Any, bias: 
 
     args = (a.reshape(count, m, k), b.reshape(count, n, k), _f32(a_scale_inv), _f32(b_scale_inv)) + \
         (() if bias is None else (bias,))
-    return primitive(run, shape)(*args).reshape(*batch, m, n)
+    each = _gemm_shape(jax.ShapeDtypeStruct((m, k), a.dtype), jax.ShapeDtypeStruct((n, k), b.dtype), args[2],
+                       args[3], out_dtype)
+    return primitive(run, jax.ShapeDtypeStruct((count, *each.shape), each.dtype))(*args).reshape(*batch, m, n)
 
 
 def update(amax_history: Array, scale: Array, scale_inv: Array, recipe: fp8core.DelayedScaling,
@@ -363,8 +369,7 @@ def _compute_scale(amax: Array, *, fmt: Any, power_of_2: Any, numbers: Any, host
                                                     epsilon=epsilon)):
             o.data[...] = r.reshape(o.data.shape)  # [N] floats: no out= on the core's scale rule
 
-    shape = jax.ShapeDtypeStruct(amax.shape if amax.ndim else (1,), jnp.float32)
-    return primitive(run, (shape, shape))(amax, *operands(numbers))
+    return primitive(run, shapes("compute_scale", amax=amax, fmt=fmt))(amax, *operands(numbers))
 
 
 def reduce_amax(amax: Array, axis_name: Any) -> Array:

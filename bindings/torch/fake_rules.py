@@ -1,5 +1,6 @@
-"""What the custom ops' fakes check, so that torch.compile (fake tensors) and eager agree: the same output
-shapes and dtypes, and the core's own error where the core refuses an argument for its device or its shape.
+"""What a hand-written custom op's fake checks, so that torch.compile (fake tensors) and eager agree (the declared
+ops get theirs from custom_ops.py): the core's error where the core refuses an argument for its device or its
+shape.
 
 A fake also runs in eager mode, as the op's Meta kernel, whenever one argument is on the meta device: left
 unchecked it would hand back uninitialised memory (or, for an in-place op, do nothing). So an argument on meta
@@ -9,16 +10,15 @@ device is for: meta results, no data.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from fp8core import args
+from fp8core import declarations
+from fp8core.declare import Spec
 from fp8core.gemm import check_shapes
-from fp8core.scaling import check_update_shapes
 
-__all__ = ["refuse_meta", "matrix", "gemm_shape", "update_args"]
+__all__ = ["refuse_meta", "matrix", "gemm_shape"]
 
 
 def refuse_meta(*named: tuple[str, Optional[torch.Tensor]]) -> None:
@@ -33,27 +33,10 @@ def refuse_meta(*named: tuple[str, Optional[torch.Tensor]]) -> None:
 
 def matrix(t: torch.Tensor, arg: str) -> tuple[int, int]:
     """[rows, cols]: the 2-D view [prod(leading), last] the core folds t to (at least 1 dimension)."""
-    if t.dim() == 0:
-        raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
-    return math.prod(t.shape[:-1]), t.shape[-1]
+    return declarations.matrix(Spec.of(t), arg)
 
 
 def gemm_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
     """(M, N) of fp8core.gemm(a [M, K], b [N, K]) by the core's shape rules (fp8core.gemm)."""
     m, _, n = check_shapes(tuple(a.shape), tuple(b.shape))
     return m, n
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def update_args(history: torch.Tensor, vectors: tuple[tuple[str, Optional[torch.Tensor], str], ...], margin: int,
-                algo: str, epsilon: float) -> None:
-    """The batched update's argument rules (fp8core.scaling.check_update_args), in its order: history float32
-    [L, N], L and N >= 1; each (name, tensor or None, dtype) of ``vectors`` [N]; algo, margin, epsilon."""
-    check_update_shapes((_dtype(history), tuple(history.shape)),
-                        [(arg, _dtype(t), tuple(t.shape), dtype) for arg, t, dtype in vectors if t is not None])
-    args.amax_algo(algo)
-    args.margin(margin)
-    args.epsilon(epsilon)

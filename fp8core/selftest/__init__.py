@@ -41,7 +41,7 @@ from . import gemm  # noqa: F401  isort: skip
 from . import blocks  # noqa: F401  isort: skip
 from . import fp4  # noqa: F401  isort: skip
 from .blocks import gemm_scale_oracle  # noqa: F401  (tests/emulation compare the GPU's layouts with it)
-from .coverage import Coverage, backend_functions
+from .coverage import Coverage, backend_functions, declared_functions
 from .gpu import gpu_reason
 from .harness import CHECKS, CheckResult, CpuTarget, CudaTarget, Recorder, Target
 
@@ -163,6 +163,11 @@ def run(backend: str = "cuda", quick: bool = False, device_id: int = 0, seed: in
         cover.failed += 1
         cover.failures.append(f"backend function {f} was never called by any check")
     cover.cases += len(backend_functions()) - len(missing)
+    for name, reached in declared_functions().items():  # the front-ends' ops, each through its backend functions
+        cover.cases += 1
+        if not any(f in cov.functions or f in skipped_covers for f in reached):
+            cover.failed += 1
+            cover.failures.append(f"primitive {name} ({', '.join(reached)}) was never reached by any check")
     if cov.cuda:
         from fp8core._kernels import KERNELS
 

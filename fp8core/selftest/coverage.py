@@ -39,6 +39,13 @@ def backend_functions() -> list[str]:
     return sorted(prefix + n for prefix, c, g in backend_pairs() for n in primitives(c) & primitives(g))
 
 
+def declared_functions() -> dict[str, tuple[str, ...]]:
+    """The backend functions each declared primitive (fp8core.declarations) reaches, by primitive name."""
+    from fp8core.declarations import PRIMITIVES
+
+    return {name: p.backend for name, p in PRIMITIVES.items()}
+
+
 class Coverage:
     """Records which backend functions (outermost calls under dut() only) and which kernels the checks reached.
 

@@ -1,0 +1,114 @@
+"""How a primitive is declared once: its named arguments, the rule giving its outputs' shapes and dtypes from
+its inputs', and its call into the core. The front-ends are driven by the declaration: fp8core.torch makes the
+custom op and its fake from it, fp8core.jax the callback's ShapeDtypeStructs, selftest reads the list. The rows
+are in :mod:`fp8core.declarations` (its PRIMITIVES); a hand-written op beside them needs nothing from here.
+
+The rule sees each tensor argument as a :class:`Spec` (shape, dtype name), each dtype argument as its name and
+every other argument as given; it raises the core's error wherever the core refuses an argument for its shape
+(so that a traced call fails as the eager one does) and returns one Spec per output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+from .formats import dtype_name
+
+__all__ = ["Spec", "Arg", "Primitive", "declare", "REQUIRED"]
+
+REQUIRED: Any = object()  # an argument without a default
+
+# the argument types a declaration may use (the names torch's schemas give them)
+TYPES = ("Tensor", "Tensor?", "str", "int", "float", "bool", "dtype")
+
+
+class Spec(NamedTuple):
+    """An array's shape and dtype name ('float8_e4m3fn', 'float32', ...), without its data."""
+
+    shape: tuple
+    dtype: str
+
+    @classmethod
+    def of(cls, x: Any) -> "Spec":
+        """The spec of anything with a shape and a dtype: a torch, JAX, NumPy or CuPy array, a tracer, a Spec."""
+        return x if isinstance(x, Spec) else cls(tuple(x.shape), dtype_name(x.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """One named argument. label: its name in errors where that differs ("t.data" for a scaled tensor's part).
+    mutated: written in place (an amax slot accumulates, the update's state). slot: the spec of a mutated
+    argument that a functional front-end (JAX) returns instead of taking."""
+
+    name: str
+    type: str = "Tensor"
+    default: Any = REQUIRED
+    mutated: bool = False
+    label: str = ""
+    slot: Spec | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in TYPES:
+            raise ValueError(f"type: expected one of {', '.join(TYPES)}, got {self.type!r}")
+
+    @property
+    def tensor(self) -> bool:
+        return self.type.startswith("Tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Primitive:
+    """A primitive as the front-ends see it.
+
+    outputs: ``rule(**inputs) -> tuple[Spec, ...]`` (tensors as Specs, dtypes as names). call: the core's
+    function, called with the declared arguments by name, returning the outputs (one array, or a tuple (a
+    ScaledTensor too) in the rule's order).
+    returns: how many arrays it returns (0: it only mutates, 1: one array, n: a tuple). precheck: type rules the
+    core applies before it looks at devices (the scaled operands' kinds), run first. backend: the backend
+    functions it reaches (selftest's coverage). may_alias: an output may be an input itself (a 1-row transpose).
+    """
+
+    name: str
+    args: tuple[Arg, ...]
+    outputs: Callable[..., tuple[Spec, ...]]
+    call: Callable[..., Any]
+    returns: int
+    backend: tuple[str, ...] = ()
+    doc: str = ""
+    precheck: Callable[..., None] | None = None
+    may_alias: bool = False
+
+    def arg(self, name: str) -> Arg:
+        return next(a for a in self.args if a.name == name)
+
+    def specs(self, **inputs: Any) -> tuple[Spec, ...]:
+        """The outputs' specs from the inputs (arrays or Specs, dtypes in any spelling; slots left out), by the
+        rule."""
+        return self.outputs(**{name: _abstract(self.arg(name), v) for name, v in inputs.items()
+                               if self.arg(name).slot is None})
+
+    def functional(self, **inputs: Any) -> tuple[Spec, ...]:
+        """The outputs a functional front-end returns: the rule's, then each mutated argument's new value (the
+        given array's spec, or its slot's where it is not passed)."""
+        mutated = tuple(Spec.of(inputs[a.name]) if inputs.get(a.name) is not None else a.slot
+                        for a in self.args if a.mutated)
+        return self.specs(**inputs) + mutated
+
+
+def _abstract(arg: Arg, value: Any) -> Any:
+    if value is None:
+        return None
+    if arg.tensor:
+        return Spec.of(value)
+    return dtype_name(value) if arg.type == "dtype" else value
+
+
+def declare(name: str, args: tuple[Arg, ...], *, returns: int, **fields: Any) -> Callable[[Callable], Primitive]:
+    """Decorator: the rule below it (its docstring the primitive's) makes the declaration ``name``."""
+    def make(rule: Callable[..., tuple[Spec, ...]]) -> Primitive:
+        names = [a.name for a in args]
+        if len(set(names)) != len(names):
+            raise ValueError(f"args: {name}'s argument names repeat: {names}")
+        return Primitive(name, tuple(args), rule, returns=returns, doc=rule.__doc__ or "", **fields)
+    return make

@@ -24,12 +24,14 @@ import torch
 import torch.nn.functional as F
 
 import fp8core
-from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from fp8core.gemm import MULTIPLE
 from fp8core.scaling import check_state_values
 
 from . import ops
 from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
+from .fp4_ops import advance_rng
+from .fp4_linear import STREAMS, NVFP4Matmul, fp4_multiple, fp4_spec, initial_rng
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
 from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
                       current_context, initial_state)
@@ -197,6 +199,10 @@ class Float8Linear(torch.nn.Linear):
             self._fp8_slot = self._fp8_group.join(self)
             self._fp8_history, self._fp8_scale, self._fp8_scale_inv = initial_state(
                 self.recipe.amax_history_len, self.weight.device)
+        if isinstance(self.recipe, NVFP4BlockScaling) and "fp4_rng" not in self._buffers:
+            # stochastic rounding's (seed, offset): a buffer, so state_dict, module transforms and
+            # torch.compile (an in-place update, no recompile) carry it
+            self.register_buffer("fp4_rng", initial_rng(self.weight.device))
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None, shared: SharedScaling | None = None,
@@ -287,6 +293,16 @@ class Float8Linear(torch.nn.Linear):
             self._fp8_weight_scale_inv(None)
             w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
             return BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
+        if isinstance(self.recipe, NVFP4BlockScaling):
+            if self._fp8_recording:  # refused by name before the cast
+                _record(self, x, None)
+            self._fp8_weight_scale_inv(None)
+            w = self.weight.t() if self.in_out else self.weight
+            rng, after = advance_rng(self.fp4_rng, STREAMS)
+            if torch.is_grad_enabled():  # a backward may follow: the next step draws fresh bytes
+                with torch.no_grad():
+                    self.fp4_rng.copy_(after)
+            return NVFP4Matmul.apply(x, w, self.bias, rng, fp4_spec(self.recipe))
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
         if self._fp8_group is None:
@@ -454,6 +470,8 @@ def _feature_multiple(recipe: Any) -> tuple[int, str]:
     """(what in_features and out_features must be multiples of under ``recipe``, and why)."""
     if isinstance(recipe, BLOCK_RECIPES):
         return block_multiple(recipe)
+    if isinstance(recipe, NVFP4BlockScaling):
+        return fp4_multiple(recipe)
     return MULTIPLE, "the FP8 GEMM's limit"
 
 

@@ -27,7 +27,7 @@ from .blocks import _returning
 from .derivatives import first_order_only
 from .primitives import jitted, primitive
 
-__all__ = ["quantize_nvfp4", "nvfp4_gemm", "rng_state", "nvfp4_dense", "STREAMS"]
+__all__ = ["quantize_nvfp4", "nvfp4_gemm", "rng_state", "advance_rng", "nvfp4_dense", "nvfp4_matmul", "STREAMS"]
 
 Array = jax.Array
 STREAMS = 2  # offsets a step takes: grad_output rowwise (offset), columnwise (offset + 1); fp8core.torch's too
@@ -41,7 +41,7 @@ def rng_state(seed: int, offset: int = 0) -> Array:
     return jnp.asarray(np.array([s & 0xFFFFFFFF, s >> 32, o & 0xFFFFFFFF, o >> 32], np.uint32))
 
 
-def _check_rng(rng: Any, arg: str = "rng") -> Array:
+def check_rng(rng: Any, arg: str = "rng") -> Array:
     rng = _args.array(rng, arg)
     if tuple(rng.shape) != (4,) or jnp.dtype(rng.dtype) != jnp.uint32:
         raise ValueError(f"{arg}: expected uint32 [4] (seed lo, seed hi, offset lo, offset hi: "
@@ -49,8 +49,8 @@ def _check_rng(rng: Any, arg: str = "rng") -> Array:
     return rng
 
 
-def _advanced(rng: Array, streams: int) -> Array:
-    """rng with its 64-bit offset advanced by ``streams`` (carry into the high word)."""
+def advance_rng(rng: Array, streams: int = STREAMS) -> Array:
+    """rng with its 64-bit offset advanced by ``streams`` (carry into the high word): the next step's state."""
     lo = rng[2] + jnp.uint32(streams)
     hi = rng[3] + (lo < rng[2]).astype(jnp.uint32)
     return rng.at[2].set(lo).at[3].set(hi)
@@ -74,7 +74,7 @@ def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False,
         raise ValueError(f"x: expected a 2-D [M, K] array, got shape {tuple(x.shape)}")
     flags = tuple(args.flag(v, n) for v, n in ((weight_2d, "weight_2d"), (hadamard, "hadamard"),
                                                (stochastic, "stochastic"), (columnwise, "columnwise")))
-    rng = jnp.zeros(4, jnp.uint32) if rng is None else _check_rng(rng)
+    rng = jnp.zeros(4, jnp.uint32) if rng is None else check_rng(rng)
     layout = Layout.NVFP4_16X16 if flags[0] else Layout.NVFP4_1X16
     return NVFP4Tensor(*_quantize_nvfp4(x, rng, flags=flags, stream=args.integer(stream, "stream", 0)), layout)
 
@@ -123,8 +123,11 @@ def _nvfp4_gemm(a: tuple, b: tuple, *, out_dtype: Any, layouts: tuple[str, str])
 
 # ---- the dense layer ------------------------------------------------------------------------------------
 
-def _spec(recipe: NVFP4BlockScaling) -> tuple[bool, bool, bool]:
-    return not recipe.disable_2d_quantization, not recipe.disable_rht, not recipe.disable_stochastic_rounding
+def _spec(recipe: NVFP4BlockScaling, out_dtype: str | None = None) -> tuple[bool, bool, bool, str | None]:
+    """(weight in 16x16 tiles, the Hadamard transform on the wgrad operands, stochastic rounding of gradients,
+    the output's dtype name: None for x's)."""
+    return (not recipe.disable_2d_quantization, not recipe.disable_rht, not recipe.disable_stochastic_rounding,
+            out_dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -137,11 +140,11 @@ def _forward(x, w, rng, spec):
 
 
 def _forward_once(x, w, rng, spec):
-    weight_2d, rht, _ = spec
+    weight_2d, rht, _, out = spec
     x_q, x_t = quantize_nvfp4(x), quantize_nvfp4(x, hadamard=rht, columnwise=True)
     w_q = quantize_nvfp4(w, weight_2d=weight_2d)
     w_t = quantize_nvfp4(w, weight_2d=weight_2d, columnwise=True)
-    y = nvfp4_gemm(x_q, w_q, x.dtype)
+    y = nvfp4_gemm(x_q, w_q, x.dtype if out is None else out)
     # layouts are static (the spec); dtypes travel as empty arrays: residuals must be JAX values
     return y, (tuple(x_t), tuple(w_t), rng, jnp.zeros(0, x.dtype), jnp.zeros(0, w.dtype))
 
@@ -152,7 +155,7 @@ def _fwd(x, w, rng, spec):
 
 def _bwd(spec, res, g):
     x_t, w_t, rng, x_like, w_like = res
-    weight_2d, rht, stochastic = spec
+    weight_2d, rht, stochastic, _ = spec
     w_layout = Layout.NVFP4_16X16 if weight_2d else Layout.NVFP4_1X16
     x_t, w_t = NVFP4Tensor(*x_t, Layout.NVFP4_1X16), NVFP4Tensor(*w_t, w_layout)
     g_q = quantize_nvfp4(g, stochastic=stochastic, rng=rng, stream=0)
@@ -165,6 +168,12 @@ def _bwd(spec, res, g):
 _nvfp4_matmul.defvjp(_fwd, _bwd)
 
 
+def nvfp4_matmul(x: Array, w: Array, rng: Array, recipe: NVFP4BlockScaling, out_dtype: Any = None) -> Array:
+    """y [M, N] = x [M, K] · w [N, K]ᵀ with NVFP4 GEMMs forward and backward (M, N, K multiples of 32), in
+    ``out_dtype`` (x's by default); the gradients' stochastic rounding from ``rng`` (uint32 [4])."""
+    return _nvfp4_matmul(x, w, rng, _spec(recipe, None if out_dtype is None else jnp.dtype(out_dtype).name))
+
+
 def nvfp4_dense(x: Array, w: Array, state: Any, recipe: NVFP4BlockScaling, bias: Array | None = None
                 ) -> tuple[Array, dict[str, Array]]:
     """x [..., K] · w[N, K]ᵀ (+ bias) with NVFP4 GEMMs: (y [..., N] in x's dtype, the state with its offset
@@ -172,7 +181,7 @@ def nvfp4_dense(x: Array, w: Array, state: Any, recipe: NVFP4BlockScaling, bias:
     if not isinstance(state, dict) or "rng" not in state:
         raise TypeError(f"state: expected NVFP4BlockScaling's state {{'rng': uint32 [4]}} "
                         f"(fp8core.jax.init_state(recipe, seed=...)), got {type(state).__name__}")
-    rng = _check_rng(state["rng"], "state['rng']")
+    rng = check_rng(state["rng"], "state['rng']")
     k, n = x.shape[-1], w.shape[0]
     if k % FP4_GEMM_K or n % FP4_GEMM_K or w.shape[1] != k:
         raise ValueError(f"w: expected [N, K] with K = {k} and N, K multiples of {FP4_GEMM_K} under "
@@ -184,7 +193,7 @@ def nvfp4_dense(x: Array, w: Array, state: Any, recipe: NVFP4BlockScaling, bias:
     pad = -rows % FP4_GEMM_K or (FP4_GEMM_K if rows == 0 else 0)
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-    y = _nvfp4_matmul(x2, w, rng, _spec(recipe))[:rows].reshape(*x.shape[:-1], n)
+    y = nvfp4_matmul(x2, w, rng, recipe)[:rows].reshape(*x.shape[:-1], n)
     if bias is not None:
         y = y + bias.astype(y.dtype)
-    return y, dict(state, rng=_advanced(jax.lax.stop_gradient(rng), STREAMS))
+    return y, dict(state, rng=advance_rng(jax.lax.stop_gradient(rng)))

@@ -219,3 +219,13 @@ def test_te_linear_takes_nvfp4_from_its_autocast():
     twin.fp4_rng[1] = 0
     with autocast():
         assert torch.equal(twin(x), y)
+
+
+def test_fsdp2_fp8_all_gather_refuses_nvfp4_by_name():
+    # FSDP2 gathers an NVFP4 layer's weight in high precision (its 16x16 tiles and global amax span the shards);
+    # the fp8 all-gather, one scale per weight, is refused, naming the layer and the recipe, before any change
+    model = convert_to_float8(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), NVFP4)
+    with pytest.raises(TypeError, match=r"module: 0 uses NVFP4BlockScaling; fp8 all-gather takes DelayedScaling "
+                                        r"or Float8CurrentScaling .*FSDP2 gathers it in high precision"):
+        te.enable_fsdp_float8_all_gather(model)
+    assert type(model[0].weight) is torch.nn.Parameter

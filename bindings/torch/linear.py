@@ -726,11 +726,14 @@ def _mark_paths(module: torch.nn.Module) -> bool:
 
 def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:
     """Make FSDP2 all-gather every Float8Linear weight of ``module`` in fp8 (call before ``fully_shard``).
-    In place; returns ``module``. Per-tensor recipes only: a block-scaled weight is gathered in high precision."""
+    In place; returns ``module``. Per-tensor recipes only: a block-scaled weight (MXFP8, 1x128/128x128, NVFP4) is
+    gathered in high precision, as FSDP2 gathers it without this call."""
     for name, m in module.named_modules():
-        if isinstance(m, Float8Linear) and isinstance(m.recipe, BLOCK_RECIPES):
+        if isinstance(m, Float8Linear) and isinstance(m.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)):
             raise TypeError(f"module: {name or 'the module'} uses {type(m.recipe).__name__}; fp8 all-gather takes "
-                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling")
+                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling "
+                            "(an NVFP4 weight's 16x16 tiles and global amax span the shards: FSDP2 gathers it in "
+                            "high precision without this call)")
     for m in module.modules():
         if isinstance(m, Float8Linear):
             wrap_weight(m)

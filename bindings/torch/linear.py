@@ -287,22 +287,20 @@ class Float8Linear(torch.nn.Linear):
         # torch (2.11 refuses importlib's find_spec). The first op refuses a CUDA tensor without CuPy, by name.
         if x.numel() == 0:
             return self._high_precision(x)
-        if isinstance(self.recipe, BLOCK_RECIPES):
-            if self._fp8_recording:  # refused by name before the cast
-                _record(self, x, None)
+        if isinstance(self.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)):
             self._fp8_weight_scale_inv(None)
             w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
-            return BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
-        if isinstance(self.recipe, NVFP4BlockScaling):
-            if self._fp8_recording:  # refused by name before the cast
-                _record(self, x, None)
-            self._fp8_weight_scale_inv(None)
-            w = self.weight.t() if self.in_out else self.weight
-            rng, after = advance_rng(self.fp4_rng, STREAMS)
-            if torch.is_grad_enabled():  # a backward may follow: the next step draws fresh bytes
-                with torch.no_grad():
-                    self.fp4_rng.copy_(after)
-            return NVFP4Matmul.apply(x, w, self.bias, rng, fp4_spec(self.recipe))
+            if isinstance(self.recipe, NVFP4BlockScaling):
+                rng, after = advance_rng(self.fp4_rng, STREAMS)
+                if torch.is_grad_enabled():  # a backward may follow: the next step draws fresh bytes
+                    with torch.no_grad():
+                        self.fp4_rng.copy_(after)
+                y = NVFP4Matmul.apply(x, w, self.bias, rng, fp4_spec(self.recipe))
+            else:
+                y = BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
+            if self._fp8_recording:
+                _record(self, x, y)
+            return y
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
         if self._fp8_group is None:

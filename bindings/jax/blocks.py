@@ -28,7 +28,7 @@ __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantiz
 Array = jax.Array
 
 
-def _returning(fn: Callable[..., Any]) -> Callable[..., None]:
+def returning(fn: Callable[..., Any]) -> Callable[..., None]:
     """``fn(*ins) -> result or results`` as the ``fn(outs, *ins)`` that primitive takes: the block primitives
     have no ``out=``, so their results are copied byte for byte into XLA's buffers (on a GPU on XLA's stream,
     CuPy's current one inside the callback)."""
@@ -56,7 +56,7 @@ def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> 
     args.scale_mode(scale_mode)
     layout = Layout.MX_COLUMNWISE if columnwise else Layout.MX_ROWWISE
     shapes = (fp8_shape(x, fmt), _e8m0(layout.scale_shape(rows(x), x.shape[-1])))
-    run = _returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
+    run = returning(lambda t: tuple(core.quantize_mxfp8(t, fmt, scale_mode=scale_mode, columnwise=columnwise)))
     return MXTensor(*primitive(run, shapes)(x))
 
 
@@ -76,7 +76,7 @@ def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTens
         row, col = core.quantize_mxfp8_both(t, fmt, scale_mode=scale_mode)
         return (*row, *col)
 
-    q, s, qc, sc = primitive(_returning(run), shapes)(x)
+    q, s, qc, sc = primitive(returning(run), shapes)(x)
     return MXTensor(q, s), MXTensor(qc, sc)
 
 
@@ -90,7 +90,7 @@ def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
 def _dequantize(t: tuple[Array, Array], *, out_dtype: Any, layout: str) -> Array:
     data, scale = t
     fmt = fp8core.as_format(data.dtype)
-    run = _returning(lambda q, s: core.dequantize_blocks(ScaledTensor(q, s, layout), jnp.dtype(out_dtype).name,
+    run = returning(lambda q, s: core.dequantize_blocks(ScaledTensor(q, s, layout), jnp.dtype(out_dtype).name,
                                                          fmt=fmt))
     return primitive(run, jax.ShapeDtypeStruct(data.shape, out_dtype))(data, scale)
 
@@ -115,7 +115,7 @@ def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numb
         (epsilon,) = numbers_of(nums, host_numbers)
         return tuple(core.quantize_blockwise(t, fmt, block=block, power_of_2=power_of_2, epsilon=epsilon))
 
-    return BlockScaledTensor(*primitive(_returning(run), shapes)(x, *operands(numbers)))
+    return BlockScaledTensor(*primitive(returning(run), shapes)(x, *operands(numbers)))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
@@ -134,7 +134,7 @@ def block_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: Any = jnp.bfloat16) 
 def _block_gemm(a: tuple[Array, Array], b: tuple[Array, Array], *, out_dtype: Any, layouts: tuple[str, str]) -> Array:
     fa, fb = fp8core.as_format(a[0].dtype), fp8core.as_format(b[0].dtype)
     name = jnp.dtype(out_dtype).name
-    run = _returning(lambda ad, asc, bd, bsc: fp8core.gemm(ScaledTensor(ad, asc, layouts[0]),
+    run = returning(lambda ad, asc, bd, bsc: fp8core.gemm(ScaledTensor(ad, asc, layouts[0]),
                                                            ScaledTensor(bd, bsc, layouts[1]), out_dtype=name,
                                                            a_fmt=fa, b_fmt=fb))
     return primitive(run, jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(a[0], a[1], b[0], b[1])

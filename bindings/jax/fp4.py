@@ -23,7 +23,7 @@ from fp8core.fp4 import FP4_GEMM_K
 from fp8core.layouts import Layout, NVFP4Tensor
 
 from . import _args
-from .blocks import _returning
+from .blocks import returning
 from .derivatives import first_order_only
 from .primitives import jitted, primitive
 
@@ -98,7 +98,7 @@ def _quantize_nvfp4(x: Array, rng: Array, *, flags: tuple[bool, bool, bool, bool
                                             rounding="stochastic" if stochastic else "nearest", seed=seed,
                                             offset=offset, columnwise=columnwise))
 
-    return tuple(primitive(_returning(run), shapes)(x, rng))
+    return tuple(primitive(returning(run), shapes)(x, rng))
 
 
 def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: Any = jnp.bfloat16) -> Array:
@@ -116,7 +116,7 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: Any = jnp.bfloat16) ->
 @jitted("out_dtype", "layouts")
 def _nvfp4_gemm(a: tuple, b: tuple, *, out_dtype: Any, layouts: tuple[str, str]) -> Array:
     name = jnp.dtype(out_dtype).name
-    run = _returning(lambda *t: fp8core.gemm(NVFP4Tensor(*t[:3], layouts[0]), NVFP4Tensor(*t[3:], layouts[1]),
+    run = returning(lambda *t: fp8core.gemm(NVFP4Tensor(*t[:3], layouts[0]), NVFP4Tensor(*t[3:], layouts[1]),
                                              out_dtype=name))
     return primitive(run, jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(*a, *b)
 

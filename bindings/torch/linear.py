@@ -8,7 +8,8 @@ Master weights stay in their own precision. The token count is zero-padded to a 
 wgrad GEMM (zeros add nothing to the sums nor to the amaxes).
 
 The block-scaling recipes (MXFP8BlockScaling, Float8BlockScaling) are stateless, like current scaling, and
-follow the same autocast rule; their GEMMs, and the transposes they need, are in block_linear.py.
+follow the same autocast rule; their GEMMs, and the transposes they need, are in block_linear.py. NVFP4BlockScaling's
+are in fp4_linear.py; its only state is the (seed, offset) of stochastic rounding, a buffer.
 """
 
 from __future__ import annotations
@@ -148,11 +149,12 @@ class Float8Linear(torch.nn.Linear):
     (high precision, Transformer Engine's rule) by default, fp8 with ``autocast_only=False`` (torchao's usage;
     what :func:`convert_to_float8` makes: see it for when delayed scaling then updates).
     ``in_features`` and ``out_features`` must be positive multiples of 16 (32 under
-    MXFP8BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
+    MXFP8BlockScaling and NVFP4BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
     x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
-    recipe: DelayedScaling (default), Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling (the last
-    three stateless: nothing in ``state_dict``). ``shared``: the delayed-scaling group this
+    recipe: DelayedScaling (default), Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling (these three
+    stateless: nothing in ``state_dict``) or NVFP4BlockScaling (E2M1 GEMMs, fp4_linear.py; its stochastic
+    rounding's ``fp4_rng`` buffer, int64 [2] (seed, offset), in ``state_dict``). ``shared``: the delayed-scaling group this
     module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
     a group of its own otherwise. The module owns its state (see fp8core.torch.scaling): float32
     ``fp8_amax_history`` [L, 3], ``fp8_scale`` [3], ``fp8_scale_inv`` [3] (input, weight, grad_output),
@@ -174,7 +176,8 @@ class Float8Linear(torch.nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None,
-                 recipe: DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling | None = None,
+                 recipe: DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling
+                 | NVFP4BlockScaling | None = None,
                  shared: SharedScaling | None = None, autocast_only: bool = True) -> None:
         _check_features(in_features, out_features, check_recipe(recipe) if shared is None else shared.recipe)
         if not isinstance(autocast_only, bool):

@@ -229,3 +229,56 @@ def test_fsdp2_fp8_all_gather_refuses_nvfp4_by_name():
                                         r"or Float8CurrentScaling .*FSDP2 gathers it in high precision"):
         te.enable_fsdp_float8_all_gather(model)
     assert type(model[0].weight) is torch.nn.Parameter
+
+
+def _fp4_op_cases():
+    x, w = torch.randn(64, 32), torch.randn(32, 32)
+    rng = torch.tensor([5, 2], dtype=torch.int64)
+    a = tuple(fp8core.quantize_nvfp4(x, columnwise=True, hadamard=True))
+    b = tuple(fp8core.quantize_nvfp4(w, weight_2d=True))
+    return [
+        (torch.ops.fp8core.quantize_nvfp4, (x, False, False, False, rng, 0, False)),
+        (torch.ops.fp8core.quantize_nvfp4, (x, False, True, True, rng, 1, True)),
+        (torch.ops.fp8core.quantize_nvfp4, (w, True, False, False, rng, 0, True)),
+        (torch.ops.fp8core.nvfp4_gemm, (*b, *b, "16x16", "16x16", torch.float32)),
+        (torch.ops.fp8core.nvfp4_gemm, (*a, *a, "1x16", "1x16", torch.bfloat16)),
+        (torch.ops.fp8core.advance_rng, (rng, 2)),
+    ]
+
+
+@pytest.mark.parametrize("op,args", _fp4_op_cases(), ids=["rowwise", "columnwise_rht_sr", "tiles_columnwise",
+                                                           "gemm_tiles", "gemm_1x16", "advance_rng"])
+def test_fp4_ops_schema_fake_and_autograd_registration(op, args):
+    utils = ["test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"]
+    if not any(isinstance(a, torch.Tensor) and a.element_size() == 1 and a.is_floating_point() for a in args):
+        utils.append("test_schema")  # the schema checker does arithmetic that torch lacks for fp8 on the CPU
+    torch.library.opcheck(op, args, test_utils=utils)
+
+
+def test_the_quantize_op_reads_seed_and_offset_plus_stream():
+    from fp8core.torch import fp4_ops
+
+    g = torch.randn(32, 64)
+    rng = torch.tensor([-1, 7], dtype=torch.int64)  # int64 -1: the seed 2**64 - 1
+    got = fp4_ops.quantize_nvfp4(g, stochastic=True, rng=rng, stream=1, columnwise=True, hadamard=True)
+    want = fp8core.quantize_nvfp4(g, rounding="stochastic", seed=2 ** 64 - 1, offset=8, columnwise=True, hadamard=True)
+    assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
+                           if b.element_size() == 1 else b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match=r"rng: expected int64 \[2\] \(seed, offset\), got torch.int32 \(2,\)"):
+        fp4_ops.quantize_nvfp4(g, stochastic=True, rng=torch.zeros(2, dtype=torch.int32))
+
+
+def test_a_layer_made_on_meta_and_materialised_draws_its_seed_then():
+    with torch.device("meta"):
+        lin = Float8Linear(32, 32, recipe=NVFP4)
+    assert lin.fp4_rng.is_meta
+    torch.manual_seed(5)
+    lin.to_empty(device="cpu")
+    from fp8core.torch.fp4_linear import initial_rng
+
+    torch.manual_seed(5)
+    assert torch.equal(lin.fp4_rng, initial_rng())  # drawn at materialisation: no uninitialised memory
+    assert int(lin.fp4_rng[1]) == 0
+    lin.fp4_rng[1] = 4
+    lin.to(torch.bfloat16)  # a dtype transform leaves the int64 state alone
+    assert lin.fp4_rng.dtype == torch.int64 and int(lin.fp4_rng[1]) == 4

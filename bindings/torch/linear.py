@@ -256,7 +256,12 @@ class Float8Linear(torch.nn.Linear):
             self._fp8_slot = self._fp8_group.join(self, self._fp8_slot)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "Float8Linear":
+        rng = self._buffers.get("fp4_rng")
         super()._apply(fn, recurse)
+        new_rng = self._buffers.get("fp4_rng")
+        if rng is not None and rng.is_meta and new_rng is not None and not new_rng.is_meta:
+            with torch.no_grad():  # materialised (to_empty): uninitialised memory is no seed; a new layer's draw
+                new_rng.copy_(initial_rng(new_rng.device))
         if self._fp8_group is None:
             return self
         L = self.recipe.amax_history_len

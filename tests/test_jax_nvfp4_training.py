@@ -137,3 +137,34 @@ def test_bad_state_and_shapes_are_named():
         fj.dense(jnp.ones((32, 48)), jnp.ones((32, 48)), fj.init_state(NVFP4), NVFP4)
     with pytest.raises(ValueError, match=r"seed: expected an unsigned 64-bit integer"):
         fj.init_state(NVFP4, seed=-1)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_the_primitives_are_the_cores_bits(jit):
+    x = np.random.default_rng(3).standard_normal((48, 64)).astype(np.float32)
+    x[5, 7] = np.nan
+    seed, offset = 2 ** 63 + 11, 2 ** 32 + 5
+    rng = jfp4.rng_state(seed, offset)
+
+    def run(x, rng):
+        t = jfp4.quantize_nvfp4(x, hadamard=True, stochastic=True, rng=rng, stream=1, columnwise=True)
+        w = jfp4.quantize_nvfp4(x, weight_2d=True)
+        return tuple(t), tuple(w), jfp4.nvfp4_gemm(w, w, jnp.float32)
+
+    t, w, y = (jax.jit(run) if jit else run)(jnp.asarray(x), rng)
+    want_t = fp8core.quantize_nvfp4(x, hadamard=True, rounding="stochastic", seed=seed, offset=offset + 1,
+                                    columnwise=True)
+    want_w = fp8core.quantize_nvfp4(x, weight_2d=True)
+    for got, want in zip(t + w, tuple(want_t) + tuple(want_w)):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    np.testing.assert_array_equal(bits(y), bits(fp8core.gemm(want_w, want_w, out_dtype="float32")))
+
+
+def test_the_primitives_refuse_as_the_core_does():
+    with pytest.raises(ValueError) as core:
+        fp8core.quantize_nvfp4(np.ones((20, 32), np.float32), columnwise=True)
+    with pytest.raises(ValueError) as ours:
+        jfp4.quantize_nvfp4(jnp.ones((20, 32)), columnwise=True)
+    assert str(ours.value) == str(core.value)
+    with pytest.raises(TypeError, match="b: expected an NVFP4Tensor"):
+        jfp4.nvfp4_gemm(jfp4.quantize_nvfp4(jnp.ones((32, 32))), (1, 2, 3))

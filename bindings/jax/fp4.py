@@ -84,10 +84,10 @@ def _quantize_nvfp4(x: Array, rng: Array, *, flags: tuple[bool, bool, bool, bool
     weight_2d, hadamard, stochastic, columnwise = flags
     m, k = x.shape
     rows, cols = (k, m) if columnwise else (m, k)
-    for n, what in ((cols, "C, the operand's row length"),):
-        if n % 16:
-            raise ValueError(f"x: quantize_nvfp4{' (columnwise)' if columnwise else ''} takes blocks of 16; {what} "
-                             f"= {n} must be a multiple of 16")
+    if cols % 16:  # at trace time, in the core's words, rather than from inside the callback
+        name, what = ("M", "down the columns of x") if columnwise else ("K", "along the rows of x")
+        raise ValueError(f"x: quantize_nvfp4{' (columnwise)' if columnwise else ''} takes blocks of 16 {what} "
+                         f"viewed as [M, K] = [{m}, {k}]; {name} = {cols} must be a multiple of 16")
     shapes = (jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
               jax.ShapeDtypeStruct((-(-rows // 16) if weight_2d else rows, cols // 16), jnp.float8_e4m3fn),
               jax.ShapeDtypeStruct((1,), jnp.float32))

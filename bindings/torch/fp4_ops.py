@@ -24,10 +24,14 @@ _U64 = 1 << 64
 __all__ = ["quantize_nvfp4", "nvfp4_gemm", "advance_rng"]
 
 
-def _seed_offset(rng: Tensor, stream: int) -> tuple[int, int]:
-    """(seed, offset + stream) of an int64 [2] state, as the unsigned 64-bit ints the core takes (int64's bits)."""
+def _check_rng(rng: Tensor) -> None:
     if rng.dtype != torch.int64 or tuple(rng.shape) != (2,):
         raise ValueError(f"rng: expected int64 [2] (seed, offset), got {rng.dtype} {tuple(rng.shape)}")
+
+
+def _seed_offset(rng: Tensor, stream: int) -> tuple[int, int]:
+    """(seed, offset + stream) of an int64 [2] state, as the unsigned 64-bit ints the core takes (int64's bits)."""
+    _check_rng(rng)
     seed, offset = (int(v) % _U64 for v in rng.tolist())
     return seed, (offset + stream) % _U64
 
@@ -77,7 +81,7 @@ def advance_rng(rng: Tensor, streams: int) -> tuple[Tensor, Tensor]:
     """(a copy of rng, rng with its offset advanced by ``streams``), int64 [2] each. An op, not a clone: the
     compiled backward must read the copy saved at the forward, and AOTAutograd's partitioner would recompute a clone
     in the backward from the buffer the forward has since advanced."""
-    _seed_offset(rng, 0)
+    _check_rng(rng)  # the shape only: no read of the values (on a GPU, a wait for the stream)
     return rng.clone(), rng + rng.new_tensor((0, streams))
 
 

@@ -44,7 +44,8 @@ from .fp4 import advance_rng, rng_state
 from .linen import check_precision, check_recipe, dot_general_with_state, einsum_dot
 from .tying import Tie, check_state, state_keys, tie
 
-__all__ = ["Fp8State", "Fp4Rng", "Fp8DotGeneral", "Fp8Einsum", "value_and_grad", "grad", "linen_state", "load_linen_state"]
+__all__ = ["Fp8State", "Fp4Rng", "Fp8DotGeneral", "Fp8Einsum", "value_and_grad", "grad", "linen_state",
+           "load_linen_state"]
 
 
 class Fp8State(nnx.Variable):

@@ -154,8 +154,8 @@ class Float8Linear(torch.nn.Linear):
 
     recipe: DelayedScaling (default), Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling (these three
     stateless: nothing in ``state_dict``) or NVFP4BlockScaling (E2M1 GEMMs, fp4_linear.py; its stochastic
-    rounding's ``fp4_rng`` buffer, int64 [2] (seed, offset), in ``state_dict``). ``shared``: the delayed-scaling group this
-    module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
+    rounding's ``fp4_rng`` buffer, int64 [2] (seed, offset), in ``state_dict``). ``shared``: the delayed-scaling
+    group this module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
     a group of its own otherwise. The module owns its state (see fp8core.torch.scaling): float32
     ``fp8_amax_history`` [L, 3], ``fp8_scale`` [3], ``fp8_scale_inv`` [3] (input, weight, grad_output),
     in ``state_dict`` with ``fp8_steps`` (the group's step count; each key is an attribute, as

@@ -1,7 +1,8 @@
 """Training with NVFP4BlockScaling in torch, CPU: Float8Linear's three GEMMs equal the core's FP4 primitives bit for
 bit (16x16 weight tiles, the Hadamard transform on the wgrad operands, stochastic rounding of gradients keyed by
 the layer's (seed, offset)), a small MLP tracks its fp32 twin, a run repeated with the same seed and a run resumed
-from a checkpoint are bit-identical, and torch.compile(fullgraph=True) equals eager."""
+from a checkpoint are bit-identical, torch.compile(fullgraph=True) equals eager, and FSDP2 (2 gloo ranks, weights
+gathered in high precision) equals one process bit for bit."""
 
 import copy
 import io
@@ -282,3 +283,76 @@ def test_a_layer_made_on_meta_and_materialised_draws_its_seed_then():
     lin.fp4_rng[1] = 4
     lin.to(torch.bfloat16)  # a dtype transform leaves the int64 state alone
     assert lin.fp4_rng.dtype == torch.int64 and int(lin.fp4_rng[1]) == 4
+
+
+def _fsdp2_main(rank, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from test_torch_distributed import STEPS, WORLD, batch, cpu_mesh, full
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    model = fsdp2_model()
+    mesh = cpu_mesh()
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outs = []
+    for step in range(STEPS):
+        y = model(batch(step, rank))
+        y.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(y.detach())
+    torch.save({"outs": outs, "params": [full(p.detach()).clone() for p in model.parameters()],
+                "rng": [m.fp4_rng.clone() for m in (model[0], model[2])]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def fsdp2_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    return convert_to_float8(model, NVFP4)
+
+
+def test_fsdp2_two_ranks_gather_in_high_precision_and_match_one_process(tmp_path):
+    # each rank: its micro-batch, the same seed and offsets; the reference: one process, one model per rank's
+    # micro-batch, the gradients averaged (FSDP2's reduce-scatter over 2 ranks), the same SGD steps
+    import socket
+    import warnings
+
+    import torch.multiprocessing as mp
+
+    from test_torch_distributed import STEPS, WORLD, batch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.spawn(_fsdp2_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    twins = [fsdp2_model() for _ in range(WORLD)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in twins]
+    outs = [[] for _ in range(WORLD)]
+    for step in range(STEPS):
+        for r, m in enumerate(twins):
+            y = m(batch(step, r))
+            y.square().sum().backward()
+            outs[r].append(y.detach())
+        for ps in zip(*(m.parameters() for m in twins)):
+            g = sum(p.grad for p in ps) / WORLD
+            for p in ps:
+                p.grad = g.clone()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for r, got in enumerate(ranks):
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got["outs"], outs[r])), f"rank {r}'s outputs"
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got["params"], twins[0].parameters())), \
+            f"rank {r}'s weights after {STEPS} steps"
+        assert [int(t[1]) for t in got["rng"]] == [2 * STEPS] * 2

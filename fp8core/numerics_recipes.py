@@ -22,7 +22,7 @@ from fp8core.numerics_blocks import e4m3_scales, e8m0_scales, fp32_scales
 from fp8core.numerics_stats import Recipe
 from fp8core.ops import amax, dequantize, quantize_dynamic
 
-__all__ = ["RECIPES", "BLOCK_RULE", "select"]
+__all__ = ["RECIPES", "BLOCK_RULE", "select", "layer_recipe"]
 
 
 def _current(fmt: Format) -> Recipe:
@@ -35,7 +35,7 @@ def _current(fmt: Format) -> Recipe:
                   lambda x: quantize_dynamic(x, fmt)[:2], part, scale_inv=lambda q: float(q[1][0]))
 
 
-def _blocked(name: str, doc: str, layout: Layout, quantize: Any) -> Recipe:
+def _blocked(name: str, doc: str, layout: Layout, quantize: Any, fmt: Format = Format.E4M3) -> Recipe:
     br, bc = layout.block
 
     def part(t: ScaledTensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +44,7 @@ def _blocked(name: str, doc: str, layout: Layout, quantize: Any) -> Recipe:
         return piece.data, dequantize_blocks(piece)
 
     scales = e8m0_scales if layout.scale is E8M0 else fp32_scales
-    return Recipe(name, doc, Format.E4M3, quantize, part, row_step=br, block=layout.block,
+    return Recipe(name, doc, fmt, quantize, part, row_step=br, block=layout.block,
                   block_scales=lambda t: scales(t.scale))
 
 
@@ -128,6 +128,51 @@ def _nvfp4(hadamard: bool) -> Recipe:
                   "values (the transform is orthonormal and cancels in the GEMM)", E2M1, quantize, part,
                   block=(1, NVFP4_BLOCK), operand=operand, block_scales=_nvfp4_scales,
                   not_applicable="a 1-D or one-row tensor has no tokens for the wgrad operand's blocks")
+
+
+def _nvfp4_tiles() -> Recipe:
+    """NVFP4BlockScaling's weights: an E4M3 scale per 16x16 tile (rows zero-padded to 16: no tile's amax moves)."""
+    def quantize(x: np.ndarray) -> NVFP4Tensor:
+        return quantize_nvfp4(_whole_blocks(x, NVFP4_BLOCK), weight_2d=True)
+
+    def part(t: NVFP4Tensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        b1 = -(-c1 // NVFP4_BLOCK)
+        data = np.ascontiguousarray(t.data[r0:r1, c0 // 2:b1 * NVFP4_BLOCK // 2])
+        scale = np.ascontiguousarray(t.scale[r0 // NVFP4_BLOCK:-(-r1 // NVFP4_BLOCK), c0 // NVFP4_BLOCK:b1])
+        y = dequantize_nvfp4(NVFP4Tensor(data, scale, t.global_amax, Layout.NVFP4_16X16))
+        return E2M1.unpack(data)[:, :c1 - c0], y[:, :c1 - c0]
+
+    return Recipe("nvfp4_16x16", "NVFP4BlockScaling's weights, E2M1: an E4M3 scale per 16x16 tile under an fp32 "
+                  "global scale", E2M1, quantize, part, row_step=NVFP4_BLOCK, block=(NVFP4_BLOCK, NVFP4_BLOCK),
+                  block_scales=_nvfp4_scales)
+
+
+def layer_recipe(recipe: Any, operand: str) -> Recipe:
+    """The cast a layer under a block recipe (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) makes of
+    ``operand`` ("input", "weight", "grad_output") for its forward or dgrad GEMM, blocks along the last dimension,
+    as a study recipe named for the layer's recipe: the format the recipe gives the operand (HYBRID's E5M2
+    grad_output), its scale rule and block shape. NVFP4's stochastic rounding of gradients is measured rounded to
+    nearest (the random bytes are the layer's; the statistics of the nearest rounding bound its error in
+    expectation) and its wgrad operand's Hadamard transform is the ``nvfp4_rht`` recipe's to compare."""
+    from fp8core.recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+
+    slot = ("input", "weight", "grad_output").index(operand)
+    name = type(recipe).__name__
+    if isinstance(recipe, NVFP4BlockScaling):
+        if operand == "weight" and not recipe.disable_2d_quantization:
+            return _nvfp4_tiles()
+        return RECIPES["nvfp4"]
+    fmt = recipe.fp8_format.bwd if operand == "grad_output" else recipe.fp8_format.fwd
+    if isinstance(recipe, MXFP8BlockScaling):
+        mode = recipe.scale_mode
+        return _blocked(name, f"MXFP8BlockScaling, {fmt.name}, scale_mode {mode}: an E8M0 scale per 1x32 block",
+                        Layout.MX_ROWWISE, lambda x: quantize_mxfp8(x, fmt, scale_mode=mode), fmt)
+    if isinstance(recipe, Float8BlockScaling):
+        layout = recipe.layouts[slot]
+        p2, eps = recipe.power_of_2, recipe.epsilon
+        return _blocked(name, f"Float8BlockScaling, {fmt.name}: an fp32 scale per {layout.value} block", layout,
+                        lambda x: quantize_blockwise(x, fmt, block=layout, power_of_2=p2, epsilon=eps), fmt)
+    raise TypeError(f"recipe: expected MXFP8BlockScaling, Float8BlockScaling or NVFP4BlockScaling, got {name}")
 
 
 def _nvfp4_scales(t: NVFP4Tensor) -> Any:

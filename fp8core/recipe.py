@@ -10,8 +10,7 @@ from .args import AMAX_ALGOS, MAX_HISTORY_LEN
 from .formats import E2M1, Encoding, Format
 from .layouts import Layout
 
-__all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling",
-           "FP4_TRAINING"]
+__all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"]
 
 
 # ---- field checks shared by every recipe: at construction, naming the field -------------------------------
@@ -162,11 +161,6 @@ class Float8BlockScaling:
     __repr__ = _repr
 
 
-FP4_TRAINING = ("FP4 training is not yet supported: fp8core quantizes NVFP4 and MXFP4 (fp8core.quantize_nvfp4, "
-                "fp8core.quantize_mxfp4) and studies them (fp8core inspect --recipes nvfp4,nvfp4_rht,mxfp4), but no "
-                "front-end trains with them yet")
-
-
 @dataclass(frozen=True, repr=False)
 class NVFP4BlockScaling:
     """Transformer Engine's NVFP4 recipe: E2M1 elements in 1x16 blocks with E4M3 block scales under an fp32 global
@@ -178,7 +172,8 @@ class NVFP4BlockScaling:
     weights too. fp4_format: the elements' encoding (only fp8core.formats.E2M1, or its name "e2m1";
     fp8core's Format holds the FP8 choices only). fp8_format: the block scales'
     encoding (only Format.E4M3). TE's further fields (row-scaled activations, 4over6, backward_override) are not in
-    fp8core's contract. The recipe is data for now: the front-ends refuse it (:data:`FP4_TRAINING`).
+    fp8core's contract. Stochastic rounding's (seed, offset) is each layer's state (docs/numerics.md, "Training with
+    NVFP4BlockScaling").
     """
 
     disable_rht: bool = False

@@ -383,7 +383,7 @@ def test_a_second_derivative_is_refused_by_name(recipe):
 
 
 def test_bad_recipes_are_refused_by_name():
-    with pytest.raises(TypeError, match=r"^recipe: expected DelayedScaling or Float8CurrentScaling"):
+    with pytest.raises(TypeError, match=r"^recipe: expected DelayedScaling, Float8CurrentScaling or NVFP4BlockScaling"):
         fnnx.Fp8DotGeneral("e4m3")
     with pytest.raises(ValueError, match=r"^recipe: Fp8DotGeneral's functional update takes amax_compute_algo"):
         fnnx.Fp8DotGeneral(fp8core.DelayedScaling(amax_compute_algo=lambda h: h.max(axis=0)))

@@ -29,7 +29,7 @@ __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantiz
 Array = jax.Array
 
 
-def _returning(fn: Callable[..., Any]) -> Callable[..., None]:
+def returning(fn: Callable[..., Any]) -> Callable[..., None]:
     """``fn(*ins) -> result or results`` as the ``fn(outs, *ins)`` that primitive takes: the block primitives
     have no ``out=``, so their results are copied byte for byte into XLA's buffers (on a GPU on XLA's stream,
     CuPy's current one inside the callback)."""
@@ -52,7 +52,7 @@ def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", co
 def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> MXTensor:
     args.scale_mode(scale_mode)
     named = dict(fmt=fmt, scale_mode=scale_mode, columnwise=columnwise)
-    run = _returning(lambda t: PRIMITIVES["quantize_mxfp8"].call(t, **named))
+    run = returning(lambda t: PRIMITIVES["quantize_mxfp8"].call(t, **named))
     return MXTensor(*primitive(run, shapes("quantize_mxfp8", x=x, **named))(x))
 
 
@@ -65,7 +65,7 @@ def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil
 @jitted("fmt", "scale_mode")
 def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTensor, MXTensor]:
     args.scale_mode(scale_mode)
-    run = _returning(lambda t: PRIMITIVES["quantize_mxfp8_both"].call(t, fmt, scale_mode))
+    run = returning(lambda t: PRIMITIVES["quantize_mxfp8_both"].call(t, fmt, scale_mode))
     q, s, qc, sc = primitive(run, shapes("quantize_mxfp8_both", x=x, fmt=fmt, scale_mode=scale_mode))(x)
     return MXTensor(q, s), MXTensor(qc, sc)
 
@@ -80,7 +80,7 @@ def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
 def _dequantize(t: tuple[Array, Array], *, out_dtype: Any, layout: str) -> Array:
     data, scale = t
     fmt = fp8core.as_format(data.dtype)
-    run = _returning(lambda q, s: core.dequantize_blocks(ScaledTensor(q, s, layout), jnp.dtype(out_dtype).name,
+    run = returning(lambda q, s: core.dequantize_blocks(ScaledTensor(q, s, layout), jnp.dtype(out_dtype).name,
                                                          fmt=fmt))
     name = "dequantize_mxfp8" if Layout(layout).kind == "mx" else "dequantize_blockwise"
     (shape,) = shapes(name, data=data, **{PRIMITIVES[name].args[1].name: scale}, out_dtype=out_dtype)
@@ -107,7 +107,7 @@ def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numb
         return PRIMITIVES["quantize_blockwise"].call(t, epsilon=epsilon, **named)
 
     out = shapes("quantize_blockwise", x=x, epsilon=0.0, **named)  # epsilon is data: no part of the shapes
-    return BlockScaledTensor(*primitive(_returning(run), out)(x, *operands(numbers)))
+    return BlockScaledTensor(*primitive(returning(run), out)(x, *operands(numbers)))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
@@ -126,7 +126,7 @@ def block_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: Any = jnp.bfloat16) 
 def _block_gemm(a: tuple[Array, Array], b: tuple[Array, Array], *, out_dtype: Any, layouts: tuple[str, str]) -> Array:
     fa, fb = fp8core.as_format(a[0].dtype), fp8core.as_format(b[0].dtype)
     name = jnp.dtype(out_dtype).name
-    run = _returning(lambda ad, asc, bd, bsc: fp8core.gemm(ScaledTensor(ad, asc, layouts[0]),
+    run = returning(lambda ad, asc, bd, bsc: fp8core.gemm(ScaledTensor(ad, asc, layouts[0]),
                                                            ScaledTensor(bd, bsc, layouts[1]), out_dtype=name,
                                                            a_fmt=fa, b_fmt=fb))
     (shape,) = shapes("block_gemm", a=a[0], a_scale=a[1], b=b[0], b_scale=b[1], a_layout=layouts[0],

@@ -14,19 +14,24 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from fp8core import DelayedScaling, Float8CurrentScaling
+from fp8core import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling
 from fp8core.gemm import MULTIPLE
 
 from . import _args
 from .derivatives import first_order_only
+from .fp4 import nvfp4_dense, rng_state
 from .primitives import cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
 
 __all__ = ["init_state", "dense", "next_state"]
 
 
 
-def init_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
-    """The state of one dense layer: zero history [amax_history_len, 3], unit scales [3]."""
+def init_state(recipe: DelayedScaling | NVFP4BlockScaling, seed: int = 0) -> dict[str, jax.Array]:
+    """The state of one dense layer: zero history [amax_history_len, 3], unit scales [3]; under
+    NVFP4BlockScaling the random state of stochastic rounding, ``{"rng": uint32 [4]}`` (``seed``, offset 0:
+    fp8core.jax.fp4.rng_state)."""
+    if isinstance(recipe, NVFP4BlockScaling):
+        return {"rng": rng_state(seed)}
     L = _args.delayed(recipe).amax_history_len
     return {"amax_history": jnp.zeros((L, 3), jnp.float32), "scale": jnp.ones(3, jnp.float32),
             "scale_inv": jnp.ones(3, jnp.float32)}
@@ -90,7 +95,16 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
     weight gradient's GEMM contracts over the tokens and needs K > 0). ``state`` is None under
     Float8CurrentScaling. Differentiate with respect to ``state`` too, and pass that gradient to
     :func:`next_state`: it carries the grad_output amax.
+
+    NVFP4BlockScaling (fp8core.jax.fp4): K and N multiples of 32, the token count padded to 32; ``state`` is
+    ``init_state(recipe, seed)``, and the new state (the offset advanced) is the next step's: no next_state.
     """
+    if isinstance(recipe, NVFP4BlockScaling):
+        _args.high_precision(x, "x", matrix=True)
+        _args.high_precision(w, "w")
+        if len(w.shape) != 2:
+            raise ValueError(f"w: expected a 2-D [N, K] array, got shape {tuple(w.shape)}")
+        return nvfp4_dense(x, w, state, recipe, bias)
     _args.dense_recipe(recipe)
     _args.high_precision(x, "x", matrix=True)
     _args.high_precision(w, "w")

@@ -45,15 +45,21 @@ from flax.core.tracers import current_trace
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax import lax
 
-from fp8core import DelayedScaling
+from fp8core import DelayedScaling, NVFP4BlockScaling
+from fp8core.fp4 import FP4_GEMM_K
 from fp8core.gemm import MULTIPLE
 
 from . import _args
 from .derivatives import first_order_only
+from .fp4 import advance_rng, check_rng, nvfp4_matmul
 from .primitives import amax, cast_transpose, compute_scale, gemm, quantize, quantize_dynamic, reduce_amax, transpose
 from .tying import advance, check_state, cotangent, formats, is_tied, state_keys, untie
 
-__all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT"]
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT", "FP4_RNG"]
+
+# NVFP4BlockScaling's random state (stochastic rounding of gradients): a collection of its own, mutable in a
+# training step as batch_stats are, advanced by each call (its value is not a gradient: uint32)
+FP4_RNG = "fp4_rng"
 
 _HIGH = ("float32", "bfloat16", "float16")
 
@@ -183,6 +189,8 @@ _MAX_INTERVAL = 2**24
 
 
 def check_recipe(recipe: Any, functional: bool = False) -> None:
+    if isinstance(recipe, NVFP4BlockScaling):
+        return
     _args.dense_recipe(recipe)
     if isinstance(recipe, DelayedScaling):
         if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
@@ -269,6 +277,8 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
     for arg, t in (("lhs", lhs), ("rhs", rhs)):
         if len(_args.array(t, arg).shape) == 0:
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
+    if isinstance(recipe, NVFP4BlockScaling):
+        return _nvfp4_dot(lhs, rhs, dimension_numbers, state, recipe, preferred_element_type, dot)
     if any(len(tuple(d)) for d in dimension_numbers[1]):
         return _batched_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
                                     dot, tied_only)
@@ -295,6 +305,36 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
     else:
         h = s = si = jnp.zeros(1, jnp.float32)
     y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname, dot, tied_only))
+    return y[:rows, :n].reshape(out_shape)
+
+
+def _nvfp4_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: Any, recipe: NVFP4BlockScaling,
+               preferred_element_type: Any, dot: str) -> jax.Array:
+    """dot_general under NVFP4BlockScaling: fp8core.jax.fp4's matmul (fp8core.jax.dense's GEMMs) of lhs as
+    [M, K] and rhs as [N, K], each dimension zero-padded to a multiple of 32 (zeros change no amax, no block and
+    no sum; the padded outputs are cut off). No batch dimensions."""
+    if any(len(tuple(d)) for d in dimension_numbers[1]):
+        raise NotImplementedError(f"dimension_numbers: {dot} under NVFP4BlockScaling takes no batch dimensions "
+                                  f"(got {dimension_numbers[1]}); run batched products (attention) in FP8 or high "
+                                  "precision")
+    if not isinstance(state, Mapping) or "rng" not in state:
+        raise TypeError(f"state: expected NVFP4BlockScaling's state {{'rng': uint32 [4]}}, got {type(state).__name__}")
+    rng = check_rng(state["rng"], "state['rng']")
+    lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
+    _dtype_name(lhs.dtype, "lhs")
+    _dtype_name(rhs.dtype, "rhs")
+    out = _dtype_name(preferred_element_type if preferred_element_type is not None
+                      else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
+    ncontract = len(dimension_numbers[0][0])
+    out_shape = tuple(lhs.shape[d] for d in lperm[:lhs.ndim - ncontract]) + \
+        tuple(rhs.shape[d] for d in rperm[ncontract:])
+    rows = int(np.prod(out_shape[:lhs.ndim - ncontract], dtype=np.int64))
+    x = jnp.transpose(lhs, lperm).reshape(rows, k)
+    w = jnp.transpose(rhs, rperm).reshape(k, n)
+    pad_rows, pad_k, pad_n = (-v % FP4_GEMM_K or (FP4_GEMM_K if v == 0 else 0) for v in (rows, k, n))
+    x = jnp.pad(x, ((0, pad_rows), (0, pad_k)))
+    w = jnp.pad(w, ((0, pad_k), (0, pad_n)))
+    y = nvfp4_matmul(x, w.T, rng, recipe, out)
     return y[:rows, :n].reshape(out_shape)
 
 
@@ -443,6 +483,8 @@ class Fp8DotGeneral(nn.Module):
         """The state this call's GEMMs use, linked to the layer's previous call in this trace if there was one
         (see _link): the first call reads the variables and updates them, the later ones hand it their amaxes."""
         check_recipe(self.recipe)
+        if isinstance(self.recipe, NVFP4BlockScaling):
+            return self._fp4_rng()
         if not isinstance(self.recipe, DelayedScaling):
             return None
         L = self.recipe.amax_history_len
@@ -464,6 +506,16 @@ class Fp8DotGeneral(nn.Module):
         mine, following = _link(read if first else previous[1], _Link(self.recipe, self.axis_name, first))
         chains[self.scope.path] = (here, following)
         return dict(zip(keys, mine))
+
+    def _fp4_rng(self) -> dict[str, jax.Array]:
+        """NVFP4's ``{"rng": uint32 [4]}`` for this call: the :data:`FP4_RNG` variable (its seed drawn from the
+        ``params`` key at init), advanced for the next call where the collection is mutable (a training step)."""
+        v = self.variable(FP4_RNG, "rng", lambda: jnp.concatenate(
+            [jax.random.bits(self.make_rng("params"), (2,), jnp.uint32), jnp.zeros(2, jnp.uint32)]))
+        rng = v.value
+        if self.is_mutable_collection(FP4_RNG) and not self.is_initializing():
+            v.value = advance_rng(rng)
+        return {"rng": rng}
 
     @nn.compact
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,

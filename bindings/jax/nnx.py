@@ -38,17 +38,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8core import DelayedScaling
+from fp8core import DelayedScaling, NVFP4BlockScaling
 
+from .fp4 import advance_rng, rng_state
 from .linen import check_precision, check_recipe, dot_general_with_state, einsum_dot
 from .tying import Tie, check_state, state_keys, tie
 
-__all__ = ["Fp8State", "Fp8DotGeneral", "Fp8Einsum", "value_and_grad", "grad", "linen_state", "load_linen_state"]
+__all__ = ["Fp8State", "Fp4Rng", "Fp8DotGeneral", "Fp8Einsum", "value_and_grad", "grad", "linen_state",
+           "load_linen_state"]
 
 
 class Fp8State(nnx.Variable):
     """A layer's FP8 scaling state (amax history, scale, scale_inv, interval counter): not a parameter (no
     optimizer moves it), filtered as ``nnx.state(model, Fp8State)``, updated by :func:`value_and_grad`."""
+
+
+class Fp4Rng(nnx.Variable):
+    """NVFP4BlockScaling's random state (stochastic rounding of gradients): uint32 [4] (seed lo, seed hi, offset
+    lo, offset hi), advanced by each call; neither a parameter nor differentiated (it is no gradient's)."""
 
 
 def _sharded(y: jax.Array, out_sharding: Any) -> jax.Array:
@@ -70,10 +77,13 @@ class Fp8DotGeneral(nnx.Module):
     applied to the output.
     """
 
-    def __init__(self, recipe: Any = DelayedScaling(amax_history_len=1024), *, axis_name: Any = None) -> None:
+    def __init__(self, recipe: Any = DelayedScaling(amax_history_len=1024), *, axis_name: Any = None,
+                 seed: int = 0) -> None:
         check_recipe(recipe)
         self.recipe = recipe
         self.axis_name = axis_name
+        if isinstance(recipe, NVFP4BlockScaling):  # stochastic rounding's (seed, offset), advanced by each call
+            self.fp4_rng = Fp4Rng(rng_state(seed))
         if isinstance(recipe, DelayedScaling):
             L = recipe.amax_history_len
             self.amax_history = Fp8State(jnp.zeros((L, 3), jnp.float32))
@@ -86,6 +96,10 @@ class Fp8DotGeneral(nnx.Module):
         return state_keys(self.recipe) if isinstance(self.recipe, DelayedScaling) else ()
 
     def _state(self) -> dict[str, jax.Array] | None:
+        if isinstance(self.recipe, NVFP4BlockScaling):
+            rng = self.fp4_rng.get_value()
+            self.fp4_rng.set_value(advance_rng(rng))
+            return {"rng": rng}
         if not self._keys():
             return None
         state = {k: getattr(self, k).get_value() for k in self._keys()}

@@ -6,7 +6,8 @@ Transformer Engine's spelling works as written after ``import fp8core.torch as t
 (``te.Linear(1024, 1024, params_dtype=torch.bfloat16)``, its recipe taken from the autocast), ``te.LayerNorm``,
 ``te.RMSNorm``, ``te.LayerNormLinear``, ``te.LayerNormMLP``, ``te.autocast(True, recipe=...)`` and its older name
 ``te.fp8_autocast``, ``te.fp8_model_init``/``te.quantized_model_init``, ``te.is_fp8_available()`` and
-``te.recipe.DelayedScaling``/``Float8CurrentScaling``/``MXFP8BlockScaling``/``Float8BlockScaling``/``Format``.
+``te.recipe.DelayedScaling``/``Float8CurrentScaling``/``MXFP8BlockScaling``/``Float8BlockScaling``/
+``NVFP4BlockScaling``/``Format``.
 A model :func:`convert_to_float8` made runs in fp8 without a context (torchao's usage; Trainer-style loops).
 
 The delayed-scaling state belongs to the modules and follows them through every module transform; the
@@ -16,6 +17,7 @@ CUDA tensors alike.
 
 from . import ops
 from . import block_ops  # noqa: F401  (block scaling: torch.ops.fp8core.quantize_mxfp8, ...)
+from . import fp4_ops  # noqa: F401  (NVFP4: torch.ops.fp8core.quantize_nvfp4, nvfp4_gemm, advance_rng)
 from .linear import Float8Conv1D, Float8Linear, convert_to_float8, enable_fsdp_float8_all_gather
 from .numerics import NumericsRecord, record_numerics
 from .scaling import SharedScaling, autocast, fp8_autocast

@@ -8,7 +8,8 @@ Master weights stay in their own precision. The token count is zero-padded to a 
 wgrad GEMM (zeros add nothing to the sums nor to the amaxes).
 
 The block-scaling recipes (MXFP8BlockScaling, Float8BlockScaling) are stateless, like current scaling, and
-follow the same autocast rule; their GEMMs, and the transposes they need, are in block_linear.py.
+follow the same autocast rule; their GEMMs, and the transposes they need, are in block_linear.py. NVFP4BlockScaling's
+are in fp4_linear.py; its only state is the (seed, offset) of stochastic rounding, a buffer.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import torch
 import torch.nn.functional as F
 
 import fp8core
-from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from fp8core.gemm import MULTIPLE
 from fp8core.scaling import check_state_values
 
 from . import ops
 from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
+from .fp4_ops import advance_rng
+from .fp4_linear import STREAMS, NVFP4Matmul, fp4_multiple, fp4_spec, initial_rng
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
 from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
                       current_context, initial_state)
@@ -146,12 +149,13 @@ class Float8Linear(torch.nn.Linear):
     (high precision, Transformer Engine's rule) by default, fp8 with ``autocast_only=False`` (torchao's usage;
     what :func:`convert_to_float8` makes: see it for when delayed scaling then updates).
     ``in_features`` and ``out_features`` must be positive multiples of 16 (32 under
-    MXFP8BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
+    MXFP8BlockScaling and NVFP4BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
     x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
-    recipe: DelayedScaling (default), Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling (the last
-    three stateless: nothing in ``state_dict``). ``shared``: the delayed-scaling group this
-    module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
+    recipe: DelayedScaling (default), Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling (these three
+    stateless: nothing in ``state_dict``) or NVFP4BlockScaling (E2M1 GEMMs, fp4_linear.py; its stochastic
+    rounding's ``fp4_rng`` buffer, int64 [2] (seed, offset), in ``state_dict``). ``shared``: the delayed-scaling
+    group this module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
     a group of its own otherwise. The module owns its state (see fp8core.torch.scaling): float32
     ``fp8_amax_history`` [L, 3], ``fp8_scale`` [3], ``fp8_scale_inv`` [3] (input, weight, grad_output),
     in ``state_dict`` with ``fp8_steps`` (the group's step count; each key is an attribute, as
@@ -172,7 +176,8 @@ class Float8Linear(torch.nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None,
-                 recipe: DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling | None = None,
+                 recipe: DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling
+                 | NVFP4BlockScaling | None = None,
                  shared: SharedScaling | None = None, autocast_only: bool = True) -> None:
         _check_features(in_features, out_features, check_recipe(recipe) if shared is None else shared.recipe)
         if not isinstance(autocast_only, bool):
@@ -197,6 +202,10 @@ class Float8Linear(torch.nn.Linear):
             self._fp8_slot = self._fp8_group.join(self)
             self._fp8_history, self._fp8_scale, self._fp8_scale_inv = initial_state(
                 self.recipe.amax_history_len, self.weight.device)
+        if isinstance(self.recipe, NVFP4BlockScaling) and "fp4_rng" not in self._buffers:
+            # stochastic rounding's (seed, offset): a buffer, so state_dict, module transforms and
+            # torch.compile (an in-place update, no recompile) carry it
+            self.register_buffer("fp4_rng", initial_rng(self.weight.device))
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None, shared: SharedScaling | None = None,
@@ -247,7 +256,12 @@ class Float8Linear(torch.nn.Linear):
             self._fp8_slot = self._fp8_group.join(self, self._fp8_slot)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "Float8Linear":
+        rng = self._buffers.get("fp4_rng")
         super()._apply(fn, recurse)
+        new_rng = self._buffers.get("fp4_rng")
+        if rng is not None and rng.is_meta and new_rng is not None and not new_rng.is_meta:
+            with torch.no_grad():  # materialised (to_empty): uninitialised memory is no seed; a new layer's draw
+                new_rng.copy_(initial_rng(new_rng.device))
         if self._fp8_group is None:
             return self
         L = self.recipe.amax_history_len
@@ -281,12 +295,20 @@ class Float8Linear(torch.nn.Linear):
         # torch (2.11 refuses importlib's find_spec). The first op refuses a CUDA tensor without CuPy, by name.
         if x.numel() == 0:
             return self._high_precision(x)
-        if isinstance(self.recipe, BLOCK_RECIPES):
-            if self._fp8_recording:  # refused by name before the cast
-                _record(self, x, None)
+        if isinstance(self.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)):
             self._fp8_weight_scale_inv(None)
             w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
-            return BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
+            if isinstance(self.recipe, NVFP4BlockScaling):
+                rng, after = advance_rng(self.fp4_rng, STREAMS)
+                if torch.is_grad_enabled():  # a backward may follow: the next step draws fresh bytes
+                    with torch.no_grad():
+                        self.fp4_rng.copy_(after)
+                y = NVFP4Matmul.apply(x, w, self.bias, rng, fp4_spec(self.recipe))
+            else:
+                y = BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
+            if self._fp8_recording:
+                _record(self, x, y)
+            return y
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
         if self._fp8_group is None:
@@ -454,6 +476,8 @@ def _feature_multiple(recipe: Any) -> tuple[int, str]:
     """(what in_features and out_features must be multiples of under ``recipe``, and why)."""
     if isinstance(recipe, BLOCK_RECIPES):
         return block_multiple(recipe)
+    if isinstance(recipe, NVFP4BlockScaling):
+        return fp4_multiple(recipe)
     return MULTIPLE, "the FP8 GEMM's limit"
 
 
@@ -708,11 +732,14 @@ def _mark_paths(module: torch.nn.Module) -> bool:
 
 def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:
     """Make FSDP2 all-gather every Float8Linear weight of ``module`` in fp8 (call before ``fully_shard``).
-    In place; returns ``module``. Per-tensor recipes only: a block-scaled weight is gathered in high precision."""
+    In place; returns ``module``. Per-tensor recipes only: a block-scaled weight (MXFP8, 1x128/128x128, NVFP4) is
+    gathered in high precision, as FSDP2 gathers it without this call."""
     for name, m in module.named_modules():
-        if isinstance(m, Float8Linear) and isinstance(m.recipe, BLOCK_RECIPES):
+        if isinstance(m, Float8Linear) and isinstance(m.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)):
             raise TypeError(f"module: {name or 'the module'} uses {type(m.recipe).__name__}; fp8 all-gather takes "
-                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling")
+                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling "
+                            "(an NVFP4 weight's 16x16 tiles and global amax span the shards: FSDP2 gathers it in "
+                            "high precision without this call)")
     for m in module.modules():
         if isinstance(m, Float8Linear):
             wrap_weight(m)

@@ -30,7 +30,7 @@ import fp8core
 from fp8core import DelayedScaling, Float8CurrentScaling, Format
 from fp8core.numerics_blocks import block_stats
 from fp8core.numerics_record import MAX_BYTES, OPERANDS, contender_names, contenders, per_cast, per_operand, read
-from fp8core.numerics_recipes import select
+from fp8core.numerics_recipes import layer_recipe, select
 from fp8core.numerics_stats import Recipe, measure, strict_json, winner
 from fp8core.text import printable
 
@@ -44,8 +44,9 @@ class NumericsRecord:
     """The rows :func:`record_numerics` collected, in the order the casts ran: one per Float8Linear (``module``:
     its qualified name in the model, "" for the model itself), per ``operand`` (input, weight, grad_output), per
     ``step`` (the layer's n-th forward while recording, from 0; a grad_output row carries its forward's step).
-    Each row: ``recipe`` (DelayedScaling or Float8CurrentScaling), ``format`` (E4M3/E5M2), ``amax`` (max |x|
-    of the operand), ``scale`` and ``scale_inv`` (the cast's), then :func:`fp8core.numerics_stats.measure`'s
+    Each row: ``recipe`` (the layer's: DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling
+    or NVFP4BlockScaling), ``format`` (E4M3/E5M2/E2M1), ``amax`` (max |x| of the operand), ``scale`` and
+    ``scale_inv`` (the cast's; null for a block recipe's), then :func:`fp8core.numerics_stats.measure`'s
     statistics against the high-precision operand: ``sqnr_db``, ``underflow``, ``clipped`` (saturated),
     ``at_max``, ``max_rel_error``, ``lost``. With ``record_numerics(..., recipes=...)`` also ``recipes``: per
     compared recipe, the same statistics of the operand quantized in it (``scale_inv`` for a per-tensor recipe,
@@ -179,24 +180,23 @@ class _Recorder:
 
     def __call__(self, module: Float8Linear, x: torch.Tensor, output: Optional[torch.Tensor]) -> None:
         name = self.names[module]
-        if not isinstance(module.recipe, (DelayedScaling, Float8CurrentScaling)):  # a te.Linear's from autocast
-            raise TypeError(f"recipe: {name or 'the model'} runs under {type(module.recipe).__name__} (from its "
-                            "autocast); record_numerics measures per-tensor recipes (DelayedScaling, "
-                            "Float8CurrentScaling), not block scaling")
         if not module.runs_in_fp8() or x.numel() == 0:
             return  # high precision (outside autocast for te.Linear), or nothing cast
         with self.lock:
             step = self.steps.get(name, 0)
             self.steps[name] = step + 1
-        fmt = module.recipe.fp8_format
-        delayed = isinstance(module.recipe, DelayedScaling)
-        state = (module.fp8_scale, module.fp8_scale_inv) if delayed else (None, None)
+        r = module.recipe
+        blocked = not isinstance(r, (DelayedScaling, Float8CurrentScaling))
+        fmt = r.fp8_format
+        delayed = isinstance(r, DelayedScaling)
+        state = "blocks" if blocked else (module.fp8_scale, module.fp8_scale_inv) if delayed else (None, None)
         self.measure(module, name, step, "input", x, fmt.fwd, state)
         weight = module.weight
         if isinstance(weight, Float8AllGatherWeight):
             weight = weight.high_precision
         if not isinstance(weight, Float8GatheredWeight):  # gathered in fp8 by FSDP2: cast before this layer ran
-            self.measure(module, name, step, "weight", weight, fmt.fwd, state)
+            self.measure(module, name, step, "weight", weight.t() if blocked and module.in_out else weight, fmt.fwd,
+                         state)  # a block recipe's weight operand [out, in]: blocks along in_features
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda g: self.measure(module, name, step, "grad_output", g, fmt.bwd, state))
 
@@ -206,6 +206,16 @@ class _Recorder:
         the cast reads them (the forward's tensors: the backward reads those), or (None, None) for current."""
         t = t.detach().contiguous()  # a gradient may come expanded (the backward of a sum): stride 0
         amax = ops.amax(t)
+        if state == "blocks":  # a block recipe's layer: its cast of the operand, blocks along the last dimension
+            x = t.to(torch.float32).cpu().numpy()
+            own = layer_recipe(module.recipe, operand)
+            row: dict[str, Any] = {"module": name, "step": step, "operand": operand,
+                                   "recipe": type(module.recipe).__name__, "format": own.fmt.name,
+                                   "amax": float(amax[0]), "scale": None, "scale_inv": None}
+            row.update(measure(x, own))
+            row.pop("padded", None)
+            self._compare(row, x)
+            return
         slot = OPERANDS.index(operand)
         scale, scale_inv = state
         if scale is None:
@@ -216,10 +226,14 @@ class _Recorder:
         s = scale.detach().cpu().numpy().copy()
         s_inv = scale_inv.detach().cpu().numpy().copy()
         x = t.to(torch.float32).cpu().numpy()  # exact from bfloat16/float16: the cast sees the same values
-        row: dict[str, Any] = {"module": name, "step": step, "operand": operand,
-                               "recipe": type(module.recipe).__name__, "format": fmt.name,
-                               "amax": float(amax[0]), "scale": float(s[0]), "scale_inv": float(s_inv[0])}
+        row = {"module": name, "step": step, "operand": operand,
+               "recipe": type(module.recipe).__name__, "format": fmt.name,
+               "amax": float(amax[0]), "scale": float(s[0]), "scale_inv": float(s_inv[0])}
         row.update(measure(x, _given_scale(fmt, s, s_inv)))
+        self._compare(row, x)
+
+    def _compare(self, row: dict[str, Any], x: np.ndarray) -> None:
+        """The compared recipes' statistics and per-block statistics of the operand ``x``, then the row kept."""
         if self.compare:
             row["recipes"] = {r.name: measure(x, r) for r in self.compare}
             row["winner"] = winner(contenders(row))
@@ -252,10 +266,11 @@ def record_numerics(model: torch.nn.Module, recipes: Union[None, str, Sequence[s
     free when off: outside the context a layer's flag is False and nothing runs. The results are the same bits
     with or without it. A model compiled with torch.compile before the context, or inside it, records its eager
     twin's rows (the flag is guarded, and the hand-over to the recorder is a graph break); layers running on
-    several threads count their steps under one lock. A layer that runs under a block recipe (a te.Linear takes
-    its recipe from its first autocast) is refused by name at that call, before its cast.
-    ``model``: a torch.nn.Module holding Float8Linear layers of a per-tensor recipe (DelayedScaling or
-    Float8CurrentScaling).
+    several threads count their steps under one lock. A layer under a block recipe (MXFP8BlockScaling,
+    Float8BlockScaling, NVFP4BlockScaling) records its forward and dgrad operands' casts (blocks along the last
+    dimension; the weight as [out, in]) under its recipe's name with no per-tensor scale (``scale`` and
+    ``scale_inv`` null); NVFP4's gradient is measured rounded to nearest (numerics_recipes.layer_recipe).
+    ``model``: a torch.nn.Module holding Float8Linear layers.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -268,9 +283,6 @@ def record_numerics(model: torch.nn.Module, recipes: Union[None, str, Sequence[s
     for name, m in model.named_modules():
         if not isinstance(m, Float8Linear):
             continue
-        if not isinstance(m.recipe, (DelayedScaling, Float8CurrentScaling)):
-            raise TypeError(f"model: {name or 'the model'} uses {type(m.recipe).__name__}; record_numerics measures "
-                            "per-tensor recipes (DelayedScaling, Float8CurrentScaling), not block scaling")
         names[m] = name
     if not names:
         raise ValueError(f"model: no Float8Linear in this {type(model).__name__} (convert_to_float8 it first)")

@@ -39,8 +39,9 @@ from fp8core import DelayedScaling, ScalingState
 
 from .block_linear import check_block_recipe
 
-RECIPES = (DelayedScaling, fp8core.Float8CurrentScaling, fp8core.MXFP8BlockScaling, fp8core.Float8BlockScaling)
-_NAMES = "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling"
+RECIPES = (DelayedScaling, fp8core.Float8CurrentScaling, fp8core.MXFP8BlockScaling, fp8core.Float8BlockScaling,
+           fp8core.NVFP4BlockScaling)
+_NAMES = "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling or NVFP4BlockScaling"
 SLOTS = 3  # per Float8Linear: input (forward format), weight (forward), grad_output (backward format)
 STATE = ("_fp8_history", "_fp8_scale", "_fp8_scale_inv")
 _local = threading.local()
@@ -285,8 +286,6 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
 
 
 def _refuse_unsupported(recipe: Any) -> None:
-    if isinstance(recipe, fp8core.NVFP4BlockScaling):
-        raise NotImplementedError(f"recipe: {recipe}: {fp8core.recipe.FP4_TRAINING}; train with {_NAMES}")
     if not isinstance(recipe, RECIPES):
         raise TypeError(f"recipe: expected {_NAMES}, got {type(recipe).__name__}")
 

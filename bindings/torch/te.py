@@ -46,7 +46,8 @@ class Linear(Float8Linear):
     """``te.Linear``: y = x · weightᵀ + bias in fp8 inside :func:`~fp8core.torch.autocast`, exactly
     ``nn.Linear`` outside it. x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
-    in_features, out_features: multiples of 16 (32 under MXFP8BlockScaling, 128 under Float8BlockScaling).
+    in_features, out_features: multiples of 16 (32 under MXFP8BlockScaling and NVFP4BlockScaling, 128 under
+    Float8BlockScaling).
     bias: whether to learn an additive bias. params_dtype: the weight's and bias's dtype (default
     ``torch.get_default_dtype()``). device: where the parameters are made (default: torch's default device;
     TE's default is "cuda"). init_method: ``init_method(weight)`` initialises the weight in place, as in TE

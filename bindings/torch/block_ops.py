@@ -13,7 +13,8 @@ import torch
 import fp8core
 from fp8core import args
 from fp8core import blocks as core
-from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
+from fp8core import rowwise
+from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledTensor, layout_of
 
 from .fake_rules import gemm_shape, matrix, refuse_meta
 from .ops import follow_torch_threads
@@ -22,7 +23,7 @@ Tensor = torch.Tensor
 _LIB = "fp8core"
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
-           "dequantize_blockwise", "transpose_blocks", "block_gemm"]
+           "dequantize_blockwise", "quantize_rowwise", "transpose_blocks", "block_gemm"]
 
 
 def _scale(x: Tensor, layout: Layout) -> Tensor:
@@ -96,6 +97,17 @@ def _(data, scale_inv, out_dtype):
     return torch.empty_like(data, dtype=out_dtype)
 
 
+@torch.library.custom_op(f"{_LIB}::quantize_rowwise", mutates_args=())
+@follow_torch_threads
+def _quantize_rowwise(x: Tensor, fmt: str, axis: int, power_of_2: bool, epsilon: float) -> tuple[Tensor, Tensor]:
+    return tuple(rowwise.quantize_rowwise(x, fmt, axis=axis, power_of_2=power_of_2, epsilon=epsilon))
+
+
+@_quantize_rowwise.register_fake
+def _(x, fmt, axis, power_of_2, epsilon):
+    return _fp8(x, fmt), _scale(x, rowwise._layout(axis))
+
+
 @torch.library.custom_op(f"{_LIB}::transpose_blocks", mutates_args=())
 @follow_torch_threads
 def _transpose_blocks(data: Tensor, scale: Tensor, layout: str) -> tuple[Tensor, Tensor]:
@@ -158,6 +170,12 @@ def quantize_blockwise(x: Tensor, fmt: str = "e4m3", block: str = "1x128", power
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.ops.fp8core.dequantize_blockwise(t[0], t[1], out_dtype)
+
+
+def quantize_rowwise(x: Tensor, fmt: str = "e4m3", axis: int = -1, power_of_2: bool = True,
+                     epsilon: float = 0.0) -> RowwiseTensor:
+    """RowwiseTensor(data in x's shape, float32 scale_inv [rows, 1], or [1, cols] for axis=0)."""
+    return RowwiseTensor(*torch.ops.fp8core.quantize_rowwise(x, fmt, axis, power_of_2, epsilon), rowwise._layout(axis))
 
 
 def transpose_blocks(t: ScaledTensor) -> ScaledTensor:

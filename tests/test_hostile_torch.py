@@ -687,7 +687,7 @@ def test_record_numerics_refuses_a_block_recipe_a_te_linear_takes_at_its_first_c
     layer = te.Linear(128, 128)
     with record_numerics(layer) as rec:
         with pytest.raises(TypeError, match=f"recipe: the model runs under {type(recipe).__name__} \\(from its "
-                                            "autocast\\); record_numerics measures per-tensor recipes"):
+                                            "autocast\\); record_numerics measures per-tensor and rowwise recipes"):
             with te.autocast(recipe=recipe):
                 layer(torch.randn(16, 128))
     assert rec.rows == []

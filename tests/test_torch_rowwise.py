@@ -185,3 +185,43 @@ def test_override_linear_precision_is_tes_named_tuple_and_checked():
         fp8core.Float8CurrentScaling(override_linear_precision=(True,))
     with pytest.raises(TypeError, match="override_linear_precision.dgrad"):
         fp8core.Float8CurrentScaling(override_linear_precision=(False, "yes", False))
+
+
+# ---- record_numerics and inspect --recipes --------------------------------------------------------------------
+
+def test_record_numerics_measures_a_rowwise_layers_casts(tmp_path):
+    """Each operand's row: the layer's recipe, no per-tensor scale, the SQNR of its rowwise cast (computed here
+    from the core's quantize_rowwise), and the grad_output row from the backward."""
+    from fp8core.torch import record_numerics
+
+    torch.manual_seed(0)
+    net = convert_to_float8(torch.nn.Sequential(torch.nn.Linear(32, 16)), "rowwise")
+    x = torch.randn(16, 32)
+    x[2] *= 1e4
+    with record_numerics(net, recipes="e4m3,rowwise") as rec:
+        net(x).square().sum().backward()
+    rows = {r["operand"]: r for r in rec.rows}
+    assert sorted(rows) == ["grad_output", "input", "weight"]
+    r = rows["input"]
+    assert r["recipe"] == "Float8RowwiseScaling" and r["format"] == "E4M3" and r["scale"] is None
+    y = fp8core.dequantize_rowwise(quantize_rowwise(x)).double()
+    want = 10 * np.log10((x.double() ** 2).sum().item() / ((y - x.double()) ** 2).sum().item())
+    assert abs(r["sqnr_db"] - want) < 1e-9
+    assert r["recipes"]["rowwise"]["sqnr_db"] == r["sqnr_db"]  # the compared recipe is the same cast
+    assert r["underflow"] == 0.0 and r["recipes"]["e4m3"]["underflow"] > 0.01  # per-tensor flushes other tokens
+    assert np.isfinite(rows["grad_output"]["sqnr_db"])
+    assert rec.by_operand()["0.input"]["recipes"]["Float8RowwiseScaling"]["sqnr_db"] == r["sqnr_db"]
+    back = type(rec).load(rec.save(tmp_path / "record.json"))  # the JSON check knows the layer recipe
+    assert back.rows == rec.rows
+
+
+def test_inspect_recipes_lists_rowwise():
+    from fp8core.numerics_recipes import RECIPES, select
+    from fp8core.numerics_stats import measure
+
+    assert "rowwise" in RECIPES and select("rowwise")[0].fmt is fp8core.Format.E4M3
+    x = np.random.default_rng(0).standard_normal((64, 300)).astype(np.float32)
+    x[3] *= 1e4
+    rowwise, e4m3 = measure(x, RECIPES["rowwise"]), measure(x, RECIPES["e4m3"])
+    assert rowwise["underflow"] == 0.0 and e4m3["underflow"] > 0.04  # the other tokens keep their small values
+    assert measure(np.zeros((0, 5), np.float32), RECIPES["rowwise"])["sqnr_db"] is None

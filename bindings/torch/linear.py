@@ -309,13 +309,16 @@ class Float8Linear(torch.nn.Linear):
         if x.numel() == 0:
             return self._high_precision(x)
         if isinstance(self.recipe, BLOCK_RECIPES) or is_rowwise(self.recipe):
-            if self._fp8_recording:  # refused by name before the cast
+            if self._fp8_recording and not is_rowwise(self.recipe):  # refused by name before the cast
                 _record(self, x, None)
             self._fp8_weight_scale_inv(None)
             w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
-            if is_rowwise(self.recipe):
-                return RowwiseMatmul.apply(x, w, self.bias, rowwise_spec(self.recipe))
-            return BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
+            if not is_rowwise(self.recipe):
+                return BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
+            y = RowwiseMatmul.apply(x, w, self.bias, rowwise_spec(self.recipe))
+            if self._fp8_recording:
+                _record(self, x, y)
+            return y
         fmt = self.recipe.fp8_format
         fwd, bwd = fmt.fwd.value, fmt.bwd.value
         if self._fp8_group is None:

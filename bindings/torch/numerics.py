@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 import fp8core
-from fp8core import DelayedScaling, Float8CurrentScaling, Format
+from fp8core import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Format
 from fp8core.numerics_blocks import block_stats
 from fp8core.numerics_record import MAX_BYTES, OPERANDS, contender_names, contenders, per_cast, per_operand, read
-from fp8core.numerics_recipes import select
+from fp8core.numerics_recipes import rowwise_recipe, select
 from fp8core.numerics_stats import Recipe, measure, strict_json, winner
 from fp8core.text import printable
 
@@ -179,10 +179,10 @@ class _Recorder:
 
     def __call__(self, module: Float8Linear, x: torch.Tensor, output: Optional[torch.Tensor]) -> None:
         name = self.names[module]
-        if not isinstance(module.recipe, (DelayedScaling, Float8CurrentScaling)):  # a te.Linear's from autocast
+        if not isinstance(module.recipe, (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling)):
             raise TypeError(f"recipe: {name or 'the model'} runs under {type(module.recipe).__name__} (from its "
-                            "autocast); record_numerics measures per-tensor recipes (DelayedScaling, "
-                            "Float8CurrentScaling), not block scaling")
+                            "autocast); record_numerics measures per-tensor and rowwise recipes (DelayedScaling, "
+                            "Float8CurrentScaling, Float8RowwiseScaling), not block scaling")
         if not module.runs_in_fp8() or x.numel() == 0:
             return  # high precision (outside autocast for te.Linear), or nothing cast
         with self.lock:
@@ -206,6 +206,14 @@ class _Recorder:
         the cast reads them (the forward's tensors: the backward reads those), or (None, None) for current."""
         t = t.detach().contiguous()  # a gradient may come expanded (the backward of a sum): stride 0
         amax = ops.amax(t)
+        if isinstance(module.recipe, Float8RowwiseScaling):  # one scale per row: no per-tensor scale to show
+            r = module.recipe
+            x = t.to(torch.float32).cpu().numpy()
+            row = {"module": name, "step": step, "operand": operand, "recipe": type(r).__name__,
+                   "format": fmt.name, "amax": float(amax[0]), "scale": None, "scale_inv": None}
+            row.update(measure(x, rowwise_recipe(r.power_of_2, r.epsilon, type(r).__name__)))
+            self._append(row, x)
+            return
         slot = OPERANDS.index(operand)
         scale, scale_inv = state
         if scale is None:
@@ -220,6 +228,10 @@ class _Recorder:
                                "recipe": type(module.recipe).__name__, "format": fmt.name,
                                "amax": float(amax[0]), "scale": float(s[0]), "scale_inv": float(s_inv[0])}
         row.update(measure(x, _given_scale(fmt, s, s_inv)))
+        self._append(row, x)
+
+    def _append(self, row: dict[str, Any], x: Any) -> None:
+        """The compared recipes' statistics of x into ``row``, then the row into the record."""
         if self.compare:
             row["recipes"] = {r.name: measure(x, r) for r in self.compare}
             row["winner"] = winner(contenders(row))
@@ -268,9 +280,10 @@ def record_numerics(model: torch.nn.Module, recipes: Union[None, str, Sequence[s
     for name, m in model.named_modules():
         if not isinstance(m, Float8Linear):
             continue
-        if not isinstance(m.recipe, (DelayedScaling, Float8CurrentScaling)):
+        if not isinstance(m.recipe, (DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling)):
             raise TypeError(f"model: {name or 'the model'} uses {type(m.recipe).__name__}; record_numerics measures "
-                            "per-tensor recipes (DelayedScaling, Float8CurrentScaling), not block scaling")
+                            "per-tensor and rowwise recipes (DelayedScaling, Float8CurrentScaling, "
+                            "Float8RowwiseScaling), not block scaling")
         names[m] = name
     if not names:
         raise ValueError(f"model: no Float8Linear in this {type(model).__name__} (convert_to_float8 it first)")

@@ -194,9 +194,10 @@ def unpack(words: Any) -> tuple[float, ...]:
 
 
 def dense_recipe(recipe: Any, arg: str = "recipe") -> Any:
-    """DelayedScaling or Float8CurrentScaling whose GEMMs exist (no E5M2 x E5M2)."""
-    if not isinstance(recipe, (fp8core.DelayedScaling, fp8core.Float8CurrentScaling)):
-        raise TypeError(f"{arg}: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    """DelayedScaling, Float8CurrentScaling or Float8RowwiseScaling whose GEMMs exist (no E5M2 x E5M2)."""
+    if not isinstance(recipe, (fp8core.DelayedScaling, fp8core.Float8CurrentScaling, fp8core.Float8RowwiseScaling)):
+        raise TypeError(f"{arg}: expected DelayedScaling, Float8CurrentScaling or Float8RowwiseScaling, got "
+                        f"{type(recipe).__name__}")
     args.gemm_recipe_format(recipe, arg)
     return recipe
 

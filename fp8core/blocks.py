@@ -22,7 +22,8 @@ from .layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledT
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
            "quantize_blockwise", "dequantize_blockwise", "dequantize_blocks", "transpose_blocks", "MX_BLOCK",
-           "FP32_BLOCK", "E8M0", "scale_dtypes", "transposed_layout", "gemm_operands", "gemm_scales", "gemm_layouts"]
+           "FP32_BLOCK", "E8M0", "scale_dtypes", "transposed_layout", "gemm_operands", "gemm_scales", "gemm_layouts",
+           "dequantize_kind"]
 
 Array = Any
 MX_BLOCK = 32
@@ -82,18 +83,21 @@ def dequantize_blocks(t: ScaledTensor, out_dtype: Any = "float32", *, fmt: Forma
     """:func:`dequantize_mxfp8` or :func:`dequantize_blockwise`, by t's layout; FP4 (E2M1 data) as
     :func:`fp8core.dequantize_nvfp4` or :func:`fp8core.dequantize_mxfp4`.
 
-    t: a ScaledTensor of fp8 data and E8M0 scales in 1x32 or 32x1 blocks, or fp32 scale inverses in 1x128 blocks,
-    128x128 tiles, or one per row or column (:class:`RowwiseTensor`); or an NVFP4Tensor or MXFP4Tensor. out_dtype: float32, bfloat16 or float16. Returns data's shape
+    t: a ScaledTensor of fp8 data and E8M0 scales in 1x32 or 32x1 blocks, or fp32 scale inverses in 1x128
+    blocks, 128x128 tiles, or one per row or column (:class:`RowwiseTensor`); or an NVFP4Tensor or
+    MXFP4Tensor. out_dtype: float32, bfloat16 or float16. Returns data's shape
     in out_dtype (FP4: [R, C], its packed data unpacked). fmt names the format of uint8 fp8 data (CuPy).
     """
     if isinstance(t, ScaledTensor) and t.encoding is E2M1:
         if fmt is not None:
             raise ValueError(f"fmt: t names its data's encoding, E2M1; pass no fmt (got {fmt!r})")
         return (fp4.dequantize_nvfp4 if t.kind == "nvfp4" else fp4.dequantize_mxfp4)(t, out_dtype)
-    return _dequantize(t, None, out_dtype, fmt)
+    return dequantize_kind(t, None, out_dtype, fmt)
 
 
-def _dequantize(t: Any, kind: str | None, out_dtype: Any, fmt: Any) -> Array:
+def dequantize_kind(t: Any, kind: str | None, out_dtype: Any, fmt: Any) -> Array:
+    """:func:`dequantize_blocks` of a ScaledTensor, or of a plain (data, scale) pair, whose layout must be of
+    ``kind`` ("mx", "blocks", "axiswise"; None: any block kind)."""
     tq, ts, f, layout = _parts(t, "t", fmt, kind)
     name = args.out_dtype(out_dtype)
     y = backends.blocks_for_device(tq.device).dequantize_blocks(tq, ts, f, layout, name)
@@ -137,7 +141,7 @@ def dequantize_mxfp8(t: MXTensor, out_dtype: Any = "float32", *, fmt: Format | s
     t: an :class:`MXTensor` (rowwise or columnwise: its layout, else told apart by the scale's shape).
     out_dtype: float32, bfloat16 or float16. fmt names the format of uint8 data (CuPy).
     """
-    return _dequantize(t, "mx", out_dtype, fmt)
+    return dequantize_kind(t, "mx", out_dtype, fmt)
 
 
 # ---- fp32 block scales ------------------------------------------------------------------------------------
@@ -166,7 +170,7 @@ def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = "float32", *,
 
     t: a :class:`BlockScaledTensor` (1x128 or 128x128: its layout, else told apart by the scale_inv's shape).
     """
-    return _dequantize(t, "blocks", out_dtype, fmt)
+    return dequantize_kind(t, "blocks", out_dtype, fmt)
 
 
 # ---- transposes --------------------------------------------------------------------------------------------

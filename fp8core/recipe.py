@@ -29,7 +29,8 @@ def _override(recipe: Any) -> None:
     if not isinstance(value, tuple) or len(value) != 3:
         raise TypeError(f"override_linear_precision: expected (fprop, dgrad, wgrad), three bools "
                         f"(OverrideLinearPrecision), got {value!r}")
-    flags = [args.flag(v, f"override_linear_precision.{name}") for v, name in zip(value, OverrideLinearPrecision._fields)]
+    flags = [args.flag(v, f"override_linear_precision.{name}")
+             for v, name in zip(value, OverrideLinearPrecision._fields)]
     _set(recipe, "override_linear_precision", OverrideLinearPrecision(*flags))
 
 

@@ -13,17 +13,18 @@ from typing import Any
 
 from . import args, backends
 from ._tensor import export
-from .blocks import _dequantize
+from .blocks import dequantize_kind
 from .formats import Format
 from .layouts import Layout, RowwiseTensor
 
-__all__ = ["RowwiseTensor", "quantize_rowwise", "dequantize_rowwise"]
+__all__ = ["RowwiseTensor", "quantize_rowwise", "dequantize_rowwise", "axis_layout"]
 
 Array = Any
 _AXES = {-1: Layout.ROWWISE, 1: Layout.ROWWISE, 0: Layout.COLUMNWISE, -2: Layout.COLUMNWISE}
 
 
-def _layout(axis: Any) -> Layout:
+def axis_layout(axis: Any) -> Layout:
+    """The layout of :func:`quantize_rowwise`'s ``axis``: ROWWISE for -1 or 1, COLUMNWISE for 0 or -2."""
     if isinstance(axis, bool) or not isinstance(axis, int) or axis not in _AXES:
         raise ValueError(f"axis: expected -1 or 1 (one scale per row, amax over the columns) or 0 (one scale per "
                          f"column, amax over the rows) of x viewed as [rows, cols], got {axis!r}")
@@ -43,7 +44,7 @@ def quantize_rowwise(x: Array, fmt: Format | str = Format.E4M3, *, axis: int = -
     """
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
-    layout = _layout(axis)
+    layout = axis_layout(axis)
     pow2 = args.flag(power_of_2, "power_of_2")
     q, s_inv = backends.blocks_for_device(t.device).quantize_blockwise(args.as_2d(t, "x"), f, layout, pow2,
                                                                        args.epsilon(epsilon))
@@ -56,4 +57,4 @@ def dequantize_rowwise(t: RowwiseTensor, out_dtype: Any = "float32", *, fmt: For
     t: a :class:`RowwiseTensor` (rowwise or columnwise: its layout, else told apart by the scale_inv's shape).
     out_dtype: float32, bfloat16 or float16. fmt names the format of uint8 data (CuPy).
     """
-    return _dequantize(t, "axiswise", out_dtype, fmt)
+    return dequantize_kind(t, "axiswise", out_dtype, fmt)

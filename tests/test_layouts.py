@@ -166,9 +166,11 @@ def test_a_named_layout_is_checked_against_the_scale(x):
         dequantize_blocks(ScaledTensor(q.data, q.scale, Layout.MX_ROWWISE))
     with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 layout, got 1x128"):
         dequantize_mxfp8(ScaledTensor(q.data, q.scale, Layout.BLOCK_1X128))
-    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 or rowwise or columnwise layout, got 1x16"):
+    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 or rowwise or "
+                                         r"columnwise layout, got 1x16"):
         dequantize_blocks(ScaledTensor(q.data, q.scale.view(np.uint8).view(ml_dtypes.float8_e4m3fn), "1x16"))
-    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 or rowwise or columnwise layout, got tensor"):
+    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 or rowwise or "
+                                         r"columnwise layout, got tensor"):
         dequantize_blocks(ScaledTensor(q.data, np.float32([1.0])))
     with pytest.raises(TypeError, match=r"^t: expected a ScaledTensor \(data, scale\), got tuple"):
         transpose_blocks(tuple(q))

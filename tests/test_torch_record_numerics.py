@@ -255,7 +255,8 @@ def test_refusals_name_the_argument():
             pass
     net = torch.nn.Sequential(Float8Linear(32, 32, recipe=CURRENT),
                               Float8Linear(32, 64, recipe=fp8core.MXFP8BlockScaling()))
-    with pytest.raises(TypeError, match="model: 1 uses MXFP8BlockScaling; record_numerics measures per-tensor and rowwise"):
+    with pytest.raises(TypeError, match="model: 1 uses MXFP8BlockScaling; record_numerics measures per-tensor and "
+                                        "rowwise"):
         with record_numerics(net):
             pass
 

@@ -123,7 +123,7 @@ def quantize_rowwise(x: Array, fmt: Any = "e4m3", *, axis: int = -1, power_of_2:
                      epsilon: float = 0.0) -> RowwiseTensor:
     """RowwiseTensor(data in x's shape, float32 scale_inv [rows, 1], or [1, cols] for axis=0), as
     :func:`fp8core.quantize_rowwise`. epsilon is data (traced: one program for every value)."""
-    layout = core_rowwise._layout(axis)
+    layout = core_rowwise.axis_layout(axis)
     return _quantize_rowwise(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt), axis=axis,
                              power_of_2=args.flag(power_of_2, "power_of_2"), epsilon=epsilon, layout=layout.value)
 

@@ -89,7 +89,8 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
 
     K and N must be multiples of 16; the token count is zero-padded to one (an empty batch to 16 rows: the
     weight gradient's GEMM contracts over the tokens and needs K > 0). ``state`` is None under
-    Float8CurrentScaling and Float8RowwiseScaling (torchao's rowwise recipes: fp8core.jax.rowwise). Differentiate with respect to ``state`` too, and pass that gradient to
+    Float8CurrentScaling and Float8RowwiseScaling (torchao's rowwise recipes, in
+    fp8core.jax.rowwise). Differentiate with respect to ``state`` too, and pass that gradient to
     :func:`next_state`: it carries the grad_output amax.
     """
     _args.dense_recipe(recipe)

@@ -105,7 +105,7 @@ def _quantize_rowwise(x: Tensor, fmt: str, axis: int, power_of_2: bool, epsilon:
 
 @_quantize_rowwise.register_fake
 def _(x, fmt, axis, power_of_2, epsilon):
-    return _fp8(x, fmt), _scale(x, rowwise._layout(axis))
+    return _fp8(x, fmt), _scale(x, rowwise.axis_layout(axis))
 
 
 @torch.library.custom_op(f"{_LIB}::transpose_blocks", mutates_args=())
@@ -175,7 +175,8 @@ def dequantize_blockwise(t: BlockScaledTensor, out_dtype: torch.dtype = torch.fl
 def quantize_rowwise(x: Tensor, fmt: str = "e4m3", axis: int = -1, power_of_2: bool = True,
                      epsilon: float = 0.0) -> RowwiseTensor:
     """RowwiseTensor(data in x's shape, float32 scale_inv [rows, 1], or [1, cols] for axis=0)."""
-    return RowwiseTensor(*torch.ops.fp8core.quantize_rowwise(x, fmt, axis, power_of_2, epsilon), rowwise._layout(axis))
+    layout = rowwise.axis_layout(axis)
+    return RowwiseTensor(*torch.ops.fp8core.quantize_rowwise(x, fmt, axis, power_of_2, epsilon), layout)
 
 
 def transpose_blocks(t: ScaledTensor) -> ScaledTensor:

@@ -325,7 +325,7 @@ def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[np.n
             *quantize_mxfp8(x, fmt, scale_mode, Layout.MX_COLUMNWISE))
 
 
-# ---- fp32 block scales (1x128, 128x128, and a row or column each) -------------------------------------------------------------------
+# ---- fp32 block scales (1x128, 128x128, and a row or column each) ---------------------------------------
 
 @ieee
 def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool,

@@ -61,7 +61,9 @@ def _repr(recipe: Any) -> str:
             return getattr(v, "__qualname__", None) or repr(v)
         return repr(v)
 
-    fields = ", ".join(f"{f}={show(getattr(recipe, f))}" for f in recipe.__dataclass_fields__)
+    # TE's per-GEMM override shows only where it overrides something (most recipes never set it)
+    fields = ", ".join(f"{f}={show(getattr(recipe, f))}" for f in recipe.__dataclass_fields__
+                       if f != "override_linear_precision" or any(recipe.override_linear_precision))
     return f"{type(recipe).__name__}({fields})"
 
 

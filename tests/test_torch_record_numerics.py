@@ -160,7 +160,7 @@ def test_recording_changes_no_bit_against_a_twin(recipe, dtype, compare):
                 assert torch.equal(bits(a), bits(b))
     assert len(rec.rows) == 4 * 6
     assert len(fp8_state(nets[0])) == (6 if recipe is DELAYED else 0)
-    assert all(len(r.get("recipes", ())) == (9 if compare else 0) for r in rec.rows)  # FP8 six, FP4 three
+    assert all(len(r.get("recipes", ())) == (10 if compare else 0) for r in rec.rows)  # FP8 seven, FP4 three
 
 
 def test_under_no_grad_only_the_forward_rows():

@@ -147,6 +147,19 @@ def test_agrees_with_torchaos_rowwise_recipe(name):
         assert db > 150, f"{what}: {db:.1f} dB"
 
 
+def test_torch_compile_fullgraph_gives_the_eager_bits():
+    torch.manual_seed(0)
+    m = convert_to_float8(torch.nn.Sequential(torch.nn.Linear(64, 32)), "rowwise")
+    x = torch.randn(20, 64, requires_grad=True)
+    y0 = m(x)
+    y0.sum().backward()
+    g0, x.grad = x.grad.clone(), None
+    y1 = torch.compile(m, fullgraph=True)(x)
+    y1.sum().backward()
+    assert torch.equal(bits(y0.detach().to(torch.bfloat16)), bits(y1.detach().to(torch.bfloat16)))
+    assert torch.equal(y0, y1) and torch.equal(g0, x.grad)
+
+
 # ---- Transformer Engine's override_linear_precision ---------------------------------------------------------
 
 @pytest.mark.parametrize("recipe_cls", [fp8core.DelayedScaling, fp8core.Float8CurrentScaling])

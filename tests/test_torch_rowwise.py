@@ -156,7 +156,6 @@ def test_torch_compile_fullgraph_gives_the_eager_bits():
     g0, x.grad = x.grad.clone(), None
     y1 = torch.compile(m, fullgraph=True)(x)
     y1.sum().backward()
-    assert torch.equal(bits(y0.detach().to(torch.bfloat16)), bits(y1.detach().to(torch.bfloat16)))
     assert torch.equal(y0, y1) and torch.equal(g0, x.grad)
 
 

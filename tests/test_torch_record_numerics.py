@@ -337,7 +337,7 @@ def test_recipes_refusals_name_the_argument_and_install_nothing():
     net = model(DELAYED)
     hooks = [dict(m._forward_hooks) for m in net.modules()]
     for bad, err, says in [("e4m3,bogus", ValueError, "recipes: unknown recipe 'bogus'; expected 'all' or a "
-                            "comma-separated list of e4m3, e5m2, mxfp8_rceil"),
+                            "comma-separated list of e4m3, e5m2, rowwise, mxfp8_rceil"),
                            (["e4m3", ""], ValueError, "recipes: an empty name"),
                            (3, TypeError, "recipes: expected 'all', a comma-separated string or a list"),
                            ([fp8core.Format.E4M3], TypeError, "recipes: expected recipe names")]:

@@ -36,8 +36,9 @@ def _current(fmt: Format) -> Recipe:
                   lambda x: quantize_dynamic(x, fmt)[:2], part, scale_inv=lambda q: float(q[1][0]))
 
 
-def rowwise_recipe(power_of_2: bool = True, epsilon: float = 0.0, name: str = "rowwise") -> Recipe:
-    """One fp32 scale per row, E4M3 (Float8RowwiseScaling's cast of every operand along its GEMM's K)."""
+def rowwise_recipe(power_of_2: bool = True, epsilon: float = 1e-12, name: str = "rowwise") -> Recipe:
+    """One fp32 scale per row, E4M3 (Float8RowwiseScaling's cast of every operand along its GEMM's K; its
+    defaults: power-of-2 scales, torchao's amax floor 1e-12)."""
     # Measured as one scale per tensor is (no block statistics): a row's scale covers a row of any length, so any
     # part of the tensor is its rows' codes times their scales.
     def part(t: RowwiseTensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:

@@ -201,14 +201,15 @@ class Float8RowwiseScaling:
     Input per token, weight per output channel (forward) and per input channel (dgrad), grad_output per token
     (dgrad) and per output channel (wgrad), every operand ``fp8_format`` (E4M3, as torchao's recipes set it).
     power_of_2: round scales down to powers of two (torchao's ``round_scales_to_power_of_2=True``). epsilon: floor
-    of each amax. wgrad_high_precision: torchao's ``rowwise_with_gw_hp``: the weight-gradient GEMM in high
+    of each amax, torchao's EPS (1e-12) by default, so rows of tiny or zero amax get torchao's scale (2^48).
+    wgrad_high_precision: torchao's ``rowwise_with_gw_hp``: the weight-gradient GEMM in high
     precision, the dgrad GEMM with one (power-of-two) scale for the weight. :meth:`from_recipe_name` takes
     torchao's names.
     """
 
     fp8_format: Format = Format.E4M3
     power_of_2: bool = True
-    epsilon: float = 0.0
+    epsilon: float = 1e-12
     wgrad_high_precision: bool = False
 
     def __post_init__(self) -> None:

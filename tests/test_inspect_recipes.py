@@ -62,7 +62,7 @@ def roundtrip(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
         q, scale_inv, _ = fp8core.quantize_dynamic(x, recipe)
         y = fp8core.dequantize(q, scale_inv)
     elif recipe == "rowwise":
-        t = fp8core.quantize_rowwise(x.reshape(1, -1) if x.ndim == 1 else x)
+        t = fp8core.quantize_rowwise(x.reshape(1, -1) if x.ndim == 1 else x, epsilon=1e-12)  # torchao's EPS
         q, y = t.data.reshape(x.shape), fp8core.dequantize_rowwise(t).reshape(x.shape)
     elif recipe.startswith("mxfp8_"):
         t = fp8core.quantize_mxfp8(x, "e4m3", scale_mode=recipe[6:])

@@ -3,7 +3,9 @@
 
 The ops return plain (data, scale) tensor tuples; the wrappers below give the core's scaled tensors,
 ``MXTensor(data, scale)`` (scale float8_e8m0fnu) and ``BlockScaledTensor(data, scale_inv)`` (float32), with
-their layouts. Formats are strings ("e4m3", "e5m2"), layouts their names ("1x32", "32x1", "1x128", "128x128").
+their layouts, and ``RowwiseTensor(data, scale_inv)`` (one fp32 scale per row or column, fp8core.rowwise).
+Formats are strings ("e4m3", "e5m2"), layouts their names ("1x32", "32x1", "1x128", "128x128", "rowwise",
+"columnwise").
 """
 
 from __future__ import annotations

@@ -28,7 +28,11 @@ from fp8core.layouts import Layout, RowwiseTensor
 from . import block_ops as bo
 from . import ops
 
-__all__ = ["RowwiseMatmul", "rowwise_spec"]
+__all__ = ["RowwiseMatmul", "rowwise_spec", "is_rowwise"]
+
+
+def is_rowwise(recipe: Any) -> bool:
+    return isinstance(recipe, Float8RowwiseScaling)
 
 
 def rowwise_spec(recipe: Float8RowwiseScaling) -> tuple:
@@ -102,6 +106,3 @@ class RowwiseMatmul(torch.autograd.Function):
             db = g2.double().sum(0).to(b_dtype)  # float64: the same bits whatever order a compiler picks
         return dx, dw, db, None
 
-
-def is_rowwise(recipe: Any) -> bool:
-    return isinstance(recipe, Float8RowwiseScaling)

@@ -153,6 +153,40 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_1x128_kernel(
   }
 }
 
+// One fp32 scale per row or per column of x [rows, cols] (torchao's axiswise scaling): the 1x128 rule with the
+// block a whole row or column. Rows: one warp per row, grid-stride; a row of any length is read twice (amax,
+// then the cast), the second time mostly from cache. Columns: one thread per column, neighbouring threads on
+// neighbouring columns so that each step down the rows is one coalesced read.
+template <typename T, int FMT>
+__global__ void __launch_bounds__(BLOCK_THREADS) quantize_axiswise_kernel(
+    const T* __restrict__ x, u8* __restrict__ q, float* __restrict__ scale_inv, i64 rows, i64 cols,
+    float fp8_max, int power_of_2, float epsilon, int columnwise) {
+  const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x, threads = (i64)gridDim.x * blockDim.x;
+  if (columnwise) {
+    for (i64 c = tid; c < cols; c += threads) {
+      u32 m = 0;
+      for (i64 r = 0; r < rows; ++r) m = umax(m, abs_bits(to_f32(x[r * cols + c])));
+      float sc, sc_inv;
+      block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
+      for (i64 r = 0; r < rows; ++r) q[r * cols + c] = quant_one<FMT>(to_f32(x[r * cols + c]), sc);
+      scale_inv[c] = sc_inv;
+    }
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  for (i64 row = tid >> 5; row < rows; row += threads >> 5) {  // warp-uniform
+    const T* src = x + row * cols;
+    u32 m = 0;
+    for (i64 c = lane; c < cols; c += 32) m = umax(m, abs_bits(to_f32(src[c])));
+    m = warp_max(m);
+    float sc = 1.f, sc_inv = 1.f;
+    if (lane == 0) block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
+    sc = __shfl_sync(0xffffffffu, sc, 0);
+    for (i64 c = lane; c < cols; c += 32) q[row * cols + c] = quant_one<FMT>(to_f32(src[c]), sc);
+    if (lane == 0) scale_inv[row] = sc_inv;
+  }
+}
+
 // One CTA per 128x128 tile; thread t holds rows t/16 + 16 i (i < 8), columns 8 (t%16) .. +7: 64 values in
 // registers, so x is read once.
 template <typename T, int FMT>

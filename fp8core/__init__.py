@@ -14,8 +14,10 @@ from .blocks import (BlockScaledTensor, MXTensor, dequantize_blockwise, dequanti
                      quantize_mxfp8, quantize_mxfp8_both, transpose_blocks)
 from .fp4 import (MXFP4Tensor, NVFP4Tensor, dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_mxfp4_both,
                   quantize_nvfp4, quantize_nvfp4_both)
+from .rowwise import RowwiseTensor, dequantize_rowwise, quantize_rowwise
 from .layouts import Layout, ScaledTensor
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling, MXFP8BlockScaling,
+                     NVFP4BlockScaling, OverrideLinearPrecision)
 from .scaling import ScalingState
 from .backends.cpu_threads import cpu_threads
 
@@ -28,4 +30,5 @@ __all__ = ["Format", "as_format", "amax", "quantize", "quantize_dynamic", "dequa
            "quantize_blockwise", "dequantize_blockwise", "transpose_blocks", "NVFP4Tensor", "MXFP4Tensor", "quantize_nvfp4",
            "quantize_nvfp4_both", "dequantize_nvfp4", "quantize_mxfp4", "quantize_mxfp4_both", "dequantize_mxfp4",
            "cpu_threads", "Layout", "ScaledTensor",
-           "NVFP4BlockScaling"]
+           "NVFP4BlockScaling", "RowwiseTensor", "quantize_rowwise", "dequantize_rowwise",
+           "Float8RowwiseScaling", "OverrideLinearPrecision"]

@@ -215,6 +215,7 @@ MX_QUANTIZE = Kernel("block_quantize.cu", "mx_quantize_kernel", itertools.produc
                      _tiles(32, 64))
 QUANTIZE_1X128 = Kernel("block_quantize.cu", "quantize_1x128_kernel", _T_FMT, _stride(1))
 QUANTIZE_128X128 = Kernel("block_quantize.cu", "quantize_128x128_kernel", _T_FMT, _tiles(128, 128))
+QUANTIZE_AXISWISE = Kernel("block_quantize.cu", "quantize_axiswise_kernel", _T_FMT, _stride(1))
 BLOCK_DEQUANTIZE = Kernel("block_quantize.cu", "block_dequantize_kernel", itertools.product(_FMT, _T, (True, False)))
 MX_SCALE_SWIZZLE = Kernel("block_quantize.cu", "mx_scale_swizzle_kernel", grid=_stride(1))
 # FP4 (fp8core.fp4, backends/cuda_fp4.py): one thread per block of the operand, grid-stride

@@ -91,8 +91,9 @@ def gemm_reference(a_codes: np.ndarray, a_fmt: str, b_codes: np.ndarray, b_fmt: 
 
 def block_operand64(t: tuple) -> np.ndarray:
     """float64 values of a CPU block-scaled operand, (fp8 data [R, C], scales): an MXTensor's E8M0 bytes [R,
-    ceil(C/32)] (0xFF is NaN) or a BlockScaledTensor's fp32 scale_inv in 1x128 [R, ceil(C/128)] or 128x128
-    [ceil(R/128), ceil(C/128)] blocks; each code decoded, times its block's factor (exact)."""
+    ceil(C/32)] (0xFF is NaN), a BlockScaledTensor's fp32 scale_inv in 1x128 [R, ceil(C/128)] or 128x128
+    [ceil(R/128), ceil(C/128)] blocks, or a rowwise RowwiseTensor's [R, 1]; each code decoded, times its block's
+    factor (exact)."""
     data, scale = np.asarray(t[0]), np.asarray(t[1])
     v = decode(DTYPES[data.dtype.name])[data.view(np.uint8)]
     rows, cols = v.shape
@@ -101,7 +102,8 @@ def block_operand64(t: tuple) -> np.ndarray:
         f = np.where(e == 0xFF, np.nan, 2.0 ** (e - 127))
         return v * np.repeat(f, 32, 1)[:, :cols]
     f = np.repeat(scale.astype(np.float64), 1 if scale.shape[0] == rows else 128, 0)[:rows]
-    return v * np.repeat(f, 128, 1)[:, :cols]
+    # one scale per row (a RowwiseTensor, [R, 1]) spans the row; for C <= 128 that is a 1x128 block too
+    return v * np.repeat(f, max(cols, 1) if scale.shape[1] == 1 else 128, 1)[:, :cols]
 
 
 def accumulation_tolerance(absprod: np.ndarray, k: int, out_dtype: str, *, tensor_core: bool = False,

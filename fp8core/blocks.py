@@ -18,18 +18,21 @@ from typing import Any
 from . import args, backends, formats, fp4
 from ._tensor import Tensor, export, wrap
 from .formats import E2M1, FP8_DTYPES, Encoding, Format, dtype_name
-from .layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, resolve
+from .layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledTensor, resolve
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
            "quantize_blockwise", "dequantize_blockwise", "dequantize_blocks", "transpose_blocks", "MX_BLOCK",
-           "FP32_BLOCK", "E8M0", "scale_dtypes", "transposed_layout", "gemm_operands", "gemm_scales", "gemm_layouts"]
+           "FP32_BLOCK", "E8M0", "scale_dtypes", "transposed_layout", "gemm_operands", "gemm_scales", "gemm_layouts",
+           "dequantize_kind"]
 
 Array = Any
 MX_BLOCK = 32
 FP32_BLOCK = 128
 E8M0 = formats.E8M0.dtype_name  # the scales' dtype: float8_e8m0fnu
-_CLASSES = {"mx": MXTensor, "blocks": BlockScaledTensor}  # the block kinds, and the names of their pairs
-_FAMILIES = {kind: layout.family for kind, layout in (("mx", Layout.MX_ROWWISE), ("blocks", Layout.BLOCK_1X128))}
+# the block kinds (rowwise scaling's row-long blocks too), and the names of their pairs
+_CLASSES = {"mx": MXTensor, "blocks": BlockScaledTensor, "axiswise": RowwiseTensor}
+_FAMILIES = {kind: layout.family for kind, layout in (("mx", Layout.MX_ROWWISE), ("blocks", Layout.BLOCK_1X128),
+                                                        ("axiswise", Layout.ROWWISE))}
 _ROWS = {row.dtype_name: row for row in formats.ROWS}  # an encoding by its dtype, for errors
 
 
@@ -80,18 +83,21 @@ def dequantize_blocks(t: ScaledTensor, out_dtype: Any = "float32", *, fmt: Forma
     """:func:`dequantize_mxfp8` or :func:`dequantize_blockwise`, by t's layout; FP4 (E2M1 data) as
     :func:`fp8core.dequantize_nvfp4` or :func:`fp8core.dequantize_mxfp4`.
 
-    t: a ScaledTensor of fp8 data and E8M0 scales in 1x32 or 32x1 blocks, or fp32 scale inverses in 1x128 blocks or
-    128x128 tiles; or an NVFP4Tensor or MXFP4Tensor. out_dtype: float32, bfloat16 or float16. Returns data's shape
+    t: a ScaledTensor of fp8 data and E8M0 scales in 1x32 or 32x1 blocks, or fp32 scale inverses in 1x128
+    blocks, 128x128 tiles, or one per row or column (:class:`RowwiseTensor`); or an NVFP4Tensor or
+    MXFP4Tensor. out_dtype: float32, bfloat16 or float16. Returns data's shape
     in out_dtype (FP4: [R, C], its packed data unpacked). fmt names the format of uint8 fp8 data (CuPy).
     """
     if isinstance(t, ScaledTensor) and t.encoding is E2M1:
         if fmt is not None:
             raise ValueError(f"fmt: t names its data's encoding, E2M1; pass no fmt (got {fmt!r})")
         return (fp4.dequantize_nvfp4 if t.kind == "nvfp4" else fp4.dequantize_mxfp4)(t, out_dtype)
-    return _dequantize(t, None, out_dtype, fmt)
+    return dequantize_kind(t, None, out_dtype, fmt)
 
 
-def _dequantize(t: Any, kind: str | None, out_dtype: Any, fmt: Any) -> Array:
+def dequantize_kind(t: Any, kind: str | None, out_dtype: Any, fmt: Any) -> Array:
+    """:func:`dequantize_blocks` of a ScaledTensor, or of a plain (data, scale) pair, whose layout must be of
+    ``kind`` ("mx", "blocks", "axiswise"; None: any block kind)."""
     tq, ts, f, layout = _parts(t, "t", fmt, kind)
     name = args.out_dtype(out_dtype)
     y = backends.blocks_for_device(tq.device).dequantize_blocks(tq, ts, f, layout, name)
@@ -135,7 +141,7 @@ def dequantize_mxfp8(t: MXTensor, out_dtype: Any = "float32", *, fmt: Format | s
     t: an :class:`MXTensor` (rowwise or columnwise: its layout, else told apart by the scale's shape).
     out_dtype: float32, bfloat16 or float16. fmt names the format of uint8 data (CuPy).
     """
-    return _dequantize(t, "mx", out_dtype, fmt)
+    return dequantize_kind(t, "mx", out_dtype, fmt)
 
 
 # ---- fp32 block scales ------------------------------------------------------------------------------------
@@ -164,7 +170,7 @@ def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = "float32", *,
 
     t: a :class:`BlockScaledTensor` (1x128 or 128x128: its layout, else told apart by the scale_inv's shape).
     """
-    return _dequantize(t, "blocks", out_dtype, fmt)
+    return dequantize_kind(t, "blocks", out_dtype, fmt)
 
 
 # ---- transposes --------------------------------------------------------------------------------------------
@@ -206,7 +212,7 @@ def gemm_operands(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any) -> None:
     if a.kind != b.kind or (a.encoding is E2M1) != (b.encoding is E2M1):
         raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__} ({_described(a)} and "
                          f"{_described(b)}); a scaled GEMM takes two operands of one scheme: MXFP8, fp32 blocks, "
-                         "one scale each, NVFP4 or MXFP4")
+                         "one scale per row, one scale each, NVFP4 or MXFP4")
     for arg, value in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
         if value is not None:
             raise ValueError(f"{arg}: block-scaled operands carry their own scales; pass no {arg}")
@@ -242,6 +248,14 @@ def gemm_scales(a: ScaledTensor, b: ScaledTensor, ta: Tensor, tb: Tensor, k: int
 def gemm_layouts(a_layout: Layout, b_layout: Layout, m: int, n: int, k: int) -> None:
     """The scaled ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's limits, from layouts and shapes alone: the one
     statement of the rule, for the core and the front-ends that check it while tracing."""
+    if a_layout.kind == "axiswise":
+        for arg, layout, rows in (("a.scale_inv", a_layout, m), ("b.scale_inv", b_layout, n)):
+            if layout != Layout.ROWWISE:
+                raise ValueError(f"{arg}: the GEMM takes one scale per row of a [M, K] and of b [N, K] (rowwise, "
+                                 f"along K): expected shape {Layout.ROWWISE.scale_shape(rows, k)}, got "
+                                 f"{layout.scale_shape(rows, k)} ({layout.label}); transpose_blocks a columnwise "
+                                 "operand first")
+        return
     if a_layout.kind == "mx":
         if k % MX_BLOCK:
             raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import args, blocks, ops, scaling
+from . import args, blocks, ops, rowwise, scaling
 from .declare import Arg, Primitive, Spec, declare
 from .args import as_format
 from .gemm import check_shapes, gemm
@@ -175,6 +175,14 @@ def _dequantize_mxfp8(data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ..
 def _quantize_blockwise(x: Spec, fmt: str, block: Any, power_of_2: bool, epsilon: float) -> tuple[Spec, ...]:
     """(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)])."""
     return _fp8(x, fmt), _scale(x, args.block(block))
+
+
+@declare("quantize_rowwise", (Arg("x"), Arg("fmt", "str"), Arg("axis", "int"), Arg("power_of_2", "bool"),
+                              Arg("epsilon", "float")), returns=2, backend=("blocks.quantize_blockwise",),
+         call=rowwise.quantize_rowwise)
+def _quantize_rowwise(x: Spec, fmt: str, axis: int, power_of_2: bool, epsilon: float) -> tuple[Spec, ...]:
+    """(data in x's shape, float32 scale_inv [rows, 1] (axis -1) or [1, cols] (axis 0))."""
+    return _fp8(x, fmt), _scale(x, rowwise.axis_layout(axis))
 
 
 @declare("dequantize_blockwise", (_T_DATA, Arg("scale_inv", label="t.scale_inv"), Arg("out_dtype", "dtype")),

@@ -40,7 +40,7 @@ class GemmSpec:
     out_dtype: str          # logical name: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2
     bias_dtype: str | None
     fast_accum: bool
-    a_block: Layout | None = None  # block-scaled operands: Layout.MX_ROWWISE, BLOCK_1X128 or BLOCK_128X128, and
+    a_block: Layout | None = None  # scaled operands: Layout.MX_ROWWISE, BLOCK_1X128, BLOCK_128X128 or ROWWISE, and
     b_block: Layout | None = None  # with E2M1 (FP4) formats NVFP4_1X16, NVFP4_16X16 or MX_ROWWISE (MXFP4)
 
     @property
@@ -151,7 +151,9 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     None; the GEMM goes by their layouts and element encodings (both of one kind): rowwise MXFP8 x MXFP8
     (``Layout.MX_ROWWISE``, 1x32 E8M0 blocks along K, K a multiple of 32; cuBLASLt on sm_100+), 1x128 and/or
     128x128 fp32 blocks (not both 128x128; K a multiple of 128, M of 8; cuBLASLt >= 12.9 on sm_90 only; no
-    use_fast_accum), whose output is float32, bfloat16 or float16; one scale each (``Layout.TENSORWISE``), the
+    use_fast_accum), or one fp32 scale per row of a [M, K] and of b [N, K] (``Layout.ROWWISE``,
+    :func:`fp8core.quantize_rowwise`; D scaled by their outer product; cuBLASLt >= 12.9 on sm_90 only), whose output
+    is float32, bfloat16 or float16; one scale each (``Layout.TENSORWISE``), the
     per-tensor GEMM above; or FP4 (E2M1, :mod:`fp8core.fp4`): NVFP4 x NVFP4 (1x16 blocks or 16x16 tiles) or
     MXFP4 x MXFP4 (1x32), TN with blocks along K, K a multiple of 32, out_dtype float32, bfloat16 or float16 and
     bias only (cuBLASLt on compute capability 10.x and 12.x, with NVFP4's alpha computed on the device).
@@ -180,7 +182,7 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     if scaled is not None:
         sa, sb, a_layout, b_layout = gemm_scales(*scaled, ta, tb, k, out_name)
         sa, sb = sa.data, sb.data
-        if fast_accum and a_layout.kind != "mx":
+        if fast_accum and a_layout.kind == "blocks":
             # torch._scaled_mm refuses it and Transformer Engine's Float8BlockScaling always splits the
             # accumulator: the block scales are applied where each K-block's partial sum is promoted to fp32.
             raise ValueError("use_fast_accum: a 1x128/128x128 block GEMM accumulates in fp32 at every 128-wide "

@@ -15,14 +15,15 @@ from typing import Any
 
 from .formats import E2M1, E4M3, E8M0, Encoding, dtype_name
 
-__all__ = ["Layout", "ScaledTensor", "MXTensor", "BlockScaledTensor", "NVFP4Tensor", "MXFP4Tensor", "resolve",
-           "layout_of"]
+__all__ = ["Layout", "ScaledTensor", "MXTensor", "BlockScaledTensor", "RowwiseTensor", "NVFP4Tensor", "MXFP4Tensor",
+           "resolve", "layout_of"]
 
 
 class Layout(str, enum.Enum):
     """How scales cover a tensor viewed as [rows, cols]; a Layout equals its name ("1x32", "128x128", ...).
 
-    block: (rows, cols) of data under one scale, None for one per tensor. scale: the scales' encoding row (None:
+    block: (rows, cols) of data under one scale, None for one per tensor; a None inside it spans the data along
+    that axis (ROWWISE's (1, None): a whole row). scale: the scales' encoding row (None:
     float32). inverse: stored as the inverse of the factor the quantization multiplied by (fp32 ``scale_inv``,
     rounded once), else as that power of two (E8M0). kind: layouts of one kind differ only in their blocks, told
     apart by the scale's shape. global_amax: an fp32 amax of the tensor goes with the scales (NVFP4's second
@@ -44,6 +45,9 @@ class Layout(str, enum.Enum):
     BLOCK_128X128 = "128x128", (128, 128), None, True, "blocks", "128x128 tiles"
     NVFP4_1X16 = "1x16", (1, 16), E4M3, True, "nvfp4", "1x16 blocks", True
     NVFP4_16X16 = "16x16", (16, 16), E4M3, True, "nvfp4", "16x16 tiles", True
+    # torchao's axiswise scaling: the block is a whole row (None: as long as the data is along that axis)
+    ROWWISE = "rowwise", (1, None), None, True, "axiswise", "one scale per row"
+    COLUMNWISE = "columnwise", (None, 1), None, True, "axiswise", "one scale per column"
 
     # What enum.StrEnum gives (Python 3.11+; requires-python is 3.10): str() and format() are the name itself.
     __str__ = str.__str__
@@ -73,7 +77,13 @@ class Layout(str, enum.Enum):
         if self.block is None:
             return (1,)
         br, bc = self.block
-        return -(-rows // br), -(-cols // bc)
+        return -(-rows // br) if br else 1, -(-cols // bc) if bc else 1
+
+    def block_for(self, rows: int, cols: int) -> tuple[int, int]:
+        """The block as (rows, cols) of data viewed as [rows, cols]: an axis the block spans (None) is the data's
+        length along it (at least 1)."""
+        br, bc = self.block
+        return br or max(rows, 1), bc or max(cols, 1)
 
     @classmethod
     def parse(cls, value: Any, arg: str = "layout", allowed: tuple["Layout", ...] | None = None) -> "Layout":
@@ -199,6 +209,20 @@ class BlockScaledTensor(ScaledTensor):
 
     _fields = ("data", "scale_inv")
     _kind = "blocks"
+
+    @property
+    def scale_inv(self) -> Any:
+        return self[1]
+
+
+class RowwiseTensor(ScaledTensor):
+    """FP8 data and one fp32 scale inverse per row (``[rows, 1]``, layout ``rowwise``) or per column
+    (``[1, cols]``, ``columnwise``) of its 2-D view: torchao's axiswise scaling, ``RowwiseTensor(data,
+    scale_inv)``. Element ``data[r, c]`` is ``q * scale_inv[r, 0]`` (``scale_inv[0, c]``). Built from the pair
+    alone, the scale's shape tells the two apart (for one row and one column they mean the same)."""
+
+    _fields = ("data", "scale_inv")
+    _kind = "axiswise"
 
     @property
     def scale_inv(self) -> Any:

@@ -1,7 +1,7 @@
 """The recipes a numerics study compares (``fp8core inspect --recipes``, ``fp8core.torch.record_numerics``'s
 ``recipes=``), by name, each a :class:`fp8core.numerics_stats.Recipe`: per-tensor current scaling in E4M3 and
-E5M2, MXFP8 (rceil and floor scales), 1x128 and 128x128 blocks, NVFP4 (plain, and the Hadamard-transformed
-wgrad operand) and MXFP4.
+E5M2, torchao's rowwise scaling (one power-of-2 scale per row), MXFP8 (rceil and floor scales), 1x128 and
+128x128 blocks, NVFP4 (plain, and the Hadamard-transformed wgrad operand) and MXFP4.
 
 The quantization is the library's (its public functions, whole tensor at a time).
 """
@@ -21,8 +21,9 @@ from fp8core.layouts import Layout, ScaledTensor
 from fp8core.numerics_blocks import e4m3_scales, e8m0_scales, fp32_scales
 from fp8core.numerics_stats import Recipe
 from fp8core.ops import amax, dequantize, quantize_dynamic
+from fp8core.rowwise import RowwiseTensor, dequantize_rowwise, quantize_rowwise
 
-__all__ = ["RECIPES", "BLOCK_RULE", "select", "layer_recipe"]
+__all__ = ["RECIPES", "BLOCK_RULE", "select", "layer_recipe", "rowwise_recipe"]
 
 
 def _current(fmt: Format) -> Recipe:
@@ -33,6 +34,21 @@ def _current(fmt: Format) -> Recipe:
 
     return Recipe(fmt.value, f"Float8CurrentScaling, Format.{fmt.name}: one scale per tensor from its amax", fmt,
                   lambda x: quantize_dynamic(x, fmt)[:2], part, scale_inv=lambda q: float(q[1][0]))
+
+
+def rowwise_recipe(power_of_2: bool = True, epsilon: float = 1e-12, name: str = "rowwise") -> Recipe:
+    """One fp32 scale per row, E4M3 (Float8RowwiseScaling's cast of every operand along its GEMM's K; its
+    defaults: power-of-2 scales, torchao's amax floor 1e-12)."""
+    # Measured as one scale per tensor is (no block statistics): a row's scale covers a row of any length, so any
+    # part of the tensor is its rows' codes times their scales.
+    def part(t: RowwiseTensor, r0: int, r1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        piece = np.ascontiguousarray(t.data[r0:r1, c0:c1])
+        return piece, dequantize_rowwise(RowwiseTensor(piece, np.ascontiguousarray(t.scale_inv[r0:r1]),
+                                                       Layout.ROWWISE))
+
+    return Recipe(name, f"Float8RowwiseScaling (torchao's rowwise), E4M3: a{' power-of-2' if power_of_2 else 'n'} "
+                  "fp32 scale per row (along the last dimension)", Format.E4M3,
+                  lambda x: quantize_rowwise(x, Format.E4M3, power_of_2=power_of_2, epsilon=epsilon), part)
 
 
 def _blocked(name: str, doc: str, layout: Layout, quantize: Any, fmt: Format = Format.E4M3) -> Recipe:
@@ -193,7 +209,7 @@ def _mxfp4() -> Recipe:
 # A tie in SQNR goes to the recipe listed first: one scale per tensor before any block recipe, which has
 # scales to keep per block.
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    _current(Format.E4M3), _current(Format.E5M2), _mxfp8("rceil"), _mxfp8("floor"),
+    _current(Format.E4M3), _current(Format.E5M2), rowwise_recipe(), _mxfp8("rceil"), _mxfp8("floor"),
     _blockwise(Layout.BLOCK_1X128), _blockwise(Layout.BLOCK_128X128), _nvfp4(False), _nvfp4(True), _mxfp4())}
 
 BLOCK_RULE = ("block recipes run along the last dimension (a tensor is viewed as [rows, last dim]; 1-D is one "

@@ -10,8 +10,8 @@ A row is a dict: ``module`` (str), ``operand`` (``input``, ``weight`` or ``grad_
 and optionally ``recipes`` (name -> statistics, or ``{"n/a": why}``) with ``winner`` (the best SQNR among the
 layer's cast and those recipes; None when none has one), and ``blocks`` (block recipe name -> the per-block
 statistics of :func:`fp8core.numerics_blocks.block_stats`, or ``{"n/a": why}``). The layer recipe names include
-the block recipes' (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling), whose rows have no per-tensor
-scale (``scale``/``scale_inv`` null), and the formats E2M1.
+the block recipes' (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) and torchao's rowwise
+(Float8RowwiseScaling), whose rows have no per-tensor scale (``scale``/``scale_inv`` null), and the formats E2M1.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ __all__ = ["BLOCK_LAYER_RECIPES", "FORMATS", "LAYER_RECIPES", "MAX_BYTES", "OPER
            "contenders", "from_json", "per_cast", "per_operand", "read"]
 
 OPERANDS = ("input", "weight", "grad_output")  # in the order of a Float8Linear's state slots (fp8_scale[0:3])
-# a recorded layer's own recipe, by its class's name; the block recipes' rows have no per-tensor scale
+# a recorded layer's own recipe, by its class's name; the block and rowwise recipes' rows have no per-tensor scale
 LAYER_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling",
-                 "NVFP4BlockScaling")
+                 "NVFP4BlockScaling", "Float8RowwiseScaling")
 BLOCK_LAYER_RECIPES = LAYER_RECIPES[2:]
 FORMATS = ("E4M3", "E5M2", "E2M1")
 MAX_BYTES = 1 << 30  # what :func:`read` takes of a file by default (``fp8core inspect --max-bytes``'s default)

@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from . import args
 from .args import AMAX_ALGOS, MAX_HISTORY_LEN
 from .formats import E2M1, Encoding, Format
 from .layouts import Layout
 
-__all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"]
+__all__ = ["DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling",
+           "Float8RowwiseScaling", "OverrideLinearPrecision", "RECIPE_NAMES"]
+
+
+class OverrideLinearPrecision(NamedTuple):
+    """Transformer Engine's ``_OverrideLinearPrecision``: which of a Linear's three GEMMs run in high precision
+    (the caller's dtype, on the unquantized tensors) instead of FP8. fprop: y = x W^T; dgrad: dx = dy W;
+    wgrad: dW = dy^T x."""
+
+    fprop: bool = False
+    dgrad: bool = False
+    wgrad: bool = False
+
+
+def _override(recipe: Any) -> None:
+    value = recipe.override_linear_precision
+    if not isinstance(value, tuple) or len(value) != 3:
+        raise TypeError(f"override_linear_precision: expected (fprop, dgrad, wgrad), three bools "
+                        f"(OverrideLinearPrecision), got {value!r}")
+    flags = [args.flag(v, f"override_linear_precision.{name}")
+             for v, name in zip(value, OverrideLinearPrecision._fields)]
+    _set(recipe, "override_linear_precision", OverrideLinearPrecision(*flags))
 
 
 # ---- field checks shared by every recipe: at construction, naming the field -------------------------------
@@ -40,7 +61,9 @@ def _repr(recipe: Any) -> str:
             return getattr(v, "__qualname__", None) or repr(v)
         return repr(v)
 
-    fields = ", ".join(f"{f}={show(getattr(recipe, f))}" for f in recipe.__dataclass_fields__)
+    # TE's per-GEMM override shows only where it overrides something (most recipes never set it)
+    fields = ", ".join(f"{f}={show(getattr(recipe, f))}" for f in recipe.__dataclass_fields__
+                       if f != "override_linear_precision" or any(recipe.override_linear_precision))
     return f"{type(recipe).__name__}({fields})"
 
 
@@ -56,7 +79,8 @@ class DelayedScaling:
     every step). amax_history_len: L, rows of the history (at most 2**31 - 1). amax_compute_algo: "max",
     "most_recent", or a callable ``(history[L, N]) -> amax[N]``. scaling_factor_compute_algo: optional callable
     ``(amax[N], scale[N], fp8_max[N], recipe) -> scale[N]``. power_of_2: round scales down to powers of two.
-    reduce_amax: all-reduce (MAX) row 0 across the group before each update.
+    reduce_amax: all-reduce (MAX) row 0 across the group before each update. override_linear_precision:
+    (fprop, dgrad, wgrad), the GEMMs a Linear runs in high precision (Transformer Engine's field).
     """
 
     margin: int = 0
@@ -68,8 +92,10 @@ class DelayedScaling:
     power_of_2: bool = False
     reduce_amax: bool = True
     epsilon: float = 0.0
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
 
     def __post_init__(self) -> None:
+        _override(self)
         _format(self)
         _set(self, "margin", args.margin(self.margin))
         _int(self, "interval", low=1)
@@ -90,14 +116,20 @@ class DelayedScaling:
 
 @dataclass(frozen=True, repr=False)
 class Float8CurrentScaling:
-    """Current (dynamic) scaling: each tensor is scaled by its own amax, taken just before the cast."""
+    """Current (dynamic) scaling: each tensor is scaled by its own amax, taken just before the cast.
+
+    override_linear_precision: (fprop, dgrad, wgrad), the GEMMs a Linear runs in high precision (Transformer
+    Engine's field).
+    """
 
     fp8_format: Format = Format.HYBRID
     power_of_2: bool = False
     amax_epsilon: float = 0.0
     margin: int = 0
+    override_linear_precision: OverrideLinearPrecision = OverrideLinearPrecision()
 
     def __post_init__(self) -> None:
+        _override(self)
         _format(self)
         _bool(self, "power_of_2")
         _epsilon(self, "amax_epsilon")
@@ -159,6 +191,61 @@ class Float8BlockScaling:
         return tuple(Layout.BLOCK_1X128 if d == 1 else Layout.BLOCK_128X128 for d in dims)
 
     __repr__ = _repr
+
+
+@dataclass(frozen=True, repr=False)
+class Float8RowwiseScaling:
+    """torchao's rowwise (axiswise) recipes: one fp32 scale per row of each GEMM operand, over the GEMM's K
+    (docs/numerics.md, "Rowwise (axiswise) scaling"). Stateless, like current scaling.
+
+    Input per token, weight per output channel (forward) and per input channel (dgrad), grad_output per token
+    (dgrad) and per output channel (wgrad), every operand ``fp8_format`` (E4M3, as torchao's recipes set it).
+    power_of_2: round scales down to powers of two (torchao's ``round_scales_to_power_of_2=True``). epsilon: floor
+    of each amax, torchao's EPS (1e-12) by default, so rows of tiny or zero amax get torchao's scale (2^48).
+    wgrad_high_precision: torchao's ``rowwise_with_gw_hp``: the weight-gradient GEMM in high
+    precision, the dgrad GEMM with one (power-of-two) scale for the weight. :meth:`from_recipe_name` takes
+    torchao's names.
+    """
+
+    fp8_format: Format = Format.E4M3
+    power_of_2: bool = True
+    epsilon: float = 1e-12
+    wgrad_high_precision: bool = False
+
+    def __post_init__(self) -> None:
+        _format(self)
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(f"fp8_format: expected Format.E4M3 (torchao's rowwise recipes cast every operand, "
+                             f"grad_output included, to E4M3), got Format.{self.fp8_format.name}")
+        _bool(self, "power_of_2")
+        _epsilon(self, "epsilon")
+        _bool(self, "wgrad_high_precision")
+
+    @classmethod
+    def from_recipe_name(cls, name: str) -> "Float8RowwiseScaling":
+        """torchao's ``Float8LinearConfig.from_recipe_name`` for its rowwise names: "rowwise" or
+        "rowwise_with_gw_hp" (see :data:`RECIPE_NAMES` for "tensorwise")."""
+        recipe = recipe_from_name(name)
+        if not isinstance(recipe, cls):
+            raise ValueError(f"name: expected 'rowwise' or 'rowwise_with_gw_hp', got {name!r}")
+        return recipe
+
+    __repr__ = _repr
+
+
+RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
+
+
+def recipe_from_name(name: Any) -> Any:
+    """The recipe torchao's ``Float8LinearConfig.from_recipe_name(name)`` describes: "tensorwise" (current
+    scaling, E4M3 forward and E5M2 grad_output: Float8CurrentScaling()), "rowwise" or "rowwise_with_gw_hp"
+    (:class:`Float8RowwiseScaling`)."""
+    if name == "tensorwise":
+        return Float8CurrentScaling()
+    if name in ("rowwise", "rowwise_with_gw_hp"):
+        return Float8RowwiseScaling(wgrad_high_precision=name == "rowwise_with_gw_hp")
+    raise ValueError(f"recipe: expected a recipe or one of torchao's recipe names {', '.join(map(repr, RECIPE_NAMES))}"
+                     f", got {name!r}")
 
 
 @dataclass(frozen=True, repr=False)

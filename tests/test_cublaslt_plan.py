@@ -431,3 +431,42 @@ def test_cuda_fp4_gemm_inside_a_cupy_capture_is_refused_before_any_launch(monkey
     with pytest.raises(ValueError, match=r"^a, b: an FP4 GEMM lays its block scales out .* captured with CuPy"):
         call.cuda_fp4.gemm(fp4_spec(), *_fp4_operands(call), None)
     assert not [e for e in call.log if e[0] != "device"]
+# ---- rowwise (outer-vector) scaling -----------------------------------------------------------------------
+
+def test_rowwise_gemm_sets_the_outer_vector_scale_mode_on_both_operands():
+    """One fp32 scale per row of a and of b: cuBLASLt's OUTER_VEC_32F for its A (our b, N scales) and B (our a,
+    M scales), the vectors passed as the scale pointers."""
+    lt, _ = plan(spec(a="e4m3", b="e4m3", a_block="rowwise", b_block="rowwise"))
+    assert lt.desc[A.A_SCALE_MODE] == lt.desc[A.B_SCALE_MODE] == int(SCALE.OUTER_VEC_32F) == 3
+    assert lt.desc[A.A_SCALE_POINTER] == B_S and lt.desc[A.B_SCALE_POINTER] == A_S
+    assert cublaslt._scale_mode(lt_real, fp8core.Layout.ROWWISE) == int(SCALE.OUTER_VEC_32F)
+
+
+@pytest.mark.parametrize("cc", [89, 100, 120])
+def test_rowwise_gemm_is_refused_off_hopper_by_name(monkeypatch, cc):
+    """OUTER_VEC_32F is an sm_90 mode of cuBLASLt (PyTorch's rowwise _scaled_mm uses CUTLASS elsewhere)."""
+    monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
+    with pytest.raises(ValueError, match=rf"rowwise-scaled GEMM .* compute capability 9.0 \(Hopper\).* is "
+                                         rf"{cc // 10}\.{cc % 10}$"):
+        cublaslt._block_scales(spec(a="e4m3", b="e4m3", a_block="rowwise", b_block="rowwise"), 0, None, None,
+                               None, 0)
+
+
+def test_rowwise_gemm_needs_cublas_12_9(monkeypatch):
+    class Old:
+        @staticmethod
+        def get_version():
+            return 120804
+
+    monkeypatch.setattr(cublaslt, "lt_bindings", lambda: Old)
+    with pytest.raises(ValueError, match="rowwise-scaled GEMM needs cuBLAS 12.9 or newer, found 120804"):
+        cublaslt._block_scales(spec(a="e4m3", b="e4m3", a_block="rowwise", b_block="rowwise"), 0, None, None,
+                               None, 0)
+
+
+def test_fast_accumulation_is_allowed_for_rowwise(rng):
+    """torchao runs its rowwise forward GEMM with fast accumulation: allowed (no effect on the CPU)."""
+    a = fp8core.quantize_rowwise(rng.standard_normal((32, 64)).astype(np.float32))
+    b = fp8core.quantize_rowwise(rng.standard_normal((16, 64)).astype(np.float32))
+    np.testing.assert_array_equal(fp8core.gemm(a, b, out_dtype="float32", use_fast_accum=True),
+                                  fp8core.gemm(a, b, out_dtype="float32"))

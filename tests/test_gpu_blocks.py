@@ -284,3 +284,42 @@ def test_block_gemm_small_m(rng, scheme, m):
     atol, rtol = block_gemm_tolerance(a, b, "float32", tensor_core=True)
     got = d.cpu().numpy().astype(np.float64)
     assert (np.abs(got - ref) <= atol + rtol * np.abs(ref)).all()
+
+
+# ---- rowwise (axiswise) scaling --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_rowwise_bits_match_the_cpu(rng, dtype, shape, axis):
+    x = inputs(rng, shape, dtype)
+    for fmt in (f.value for f in ENCODINGS):
+        for power_of_2 in (True, False):
+            want = fp8core.quantize_rowwise(x, fmt, axis=axis, power_of_2=power_of_2, epsilon=1e-30)
+            got = fp8core.quantize_rowwise(to_cuda(x), fmt, axis=axis, power_of_2=power_of_2, epsilon=1e-30)
+            np.testing.assert_array_equal(host(got.data), cpu_bits(want.data))
+            np.testing.assert_array_equal(host(got.scale_inv), cpu_bits(want.scale_inv))
+            np.testing.assert_array_equal(host(fp8core.dequantize_rowwise(got, "bfloat16")),
+                                          cpu_bits(fp8core.dequantize_rowwise(want, "bfloat16")))
+
+
+@pytest.mark.parametrize("k", [64, 1024, 4096])
+def test_rowwise_gemm_on_cublaslt_against_float64_and_torch_scaled_mm(rng, k):
+    """cuBLASLt's outer-vector scale mode (sm_90, cuBLAS 12.9+; refused by name elsewhere) against float64 and
+    against torch._scaled_mm's rowwise GEMM fed the same codes and scales."""
+    m, n = 200, 384
+    x = (rng.standard_normal((m, k)) * 2.0 ** rng.uniform(-6, 6, (m, 1))).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 2.0 ** rng.uniform(-6, 6, (n, 1))).astype(np.float32)
+    a, b = fp8core.quantize_rowwise(x), fp8core.quantize_rowwise(w)
+    ga, gb = fp8core.quantize_rowwise(to_cuda(x)), fp8core.quantize_rowwise(to_cuda(w))
+    if _cc() != 90:
+        with pytest.raises(ValueError, match="rowwise-scaled GEMM .* compute capability 9.0"):
+            fp8core.gemm(ga, gb, out_dtype="bfloat16")
+        return
+    d = fp8core.gemm(ga, gb, out_dtype="bfloat16").float().cpu().numpy().astype(np.float64)
+    ref = dequantized_operand(a) @ dequantized_operand(b).T
+    atol, rtol = block_gemm_tolerance(a, b, "bfloat16", tensor_core=True)
+    assert (np.abs(d - ref) <= atol + rtol * np.abs(ref)).all()
+    mm = torch._scaled_mm(ga.data, gb.data.t(), scale_a=ga.scale_inv, scale_b=gb.scale_inv.t(),
+                          out_dtype=torch.bfloat16).float().cpu().numpy()
+    assert (np.abs(d - mm) <= 2 * atol + 2 * rtol * np.abs(ref)).all()

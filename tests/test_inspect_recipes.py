@@ -19,8 +19,9 @@ import fp4_reference as ref
 from fp8core.formats import E2M1
 from test_cli import inspect, strict_json
 
-ALL = ["e4m3", "e5m2", "mxfp8_rceil", "mxfp8_floor", "block_1x128", "block_128x128", "nvfp4", "nvfp4_rht", "mxfp4"]
-BLOCK = ALL[2:]
+ALL = ["e4m3", "e5m2", "rowwise", "mxfp8_rceil", "mxfp8_floor", "block_1x128", "block_128x128", "nvfp4",
+       "nvfp4_rht", "mxfp4"]
+BLOCK = ALL[3:]
 FP4 = ("nvfp4", "nvfp4_rht", "mxfp4")
 # Per format: the byte of +max (sign bit cleared), the sign bit, max, and max plus half a step (beyond it a value
 # saturates instead of rounding onto max).
@@ -60,6 +61,9 @@ def roundtrip(x: np.ndarray, recipe: str) -> tuple[np.ndarray, np.ndarray]:
     if recipe in ("e4m3", "e5m2"):
         q, scale_inv, _ = fp8core.quantize_dynamic(x, recipe)
         y = fp8core.dequantize(q, scale_inv)
+    elif recipe == "rowwise":
+        t = fp8core.quantize_rowwise(x.reshape(1, -1) if x.ndim == 1 else x, epsilon=1e-12)  # torchao's EPS
+        q, y = t.data.reshape(x.shape), fp8core.dequantize_rowwise(t).reshape(x.shape)
     elif recipe.startswith("mxfp8_"):
         t = fp8core.quantize_mxfp8(x, "e4m3", scale_mode=recipe[6:])
         q, y = t.data, fp8core.dequantize_mxfp8(t)
@@ -113,6 +117,8 @@ def test_each_recipe_figures_equal_a_computation_from_the_public_api(tmp_path, c
         assert have["lost"] == 0
         if name in BLOCK:
             assert have["padded"] is True and "scale_inv" not in have, name
+        elif name == "rowwise":  # a scale per row: neither one scale nor blocks that could be padded
+            assert "scale_inv" not in have and "padded" not in have
         else:
             assert have["scale_inv"] == float(fp8core.quantize_dynamic(x, name)[1][0]), name
     assert "E4M3" not in row and "E5M2" not in row  # the recipe rows replace the power-of-2 format rows
@@ -126,7 +132,7 @@ def test_each_recipe_figures_equal_a_computation_from_the_public_api(tmp_path, c
 def test_the_winner_and_the_summary_on_a_file_where_they_are_known(tmp_path, capsys, rng):
     spread = rng.standard_normal((256, 256)).astype(np.float32)
     # One outlier, exact in every recipe, alone in its row: a per-tensor scale flushes every other value to 0,
-    # a block scale does not.
+    # a block or row scale does not (rowwise wins: the outlier's row is its own).
     spread[0] = 0
     spread[0, 0] = 448 * 2 ** 15
     exact = np.array([[448, -224, 112, 0, 1.5, -3, 0.5, 1.75],  # exact in every FP8 recipe: a tie, the first wins
@@ -138,7 +144,7 @@ def test_the_winner_and_the_summary_on_a_file_where_they_are_known(tmp_path, cap
     rows = got["tensors"]
     assert rows["spread"]["recipes"]["e4m3"]["underflow"] > 0.99
     best = rows["spread"]["winner"]
-    assert best in BLOCK
+    assert best == "rowwise"
     assert rows["spread"]["recipes"][best]["sqnr_db"] > rows["spread"]["recipes"]["e4m3"]["sqnr_db"] + 20
     assert rows["exact"]["winner"] == "e4m3"
     assert all(r["sqnr_db"] == "inf" for n, r in rows["exact"]["recipes"].items() if n not in FP4)

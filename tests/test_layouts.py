@@ -72,7 +72,8 @@ def test_recipes_block_dims_are_layouts():
 
 def test_layout_fields():
     L = Layout
-    assert [a.value for a in L] == ["tensor", "1x32", "32x1", "1x128", "128x128", "1x16", "16x16"]
+    assert [a.value for a in L] == ["tensor", "1x32", "32x1", "1x128", "128x128", "1x16", "16x16", "rowwise",
+                                    "columnwise"]
     assert (L.MX_ROWWISE.block, L.MX_COLUMNWISE.block, L.BLOCK_1X128.block, L.BLOCK_128X128.block) == \
         ((1, 32), (32, 1), (1, 128), (128, 128))
     assert L.TENSORWISE.block is None and L.TENSORWISE.scale_shape(5, 7) == (1,)
@@ -88,6 +89,13 @@ def test_layout_fields():
     assert (L.MX_ROWWISE.transposed, L.MX_COLUMNWISE.transposed, L.BLOCK_128X128.transposed) == \
         (L.MX_COLUMNWISE, L.MX_ROWWISE, L.BLOCK_128X128)
     assert L.BLOCK_1X128.transposed is None and L.NVFP4_1X16.transposed is None
+    # one scale per row / column: the block spans the data along the other axis, whatever its length
+    assert (L.ROWWISE.block, L.COLUMNWISE.block) == ((1, None), (None, 1)) and L.ROWWISE.inverse
+    assert L.ROWWISE.scale_shape(5, 7) == (5, 1) and L.COLUMNWISE.scale_shape(5, 7) == (1, 7)
+    assert L.ROWWISE.scale_shape(0, 7) == (0, 1) and L.ROWWISE.scale_shape(3, 0) == (3, 1)
+    assert L.ROWWISE.block_for(5, 7) == (1, 7) and L.COLUMNWISE.block_for(0, 7) == (1, 1)
+    assert (L.ROWWISE.transposed, L.COLUMNWISE.transposed) == (L.COLUMNWISE, L.ROWWISE)
+    assert L.ROWWISE.family == (L.ROWWISE, L.COLUMNWISE) and L.parse("rowwise") is L.ROWWISE
 
 
 # ---- ScaledTensor round trips -----------------------------------------------------------------------------
@@ -158,9 +166,11 @@ def test_a_named_layout_is_checked_against_the_scale(x):
         dequantize_blocks(ScaledTensor(q.data, q.scale, Layout.MX_ROWWISE))
     with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 layout, got 1x128"):
         dequantize_mxfp8(ScaledTensor(q.data, q.scale, Layout.BLOCK_1X128))
-    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 layout, got 1x16"):
+    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 or rowwise or "
+                                         r"columnwise layout, got 1x16"):
         dequantize_blocks(ScaledTensor(q.data, q.scale.view(np.uint8).view(ml_dtypes.float8_e4m3fn), "1x16"))
-    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 layout, got tensor"):
+    with pytest.raises(ValueError, match=r"^t: expected a 1x32 or 32x1 or 1x128 or 128x128 or rowwise or "
+                                         r"columnwise layout, got tensor"):
         dequantize_blocks(ScaledTensor(q.data, np.float32([1.0])))
     with pytest.raises(TypeError, match=r"^t: expected a ScaledTensor \(data, scale\), got tuple"):
         transpose_blocks(tuple(q))
@@ -375,13 +385,14 @@ def test_gemm_of_mixed_schemes_names_both_layouts(x, rng):
            (quantize_mxfp4(x), "MXFP4Tensor", "1x32 E2M1", 1), (quantize_mxfp8(x), "MXTensor", "1x32 E4M3", 2),
            (quantize_mxfp8(w, "e5m2"), "MXTensor", "1x32 E5M2", 2), (quantize_blockwise(w), "BlockScaledTensor",
                                                                      "1x128 E4M3", 3),
-           (ScaledTensor(qa, sa), "ScaledTensor", "tensor E4M3", 4)]
+           (ScaledTensor(qa, sa), "ScaledTensor", "tensor E4M3", 4),
+           (fp8core.quantize_rowwise(w), "RowwiseTensor", "rowwise E4M3", 5)]
     for a, ta, la, sa_ in ops:
         for b, tb, lb, sb_ in ops:
             if sa_ == sb_:
                 continue
             want = (f"b: a is {ta} but b is {tb} ({la} and {lb}); a scaled GEMM takes two operands of one scheme: "
-                    "MXFP8, fp32 blocks, one scale each, NVFP4 or MXFP4")
+                    "MXFP8, fp32 blocks, one scale per row, one scale each, NVFP4 or MXFP4")
             with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
                 fp8core.gemm(a, b, out_dtype="float32")
 

@@ -95,6 +95,10 @@ def test_repr_reads_well_and_recipes_copy_and_pickle():
                                                              "power_of_2=False, amax_epsilon=0.0, margin=0)")
     assert "amax_compute_algo=max" in repr(DelayedScaling(amax_compute_algo=max))
     assert pickle.loads(pickle.dumps(r)) == r and copy.deepcopy(r) == r
+    wgrad_high = Float8CurrentScaling(override_linear_precision=(False, False, True))
+    assert repr(wgrad_high).endswith(", override_linear_precision=OverrideLinearPrecision(fprop=False, dgrad=False, "
+                                     "wgrad=True))")
+    assert pickle.loads(pickle.dumps(wgrad_high)) == wgrad_high
 
 
 def test_format_rows():

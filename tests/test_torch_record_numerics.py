@@ -160,7 +160,7 @@ def test_recording_changes_no_bit_against_a_twin(recipe, dtype, compare):
                 assert torch.equal(bits(a), bits(b))
     assert len(rec.rows) == 4 * 6
     assert len(fp8_state(nets[0])) == (6 if recipe is DELAYED else 0)
-    assert all(len(r.get("recipes", ())) == (9 if compare else 0) for r in rec.rows)  # FP8 six, FP4 three
+    assert all(len(r.get("recipes", ())) == (10 if compare else 0) for r in rec.rows)  # FP8 seven, FP4 three
 
 
 def test_under_no_grad_only_the_forward_rows():
@@ -331,7 +331,7 @@ def test_recipes_refusals_name_the_argument_and_install_nothing():
     net = model(DELAYED)
     hooks = [dict(m._forward_hooks) for m in net.modules()]
     for bad, err, says in [("e4m3,bogus", ValueError, "recipes: unknown recipe 'bogus'; expected 'all' or a "
-                            "comma-separated list of e4m3, e5m2, mxfp8_rceil"),
+                            "comma-separated list of e4m3, e5m2, rowwise, mxfp8_rceil"),
                            (["e4m3", ""], ValueError, "recipes: an empty name"),
                            (3, TypeError, "recipes: expected 'all', a comma-separated string or a list"),
                            ([fp8core.Format.E4M3], TypeError, "recipes: expected recipe names")]:

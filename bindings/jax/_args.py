@@ -194,10 +194,11 @@ def unpack(words: Any) -> tuple[float, ...]:
 
 
 def dense_recipe(recipe: Any, arg: str = "recipe") -> Any:
-    """DelayedScaling or Float8CurrentScaling whose GEMMs exist (no E5M2 x E5M2); NVFP4BlockScaling goes its own way
-    (fp8core.jax.fp4) before this check, and is named among what is taken."""
-    if not isinstance(recipe, (fp8core.DelayedScaling, fp8core.Float8CurrentScaling)):
-        raise TypeError(f"{arg}: expected DelayedScaling, Float8CurrentScaling or NVFP4BlockScaling, got "
+    """DelayedScaling, Float8CurrentScaling or Float8RowwiseScaling whose GEMMs exist (no E5M2 x E5M2);
+    NVFP4BlockScaling goes its own way (fp8core.jax.fp4) before this check, and is named among what is taken."""
+    if not isinstance(recipe, (fp8core.DelayedScaling, fp8core.Float8CurrentScaling, fp8core.Float8RowwiseScaling)):
+        raise TypeError(f"{arg}: expected DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling or "
+                        f"NVFP4BlockScaling, got "
                         f"{type(recipe).__name__}")
     args.gemm_recipe_format(recipe, arg)
     return recipe

@@ -17,14 +17,15 @@ import fp8core
 from fp8core import args
 from fp8core import blocks as core
 from fp8core.boundary import Tensor
+from fp8core import rowwise as core_rowwise
 from fp8core.declarations import PRIMITIVES
-from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor
+from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledTensor
 
 from . import _args
 from .primitives import jitted, numbers_of, operands, primitive, shapes
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
-           "dequantize_blockwise", "block_gemm"]
+           "dequantize_blockwise", "quantize_rowwise", "block_gemm"]
 
 Array = jax.Array
 
@@ -108,6 +109,28 @@ def _quantize_blockwise(x: Array, *, fmt: Any, block: Any, power_of_2: Any, numb
 
     out = shapes("quantize_blockwise", x=x, epsilon=0.0, **named)  # epsilon is data: no part of the shapes
     return BlockScaledTensor(*primitive(returning(run), out)(x, *operands(numbers)))
+
+
+def quantize_rowwise(x: Array, fmt: Any = "e4m3", *, axis: int = -1, power_of_2: bool = True,
+                     epsilon: float = 0.0) -> RowwiseTensor:
+    """RowwiseTensor(data in x's shape, float32 scale_inv [rows, 1], or [1, cols] for axis=0), as
+    :func:`fp8core.quantize_rowwise`. epsilon is data (traced: one program for every value)."""
+    layout = core_rowwise.axis_layout(axis)
+    return _quantize_rowwise(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt), axis=axis,
+                             power_of_2=args.flag(power_of_2, "power_of_2"), epsilon=epsilon, layout=layout.value)
+
+
+@jitted("fmt", "axis", "power_of_2", "layout", numbers=("epsilon",))
+def _quantize_rowwise(x: Array, *, fmt: Any, axis: Any, power_of_2: Any, layout: Any, numbers: Any,
+                      host_numbers: Any) -> RowwiseTensor:
+    s_shape = Layout(layout).scale_shape(rows(x), x.shape[-1])
+    shapes = (fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
+
+    def run(t, nums=None):
+        (epsilon,) = numbers_of(nums, host_numbers)
+        return tuple(core_rowwise.quantize_rowwise(t, fmt, axis=axis, power_of_2=power_of_2, epsilon=epsilon))
+
+    return RowwiseTensor(*primitive(_returning(run), shapes)(x, *operands(numbers)), Layout(layout))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:

@@ -14,13 +14,14 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from fp8core import DelayedScaling, Float8CurrentScaling, NVFP4BlockScaling
+from fp8core import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, NVFP4BlockScaling
 from fp8core.gemm import MULTIPLE
 
 from . import _args
 from .derivatives import first_order_only
 from .fp4 import nvfp4_dense, rng_state
 from .primitives import cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
+from .rowwise import rowwise_matmul
 
 __all__ = ["init_state", "dense", "next_state"]
 
@@ -93,7 +94,8 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
 
     K and N must be multiples of 16; the token count is zero-padded to one (an empty batch to 16 rows: the
     weight gradient's GEMM contracts over the tokens and needs K > 0). ``state`` is None under
-    Float8CurrentScaling. Differentiate with respect to ``state`` too, and pass that gradient to
+    Float8CurrentScaling and Float8RowwiseScaling (torchao's rowwise recipes, in
+    fp8core.jax.rowwise). Differentiate with respect to ``state`` too, and pass that gradient to
     :func:`next_state`: it carries the grad_output amax.
 
     NVFP4BlockScaling (fp8core.jax.fp4): K and N multiples of 32, the token count padded to 32; ``state`` is
@@ -121,7 +123,9 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
     pad = -rows % MULTIPLE or (MULTIPLE if rows == 0 else 0)
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-    if isinstance(recipe, Float8CurrentScaling):
+    if isinstance(recipe, Float8RowwiseScaling):
+        y, new_state = rowwise_matmul(x2, w, recipe, x.dtype), None
+    elif isinstance(recipe, Float8CurrentScaling):
         one = jnp.ones(3, jnp.float32)
         y, _, _ = _fp8_matmul(x2, w, one, one, jnp.zeros(1, jnp.float32), recipe)
         new_state = None

@@ -45,7 +45,7 @@ from flax.core.tracers import current_trace
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax import lax
 
-from fp8core import DelayedScaling, NVFP4BlockScaling
+from fp8core import DelayedScaling, Float8RowwiseScaling, NVFP4BlockScaling
 from fp8core.fp4 import FP4_GEMM_K
 from fp8core.gemm import MULTIPLE
 
@@ -53,6 +53,7 @@ from . import _args
 from .derivatives import first_order_only
 from .fp4 import advance_rng, check_rng, nvfp4_matmul
 from .primitives import amax, cast_transpose, compute_scale, gemm, quantize, quantize_dynamic, reduce_amax, transpose
+from .rowwise import rowwise_matmul
 from .tying import advance, check_state, cotangent, formats, is_tied, state_keys, untie
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT", "FP4_RNG"]
@@ -280,6 +281,9 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
     if isinstance(recipe, NVFP4BlockScaling):
         return _nvfp4_dot(lhs, rhs, dimension_numbers, state, recipe, preferred_element_type, dot)
     if any(len(tuple(d)) for d in dimension_numbers[1]):
+        if isinstance(recipe, Float8RowwiseScaling):
+            raise ValueError(f"dimension_numbers: {dot} runs Float8RowwiseScaling without batch dimensions; "
+                             "fold them into the rows, or use a per-tensor recipe")
         return _batched_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
                                     dot, tied_only)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
@@ -300,6 +304,9 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
         x = jnp.pad(x, ((0, pad_rows), (0, pad_k)))
     if pad_k or pad_n:
         w = jnp.pad(w, ((0, pad_k), (0, pad_n)))
+    if isinstance(recipe, Float8RowwiseScaling):  # stateless; w [K, N] as the GEMM's [N, K] operand
+        y = rowwise_matmul(x, w.T, recipe, jnp.dtype(out))
+        return y[:rows, :n].reshape(out_shape)
     if isinstance(recipe, DelayedScaling):
         h, s, si = (state[key] for key in _KEYS)
     else:

@@ -4,7 +4,9 @@ numerics are the core's (fp8core.blocks).
 
 The ops return plain (data, scale) tensor tuples; the wrappers below give the core's scaled tensors,
 ``MXTensor(data, scale)`` (scale float8_e8m0fnu) and ``BlockScaledTensor(data, scale_inv)`` (float32), with
-their layouts. Formats are strings ("e4m3", "e5m2"), layouts their names ("1x32", "32x1", "1x128", "128x128").
+their layouts, and ``RowwiseTensor(data, scale_inv)`` (one fp32 scale per row or column, fp8core.rowwise).
+Formats are strings ("e4m3", "e5m2"), layouts their names ("1x32", "32x1", "1x128", "128x128", "rowwise",
+"columnwise").
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from fp8core import args
 from fp8core import blocks as core
 from fp8core.declarations import PRIMITIVES
-from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
+from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledTensor, layout_of
 
 from .custom_ops import custom_ops
 from .fake_rules import matrix
@@ -22,12 +24,12 @@ from .fake_rules import matrix
 Tensor = torch.Tensor
 
 __all__ = ["quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise",
-           "dequantize_blockwise", "transpose_blocks", "block_gemm"]
+           "dequantize_blockwise", "quantize_rowwise", "transpose_blocks", "block_gemm"]
 
 
 _ops = {name: custom_ops(PRIMITIVES[name]) for name in
         ("quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8", "quantize_blockwise", "dequantize_blockwise",
-         "transpose_blocks", "block_gemm")}
+         "quantize_rowwise", "transpose_blocks", "block_gemm")}
 
 
 # ---- the typed front doors --------------------------------------------------------------------------------
@@ -57,6 +59,13 @@ def quantize_blockwise(x: Tensor, fmt: str = "e4m3", block: str = "1x128", power
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.ops.fp8core.dequantize_blockwise(t[0], t[1], out_dtype)
+
+
+def quantize_rowwise(x: Tensor, fmt: str = "e4m3", axis: int = -1, power_of_2: bool = True,
+                     epsilon: float = 0.0) -> RowwiseTensor:
+    """RowwiseTensor(data in x's shape, float32 scale_inv [rows, 1], or [1, cols] for axis=0)."""
+    layout = rowwise.axis_layout(axis)
+    return RowwiseTensor(*torch.ops.fp8core.quantize_rowwise(x, fmt, axis, power_of_2, epsilon), layout)
 
 
 def transpose_blocks(t: ScaledTensor) -> ScaledTensor:

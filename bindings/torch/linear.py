@@ -9,7 +9,9 @@ wgrad GEMM (zeros add nothing to the sums nor to the amaxes).
 
 The block-scaling recipes (MXFP8BlockScaling, Float8BlockScaling) are stateless, like current scaling, and
 follow the same autocast rule; their GEMMs, and the transposes they need, are in block_linear.py. NVFP4BlockScaling's
-are in fp4_linear.py; its only state is the (seed, offset) of stochastic rounding, a buffer.
+are in fp4_linear.py; its only state is the (seed, offset) of stochastic rounding, a buffer. torchao's rowwise
+recipes (Float8RowwiseScaling) likewise in rowwise_linear.py. A per-tensor recipe's ``override_linear_precision``
+(Transformer Engine's) runs the GEMMs it names in the caller's dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from . import ops
 from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
 from .fp4_ops import advance_rng
 from .fp4_linear import STREAMS, NVFP4Matmul, fp4_multiple, fp4_spec, initial_rng
+from .rowwise_linear import RowwiseMatmul, is_rowwise, rowwise_spec
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
 from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
                       current_context, initial_state)
@@ -75,7 +78,7 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, hist, scale, scale_inv, fwd, bwd, current, in_out=False, group=None,
-                w_scale_inv=None):
+                w_scale_inv=None, high=(False, False, False)):
         state = None if hist is None else (hist, scale, scale_inv)
         x2, rows = _padded(x.reshape(-1, x.shape[-1]))
         if w_scale_inv is not None:  # a weight kept in fp8 (te.fp8_model_init): its codes, cast once
@@ -85,11 +88,19 @@ class _Float8Matmul(torch.autograd.Function):
         if in_out:  # a weight stored [in, out] (transformers' Conv1D): its cast's transpose is the [out, in] one
             w_q, w_t = w_t, w_q
         x_q, x_t, x_inv = _cast(x2, fwd, state, 0, current)
+        # override_linear_precision (fprop, dgrad, wgrad): those GEMMs take the unquantized tensors; the casts
+        # still run, so delayed scaling's histories see every tensor as Transformer Engine's do
+        w_hp = _high_precision_weight(weight, in_out) if high[0] or high[1] else None
         fused = bias is not None and _BIAS_EPILOGUE.get(x2.dtype) == bias.dtype
-        y = ops.gemm(x_q, w_q, x_inv, w_inv, x2.dtype, bias if fused else None)
+        if high[0]:
+            y = x2 @ w_hp.to(x2.dtype).t()
+            fused = False
+        else:
+            y = ops.gemm(x_q, w_q, x_inv, w_inv, x2.dtype, bias if fused else None)
         if bias is not None and not fused:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
+        ctx.save_for_backward(x_t, w_t, x_inv, w_inv, w_hp if high[1] else None, x2 if high[2] else None)
+        ctx.high = high
         ctx.state, ctx.bwd, ctx.current, ctx.x_shape, ctx.in_out = state, bwd, current, x.shape, in_out
         ctx.group = group  # outside autocast: told that a backward ran (SharedScaling.open_step)
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -97,22 +108,37 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x_t, w_t, x_inv, w_inv = ctx.saved_tensors
+        x_t, w_t, x_inv, w_inv, w_hp, x_hp = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g2, rows = _padded(grad.reshape(-1, grad.shape[-1]))
         g_q, g_t, g_inv = _cast(g2, ctx.bwd, ctx.state, 2, ctx.current)
         if ctx.group is not None:
             ctx.group.backward_ran = True
-        dx = ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype)[:rows].reshape(ctx.x_shape) if ctx.needs_input_grad[0] \
-            else None
-        dw = None
-        if ctx.in_out and ctx.needs_input_grad[1]:  # [in, out]; the scales in the [out, in] GEMM's order: the
+        _, dgrad_high, wgrad_high = ctx.high
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (g2 @ w_hp.to(g2.dtype)).to(x_dtype) if dgrad_high else ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype)
+            dx = dx[:rows].reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1] and wgrad_high:  # [out, in], or [in, out] for a Conv1D's weight
+            dw = (x_hp.t() @ g2.to(x_hp.dtype) if ctx.in_out else g2.t().to(x_hp.dtype) @ x_hp).to(w_dtype)
+        elif ctx.in_out and ctx.needs_input_grad[1]:  # [in, out]; the scales in the [out, in] GEMM's order: the
             dw = ops.gemm(x_t, g_t, g_inv, x_inv, w_dtype)  # same roundings, so the transpose's bits
         elif ctx.needs_input_grad[1]:
             dw = ops.gemm(g_t, x_t, g_inv, x_inv, w_dtype)
         db = g2.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
         # db summed in float64: the same bits whatever order a compiler picks for the reduction
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+
+
+def _high_precision_weight(weight: torch.Tensor, in_out: bool) -> torch.Tensor:
+    """The weight as [out, in] in high precision, for a GEMM override_linear_precision keeps out of fp8."""
+    if isinstance(weight, Float8AllGatherWeight):
+        weight = weight.high_precision
+    if isinstance(weight, Float8GatheredWeight) or weight.dtype not in _HIGH:
+        raise TypeError("recipe: override_linear_precision runs a GEMM on the high-precision weight, but this "
+                        "layer's weight is held in fp8 (fp8_model_init or FSDP2's fp8 all-gather); override no "
+                        "GEMM there")
+    return weight.t() if in_out else weight
 
 
 def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -152,9 +178,10 @@ class Float8Linear(torch.nn.Linear):
     MXFP8BlockScaling and NVFP4BlockScaling, 128 under Float8BlockScaling: the block GEMM's K takes whole blocks).
     x: [..., in_features] float32/bfloat16/float16 -> [..., out_features], x's dtype.
 
-    recipe: DelayedScaling (default), Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling (these three
-    stateless: nothing in ``state_dict``) or NVFP4BlockScaling (E2M1 GEMMs, fp4_linear.py; its stochastic
-    rounding's ``fp4_rng`` buffer, int64 [2] (seed, offset), in ``state_dict``). ``shared``: the delayed-scaling
+    recipe: DelayedScaling (default), Float8CurrentScaling, Float8RowwiseScaling (or torchao's recipe names
+    "tensorwise", "rowwise", "rowwise_with_gw_hp"), MXFP8BlockScaling, Float8BlockScaling (these four stateless:
+    nothing in ``state_dict``) or NVFP4BlockScaling (E2M1 GEMMs, fp4_linear.py; its stochastic rounding's
+    ``fp4_rng`` buffer, int64 [2] (seed, offset), in ``state_dict``). ``shared``: the delayed-scaling
     group this module joins (convert_to_float8 makes one for the whole model: one all-reduce and one update per step);
     a group of its own otherwise. The module owns its state (see fp8core.torch.scaling): float32
     ``fp8_amax_history`` [L, 3], ``fp8_scale`` [3], ``fp8_scale_inv`` [3] (input, weight, grad_output),
@@ -295,7 +322,7 @@ class Float8Linear(torch.nn.Linear):
         # torch (2.11 refuses importlib's find_spec). The first op refuses a CUDA tensor without CuPy, by name.
         if x.numel() == 0:
             return self._high_precision(x)
-        if isinstance(self.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)):
+        if isinstance(self.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)) or is_rowwise(self.recipe):
             self._fp8_weight_scale_inv(None)
             w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
             if isinstance(self.recipe, NVFP4BlockScaling):
@@ -304,6 +331,8 @@ class Float8Linear(torch.nn.Linear):
                     with torch.no_grad():
                         self.fp4_rng.copy_(after)
                 y = NVFP4Matmul.apply(x, w, self.bias, rng, fp4_spec(self.recipe))
+            elif is_rowwise(self.recipe):
+                y = RowwiseMatmul.apply(x, w, self.bias, rowwise_spec(self.recipe))
             else:
                 y = BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
             if self._fp8_recording:
@@ -324,7 +353,7 @@ class Float8Linear(torch.nn.Linear):
             state, current = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv), None
         group = self._fp8_group if ctx is None else None
         y = _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current, self.in_out, group,
-                                self._fp8_weight_scale_inv(fwd))
+                                self._fp8_weight_scale_inv(fwd), tuple(self.recipe.override_linear_precision))
         if self._fp8_recording:
             _record(self, x, y)
         return y
@@ -735,11 +764,12 @@ def enable_fsdp_float8_all_gather(module: torch.nn.Module) -> torch.nn.Module:
     In place; returns ``module``. Per-tensor recipes only: a block-scaled weight (MXFP8, 1x128/128x128, NVFP4) is
     gathered in high precision, as FSDP2 gathers it without this call."""
     for name, m in module.named_modules():
-        if isinstance(m, Float8Linear) and isinstance(m.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)):
+        if isinstance(m, Float8Linear) and (isinstance(m.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling))
+                                            or is_rowwise(m.recipe)):
             raise TypeError(f"module: {name or 'the module'} uses {type(m.recipe).__name__}; fp8 all-gather takes "
-                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block scaling "
-                            "(an NVFP4 weight's 16x16 tiles and global amax span the shards: FSDP2 gathers it in "
-                            "high precision without this call)")
+                            "DelayedScaling or Float8CurrentScaling (one scale per weight), not block or rowwise "
+                            "scaling (an NVFP4 weight's 16x16 tiles and global amax span the shards: FSDP2 gathers "
+                            "it in high precision without this call)")
     for m in module.modules():
         if isinstance(m, Float8Linear):
             wrap_weight(m)

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 import fp8core
-from fp8core import DelayedScaling, Float8CurrentScaling, Format
+from fp8core import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, Format
 from fp8core.numerics_blocks import block_stats
 from fp8core.numerics_record import MAX_BYTES, OPERANDS, contender_names, contenders, per_cast, per_operand, read
-from fp8core.numerics_recipes import layer_recipe, select
+from fp8core.numerics_recipes import layer_recipe, rowwise_recipe, select
 from fp8core.numerics_stats import Recipe, measure, strict_json, winner
 from fp8core.text import printable
 
@@ -206,12 +206,14 @@ class _Recorder:
         the cast reads them (the forward's tensors: the backward reads those), or (None, None) for current."""
         t = t.detach().contiguous()  # a gradient may come expanded (the backward of a sum): stride 0
         amax = ops.amax(t)
-        if state == "blocks":  # a block recipe's layer: its cast of the operand, blocks along the last dimension
+        if isinstance(module.recipe, Float8RowwiseScaling) or state == "blocks":
+            # one scale per row, or per block: the layer's own cast of the operand, no per-tensor scale to show
+            r = module.recipe
             x = t.to(torch.float32).cpu().numpy()
-            own = layer_recipe(module.recipe, operand)
-            row: dict[str, Any] = {"module": name, "step": step, "operand": operand,
-                                   "recipe": type(module.recipe).__name__, "format": own.fmt.name,
-                                   "amax": float(amax[0]), "scale": None, "scale_inv": None}
+            own = (rowwise_recipe(r.power_of_2, r.epsilon, type(r).__name__) if isinstance(r, Float8RowwiseScaling)
+                   else layer_recipe(r, operand))
+            row: dict[str, Any] = {"module": name, "step": step, "operand": operand, "recipe": type(r).__name__,
+                                   "format": own.fmt.name, "amax": float(amax[0]), "scale": None, "scale_inv": None}
             row.update(measure(x, own))
             row.pop("padded", None)
             self._compare(row, x)

@@ -40,8 +40,9 @@ from fp8core import DelayedScaling, ScalingState
 from .block_linear import check_block_recipe
 
 RECIPES = (DelayedScaling, fp8core.Float8CurrentScaling, fp8core.MXFP8BlockScaling, fp8core.Float8BlockScaling,
-           fp8core.NVFP4BlockScaling)
-_NAMES = "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling or NVFP4BlockScaling"
+           fp8core.NVFP4BlockScaling, fp8core.Float8RowwiseScaling)
+_NAMES = ("DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling, "
+          "Float8RowwiseScaling or one of torchao's recipe names 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'")
 SLOTS = 3  # per Float8Linear: input (forward format), weight (forward), grad_output (backward format)
 STATE = ("_fp8_history", "_fp8_scale", "_fp8_scale_inv")
 _local = threading.local()
@@ -293,6 +294,8 @@ def _refuse_unsupported(recipe: Any) -> None:
 def check_recipe(recipe: Any) -> Any:
     if recipe is None:
         return DelayedScaling()
+    if isinstance(recipe, str):  # torchao's Float8LinearConfig.from_recipe_name spellings
+        recipe = fp8core.recipe.recipe_from_name(recipe)
     _refuse_unsupported(recipe)
     fp8core.args.gemm_recipe_format(recipe)
     if isinstance(recipe, fp8core.Float8BlockScaling):

@@ -611,7 +611,7 @@ def _block_factors(scale: np.ndarray, layout: Layout, rows: int) -> np.ndarray:
         f = E8M0.values.take(np.asarray(scale).view(np.uint8))
     else:
         f = np.asarray(scale, np.float32).astype(np.float64)
-    return np.repeat(f, layout.block[0], axis=0)[:rows]
+    return np.repeat(f, layout.block_for(rows, 1)[0], axis=0)[:rows]
 
 
 @cached("cpu.widen_tables")
@@ -728,7 +728,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
                 d *= sa  # in place: (d * sa) * sb, the same roundings
                 d *= sb
             else:
-                bk = Layout(spec.a_block).block[1]
+                bk = Layout(spec.a_block).block_for(m, k)[1]  # a rowwise operand: all of K is one block
                 d.fill(0)
                 for kb in range(-(-k // bk)):
                     ks = slice(kb * bk, (kb + 1) * bk)

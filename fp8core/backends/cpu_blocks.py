@@ -325,7 +325,7 @@ def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[np.n
             *quantize_mxfp8(x, fmt, scale_mode, Layout.MX_COLUMNWISE))
 
 
-# ---- fp32 block scales (1x128, 128x128) -------------------------------------------------------------------
+# ---- fp32 block scales (1x128, 128x128, and a row or column each) ---------------------------------------
 
 @ieee
 def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool,
@@ -335,7 +335,9 @@ def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: boo
         s, s_inv, _ = scale_rule(bits.view(np.float32).reshape(-1), np.float32(fmt.max), 0, power_of_2, epsilon)
         return s.reshape(bits.shape), s_inv.reshape(bits.shape)
 
-    return _quantize(x.data, *layout.block, fmt, rule)
+    if not x.size:  # a row (column) of no elements has amax 0: scale 1
+        return np.empty(x.shape, fmt.numpy_dtype), np.ones(layout.scale_shape(*x.shape), np.float32)
+    return _quantize(x.data, *layout.block_for(*x.shape), fmt, rule)
 
 
 @ieee
@@ -347,7 +349,7 @@ def dequantize_blocks(q: Tensor, scale: Tensor, fmt: Encoding, layout: Layout, o
     else:
         s_inv = scale.data
         factor_of = lambda rs, cs: s_inv[rs, cs]  # noqa: E731
-    return _scaled_widen(q.data.view(fmt.numpy_dtype), factor_of, *layout.block, out_dtype)
+    return _scaled_widen(q.data.view(fmt.numpy_dtype), factor_of, *layout.block_for(*q.shape), out_dtype)
 
 
 def transpose_scale(scale: Tensor) -> np.ndarray:

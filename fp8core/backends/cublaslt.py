@@ -416,7 +416,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
 # Kept apart from the plan cache and workspace above: a plan of a block-scaled spec differs only by the two
 # scale-mode attributes, and its scale "pointers" are the operands' block scales rearranged for cuBLASLt.
 
-MIN_BLOCK_VERSION = 120900  # cuBLAS 12.9: VEC128_32F and BLK128x128_32F
+MIN_BLOCK_VERSION = 120900  # cuBLAS 12.9: VEC128_32F, BLK128x128_32F and OUTER_VEC_32F
 
 
 def _scale_mode(lt: Any, layout: Layout) -> int:
@@ -425,7 +425,7 @@ def _scale_mode(lt: Any, layout: Layout) -> int:
     M = lt.MatmulMatrixScale
     return int({Layout.MX_ROWWISE: M.VEC32_UE8M0, Layout.BLOCK_1X128: M.VEC128_32F,
                 Layout.BLOCK_128X128: M.BLK128x128_32F, Layout.NVFP4_1X16: M.VEC16_UE4M3,
-                Layout.NVFP4_16X16: M.VEC16_UE4M3}[layout])
+                Layout.NVFP4_16X16: M.VEC16_UE4M3, Layout.ROWWISE: M.OUTER_VEC_32F}[layout])
 
 
 def nvfp4(spec: Any) -> bool:
@@ -466,6 +466,21 @@ def _block_scales(spec: Any, device_id: int, a: Tensor, a_scale: Any, b_scale: A
     if mx and cc < 100:
         raise ValueError(f"a: an MXFP8 GEMM needs a GPU of compute capability 10.0 or newer (Blackwell); "
                          f"cuda:{device_id} is {cc // 10}.{cc % 10}")
+    if spec.a_block == Layout.ROWWISE:
+        # OUTER_VEC_32F is an sm_90 mode (NVIDIA/CUDALibrarySamples#270; PyTorch's rowwise _scaled_mm leaves
+        # cuBLASLt for CUTLASS on sm_100/sm_120, PRs #160693 and #161236). The vectors are read as they are.
+        if cc != 90:
+            raise ValueError(f"a: a rowwise-scaled GEMM (one scale per row) needs a GPU of compute capability 9.0 "
+                             f"(Hopper), where cuBLASLt has its outer-vector scale mode; cuda:{device_id} is "
+                             f"{cc // 10}.{cc % 10}")
+        version = int(lt_bindings().get_version())
+        if version < MIN_BLOCK_VERSION:
+            raise ValueError(f"a: a rowwise-scaled GEMM needs cuBLAS 12.9 or newer, found {version}")
+        for arg, vector in (("a.scale_inv", a_scale), ("b.scale_inv", b_scale)):
+            if vector.data.ptr % 16:  # cuBLASLt reads the vectors in place: its 16-byte rule for scale arrays
+                raise ValueError(f"{arg}: its data pointer must be 16-byte aligned (cuBLASLt reads the scale "
+                                 "vector in place); pass a fresh contiguous copy")
+        return a_scale, b_scale
     if not mx:
         # cuBLASLt has the VEC128_32F/BLK128x128_32F scale modes on sm_90 only (torch's tests xfail them elsewhere,
         # PR #188996; Transformer Engine emulates its blockwise recipe through MXFP8 on Blackwell).

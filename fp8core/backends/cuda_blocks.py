@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .._kernels import BLOCK_DEQUANTIZE, MX_QUANTIZE, MX_SCALE_SWIZZLE, QUANTIZE_1X128, QUANTIZE_128X128
+from .._kernels import (BLOCK_DEQUANTIZE, MX_QUANTIZE, MX_SCALE_SWIZZLE, QUANTIZE_1X128, QUANTIZE_128X128,
+                        QUANTIZE_AXISWISE)
 from .._views import Tensor, storage_dtype
 from ..formats import E8M0, Encoding
 from ..layouts import Layout
@@ -51,7 +52,7 @@ def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[Any,
 
 def dequantize_blocks(q: Tensor, scale: Tensor, fmt: Encoding, layout: Layout, out_dtype: str) -> Any:
     rows, cols = q.shape
-    br, bc = layout.block
+    br, bc = layout.block_for(rows, cols)
     device = q.device[1]
     with On(device):
         stream = stream_of(q)
@@ -72,10 +73,17 @@ def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: boo
         stream = stream_of(x)
         q = empty((rows, cols), np.uint8, x)
         s_inv = empty(layout.scale_shape(rows, cols), np.float32, x)
+        if not x.size and s_inv.size:  # rows (columns) of no elements: amax 0, scale 1
+            with cupy.cuda.ExternalStream(stream, device):
+                s_inv.fill(1.0)
         if x.size:
             args = {"x": x.data.data.ptr, "q": q.data.ptr, "scale_inv": s_inv.data.ptr, "rows": rows, "cols": cols,
                     "fp8_max": float(fmt.max), "power_of_2": int(power_of_2), "epsilon": float(epsilon)}
-            if layout == Layout.BLOCK_1X128:  # one warp per 1x128 block, grid-stride over the blocks
+            if layout.kind == "axiswise":  # a warp per row, or a thread per column, grid-stride
+                columnwise = layout == Layout.COLUMNWISE
+                QUANTIZE_AXISWISE.launch(device, (x.dtype, fmt.index), cols if columnwise else rows * 32, stream,
+                                         **args, columnwise=int(columnwise))
+            elif layout == Layout.BLOCK_1X128:  # one warp per 1x128 block, grid-stride over the blocks
                 QUANTIZE_1X128.launch(device, (x.dtype, fmt.index), s_inv.size * 32, stream, **args)
             else:
                 QUANTIZE_128X128.launch(device, (x.dtype, fmt.index), (rows, cols), stream, **args)

@@ -58,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
                         "would do: values beyond max/S are clipped)")
     p.add_argument("--recipes", metavar="all|LIST", default=None,
                    help="compare recipes per tensor instead: 'all' or a comma-separated list of "
-                        f"{', '.join(RECIPES)} (Float8CurrentScaling, MXFP8BlockScaling's scale modes, "
+                        f"{', '.join(RECIPES)} (Float8CurrentScaling, torchao's rowwise: a power-of-2 scale per row, "
+                        "MXFP8BlockScaling's scale modes, "
                         "Float8BlockScaling's blocks, NVFP4BlockScaling's 1x16 E4M3-scaled blocks under a global "
                         "scale, nvfp4_rht: the tensor as NVFP4's wgrad operand x^T with the random Hadamard "
                         "transform, measured on the transformed values, and MXFP4; one row each, the best SQNR "

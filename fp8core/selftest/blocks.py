@@ -87,7 +87,7 @@ def block_oracle(x: np.ndarray, fmt: Format, layout: Any, rule: Any) -> tuple[np
     f = _rows_cols(x)
     q = np.zeros(f.shape, np.uint8)
     stored = np.zeros(layout.scale_shape(*f.shape), np.uint8 if layout.scale is SCALE else np.float32)
-    for i, j, sl in _blocks_of(*f.shape, *layout.block):
+    for i, j, sl in _blocks_of(*f.shape, *layout.block_for(*f.shape)):
         stored[i, j], factor = rule(_block_amax(f[sl]))
         q[sl] = _oracle.quantize_bits(f[sl], factor, fmt.value)
     return q, stored
@@ -226,6 +226,30 @@ def _blockwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) ->
                         r.equal(f"{name} (scale_inv)", ref.scale_inv, got.scale_inv)
 
 
+@check("rowwise scaling: one fp32 scale per row and per column", covers=("blocks.quantize_blockwise",))
+def _rowwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
+    for label, x in _block_inputs(rng, quick):
+        for offset in (0, 1):
+            xd = t.put(x, offset)
+            for axis, layout in ((-1, fp8core.Layout.ROWWISE), (0, fp8core.Layout.COLUMNWISE)):
+                for fmt in FORMATS:
+                    for pow2, eps in ((True, 0.0), (False, 1e-30)):
+                        name = f"{label} +{offset} {layout} {fmt.name} pow2 {pow2} eps {eps:g}"
+                        with t.ref():
+                            ref = fp8core.quantize_rowwise(x, fmt, axis=axis, power_of_2=pow2, epsilon=eps)
+                        if offset == 0 and x.size <= _oracle_max(quick):
+                            rule = lambda amax: _oracle.scale_rule(amax, fmt.max, 0, pow2, eps)[1::-1]  # noqa: E731
+                            q_or, s_or = block_oracle(x, fmt, layout, rule)
+                            if x.size == 0:  # rows or columns of no elements: amax 0, scale 1
+                                s_or = np.ones(s_or.shape, np.float32)
+                            r.equal(f"{name} vs oracle (data)", q_or, ref.data, x)
+                            r.equal(f"{name} vs oracle (scale_inv)", s_or, ref.scale_inv)
+                        with t.dut():
+                            got = fp8core.quantize_rowwise(xd, fmt, axis=axis, power_of_2=pow2, epsilon=eps)
+                        r.equal(f"{name} (data)", ref.data, got.data, x)
+                        r.equal(f"{name} (scale_inv)", ref.scale_inv, got.scale_inv)
+
+
 @check("block scaling: transpose_blocks (MXFP8 both ways, 128x128 tiles)",
        covers=("blocks.transpose_scale", "transpose"))
 def _transpose_blocks(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
@@ -295,20 +319,20 @@ def block_gemm_refusal(t: Target, scheme: str) -> str:
         return ""
     if scheme == "mx":
         return "" if t.cc >= 100 else "compute capability 10.0"
-    if t.cc != 90:  # cuBLASLt's 1x128/128x128 scale modes exist on Hopper only
+    if t.cc != 90:  # cuBLASLt's 1x128/128x128 and outer-vector scale modes exist on Hopper only
         return "compute capability 9.0"
     from fp8core.backends import cublaslt
 
     return "" if int(cublaslt.lt_bindings().get_version()) >= cublaslt.MIN_BLOCK_VERSION else "cuBLAS 12.9"
 
 
-@check("block gemm: MXFP8 and 1x128/128x128 against the emulation and float64, tolerance growing with K",
+@check("block gemm: MXFP8, 1x128/128x128 and rowwise against the emulation and float64, tolerance growing with K",
        needs=gemm_unavailable)
 def _block_gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
     from fp8core import blocks
 
     schemes = (("mx", "1x32", "1x32"), ("1x128,1x128", "1x128", "1x128"), ("1x128,128x128", "1x128", "128x128"),
-               ("128x128,1x128", "128x128", "1x128"))
+               ("128x128,1x128", "128x128", "1x128"), ("rowwise", "rowwise", "rowwise"))
     shapes = ((16, 16, 128), (136, 48, 256)) + (() if quick else ((256, 512, 4096),))
     for scheme, a_block, b_block in schemes:
         refusal = block_gemm_refusal(t, scheme)
@@ -319,6 +343,8 @@ def _block_gemm(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -
             with t.ref():
                 if scheme == "mx":
                     a, b = blocks.quantize_mxfp8(x, fa), blocks.quantize_mxfp8(w, fb)
+                elif scheme == "rowwise":
+                    a, b = fp8core.quantize_rowwise(x, fa, power_of_2=False), fp8core.quantize_rowwise(w, fb)
                 else:
                     a = blocks.quantize_blockwise(x, fa, block=a_block, power_of_2=False)
                     b = blocks.quantize_blockwise(w, fb, block=b_block, power_of_2=False)

@@ -101,3 +101,29 @@ def test_block_scales_over_every_binade(block_dev, fmt, rng):
             ref = fp8core.quantize_blockwise(xs, fmt, block=block, **kw)
             np.testing.assert_array_equal(bits(got.scale_inv), bits(ref.scale_inv), err_msg=f"{block} {kw}")
             np.testing.assert_array_equal(bits(got.data), bits(ref.data), err_msg=f"{block} {kw}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 3), (37, 40)], ids=str)
+def test_axiswise(block_dev, dtype, shape, rng):
+    """One scale per row and per column (quantize_rowwise): a warp per row, a thread per column, against the CPU
+    reference by bits, with NaN, inf, zero and subnormal rows and columns."""
+    x = data(rng, shape, dtype)
+    if shape[0] >= 4 and shape[1] >= 4:
+        x[0, 1], x[1, 0], x[2, :], x[:, 2] = np.nan, np.inf, 0.0, np.float32(1e-41).astype(x.dtype)
+    for fmt, kw in (("e4m3", {}), ("e5m2", {"power_of_2": False, "epsilon": 1e-4})):
+        for axis in (-1, 0):
+            got = fp8core.quantize_rowwise(upload(x, 1), fmt, axis=axis, **kw)
+            ref = fp8core.quantize_rowwise(x, fmt, axis=axis, **kw)
+            np.testing.assert_array_equal(bits(got.data), bits(ref.data), err_msg=f"{fmt} {kw} {axis}")
+            np.testing.assert_array_equal(bits(got.scale_inv), bits(ref.scale_inv), err_msg=f"{fmt} {kw} {axis}")
+            y = fp8core.dequantize_rowwise(got, "bfloat16", fmt=fmt)
+            np.testing.assert_array_equal(bits(y), bits(fp8core.dequantize_rowwise(ref, "bfloat16")))
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_axiswise_empty_rows_and_columns_get_scale_one(block_dev, axis):
+    x = np.zeros((0, 5) if axis == 0 else (5, 0), np.float32)
+    got = fp8core.quantize_rowwise(upload(x), axis=axis)
+    assert got.scale_inv.shape == ((1, 5) if axis == 0 else (5, 1))
+    np.testing.assert_array_equal(bits(got.scale_inv), bits(np.ones(got.scale_inv.shape, np.float32)))

@@ -383,7 +383,8 @@ def test_a_second_derivative_is_refused_by_name(recipe):
 
 
 def test_bad_recipes_are_refused_by_name():
-    with pytest.raises(TypeError, match=r"^recipe: expected DelayedScaling, Float8CurrentScaling or NVFP4BlockScaling"):
+    with pytest.raises(TypeError, match=r"^recipe: expected DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling "
+                                        r"or NVFP4BlockScaling"):
         fnnx.Fp8DotGeneral("e4m3")
     with pytest.raises(ValueError, match=r"^recipe: Fp8DotGeneral's functional update takes amax_compute_algo"):
         fnnx.Fp8DotGeneral(fp8core.DelayedScaling(amax_compute_algo=lambda h: h.max(axis=0)))
@@ -428,3 +429,18 @@ def test_odd_and_empty_shapes_as_the_linen_op(rows):
     fnnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(layer)
     want = jax.grad(lambda v: jnp.sum(jnp.sin(dense.apply(v, x))))(variables)[OWG]["Fp8DotGeneral_0"]
     assert_same(values(nnx.state(layer, fnnx.Fp8State))["dot_general"], want, "state")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rowwise_recipe_in_an_nnx_linear_is_the_cores_rowwise_gemm(jit):
+    """Float8RowwiseScaling through the NNX slot: x per token and the kernel per output channel, each along K,
+    then the core's rowwise GEMM: the same bits, eager and under jit."""
+    recipe = fp8core.Float8RowwiseScaling()
+    layer = nnx.Linear(64, 32, use_bias=False, dot_general=fnnx.Fp8DotGeneral(recipe), rngs=nnx.Rngs(0))
+    x = np.random.default_rng(5).standard_normal((16, 64)).astype(np.float32)
+    run = nnx.jit(lambda m, v: m(v)) if jit else (lambda m, v: m(v))
+    got = np.asarray(run(layer, jnp.asarray(x)))
+    w = np.asarray(layer.kernel.value)
+    q = lambda v: fp8core.quantize_rowwise(v, power_of_2=recipe.power_of_2, epsilon=recipe.epsilon)  # noqa: E731
+    want = fp8core.gemm(q(x), q(np.ascontiguousarray(w.T)), out_dtype="float32")
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

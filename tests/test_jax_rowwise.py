@@ -89,8 +89,8 @@ def test_quantize_rowwise_under_jit_is_the_cores():
 
 
 def test_refusals_name_the_argument():
-    with pytest.raises(TypeError, match="recipe: expected DelayedScaling, Float8CurrentScaling or "
-                                        "Float8RowwiseScaling, got MXFP8BlockScaling"):
+    with pytest.raises(TypeError, match="recipe: expected DelayedScaling, Float8CurrentScaling, "
+                                        "Float8RowwiseScaling or NVFP4BlockScaling, got MXFP8BlockScaling"):
         fj.dense(jnp.ones((16, 32)), jnp.ones((16, 32)), None, fp8core.MXFP8BlockScaling())
     with pytest.raises(ValueError, match="axis: expected -1 or 1"):
         jblocks.quantize_rowwise(jnp.ones((4, 4)), axis=3)

@@ -346,9 +346,13 @@ def test_clear_errors():
         Float8Linear.from_linear(torch.nn.Linear(32, 10))
     with pytest.raises(ValueError, match="E5M2 x E5M2"):
         Float8Linear(32, 32, recipe=fp8core.Float8CurrentScaling(fp8_format=fp8core.Format.E5M2))
-    with pytest.raises(TypeError, match="recipe: expected DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
-                                        "Float8BlockScaling or NVFP4BlockScaling, got str"):
+    with pytest.raises(ValueError, match="recipe: expected a recipe or one of torchao's recipe names 'tensorwise', "
+                                         "'rowwise', 'rowwise_with_gw_hp', got 'delayed'"):
         Float8Linear(32, 32, recipe="delayed")
+    with pytest.raises(TypeError, match="recipe: expected DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
+                                        "Float8BlockScaling, NVFP4BlockScaling, Float8RowwiseScaling or one of "
+                                        "torchao's recipe names"):
+        Float8Linear(32, 32, recipe=3)
     with pytest.raises(ValueError, match=r"in_features: 48 is not a positive multiple of 32 under MXFP8BlockScaling "
                                          r"\(the MXFP8 GEMM's K takes whole 1x32 blocks\)"):
         Float8Linear(48, 32, recipe=fp8core.MXFP8BlockScaling())

@@ -123,14 +123,14 @@ def quantize_rowwise(x: Array, fmt: Any = "e4m3", *, axis: int = -1, power_of_2:
 @jitted("fmt", "axis", "power_of_2", "layout", numbers=("epsilon",))
 def _quantize_rowwise(x: Array, *, fmt: Any, axis: Any, power_of_2: Any, layout: Any, numbers: Any,
                       host_numbers: Any) -> RowwiseTensor:
-    s_shape = Layout(layout).scale_shape(rows(x), x.shape[-1])
-    shapes = (fp8_shape(x, fmt), jax.ShapeDtypeStruct(s_shape, jnp.float32))
+    named = dict(fmt=fmt, axis=axis, power_of_2=power_of_2)
 
     def run(t, nums=None):
         (epsilon,) = numbers_of(nums, host_numbers)
-        return tuple(core_rowwise.quantize_rowwise(t, fmt, axis=axis, power_of_2=power_of_2, epsilon=epsilon))
+        return PRIMITIVES["quantize_rowwise"].call(t, epsilon=epsilon, **named)
 
-    return RowwiseTensor(*primitive(_returning(run), shapes)(x, *operands(numbers)), Layout(layout))
+    out = shapes("quantize_rowwise", x=x, epsilon=0.0, **named)  # epsilon is data: no part of the shapes
+    return RowwiseTensor(*primitive(returning(run), out)(x, *operands(numbers)), Layout(layout))
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:

@@ -15,6 +15,7 @@ import torch
 
 from fp8core import args
 from fp8core import blocks as core
+from fp8core import rowwise
 from fp8core.declarations import PRIMITIVES
 from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledTensor, layout_of
 

@@ -249,16 +249,19 @@ __global__ void block_dequantize_kernel(const u8* __restrict__ q, const void* __
 }
 
 // ---- scale layouts for cuBLASLt ---------------------------------------------------------------------------
-// MXFP8 (VEC32_UE8M0): scales [rows, kgroups] into 128 x 4 tiles of 512 bytes, tile (rb, cb) at
-// (rb * ceil(kgroups/4) + cb) * 512, element (r, c) of a tile at (r % 32) * 16 + (r / 32) * 4 + c; padding 0.
-__global__ void mx_scale_swizzle_kernel(const u8* __restrict__ s, u8* __restrict__ out, i64 rows, i64 kgroups) {
+// E8M0 or E4M3 scale bytes [ceil(rows / tile_rows), kgroups] into cuBLASLt's 128 x 4 tiles of 512 bytes
+// (VEC32_UE8M0, VEC16_UE4M3), tile (rb, cb) at (rb * ceil(kgroups/4) + cb) * 512, element (r, c) of a tile at
+// (r % 32) * 16 + (r / 32) * 4 + c; padding 0. Row r reads scale row r / tile_rows: 1 for MXFP8 and FP4's rowwise
+// blocks, 16 for NVFP4's 16x16 weight tiles, each repeated for the 16 rows it covers (backends/cuda_fp4.py).
+__global__ void mx_scale_swizzle_kernel(const u8* __restrict__ s, u8* __restrict__ out, i64 rows, i64 kgroups,
+                                        int tile_rows) {
   const i64 tiles_c = (kgroups + 3) / 4, n = ((rows + 127) / 128) * tiles_c * 512;
   for (i64 o = (i64)blockIdx.x * blockDim.x + threadIdx.x; o < n; o += (i64)gridDim.x * blockDim.x) {
     const i64 tile = o / 512;
     const int within = (int)(o % 512);
     const i64 r = (tile / tiles_c) * 128 + (within % 16) / 4 * 32 + within / 16;
     const i64 c = (tile % tiles_c) * 4 + within % 4;
-    out[o] = r < rows && c < kgroups ? s[r * kgroups + c] : (u8)0;
+    out[o] = r < rows && c < kgroups ? s[(r / tile_rows) * kgroups + c] : (u8)0;
   }
 }
 

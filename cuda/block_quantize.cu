@@ -44,9 +44,9 @@ __global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
   if (q != nullptr) {
     u32 m = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(f[j]));
+    for (int j = 0; j < 8; ++j) m = umax(m, abs_raw(f[j]));
     m = umax(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the 4 lanes g&~3 .. g|3 hold one 32-element block
-    m = umax(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    m = nan_canonical(umax(m, __shfl_xor_sync(0xffffffffu, m, 2)));
     const u32 e = e8m0<RCEIL>(m, inv_max, emax);
     const float factor = e8m0_quant_factor(e);
     if (in) {
@@ -69,11 +69,11 @@ __global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       v[i] = tile[8 * h + i][c];
-      m = umax(m, abs_bits(v[i]));
+      m = umax(m, abs_raw(v[i]));
     }
     part[h][c] = m;
     __syncthreads();
-    m = umax(umax(part[0][c], part[1][c]), umax(part[2][c], part[3][c]));
+    m = nan_canonical(umax(umax(part[0][c], part[1][c]), umax(part[2][c], part[3][c])));
     const u32 e = e8m0<RCEIL>(m, inv_max, emax);
     const float factor = e8m0_quant_factor(e);
     // The codes go through shared memory so that each thread then stores 8 consecutive bytes of one qc row,

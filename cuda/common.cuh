@@ -58,6 +58,10 @@ __device__ __forceinline__ u32 abs_bits(float x) {
   u32 b = __float_as_uint(x) & 0x7fffffffu;
   return b > F32_INF ? F32_NAN : b;
 }
+// |x| as fp32 bits with a NaN's payload kept, for a running max: every NaN pattern is above inf, so the max is a NaN
+// exactly when one of its values is, and nan_canonical makes it abs_bits' once per max instead of once per value.
+__device__ __forceinline__ u32 abs_raw(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+__device__ __forceinline__ u32 nan_canonical(u32 m) { return m > F32_INF ? F32_NAN : m; }
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > F32_INF; }
 __device__ __forceinline__ u32 umax(u32 a, u32 b) { return a > b ? a : b; }
 

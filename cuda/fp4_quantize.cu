@@ -203,7 +203,8 @@ __global__ void __launch_bounds__(FP4_THREADS) nvfp4_quantize_kernel(
     }
     u32 amax_b = 0u;
 #pragma unroll
-    for (int i = 0; i < NVFP4_BLOCK; ++i) amax_b = umax(amax_b, abs_bits(f[i]));
+    for (int i = 0; i < NVFP4_BLOCK; ++i) amax_b = umax(amax_b, abs_raw(f[i]));
+    amax_b = nan_canonical(amax_b);
     if (amax_out != nullptr) {
       acc = umax(acc, amax_b);
       continue;
@@ -252,7 +253,8 @@ __global__ void __launch_bounds__(FP4_THREADS) mxfp4_quantize_kernel(
     load_block<MXFP4_BLOCK>(x, r, j, cols, columnwise != 0, vec, f);
     u32 amax_b = 0u;
 #pragma unroll
-    for (int i = 0; i < MXFP4_BLOCK; ++i) amax_b = umax(amax_b, abs_bits(f[i]));
+    for (int i = 0; i < MXFP4_BLOCK; ++i) amax_b = umax(amax_b, abs_raw(f[i]));
+    amax_b = nan_canonical(amax_b);
     const u32 e = e8m0<RCEIL>(amax_b, __uint_as_float(ONE_SIXTH_BITS), 2);
     const float factor = e8m0_quant_factor(e);
     u32 c[MXFP4_BLOCK];

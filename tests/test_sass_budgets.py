@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import pytest
 
+from fp8core import _kernels
 from fp8core.bench import sass
 
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed: NVRTC comes with it")
@@ -25,10 +26,14 @@ pytestmark = pytest.mark.skipif(
 ARCHS = ("80", "90", "100")
 KERNELS = {k.name: k for k in sass.KERNELS}
 SLACK = 0.05  # per element: what one instruction more or less in a 16-element pass moves, and no more
+RATCHET_NVRTC = (13, 5)  # the compiler RATCHET was measured with
+# Under another NVRTC (the cuda12 extra allows 12.8+) the code differs a little either way: a regression must then
+# exceed this share to fail, and an improvement is not asked to be written down (RATCHET holds 13.5's figures).
+OTHER_NVRTC = 0.10
 
 
 class Ratchet(NamedTuple):
-    """The figures measured when the ratchet was last tightened (NVRTC 13.0, 2026-11-27)."""
+    """The figures measured when the ratchet was last tightened (NVRTC 13.5, 2026-11-27)."""
 
     instructions: float  # per element
     int_alu: float       # per element
@@ -92,6 +97,13 @@ def test_budget_or_ratchet(name, arch, measured):
     got = Ratchet(f.instructions, f.int_alu, f.registers, sass.in_flight_per_sm(f, arch))
     held = RATCHET[(name, arch)]
     where = _targets(name, arch, f)
+    nvrtc = _kernels.nvrtc_version()
+    if nvrtc != RATCHET_NVRTC:
+        worse = [k for k, v in got._asdict().items()
+                 if (v < getattr(held, k) * (1 - OTHER_NVRTC) if k == "in_flight" else
+                     v > getattr(held, k) * (1 + OTHER_NVRTC) + SLACK)]
+        assert not worse, f"worse than the ratchet {held} by over {OTHER_NVRTC:.0%} in {worse} (NVRTC {nvrtc}): {where}"
+        return
     worse = [k for k in ("instructions", "int_alu") if getattr(got, k) > getattr(held, k) + SLACK]
     worse += ["registers"] * (got.registers > held.registers) + ["in_flight"] * (got.in_flight < held.in_flight)
     assert not worse, f"worse than the ratchet {held} in {worse}: {where}"

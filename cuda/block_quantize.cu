@@ -44,9 +44,9 @@ __global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
   if (q != nullptr) {
     u32 m = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m = umax(m, abs_bits(f[j]));
+    for (int j = 0; j < 8; ++j) m = umax(m, abs_raw(f[j]));
     m = umax(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the 4 lanes g&~3 .. g|3 hold one 32-element block
-    m = umax(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    m = nan_canonical(umax(m, __shfl_xor_sync(0xffffffffu, m, 2)));
     const u32 e = e8m0<RCEIL>(m, inv_max, emax);
     const float factor = e8m0_quant_factor(e);
     if (in) {
@@ -69,11 +69,11 @@ __global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       v[i] = tile[8 * h + i][c];
-      m = umax(m, abs_bits(v[i]));
+      m = umax(m, abs_raw(v[i]));
     }
     part[h][c] = m;
     __syncthreads();
-    m = umax(umax(part[0][c], part[1][c]), umax(part[2][c], part[3][c]));
+    m = nan_canonical(umax(umax(part[0][c], part[1][c]), umax(part[2][c], part[3][c])));
     const u32 e = e8m0<RCEIL>(m, inv_max, emax);
     const float factor = e8m0_quant_factor(e);
     // The codes go through shared memory so that each thread then stores 8 consecutive bytes of one qc row,
@@ -283,16 +283,19 @@ __global__ void block_dequantize_kernel(const u8* __restrict__ q, const void* __
 }
 
 // ---- scale layouts for cuBLASLt ---------------------------------------------------------------------------
-// MXFP8 (VEC32_UE8M0): scales [rows, kgroups] into 128 x 4 tiles of 512 bytes, tile (rb, cb) at
-// (rb * ceil(kgroups/4) + cb) * 512, element (r, c) of a tile at (r % 32) * 16 + (r / 32) * 4 + c; padding 0.
-__global__ void mx_scale_swizzle_kernel(const u8* __restrict__ s, u8* __restrict__ out, i64 rows, i64 kgroups) {
+// E8M0 or E4M3 scale bytes [ceil(rows / tile_rows), kgroups] into cuBLASLt's 128 x 4 tiles of 512 bytes
+// (VEC32_UE8M0, VEC16_UE4M3), tile (rb, cb) at (rb * ceil(kgroups/4) + cb) * 512, element (r, c) of a tile at
+// (r % 32) * 16 + (r / 32) * 4 + c; padding 0. Row r reads scale row r / tile_rows: 1 for MXFP8 and FP4's rowwise
+// blocks, 16 for NVFP4's 16x16 weight tiles, each repeated for the 16 rows it covers (backends/cuda_fp4.py).
+__global__ void mx_scale_swizzle_kernel(const u8* __restrict__ s, u8* __restrict__ out, i64 rows, i64 kgroups,
+                                        int tile_rows) {
   const i64 tiles_c = (kgroups + 3) / 4, n = ((rows + 127) / 128) * tiles_c * 512;
   for (i64 o = (i64)blockIdx.x * blockDim.x + threadIdx.x; o < n; o += (i64)gridDim.x * blockDim.x) {
     const i64 tile = o / 512;
     const int within = (int)(o % 512);
     const i64 r = (tile / tiles_c) * 128 + (within % 16) / 4 * 32 + within / 16;
     const i64 c = (tile % tiles_c) * 4 + within % 4;
-    out[o] = r < rows && c < kgroups ? s[r * kgroups + c] : (u8)0;
+    out[o] = r < rows && c < kgroups ? s[(r / tile_rows) * kgroups + c] : (u8)0;
   }
 }
 

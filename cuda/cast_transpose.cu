@@ -36,8 +36,8 @@ __device__ __forceinline__ void convert16(const T* x, float scale, u32& m, u32* 
     load8(x + 8 * h, f);
     u32 m8 = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m8 = umax(m8, abs_bits(f[j]));
-    m = umax(m, m8);
+    for (int j = 0; j < 8; ++j) m8 = umax(m8, abs_raw(f[j]));
+    m = umax(m, nan_canonical(m8));
     const uint2 q8 = quant8_checked<FMT>(f, scale, m8);
     w[2 * h] = q8.x;
     w[2 * h + 1] = q8.y;
@@ -96,8 +96,10 @@ __global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
     for (int k = 0; k < 4; ++k) tile[word_at(r, 4 * g + k)] = w[k];
     __syncthreads();
     // Each thread: 4 columns (4cw..4cw+3) x 4 rows (rb..rb+3) as four 32-bit reads, transposed in registers;
-    // the four threads of a quad (j = 0..3, rows 16gq..16gq+15) then swap words so that each holds 16 bytes of
-    // one q_t row (column 4cw + j), stored with one 16-byte store. A warp writes 64 contiguous bytes per q_t row.
+    // the four threads of a quad (j = 0..3, rows 16gq..16gq+15) then transpose their 4 x 4 words in two xor
+    // exchanges (lanes j ^ 2, then j ^ 1; selects on j's bits, no lane-dependent index), so that each holds 16
+    // bytes of one q_t row (column 4cw + j), stored with one 16-byte store. A warp writes 64 contiguous bytes per
+    // q_t row.
     const int j = t & 3, gq = (t >> 2) & 3, cw = t >> 4, rb = 16 * gq + 4 * j;
     u32 in[4];
 #pragma unroll
@@ -106,18 +108,21 @@ __global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
     const u32 hi01 = __byte_perm(in[0], in[1], 0x7362), hi23 = __byte_perm(in[2], in[3], 0x7362);
     const u32 o[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
                       __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};  // o[c]: column 4cw + c
-    u32 fin[4] = {0u, 0u, 0u, 0u};  // fin[s]: rows 16gq + 4s .. +3 of column 4cw + j
-    const int quad = (t & 31) & ~3;
-#pragma unroll
-    for (int round = 0; round < 4; ++round) {
-      const int send = (j - round) & 3, from = (j + round) & 3;
-      const u32 v = send == 0 ? o[0] : send == 1 ? o[1] : send == 2 ? o[2] : o[3];
-      const u32 got = __shfl_sync(0xffffffffu, v, quad | from);
-      fin[0] = from == 0 ? got : fin[0];
-      fin[1] = from == 1 ? got : fin[1];
-      fin[2] = from == 2 ? got : fin[2];
-      fin[3] = from == 3 ? got : fin[3];
-    }
+    // Word (s, c): rows 16gq + 4s .. +3 of column 4cw + c, held by lane s as o[c]; lane j wants (s, j), s = 0..3.
+    const bool b1 = (j & 2) != 0, b0 = (j & 1) != 0;
+    // Lanes j and j ^ 2 swap halves: lane j keeps columns 2 b1, 2 b1 + 1 of rows j (own) and j ^ 2 (part).
+    const u32 own0 = b1 ? o[2] : o[0], own1 = b1 ? o[3] : o[1];
+    const u32 part0 = __shfl_xor_sync(0xffffffffu, b1 ? o[0] : o[2], 2);
+    const u32 part1 = __shfl_xor_sync(0xffffffffu, b1 ? o[1] : o[3], 2);
+    // Lanes j and j ^ 1 swap columns: lane j keeps column j of rows j and j ^ 2, gets it of rows j ^ 1 and j ^ 3.
+    const u32 keep_own = b0 ? own1 : own0, keep_part = b0 ? part1 : part0;
+    const u32 got_own = __shfl_xor_sync(0xffffffffu, b0 ? own0 : own1, 1);
+    const u32 got_part = __shfl_xor_sync(0xffffffffu, b0 ? part0 : part1, 1);
+    // Rows s with s's bit 1 equal to j's come from own, the others from part; bit 0 equal to j's: kept, else got.
+    const u32 own_even = b0 ? got_own : keep_own, own_odd = b0 ? keep_own : got_own;
+    const u32 part_even = b0 ? got_part : keep_part, part_odd = b0 ? keep_part : got_part;
+    const u32 fin[4] = {b1 ? part_even : own_even, b1 ? part_odd : own_odd,
+                        b1 ? own_even : part_even, b1 ? own_odd : part_odd};  // fin[s]: rows 16gq + 4s .. +3
     u8* const dst = q_t + (c0 + 4 * cw + j) * rows + r0 + 16 * gq;
     if (qt_vec) {
       *reinterpret_cast<uint4*>(dst) = make_uint4(fin[0], fin[1], fin[2], fin[3]);

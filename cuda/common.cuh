@@ -16,12 +16,17 @@ struct bf16 { u16 bits; };
 struct f16 { u16 bits; };
 
 // ---- the encodings: their constants come from fp8core's table of rows (fp8core/formats.py) -------------------
-// The loader defines FP8CORE_ENCODINGS as one FP8CORE_ENCODING(...) per encoding the kernels convert
-// (fp8core._kernels.module_options): its name, template index, exponent bits, mantissa bits, bias, the code of +max,
-// whether the all-ones exponent is inf/NaN (IEEE, E5M2), whether it has a NaN (without inf: the all-ones magnitude,
-// E4M3), and the code a NaN casts to.
+// The loader defines two lists of FP8CORE_ENCODING(...), one per encoding (fp8core._kernels.module_options):
+// FP8CORE_ENCODINGS, those the FP8 kernels are instantiated for (template indices 0, 1, ...), and
+// FP8CORE_FP4_ENCODINGS, the packed FP4 element encodings (E2M1, index 16 on: no FP8 instantiation takes them).
+// Each gives its name, template index, exponent bits, mantissa bits, bias, the code of +max, whether the all-ones
+// exponent is inf/NaN (IEEE, E5M2), whether it has a NaN (without inf: the all-ones magnitude, E4M3), and the code
+// a NaN casts to. One macro declares both lists, so an encoding is laid out the same whichever list holds it.
 #ifndef FP8CORE_ENCODINGS
 #error "FP8CORE_ENCODINGS is undefined: compile through fp8core._kernels, whose module_options define it"
+#endif
+#ifndef FP8CORE_FP4_ENCODINGS
+#error "FP8CORE_FP4_ENCODINGS is undefined: compile through fp8core._kernels, whose module_options define it"
 #endif
 template <int FMT> struct Encoding;
 #define FP8CORE_ENCODING(NAME, INDEX, EXP_BITS, MANT_BITS, BIAS_, MAX_CODE_, HAS_INF_, HAS_NAN_, NAN_CAST_) \
@@ -32,6 +37,7 @@ template <int FMT> struct Encoding;
     static constexpr bool HAS_INF = HAS_INF_, HAS_NAN = HAS_NAN_;                                          \
   };
 FP8CORE_ENCODINGS
+FP8CORE_FP4_ENCODINGS
 #undef FP8CORE_ENCODING
 
 static constexpr u32 F32_NAN = 0x7fffffffu;
@@ -52,6 +58,10 @@ __device__ __forceinline__ u32 abs_bits(float x) {
   u32 b = __float_as_uint(x) & 0x7fffffffu;
   return b > F32_INF ? F32_NAN : b;
 }
+// |x| as fp32 bits with a NaN's payload kept, for a running max: every NaN pattern is above inf, so the max is a NaN
+// exactly when one of its values is, and nan_canonical makes it abs_bits' once per max instead of once per value.
+__device__ __forceinline__ u32 abs_raw(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+__device__ __forceinline__ u32 nan_canonical(u32 m) { return m > F32_INF ? F32_NAN : m; }
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > F32_INF; }
 __device__ __forceinline__ u32 umax(u32 a, u32 b) { return a > b ? a : b; }
 

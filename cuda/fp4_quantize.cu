@@ -1,5 +1,5 @@
-// FP4 (docs/numerics.md, "FP4: E2M1 elements, NVFP4 and MXFP4"): NVFP4 and MXFP4 quantize and dequantize, and
-// the scale layout cuBLASLt's FP4 GEMM reads. Same bits as the CPU reference (backends/cpu_fp4.py).
+// FP4 (docs/numerics.md, "FP4: E2M1 elements, NVFP4 and MXFP4"): NVFP4 and MXFP4 quantize and dequantize (the
+// scale layout cuBLASLt's FP4 GEMM reads is MXFP8's, block_quantize.cu mx_scale_swizzle_kernel). Same bits as the CPU reference (backends/cpu_fp4.py).
 //
 // Every kernel works on **the operand** [R, C]: x [rows, cols] itself, or x^T when `columnwise` (written in the
 // operand's layout: data [R, C/2], scales [R, C/block]). One thread quantizes one block (16 or 32 consecutive
@@ -13,21 +13,9 @@
 #include "common.cuh"
 #include "e8m0.cuh"
 
-// E2M1's row (fp8core.formats.E2M1), from the loader's FP8CORE_FP4_ENCODINGS: Encoding<E2M1> gives soft_cvt and
-// fp8_to_f32 its layout, +max code and NaN cast.
-#ifndef FP8CORE_FP4_ENCODINGS
-#error "FP8CORE_FP4_ENCODINGS is undefined: compile through fp8core._kernels, whose module_options define it"
-#endif
+// E2M1 (fp8core.formats.E2M1) is declared by common.cuh from the loader's FP8CORE_FP4_ENCODINGS: Encoding<E2M1>
+// gives soft_cvt and fp8_to_f32 its layout, +max code and NaN cast.
 namespace fp8core {
-#define FP8CORE_ENCODING(NAME, INDEX, EXP_BITS, MANT_BITS, BIAS_, MAX_CODE_, HAS_INF_, HAS_NAN_, NAN_CAST_) \
-  enum { NAME = INDEX };                                                                                   \
-  template <> struct Encoding<INDEX> {                                                                     \
-    static constexpr int EB = EXP_BITS, MB = MANT_BITS, BIAS = BIAS_;                                      \
-    static constexpr u32 MAX_CODE = MAX_CODE_, NAN_CAST = NAN_CAST_;                                       \
-    static constexpr bool HAS_INF = HAS_INF_, HAS_NAN = HAS_NAN_;                                          \
-  };
-FP8CORE_FP4_ENCODINGS
-#undef FP8CORE_ENCODING
 
 static constexpr int FP4_THREADS = 256;
 static constexpr int NVFP4_BLOCK = 16;
@@ -215,7 +203,8 @@ __global__ void __launch_bounds__(FP4_THREADS) nvfp4_quantize_kernel(
     }
     u32 amax_b = 0u;
 #pragma unroll
-    for (int i = 0; i < NVFP4_BLOCK; ++i) amax_b = umax(amax_b, abs_bits(f[i]));
+    for (int i = 0; i < NVFP4_BLOCK; ++i) amax_b = umax(amax_b, abs_raw(f[i]));
+    amax_b = nan_canonical(amax_b);
     if (amax_out != nullptr) {
       acc = umax(acc, amax_b);
       continue;
@@ -264,7 +253,8 @@ __global__ void __launch_bounds__(FP4_THREADS) mxfp4_quantize_kernel(
     load_block<MXFP4_BLOCK>(x, r, j, cols, columnwise != 0, vec, f);
     u32 amax_b = 0u;
 #pragma unroll
-    for (int i = 0; i < MXFP4_BLOCK; ++i) amax_b = umax(amax_b, abs_bits(f[i]));
+    for (int i = 0; i < MXFP4_BLOCK; ++i) amax_b = umax(amax_b, abs_raw(f[i]));
+    amax_b = nan_canonical(amax_b);
     const u32 e = e8m0<RCEIL>(amax_b, __uint_as_float(ONE_SIXTH_BITS), 2);
     const float factor = e8m0_quant_factor(e);
     u32 c[MXFP4_BLOCK];
@@ -297,21 +287,6 @@ __global__ void fp4_dequantize_kernel(const u8* __restrict__ data, const u8* __r
       const float v = NV ? mul_rn(mul_rn(q, fp8_to_f32<E4M3>(s)), s_dec) : mul_rn(q, e8m0_value(s));
       y[r * cols + c + k] = from_f32_out(v, (OUT*)nullptr);
     }
-  }
-}
-
-// ---- the scale layout cuBLASLt reads ------------------------------------------------------------------------
-// Scales [ceil(rows / tile_rows), kgroups] (tile_rows 16: NVFP4's 16x16 tiles, row r taking tile r / 16; else 1)
-// into 128 x 4 tiles of 512 bytes, as MXFP8's (block_quantize.cu mx_scale_swizzle_kernel); padding 0.
-__global__ void fp4_scale_swizzle_kernel(const u8* __restrict__ s, u8* __restrict__ out, i64 rows, i64 kgroups,
-                                         int tile_rows) {
-  const i64 tiles_c = (kgroups + 3) / 4, n = ((rows + 127) / 128) * tiles_c * 512;
-  for (i64 o = (i64)blockIdx.x * blockDim.x + threadIdx.x; o < n; o += (i64)gridDim.x * blockDim.x) {
-    const i64 tile = o / 512;
-    const int within = (int)(o % 512);
-    const i64 r = (tile / tiles_c) * 128 + (within % 16) / 4 * 32 + within / 16;
-    const i64 c = (tile % tiles_c) * 4 + within % 4;
-    out[o] = r < rows && c < kgroups ? s[(r / tile_rows) * kgroups + c] : (u8)0;
   }
 }
 

@@ -8,8 +8,8 @@ template <int FMT>
 __device__ __forceinline__ uint2 quant8(const float* f, float scale, u32& m) {
   u32 m8 = 0;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) m8 = umax(m8, abs_bits(f[j]));
-  m = umax(m, m8);
+  for (int j = 0; j < 8; ++j) m8 = umax(m8, abs_raw(f[j]));
+  m = umax(m, nan_canonical(m8));
   return quant8_checked<FMT>(f, scale, m8);
 }
 

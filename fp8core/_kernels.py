@@ -217,12 +217,12 @@ QUANTIZE_1X128 = Kernel("block_quantize.cu", "quantize_1x128_kernel", _T_FMT, _s
 QUANTIZE_128X128 = Kernel("block_quantize.cu", "quantize_128x128_kernel", _T_FMT, _tiles(128, 128))
 QUANTIZE_AXISWISE = Kernel("block_quantize.cu", "quantize_axiswise_kernel", _T_FMT, _stride(1))
 BLOCK_DEQUANTIZE = Kernel("block_quantize.cu", "block_dequantize_kernel", itertools.product(_FMT, _T, (True, False)))
+# the scale layout of cuBLASLt's block-scaled GEMMs, MXFP8's and FP4's (tile_rows 16: NVFP4's 16x16 weight tiles)
 MX_SCALE_SWIZZLE = Kernel("block_quantize.cu", "mx_scale_swizzle_kernel", grid=_stride(1))
 # FP4 (fp8core.fp4, backends/cuda_fp4.py): one thread per block of the operand, grid-stride
 NVFP4_QUANTIZE = Kernel("fp4_quantize.cu", "nvfp4_quantize_kernel", itertools.product(_T), _stride(1))
 MXFP4_QUANTIZE = Kernel("fp4_quantize.cu", "mxfp4_quantize_kernel", itertools.product(_T, (True, False)), _stride(1))
 FP4_DEQUANTIZE = Kernel("fp4_quantize.cu", "fp4_dequantize_kernel", itertools.product(_T, (True, False)), _stride(1))
-FP4_SCALE_SWIZZLE = Kernel("fp4_quantize.cu", "fp4_scale_swizzle_kernel", grid=_stride(1))
 NVFP4_GEMM_ALPHA = Kernel("fp4_gemm.cu", "nvfp4_gemm_alpha_kernel", grid=_stride(1))  # one thread: alpha, beta
 
 RECORDS = tuple(k for k in list(globals().values()) if isinstance(k, Kernel))  # every record above, in order
@@ -291,8 +291,8 @@ def module_sha256(filename: str) -> str:
 def module_options(soft_fp8: bool, filename: str | None = None) -> tuple[str, ...]:
     """The -D options of a compile: the sources' hash (CuPy's cache key: of ``filename``'s module, so that an edit
     of one kernel file recompiles that module alone; of all of cuda/ without one), the encodings' constants
-    (common.cuh's FP8CORE_ENCODINGS and fp4_quantize.cu's FP8CORE_FP4_ENCODINGS, from the rows of
-    fp8core.formats) and the forced software path."""
+    (FP8CORE_ENCODINGS and FP8CORE_FP4_ENCODINGS, both declared by common.cuh's one FP8CORE_ENCODING macro, from
+    the rows of fp8core.formats) and the forced software path."""
     sha = module_sha256(filename) if filename is not None else cuda_sha256()
     return (f"-DFP8CORE_CUDA_SHA=0x{sha[:16]}", _encodings_option(), _fp4_encodings_option()) + (
         ("-DFP8CORE_FORCE_SOFT_FP8=1",) if soft_fp8 else ())
@@ -305,7 +305,7 @@ def _encodings_option() -> str:
 
 
 # The packed (two a byte) element encodings, E2M1: no instantiation of the FP8 kernels takes them (their rows have
-# no index); fp4_quantize.cu declares them from their own define, with template indices of their own.
+# no index); common.cuh declares them from their own define, with template indices of their own.
 FP4_INDEX = {r.name: 16 + i for i, r in enumerate(r for r in ROWS if r.elements_per_byte == 2)}
 
 

@@ -399,8 +399,8 @@ def test_cuda_fp4_gemm_computes_alpha_and_scale_layouts_on_the_callers_stream(mo
     a, sa, b, sb, amaxes = _fp4_operands(call)
     assert call.cuda_fp4.gemm(fp4_spec("1x16", "16x16"), a, sa, b, sb, amaxes, None) == "D"
     launches = [e for e in call.log if e[0] == "launch"]
-    assert [(e[1], e[2]) for e in launches] == [("nvfp4_gemm_alpha_kernel", 77), ("fp4_scale_swizzle_kernel", 77),
-                                                ("fp4_scale_swizzle_kernel", 77)]
+    assert [(e[1], e[2]) for e in launches] == [("nvfp4_gemm_alpha_kernel", 77), ("mx_scale_swizzle_kernel", 77),
+                                                ("mx_scale_swizzle_kernel", 77)]
     alpha_args, a_sw, b_sw = (e[3] for e in launches)
     assert (alpha_args["amax_a"], alpha_args["amax_b"]) == (0x5000, 0x6000)
     assert (a_sw["s"], a_sw["rows"], a_sw["tile_rows"]) == (0x3000, M, 1)
@@ -415,7 +415,7 @@ def test_cuda_mxfp4_gemm_has_no_alpha(monkeypatch):
     a, b = call.tensor((M, K // 2), "uint8", 0x1000), call.tensor((N, K // 2), "uint8", 0x2000)
     sa, sb = call.tensor((M, K // 32), "float8_e8m0fnu", 0x3000), call.tensor((N, K // 32), "float8_e8m0fnu", 0x4000)
     call.cuda_fp4.gemm(fp4_spec("1x32", "1x32"), a, sa, b, sb, None, None)
-    assert [e[1] for e in call.log if e[0] == "launch"] == ["fp4_scale_swizzle_kernel"] * 2
+    assert [e[1] for e in call.log if e[0] == "launch"] == ["mx_scale_swizzle_kernel"] * 2
     assert [e for e in call.log if e[0] == "cublaslt"][0][-1] is None
 
 

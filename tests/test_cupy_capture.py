@@ -295,7 +295,7 @@ def test_gemm_block_scale_layouts_outside_a_capture_unchanged(dev):
     scale = FakeArray((256, 4), np.uint8, 0xE00000)
     out = cuda_blocks.layout_for_cublaslt(scale, "1x32", gpu_tensor((256, 128), "uint8"), STREAM)
     assert dev.kinds() == ["is_capturing", "alloc", "mx_scale_swizzle_kernel"]
-    assert dev.log[-1][2] == {"s": 0xE00000, "out": out.data.ptr, "rows": 256, "kgroups": 4}
+    assert dev.log[-1][2] == {"s": 0xE00000, "out": out.data.ptr, "rows": 256, "kgroups": 4, "tile_rows": 1}
 
 
 def test_gemm_block_scale_layouts_for_a_torch_caller_inside_a_capture(dev):

@@ -84,7 +84,7 @@ def test_the_kernels_nan_rule_is_the_rows():
 
 
 def test_the_fp4_kernels_read_e2m1_from_its_row():
-    """fp4_quantize.cu declares E2M1 from FP8CORE_FP4_ENCODINGS (its own template index, outside the FP8 kernels'
+    """common.cuh declares E2M1 from FP8CORE_FP4_ENCODINGS (its own template index, outside the FP8 kernels'
     instantiations): layout 1-2-1, bias 1, +max code 7 (6.0), no inf, no NaN, NaN cast to 0x7."""
     define = [o for o in _kernels.module_options(False) if o.startswith("-DFP8CORE_FP4_ENCODINGS=")]
     assert define == ["-DFP8CORE_FP4_ENCODINGS=FP8CORE_ENCODING(E2M1,16,2,1,1,7,0,0,7)"]

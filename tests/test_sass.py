@@ -3,19 +3,15 @@
 that loses one fails here before any GPU runs it.
 
 cuobjdump comes from the ``nvidia-cuda-cuobjdump`` wheel and, for SASS, calls nvdisasm from the
-``nvidia-cuda-nvdisasm`` wheel (both in the ``test`` extra).
+``nvidia-cuda-nvdisasm`` wheel (both in the ``test`` extra); bench/sass.py runs them (its Disassembly).
 """
 
-import glob
-import os
 import re
-import shutil
-import subprocess
-import sys
 
 import pytest
 
 from fp8core import _kernels
+from fp8core.bench.sass import CUOBJDUMP, NVDISASM, Disassembly
 
 pytest.importorskip("cupy", reason="cupy (fp8core[cuda13]) is not installed: NVRTC comes with it")
 RECORD = {k.name: k for k in _kernels.RECORDS}
@@ -30,49 +26,10 @@ MAX_REGS = {256: 64, 512: 128}  # threads per block -> registers that keep >= 10
 # (x read once, the tile's amax known before the first store); 2 CTAs (512 threads) per SM still run.
 MAX_REGS_OF = {"quantize_128x128_kernel": 128}
 
-
-def _find(tool: str) -> str | None:
-    """tool on PATH, or in the bin/ of an nvidia-* wheel on sys.path (nvidia/cu13/bin, nvidia/cuda_*/bin)."""
-    found = shutil.which(tool)
-    if found:
-        return found
-    for root in sys.path:
-        for path in sorted(glob.glob(os.path.join(root, "nvidia", "*", "bin", tool))):
-            if os.access(path, os.X_OK):
-                return path
-    return None
-
-
-CUOBJDUMP, NVDISASM = _find("cuobjdump"), _find("nvdisasm")
 pytestmark = pytest.mark.skipif(
     CUOBJDUMP is None or NVDISASM is None,
     reason=f"cuobjdump ({CUOBJDUMP or 'not found'}) and nvdisasm ({NVDISASM or 'not found'}) are needed: "
            "pip install -e '.[test]' in a checkout (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
-
-
-class Disassembly:
-    """One cubin's SASS, resource usage and parameter layout, per mangled kernel name."""
-
-    def __init__(self, cubin: bytes, tmp: str) -> None:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        env = dict(os.environ, PATH=os.path.dirname(NVDISASM) + os.pathsep + os.environ.get("PATH", ""))
-        run = lambda *args: subprocess.run([CUOBJDUMP, *args, path], check=True, capture_output=True,  # noqa: E731
-                                           text=True, env=env).stdout
-        self.sass = dict(self._split(run("-sass"), r"Function : (\S+)"))
-        self.resources = {name: dict((k, int(v)) for k, v in re.findall(r"(\w+):(\d+)", body))
-                          for name, body in self._split(run("-res-usage"), r"Function (\S+?):")}
-        self.params = {}
-        for name, body in self._split(run("-elf"), r"^\.nv\.info\.(\S+)$"):
-            found = re.findall(r"Ordinal : 0x([0-9a-f]+)\s+Offset\s*: 0x([0-9a-f]+)\s+Size\s*: 0x([0-9a-f]+)", body)
-            if found:
-                self.params[name] = sorted((int(o, 16), int(off, 16), int(sz, 16)) for o, off, sz in found)
-
-    @staticmethod
-    def _split(text: str, header: str) -> list[tuple[str, str]]:
-        parts = re.split(header, text, flags=re.M)
-        return list(zip(parts[1::2], parts[2::2]))
 
 
 _cache: dict = {}

@@ -67,7 +67,8 @@ def harness(tmp_path_factory):
         _cut(src, "template <int FMT>\n__device__ __forceinline__ float fp8_to_f32", "// Two fp8 codes") + MAIN
     d = tmp_path_factory.mktemp("soft")
     (d / "soft.cpp").write_text(code)
-    encodings = [o for o in _kernels.module_options(False) if o.startswith("-DFP8CORE_ENCODINGS=")]
+    encodings = [o for o in _kernels.module_options(False)
+                 if o.startswith(("-DFP8CORE_ENCODINGS=", "-DFP8CORE_FP4_ENCODINGS="))]
     subprocess.run([CXX, "-O1", "-std=c++17", *encodings, str(d / "soft.cpp"), "-o", str(d / "soft")], check=True,
                    capture_output=True)
     return d / "soft"

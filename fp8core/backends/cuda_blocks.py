@@ -137,7 +137,7 @@ def layout_for_cublaslt(scale: Any, layout: Layout, like: Tensor, stream: int, *
         out = empty((mx_swizzled_size(rows, kgroups),), np.uint8, like)
         if out.size:
             MX_SCALE_SWIZZLE.launch(device, (), out.size, stream, s=scale.data.ptr, out=out.data.ptr, rows=rows,
-                                    kgroups=kgroups)
+                                    kgroups=kgroups, tile_rows=1)
         return out
     tiles = layout == Layout.BLOCK_128X128
     shape = (rows, cdiv(kgroups, 4) * 4) if tiles else (kgroups, rows)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._kernels import FP4_DEQUANTIZE, FP4_SCALE_SWIZZLE, MXFP4_QUANTIZE, NVFP4_GEMM_ALPHA, NVFP4_QUANTIZE
+from .._kernels import FP4_DEQUANTIZE, MX_SCALE_SWIZZLE, MXFP4_QUANTIZE, NVFP4_GEMM_ALPHA, NVFP4_QUANTIZE
 from .._views import Tensor, storage_dtype
 from . import cublaslt
 from .cpu_fp4 import MXFP4_BLOCK, NVFP4_BLOCK
@@ -117,10 +117,9 @@ def gemm_scale(scale: Tensor, rows: int) -> Any:
         stream = stream_of(scale)
         out = empty((mx_swizzled_size(rows, kgroups),), np.uint8, scale)
         if out.size:
-            FP4_SCALE_SWIZZLE.launch(device, (), out.size, stream, s=scale.data.data.ptr, out=out.data.ptr, rows=rows,
-                                     kgroups=kgroups, tile_rows=NVFP4_BLOCK if tiles != rows else 1)
+            MX_SCALE_SWIZZLE.launch(device, (), out.size, stream, s=scale.data.data.ptr, out=out.data.ptr, rows=rows,
+                                    kgroups=kgroups, tile_rows=NVFP4_BLOCK if tiles != rows else 1)
         return out
-
 
 
 def gemm_alpha(amax_a: Tensor, amax_b: Tensor) -> Any:

@@ -190,3 +190,13 @@ def test_cuda_without_cupy_is_a_clear_error_eager_and_compiled(monkeypatch, reci
         # named by what needs it: the delayed recipe's state ("device: 'cuda:0' needs CuPy") or the kernels' input
         with autocast(), pytest.raises(RuntimeError, match="needs CuPy.*cuda13"):
             run(x)
+
+
+def test_an_nvfp4_layer_keeps_its_random_state_in_host_memory_on_the_gpu():
+    """Stochastic rounding's (seed, offset) stays on the host when the layer moves to the GPU (as torch's CUDA
+    generator keeps its own), so the quantize ops read it without waiting for the GPU; its value moves intact."""
+    lin = Float8Linear(32, 32, recipe=fp8core.NVFP4BlockScaling())
+    before = lin.fp4_rng.clone()
+    lin = lin.cuda()
+    assert lin.weight.is_cuda and lin.fp4_rng.device.type == "cpu" and torch.equal(lin.fp4_rng, before)
+    assert lin.state_dict()["fp4_rng"].device.type == "cpu"

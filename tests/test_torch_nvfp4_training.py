@@ -269,6 +269,16 @@ def test_the_quantize_op_reads_seed_and_offset_plus_stream():
         fp4_ops.quantize_nvfp4(g, stochastic=True, rng=torch.zeros(2, dtype=torch.int32))
 
 
+def test_the_quantize_op_refuses_a_state_outside_host_memory_by_name():
+    """The (seed, offset) state is read on the host: one in device memory would make each quantize wait for the
+    GPU, so it is refused by name (Float8Linear keeps its fp4_rng on the host: test_gpu_torch checks it there)."""
+    from fp8core.torch import fp4_ops
+
+    with pytest.raises(ValueError, match=r"^rng: expected the \(seed, offset\) state in host memory \(a CPU tensor\), "
+                                         r"got it on meta"):
+        fp4_ops._seed_offset(torch.zeros(2, dtype=torch.int64, device="meta"), 0)
+
+
 def test_a_layer_made_on_meta_and_materialised_draws_its_seed_then():
     with torch.device("meta"):
         lin = Float8Linear(32, 32, recipe=NVFP4)

@@ -57,7 +57,9 @@ def advance_rng(rng: Array, streams: int = STREAMS) -> Array:
 
 
 def _seed_offset(buf: Any, stream: int) -> tuple[int, int]:
-    """(seed, offset + stream) from the state's buffer (host memory: the CPU; on a GPU the FP4 GEMM is refused)."""
+    """(seed, offset + stream) from the state's buffer, read on the host: on the CPU a plain read; on a GPU (whose
+    FP4 GEMM needs compute capability 10.x-12.x) a copy that waits for XLA's stream, the one host wait of the
+    NVFP4 path, not yet removed (the kernels take the seed and offset as arguments)."""
     w = np.asarray(buf.data).astype(np.uint64)
     seed, offset = int(w[0] | (w[1] << np.uint64(32))), int(w[2] | (w[3] << np.uint64(32)))
     return seed, (offset + stream) % (1 << 64)

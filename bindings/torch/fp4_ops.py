@@ -30,8 +30,14 @@ def _check_rng(rng: Tensor) -> None:
 
 
 def _seed_offset(rng: Tensor, stream: int) -> tuple[int, int]:
-    """(seed, offset + stream) of an int64 [2] state, as the unsigned 64-bit ints the core takes (int64's bits)."""
+    """(seed, offset + stream) of an int64 [2] state, as the unsigned 64-bit ints the core takes (int64's bits).
+    The state is read on the host, so it must live there (Float8Linear keeps its ``fp4_rng`` in host memory
+    whatever its device, as torch's CUDA generator keeps its seed and offset): a GPU tensor is refused by name
+    rather than read with a wait for the GPU."""
     _check_rng(rng)
+    if rng.device.type != "cpu":
+        raise ValueError(f"rng: expected the (seed, offset) state in host memory (a CPU tensor), got it on "
+                         f"{rng.device}: reading it there would wait for the GPU")
     seed, offset = (int(v) % _U64 for v in rng.tolist())
     return seed, (offset + stream) % _U64
 

@@ -7,7 +7,6 @@ gathered in high precision) equals one process bit for bit."""
 import copy
 import io
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,7 +14,7 @@ torch = pytest.importorskip("torch")
 import fp8core  # noqa: E402
 import fp8core.torch as te  # noqa: E402
 from fp8core.torch import Float8Linear, autocast, convert_to_float8  # noqa: E402
-from twins import train_beside  # noqa: E402
+from twins import fp32_and_converted_losses, mlp  # noqa: E402
 
 NVFP4 = fp8core.NVFP4BlockScaling()
 RECIPES = {"default": NVFP4, "no_rht": fp8core.NVFP4BlockScaling(disable_rht=True),
@@ -85,17 +84,8 @@ def test_stochastic_rounding_draws_new_bytes_each_step_and_only_for_gradients():
     assert torch.equal(lin.weight.grad, grads[0])
 
 
-def mlp(seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
-
-
 def test_training_50_steps_tracks_the_fp32_loss():
-    teacher, ref = mlp(5), mlp(3)
-    fp4 = convert_to_float8(copy.deepcopy(ref), NVFP4)
-    g = torch.Generator().manual_seed(0)
-    losses = train_beside(ref, fp4, teacher, lambda: torch.randn(64, 128, generator=g), steps=50, lr=2e-3)
-    first, last = np.mean(losses[:5], axis=0), np.mean(losses[-10:], axis=0)
+    first, last = fp32_and_converted_losses(NVFP4)
     assert last[0] < 0.5 * first[0]  # the task is being learnt
     assert last[1] < 0.5 * first[1]  # and by the NVFP4 twin
     # measured: fp32 0.01380 after 50 steps (0.0692 at the start); NVFP4 0.0148 (+7%): 4-bit elements cost more

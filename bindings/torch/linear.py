@@ -231,8 +231,8 @@ class Float8Linear(torch.nn.Linear):
                 self.recipe.amax_history_len, self.weight.device)
         if isinstance(self.recipe, NVFP4BlockScaling) and "fp4_rng" not in self._buffers:
             # stochastic rounding's (seed, offset): a buffer, so state_dict, module transforms and
-            # torch.compile (an in-place update, no recompile) carry it; in host memory whatever the module's
-            # device (see _apply), so the ops read it without waiting for a GPU
+            # torch.compile (an in-place update, no recompile) carry it; in host memory through the module's
+            # transforms (see _apply), as torch's CUDA generator keeps its own; read where it lives, never waited for
             self.register_buffer("fp4_rng", initial_rng("meta" if self.weight.is_meta else "cpu"))
 
     @classmethod

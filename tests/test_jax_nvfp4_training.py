@@ -160,6 +160,32 @@ def test_the_primitives_are_the_cores_bits(jit):
     np.testing.assert_array_equal(bits(y), bits(fp8core.gemm(want_w, want_w, out_dtype="float32")))
 
 
+def test_the_quantize_callback_hands_its_state_buffer_on_unread(monkeypatch):
+    """Under jit the callback passes the state's own buffer as rng_state and the stream as the offset to add: the
+    kernel reads it where XLA keeps it (on a GPU, device memory on XLA's stream), nothing reads it to the host. The
+    state's offset 2**64 - 1 plus stream 1 wraps to 0, as by value."""
+    from fp8core._tensor import Tensor
+
+    seen = []
+    quantize = fp8core.quantize_nvfp4
+
+    def spy(x, **kw):
+        seen.append(kw)
+        return quantize(x, **kw)
+
+    monkeypatch.setattr(fp8core, "quantize_nvfp4", spy)
+    x = np.random.default_rng(4).standard_normal((32, 64)).astype(np.float32)
+    rng = jfp4.rng_state(2 ** 40 + 9, 2 ** 64 - 1)
+    got = jax.jit(lambda x, r: tuple(jfp4.quantize_nvfp4(x, stochastic=True, rng=r, stream=1)))(jnp.asarray(x), rng)
+    (kw,) = seen
+    state = kw["rng_state"]
+    assert isinstance(state, Tensor) and state.dtype == "uint32" and state.shape == (4,) and kw["offset"] == 1
+    assert "seed" not in kw
+    want = quantize(x, rounding="stochastic", seed=2 ** 40 + 9, offset=0)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
 def test_the_primitives_refuse_as_the_core_does():
     with pytest.raises(ValueError) as core:
         fp8core.quantize_nvfp4(np.ones((20, 32), np.float32), columnwise=True)

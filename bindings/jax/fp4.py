@@ -5,7 +5,9 @@ Stochastic rounding's random state is data, a uint32 [4] array ``(seed lo, seed 
 (the unsigned 64-bit seed and offset of fp8core.quantize_nvfp4; JAX has no 64-bit integers by default): one
 program for every step. :func:`fp8core.jax.dense` takes it as the layer's state, ``{"rng": uint32 [4]}``, and
 returns the state with the offset advanced by 2 (the step's two gradient quantizations take ``offset`` and
-``offset + 1``), as fp8core.torch's ``fp4_rng`` buffer advances.
+``offset + 1``), as fp8core.torch's ``fp4_rng`` buffer advances. The state is never read to the host: the
+quantize callback hands its buffer to fp8core.quantize_nvfp4 as ``rng_state`` (on a GPU the kernel reads the
+seed and offset from device memory, on XLA's stream), and the advance is a jnp op.
 """
 
 from __future__ import annotations
@@ -56,21 +58,13 @@ def advance_rng(rng: Array, streams: int = STREAMS) -> Array:
     return rng.at[2].set(lo).at[3].set(hi)
 
 
-def _seed_offset(buf: Any, stream: int) -> tuple[int, int]:
-    """(seed, offset + stream) from the state's buffer, read on the host: on the CPU a plain read; on a GPU (whose
-    FP4 GEMM needs compute capability 10.x-12.x) a copy that waits for XLA's stream, the one host wait of the
-    NVFP4 path, not yet removed (the kernels take the seed and offset as arguments)."""
-    w = np.asarray(buf.data).astype(np.uint64)
-    seed, offset = int(w[0] | (w[1] << np.uint64(32))), int(w[2] | (w[3] << np.uint64(32)))
-    return seed, (offset + stream) % (1 << 64)
-
-
 def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False, stochastic: bool = False,
                    rng: Array | None = None, stream: int = 0, columnwise: bool = False) -> NVFP4Tensor:
     """:func:`fp8core.quantize_nvfp4` of x [M, K] (float32/bfloat16/float16) under jit: NVFP4Tensor(data uint8
     [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16] with ``weight_2d``, global_amax float32 [1]);
     the operand [R, C] is x, or x^T with ``columnwise``. Stochastic rounding takes the seed and the offset +
-    ``stream`` from ``rng`` (uint32 [4], :func:`rng_state`)."""
+    ``stream`` from ``rng`` (uint32 [4], :func:`rng_state`), read where it lives by the quantize (on a GPU from
+    device memory: no host read)."""
     x = _args.high_precision(x, "x", matrix=True)
     if len(x.shape) != 2:
         raise ValueError(f"x: expected a 2-D [M, K] array, got shape {tuple(x.shape)}")
@@ -95,10 +89,11 @@ def _quantize_nvfp4(x: Array, rng: Array, *, flags: tuple[bool, bool, bool, bool
               jax.ShapeDtypeStruct((1,), jnp.float32))
 
     def run(t, r):
-        seed, offset = _seed_offset(r, stream) if stochastic else (0, 0)
+        # the state's buffer itself, on x's device: the kernel reads it there, nothing waits for XLA's stream
         return tuple(fp8core.quantize_nvfp4(t, weight_2d=weight_2d, hadamard=hadamard,
-                                            rounding="stochastic" if stochastic else "nearest", seed=seed,
-                                            offset=offset, columnwise=columnwise))
+                                            rounding="stochastic" if stochastic else "nearest",
+                                            rng_state=r if stochastic else None, offset=stream if stochastic else 0,
+                                            columnwise=columnwise))
 
     return tuple(primitive(returning(run), shapes)(x, rng))
 

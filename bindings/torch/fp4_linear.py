@@ -13,8 +13,10 @@ rowwise (x itself) and columnwise (x^T), each with its own rule, as TE's recipe 
   wgrad    dw [out, in] = gemm(dy.T [out, M], x.T [in, M])   GEMM K = M, the token count, zero-padded to 32
 
 Stochastic rounding draws its bytes from Philox keyed by (seed, block, offset): the layer's ``fp4_rng`` buffer
-(int64 [2]: seed, offset) is read at the forward and its offset advanced by :data:`STREAMS` per forward that
-records a backward, so a run repeated with the same seed, or resumed from a state_dict, draws the same bytes.
+(int64 [2]: seed, offset) is copied at the forward and its offset advanced by :data:`STREAMS` per forward that
+records a backward (device ops where it lives), so a run repeated with the same seed, or resumed from a state_dict,
+draws the same bytes. The backward's quantizations read the copy where it lives (host memory: by value; the GPU:
+the kernel reads it), never to the host.
 The two gradient quantizations of one step take offsets ``offset`` and ``offset + 1``: independent bytes.
 Zero rows add nothing to the sums and, with or without the transform, leave every other element's bits unchanged.
 """

@@ -1,9 +1,11 @@
 """NVFP4 as torch custom ops (``torch.ops.fp8core.quantize_nvfp4``, ``torch.ops.fp8core.nvfp4_gemm``), each with a
 fake so that ``torch.compile(fullgraph=True)`` traces through them. The numerics are the core's (fp8core.fp4).
 
-The random state of stochastic rounding is a tensor, int64 [2] = (seed, offset), read inside the op: a module
+The random state of stochastic rounding is a tensor, int64 [2] = (seed, offset), read when the op runs: a module
 advances it in place each step and a compiled graph neither bakes it in as a constant nor recompiles for it.
 ``stream`` is added to the offset, so the quantizations of one step draw independent bytes (stream 0, 1, ...).
+The state may live in host memory (read there, passed to the kernel by value) or on x's device (the kernel reads
+it there by pointer: never read to the host, so FSDP2 or a user moving it costs no wait for the GPU).
 The ops return plain (data, scale, global_amax) tuples; the wrappers below give :class:`NVFP4Tensor`.
 """
 
@@ -19,36 +21,27 @@ from .ops import follow_torch_threads
 
 Tensor = torch.Tensor
 _LIB = "fp8core"
-_U64 = 1 << 64
 
 __all__ = ["quantize_nvfp4", "nvfp4_gemm", "advance_rng"]
 
 
-def _check_rng(rng: Tensor) -> None:
+def _check_rng(rng: Tensor, x: Tensor | None = None) -> None:
+    """The state's dtype and shape, and its place: host memory or x's device (its metadata only: no read)."""
     if rng.dtype != torch.int64 or tuple(rng.shape) != (2,):
         raise ValueError(f"rng: expected int64 [2] (seed, offset), got {rng.dtype} {tuple(rng.shape)}")
-
-
-def _seed_offset(rng: Tensor, stream: int) -> tuple[int, int]:
-    """(seed, offset + stream) of an int64 [2] state, as the unsigned 64-bit ints the core takes (int64's bits).
-    The state is read on the host, so it must live there (Float8Linear keeps its ``fp4_rng`` in host memory
-    whatever its device, as torch's CUDA generator keeps its seed and offset): a GPU tensor is refused by name
-    rather than read with a wait for the GPU."""
-    _check_rng(rng)
-    if rng.device.type != "cpu":
-        raise ValueError(f"rng: expected the (seed, offset) state in host memory (a CPU tensor), got it on "
-                         f"{rng.device}: reading it there would wait for the GPU")
-    seed, offset = (int(v) % _U64 for v in rng.tolist())
-    return seed, (offset + stream) % _U64
+    if x is not None and rng.device != x.device and rng.device.type != "cpu":
+        raise ValueError(f"rng: is on {rng.device} but x is on {x.device}; keep the (seed, offset) state on x's "
+                         "device (read there by the kernel) or in host memory (read by value)")
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_nvfp4", mutates_args=())
 @follow_torch_threads
 def _quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool, rng: Tensor, stream: int,
                     columnwise: bool) -> tuple[Tensor, Tensor, Tensor]:
-    seed, offset = _seed_offset(rng, stream) if stochastic else (0, 0)
+    _check_rng(rng, x)
     q = fp8core.quantize_nvfp4(x, weight_2d=weight_2d, hadamard=hadamard,
-                               rounding="stochastic" if stochastic else "nearest", seed=seed, offset=offset,
+                               rounding="stochastic" if stochastic else "nearest",
+                               rng_state=rng.contiguous() if stochastic else None, offset=stream if stochastic else 0,
                                columnwise=columnwise)
     return tuple(q)
 
@@ -88,7 +81,9 @@ def advance_rng(rng: Tensor, streams: int) -> tuple[Tensor, Tensor]:
     compiled backward must read the copy saved at the forward, and AOTAutograd's partitioner would recompute a clone
     in the backward from the buffer the forward has since advanced."""
     _check_rng(rng)  # the shape only: no read of the values (on a GPU, a wait for the stream)
-    return rng.clone(), rng + rng.new_tensor((0, streams))
+    after = rng.clone()
+    after[1:] += streams  # a device op where the state is on a device: no host copy, no read
+    return rng.clone(), after
 
 
 @advance_rng.register_fake
@@ -104,7 +99,8 @@ def quantize_nvfp4(x: Tensor, weight_2d: bool = False, hadamard: bool = False, s
     """:func:`fp8core.quantize_nvfp4` of x [M, K] (float32/bfloat16/float16) as an op: NVFP4Tensor(data uint8
     [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16] with ``weight_2d``, global_amax float32 [1]);
     the operand [R, C] is x, or x^T with ``columnwise``. Stochastic rounding takes seed and offset + ``stream``
-    from ``rng`` (int64 [2]), read when the op runs."""
+    from ``rng`` (int64 [2], in host memory or on x's device), read when the op runs where it lives (on a GPU by
+    the kernel: no host read)."""
     if rng is None:
         rng = torch.zeros(2, dtype=torch.int64)
     layout = Layout.NVFP4_16X16 if weight_2d else Layout.NVFP4_1X16

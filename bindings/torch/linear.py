@@ -231,8 +231,8 @@ class Float8Linear(torch.nn.Linear):
                 self.recipe.amax_history_len, self.weight.device)
         if isinstance(self.recipe, NVFP4BlockScaling) and "fp4_rng" not in self._buffers:
             # stochastic rounding's (seed, offset): a buffer, so state_dict, module transforms and
-            # torch.compile (an in-place update, no recompile) carry it; in host memory whatever the module's
-            # device (see _apply), so the ops read it without waiting for a GPU
+            # torch.compile (an in-place update, no recompile) carry it; in host memory through the module's
+            # transforms (see _apply), as torch's CUDA generator keeps its own; read where it lives, never waited for
             self.register_buffer("fp4_rng", initial_rng("meta" if self.weight.is_meta else "cpu"))
 
     @classmethod
@@ -287,15 +287,12 @@ class Float8Linear(torch.nn.Linear):
         rng = self._buffers.get("fp4_rng")
         super()._apply(fn, recurse)
         new_rng = self._buffers.get("fp4_rng")
-        if new_rng is not None and new_rng.device.type not in ("cpu", "meta"):
-            # moved with the module (cuda(), to(device), to_empty): back to host memory, where torch's CUDA
-            # generator keeps its seed and offset too and the quantize ops read it without a GPU sync
-            if rng is not None and rng.device.type == "cpu":
-                new_rng = rng
-            elif rng is not None and rng.is_meta:
-                new_rng = torch.empty(2, dtype=torch.int64)  # drawn below
-            else:  # put on a device by other means (FSDP2 moves buffers itself): copied back once, here
-                new_rng = new_rng.cpu()
+        if new_rng is not None and new_rng.device.type not in ("cpu", "meta") and rng is not None \
+                and (rng.device.type == "cpu" or rng.is_meta):
+            # moved with the module (cuda(), to(device), to_empty): kept in host memory, where torch's CUDA
+            # generator keeps its seed and offset too (the ops pass it to the kernels by value). A state put on a
+            # device by other means (FSDP2 moves buffers itself) stays there: the kernels read it by pointer.
+            new_rng = rng if rng.device.type == "cpu" else torch.empty(2, dtype=torch.int64)  # (meta: drawn below)
             self._buffers["fp4_rng"] = new_rng
         if rng is not None and rng.is_meta and new_rng is not None and not new_rng.is_meta:
             with torch.no_grad():  # materialised (to_empty): uninitialised memory is no seed; a new layer's draw

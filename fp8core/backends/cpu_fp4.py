@@ -147,6 +147,13 @@ def block_bytes(g: np.ndarray, seed: int, offset: int) -> np.ndarray:
     return words.view(np.uint8)
 
 
+def state_seed_offset(words: np.ndarray, offset: int) -> tuple[int, int]:
+    """(seed, state's offset + offset mod 2**64) of a random state in memory (int64/uint64 [2] or uint32 [4]),
+    read as the kernel reads it: four little-endian u32 words (seed lo, seed hi, offset lo, offset hi)."""
+    w = [int(v) for v in np.ascontiguousarray(words).reshape(-1).view("<u4")]
+    return w[0] | w[1] << 32, ((w[2] | w[3] << 32) + offset) % (1 << 64)
+
+
 # ---- blocks in x's layout ----------------------------------------------------------------------------------
 # The work is done in x's own layout [M, K], whichever the operand: a rowwise block is 16 (32) consecutive
 # elements of a row of x, a columnwise one 16 (32) consecutive elements of a column of x. Viewed as [A, b, B], the
@@ -442,9 +449,14 @@ def nvfp4_block_scales(amax_bits: np.ndarray, s_enc: np.float32, s_dec: np.float
 
 @ieee
 def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool, seed: int, offset: int,
-                   global_amax: np.ndarray | None, columnwise: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   rng_state: Tensor | None, global_amax: np.ndarray | None, columnwise: bool
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [M, K] -> (data uint8 [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16], global amax
-    float32 [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G or None."""
+    float32 [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G or None.
+    rng_state: None (seed and offset by value) or the caller's state in memory (:func:`state_seed_offset`: its
+    seed, its offset + ``offset``)."""
+    if stochastic and rng_state is not None:
+        seed, offset = state_seed_offset(rng_state.data, offset)
     m, k = x.data.shape
     data = _transformed(x.data, columnwise) if hadamard else x.data
     g = amax(Tensor(data, x.dtype, x.device, "numpy")) if global_amax is None else \

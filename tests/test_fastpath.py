@@ -273,7 +273,7 @@ def test_jax_buffer_callback_buffers_are_read_in_place():
 # from a GPU call).
 GPU_PATH = ["fp8core/backends/cuda.py", "fp8core/backends/cublaslt.py", "fp8core/_kernels.py", "fp8core/_tensor.py",
             "fp8core/_dlpack.py", "fp8core/ops.py", "fp8core/gemm.py", "bindings/torch", "bindings/jax",
-            "fp8core/backends/cuda_fp4.py", "fp8core/fp4.py"]
+            "fp8core/backends/cuda_fp4.py", "fp8core/fp4.py", "fp8core/declarations.py"]
 SYNC_ATTRIBUTES = {"item", "tolist", "asnumpy", "synchronize", "cpu", "deviceSynchronize", "streamSynchronize",
                    "cudaDeviceSynchronize", "cudaStreamSynchronize", "block_until_ready"}
 
@@ -323,8 +323,8 @@ def test_host_by_design_modules_exist_and_say_they_read_to_the_host(name):
 
 # Reads of host memory by design on the GPU path, each refusing device memory by name before it reads.
 HOST_READS = {
-    "bindings/torch/fp4_ops.py": {"rng.tolist()": "NVFP4's (seed, offset) state, kept on the host as torch's CUDA "
-                                                  "generator keeps its own; a GPU tensor is refused by name"},
+    "fp8core/declarations.py": {"wrap(rng, 'rng').data.tolist()": "NVFP4's (seed, offset) state, kept on the host as "
+                                "torch's CUDA generator keeps its own; a GPU tensor is refused by name"},
     "bindings/torch/linear.py": {"new_rng.cpu()": "a module transform, not a step: that state brought back to the "
                                                   "host once where something else moved it to a device"},
 }

@@ -107,7 +107,7 @@ def test_the_direct_and_the_dispatched_body_agree():
         dispatched = ops.cast_transpose(x, s, "e5m2", slot_dispatched)
     assert "fp8core.cast_transpose_amax.default" in seen.ops
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(direct, dispatched))
-    assert slot_direct.item() == slot_dispatched.item() == 3.0
+    assert torch.equal(bits(slot_direct), bits(slot_dispatched)) and slot_direct.isnan().all()  # NaN propagates
     assert torch.equal(bits(direct[0]), bits(fp8core.quantize(x, s, "e5m2")))
 
 

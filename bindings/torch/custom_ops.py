@@ -92,17 +92,16 @@ def custom_op(p: Primitive, name: str | None = None, without: tuple[str, ...] = 
     mutated = [i for i, a in enumerate(params) if a.mutated]
     # The dispatcher drops trailing arguments equal to their defaults before it calls a Python kernel.
     defaults = tuple(None if a.default is REQUIRED or a.slot else a.default for a in params)
-    call, positional = p.call, _takes_in_order(p.call, names)
+    call, k = p.call, _in_order(p.call, names)
+    keywords = names[k:]
 
     def full(values: tuple) -> dict[str, Any]:
         return dict(zip(names, values + defaults[len(values):]))
 
     def body(*values: Any) -> Any:
+        values += defaults[len(values):]
         with fp8core.cpu_threads(torch.get_num_threads()):
-            if positional:
-                out = call(*values, *defaults[len(values):])
-            else:
-                out = call(**full(values))
+            out = call(*values[:k], **dict(zip(keywords, values[k:]))) if keywords else call(*values)
         if p.returns > 1:
             out = tuple(out)
             return _unaliased(out, values) if p.may_alias else out
@@ -111,7 +110,7 @@ def custom_op(p: Primitive, name: str | None = None, without: tuple[str, ...] = 
     def fake(*values: Any) -> Any:
         kwargs = full(values)
         if p.precheck is not None:
-            p.precheck(**{k: Spec.of(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+            p.precheck(**{n: Spec.of(v) if isinstance(v, torch.Tensor) else v for n, v in kwargs.items()})
         refuse_meta(*((a.label or a.name, kwargs[a.name]) for a in tensors))
         like = kwargs[tensors[0].name]
         outs = tuple(like.new_empty(s.shape, dtype=getattr(torch, s.dtype)) for s in p.specs(**kwargs))
@@ -151,15 +150,18 @@ _PLAIN = frozenset(torch._C.DispatchKeySet(k).raw_repr() for k in (torch._C.Disp
                                                                    torch._C.DispatchKey.CUDA))
 
 
-def _takes_in_order(fn: Callable, names: tuple[str, ...]) -> bool:
-    """Whether ``fn`` takes the arguments ``names`` positionally, in that order (then the body passes them so:
-    building keywords costs a 16-element call about a microsecond)."""
+def _in_order(fn: Callable, names: tuple[str, ...]) -> int:
+    """How many of the arguments ``names``, from the first, ``fn`` takes positionally in that order: the body
+    passes those so and the rest by keyword (building keywords costs a 16-element call about a microsecond)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return False
+        return 0
     ordered = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return len(params) >= len(names) and all(q.name == n and q.kind in ordered for q, n in zip(params, names))
+    k = 0
+    while k < min(len(params), len(names)) and params[k].name == names[k] and params[k].kind in ordered:
+        k += 1
+    return k
 
 
 # Each op's registrations last while its Library lives: for the life of the process, as torch's own ops.

@@ -6,8 +6,9 @@ on torch tensors (the core alone) and torch eager's ``(x.float() * scale).clamp(
 The two checkouts cannot share one process (both register ``torch.ops.fp8core``): each runs in a worker process
 of its own (its fp8core and fp8core.torch staged as one package), and this process asks them for blocks of calls
 in turn, base and this alternating, each worker's torch chain beside its fp8core calls, so that a shared VM's
-drift slows every candidate alike. ``x eager`` is the median over blocks of a call / the same worker's chain in
-the same round.
+drift slows every candidate alike, and each round starts with another case. ``x eager`` is the median over rounds
+of a call / the same worker's torch chain in the same round (with an amax slot, the chain that updates one too:
+``torch.maximum(slot, x.abs().max(), out=slot)`` beside the cast).
 
     git archive <commit> fp8core bindings | tar -x -C /tmp/base && python bench/bench_torch_host.py /tmp/base \
         [--repeat 150] [--block 100] [--json out.json]
@@ -43,8 +44,10 @@ cases = {
     "op+amax_out": lambda: torch.ops.fp8core.quantize_amax(x, s, "e4m3", slot),
     "core": lambda: fp8core.quantize(x, s, "e4m3"),
     "eager": lambda: (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn),
+    "eager+amax": lambda: (torch.maximum(slot, x.abs().max().float(), out=slot),
+                           (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn)),
 }
-codes = {k: f().view(torch.uint8).tolist() for k, f in cases.items() if k != "eager"}
+codes = {k: f().view(torch.uint8).tolist() for k, f in cases.items() if not k.startswith("eager")}
 assert len({str(v) for v in codes.values()}) == 1, codes  # one answer whatever the path
 print(fp8core.__file__, flush=True)
 for line in sys.stdin:
@@ -56,7 +59,9 @@ for line in sys.stdin:
     print(time.perf_counter() - t, flush=True)
 """
 
-CASES = ("ops.quantize", "op", "op+amax_out", "core", "eager")
+CASES = ("ops.quantize", "op", "op+amax_out", "core", "eager", "eager+amax")
+# each case's torch chain: with an amax slot, torch's chain updates one too
+REFERENCE = {"op+amax_out": "eager+amax"}
 
 
 def stage(checkout: pathlib.Path) -> pathlib.Path:
@@ -108,9 +113,9 @@ def main() -> None:
             for case in CASES:
                 w.block(case, args.block)
         per = {(who, case): [] for who in workers for case in CASES}
-        for _ in range(args.repeat):
+        for r in range(args.repeat):
             for who, w in workers.items():
-                for case in CASES:
+                for case in CASES[r % len(CASES):] + CASES[:r % len(CASES)]:  # each case first in turn
                     per[who, case].append(w.block(case, args.block))
     finally:
         for w in workers.values():
@@ -126,13 +131,13 @@ def main() -> None:
     for case in CASES:
         for who in workers:
             med, p20, p80 = _stats(per[who, case])
-            ratios = [a / b for a, b in zip(per[who, case], per[who, "eager"])]
+            ratios = [a / b for a, b in zip(per[who, case], per[who, REFERENCE.get(case, "eager")])]
             r, r20, r80 = _stats(ratios)
             rows.append({"case": case, "who": who, "us": med * 1e6, "us_p20": p20 * 1e6, "us_p80": p80 * 1e6,
                          "x_eager": r, "x_eager_p20": r20, "x_eager_p80": r80})
             print(f"{case:13s} {who:5s} {med * 1e6:8.1f} {p20 * 1e6:6.1f}-{p80 * 1e6:<7.1f} {r:8.2f} "
                   f"{r20:6.2f}-{r80:<6.2f}")
-    for case in CASES[:-1]:
+    for case in CASES[:4]:
         ab = _stats([a / b for a, b in zip(per["this", case], per["base", case])])
         print(f"# {case}: this/base {ab[0]:.2f} (p20-p80 {ab[1]:.2f}-{ab[2]:.2f})")
         rows.append({"case": case, "who": "this/base", "ratio": ab[0], "ratio_p20": ab[1], "ratio_p80": ab[2]})

@@ -12,6 +12,11 @@ of a call / the same worker's torch chain in the same round (with an amax slot, 
 
     git archive <commit> fp8core bindings | tar -x -C /tmp/base && python bench/bench_torch_host.py /tmp/base \
         [--repeat 150] [--block 100] [--json out.json]
+
+``--stages`` (no base): where this checkout's op call goes, in one process, each stage timed in shuffled rounds:
+torch's chain, the core alone, the op's body called from Python (the core inside ``cpu_threads``), the floor of a
+Python kernel (an op whose Autograd kernel returns its input), the op, and the same body behind
+``torch.library.custom_op`` (the wrapper fp8core's ops used before, in a scratch namespace).
 """
 
 from __future__ import annotations
@@ -100,13 +105,78 @@ def _stats(v: list[float]) -> tuple[float, float, float]:
     return statistics.median(v), q[0], q[3]
 
 
+def stages(repeat: int, block: int) -> list[dict]:
+    """Each stage of a 16-element op call in this process: (name, median, p20, p80, min) in us, and x eager."""
+    import random
+    import time
+
+    import torch
+
+    import fp8core
+    import fp8core.torch  # noqa: F401  (registers the ops)
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    x = torch.from_numpy(__import__("numpy").random.default_rng(0).standard_normal(16).astype("float32")).bfloat16()
+    s = torch.tensor([0.5])
+
+    def body(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+        with fp8core.cpu_threads(torch.get_num_threads()):
+            return fp8core.quantize(x, scale, fmt)
+
+    lib = torch.library.Library("fp8core_bench_stages", "FRAGMENT")
+    lib.define("floor(Tensor x, Tensor scale, str fmt) -> Tensor")
+    lib.impl("floor", lambda keyset, x, scale, fmt: x, "Autograd", with_keyset=True)
+    wrapped = torch.library.custom_op("fp8core_bench_stages::custom_op", body, mutates_args=(),
+                                      schema="(Tensor x, Tensor scale, str fmt) -> Tensor")
+    wrapped.register_fake(lambda x, scale, fmt: torch.empty_like(x, dtype=torch.float8_e4m3fn))
+    cases = {
+        "torch eager chain": lambda: (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn),
+        "core: fp8core.quantize": lambda: fp8core.quantize(x, s, "e4m3"),
+        "body from Python": lambda: body(x, s, "e4m3"),
+        "floor: a Python kernel": lambda: torch.ops.fp8core_bench_stages.floor.default(x, s, "e4m3"),
+        "op: torch.ops.fp8core.quantize": lambda: torch.ops.fp8core.quantize.default(x, s, "e4m3"),
+        "body behind custom_op": lambda: torch.ops.fp8core_bench_stages.custom_op.default(x, s, "e4m3"),
+    }
+    per: dict = {k: [] for k in cases}
+    names = list(cases)
+    for f in cases.values():
+        f()
+    for _ in range(repeat):
+        random.shuffle(names)
+        for k in names:
+            f = cases[k]
+            t = time.perf_counter()
+            for _ in range(block):
+                f()
+            per[k].append((time.perf_counter() - t) / block)
+    eager = per["torch eager chain"]
+    rows = []
+    for k, v in per.items():
+        med, p20, p80 = _stats(v)
+        x_eager = _stats([a / b for a, b in zip(v, eager)])[0]
+        rows.append({"stage": k, "us": med * 1e6, "us_p20": p20 * 1e6, "us_p80": p80 * 1e6, "us_min": min(v) * 1e6,
+                     "x_eager": x_eager})
+        print(f"{k:32s} {med * 1e6:8.1f} {p20 * 1e6:6.1f}-{p80 * 1e6:<7.1f} min {min(v) * 1e6:6.1f} {x_eager:8.2f}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("base", help="a checkout of the fp8core to compare with (git archive <commit> | tar -x)")
+    ap.add_argument("base", nargs="?", help="a checkout of the fp8core to compare with (git archive <commit> | tar -x)")
+    ap.add_argument("--stages", action="store_true", help="instead: this checkout's op call, stage by stage")
     ap.add_argument("--repeat", type=int, default=150, help="rounds (one block of each case in each worker)")
     ap.add_argument("--block", type=int, default=100, help="calls per block")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.stages:
+        print(f"# stages of a 16-element torch quantize, us per call (median, p20-p80, min), x eager; shuffled rounds "
+              f"of {args.block} calls, {args.repeat} rounds")
+        rows = stages(args.repeat, args.block)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
+    if args.base is None:
+        ap.error("base: a checkout to compare with (or --stages)")
     workers = {"base": Worker(pathlib.Path(args.base)), "this": Worker(ROOT)}
     try:
         for w in workers.values():  # warm-up: first calls build tables and caches

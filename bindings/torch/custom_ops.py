@@ -10,10 +10,13 @@ declaration makes two ops: ``name`` without the slot and ``name_amax`` with it.
 
 The op is registered with ``torch.library.Library`` directly, not through ``torch.library.custom_op``: that
 wrapper puts four Python layers between the dispatcher and the body (its autograd function, a redispatch, a
-dynamo-disabled frame, an output-aliasing check) which cost a 16-element quantize about 25 us on a 2-core VM, three
-times the core's own work (bench/results/cpu-2core-2026-11-27-torch-host-*). Here the dispatcher calls two plain
-functions: the Autograd kernel (no formula: an output that needs a gradient raises on backward, as custom_op's
-does) and the body, registered for every backend (CompositeExplicitAutograd) as custom_op registers it.
+dynamo-disabled frame, an output-aliasing check), 20-25 us a call on a 2-core VM, more than the core's own work on
+16 elements (bench/results/cpu-2core-2026-11-27-torch-host-*). Here the dispatcher calls one Python function, the
+op's Autograd kernel. For real CPU or CUDA tensors outside any dispatch mode or tracer it calls the body itself
+(the dispatcher's next stop, without a second trip from Python through C++); otherwise (fake tensors, modes,
+torch.compile's tracing, the meta device) it dispatches on to the body, registered for every backend
+(CompositeExplicitAutograd) as custom_op registers it, or to the fake. The ops have no gradient formula: an output
+that needs a gradient raises on backward, naming the op, as custom_op's do.
 """
 
 from __future__ import annotations

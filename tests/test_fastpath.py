@@ -273,7 +273,7 @@ def test_jax_buffer_callback_buffers_are_read_in_place():
 # from a GPU call).
 GPU_PATH = ["fp8core/backends/cuda.py", "fp8core/backends/cublaslt.py", "fp8core/_kernels.py", "fp8core/_tensor.py",
             "fp8core/_dlpack.py", "fp8core/ops.py", "fp8core/gemm.py", "bindings/torch", "bindings/jax",
-            "fp8core/backends/cuda_fp4.py", "fp8core/fp4.py"]
+            "fp8core/backends/cuda_fp4.py", "fp8core/fp4.py", "fp8core/declarations.py"]
 SYNC_ATTRIBUTES = {"item", "tolist", "asnumpy", "synchronize", "cpu", "deviceSynchronize", "streamSynchronize",
                    "cudaDeviceSynchronize", "cudaStreamSynchronize", "block_until_ready"}
 

@@ -186,6 +186,33 @@ def test_the_quantize_callback_hands_its_state_buffer_on_unread(monkeypatch):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_mxfp4_and_the_dequantizers_are_the_cores_bits(jit):
+    x = np.random.default_rng(4).standard_normal((64, 96)).astype(np.float32)
+    x[1, :3] = [np.nan, np.inf, -0.0]
+
+    def run(x):
+        m = jfp4.quantize_mxfp4(x, rounding="floor", columnwise=True)
+        n = jfp4.quantize_nvfp4(x, weight_2d=True)
+        return tuple(m), jfp4.dequantize_mxfp4(m, jnp.bfloat16), jfp4.dequantize_nvfp4(n)
+
+    m, ym, yn = (jax.jit(run) if jit else run)(jnp.asarray(x))
+    want = fp8core.quantize_mxfp4(x, rounding="floor", columnwise=True)
+    for got, ref in zip(m, want):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
+    np.testing.assert_array_equal(bits(ym), bits(fp8core.dequantize_mxfp4(want, "bfloat16")))
+    np.testing.assert_array_equal(bits(yn), bits(fp8core.dequantize_nvfp4(fp8core.quantize_nvfp4(x, weight_2d=True))))
+    x40 = np.ascontiguousarray(x[:, :40])  # K = 40: not whole blocks of 32
+    with pytest.raises(ValueError) as core:
+        fp8core.quantize_mxfp4(x40)
+    with pytest.raises(ValueError) as ours:
+        jfp4.quantize_mxfp4(jnp.asarray(x40))
+    assert str(ours.value) == str(core.value)
+    with pytest.raises(TypeError, match="t: expected an MXFP4Tensor"):
+        jfp4.dequantize_mxfp4(tuple(m))
+
+
 def test_the_primitives_refuse_as_the_core_does():
     with pytest.raises(ValueError) as core:
         fp8core.quantize_nvfp4(np.ones((20, 32), np.float32), columnwise=True)

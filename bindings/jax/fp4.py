@@ -1,4 +1,5 @@
-"""NVFP4 for JAX, callable inside ``jax.jit``: the quantization and GEMM of fp8core.fp4, and the dense layer of
+"""FP4 for JAX, callable inside ``jax.jit``: the NVFP4 and MXFP4 quantizations, their dequantizations and the NVFP4
+GEMM of fp8core.fp4 (their output shapes the declarations', fp8core.declarations), and the dense layer of
 ``NVFP4BlockScaling`` (Transformer Engine's NVFP4 recipe), the same GEMMs as fp8core.torch's, bit for bit.
 
 Stochastic rounding's random state is data, a uint32 [4] array ``(seed lo, seed hi, offset lo, offset hi)``
@@ -22,14 +23,16 @@ import numpy as np
 import fp8core
 from fp8core import NVFP4BlockScaling, args
 from fp8core.fp4 import FP4_GEMM_K
-from fp8core.layouts import Layout, NVFP4Tensor
+from fp8core.declarations import PRIMITIVES
+from fp8core.layouts import Layout, MXFP4Tensor, NVFP4Tensor
 
 from . import _args
 from .blocks import returning
 from .derivatives import first_order_only
-from .primitives import jitted, primitive
+from .primitives import jitted, primitive, shapes
 
-__all__ = ["quantize_nvfp4", "nvfp4_gemm", "rng_state", "advance_rng", "nvfp4_dense", "nvfp4_matmul", "STREAMS"]
+__all__ = ["quantize_nvfp4", "quantize_mxfp4", "dequantize_nvfp4", "dequantize_mxfp4", "nvfp4_gemm", "rng_state",
+           "advance_rng", "nvfp4_dense", "nvfp4_matmul", "STREAMS"]
 
 Array = jax.Array
 STREAMS = 2  # offsets a step takes: grad_output rowwise (offset), columnwise (offset + 1); fp8core.torch's too
@@ -78,15 +81,9 @@ def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False,
 @jitted("flags", "stream")
 def _quantize_nvfp4(x: Array, rng: Array, *, flags: tuple[bool, bool, bool, bool], stream: int) -> tuple:
     weight_2d, hadamard, stochastic, columnwise = flags
-    m, k = x.shape
-    rows, cols = (k, m) if columnwise else (m, k)
-    if cols % 16:  # at trace time, in the core's words, rather than from inside the callback
-        name, what = ("M", "down the columns of x") if columnwise else ("K", "along the rows of x")
-        raise ValueError(f"x: quantize_nvfp4{' (columnwise)' if columnwise else ''} takes blocks of 16 {what} "
-                         f"viewed as [M, K] = [{m}, {k}]; {name} = {cols} must be a multiple of 16")
-    shapes = (jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
-              jax.ShapeDtypeStruct((-(-rows // 16) if weight_2d else rows, cols // 16), jnp.float8_e4m3fn),
-              jax.ShapeDtypeStruct((1,), jnp.float32))
+    # the declared outputs, and the core's error at trace time rather than from inside the callback
+    out = shapes("quantize_nvfp4", x=x, weight_2d=weight_2d, hadamard=hadamard, stochastic=stochastic, rng=rng,
+                 stream=stream, columnwise=columnwise)
 
     def run(t, r):
         # the state's buffer itself, on x's device: the kernel reads it there, nothing waits for XLA's stream
@@ -95,7 +92,50 @@ def _quantize_nvfp4(x: Array, rng: Array, *, flags: tuple[bool, bool, bool, bool
                                             rng_state=r if stochastic else None, offset=stream if stochastic else 0,
                                             columnwise=columnwise))
 
-    return tuple(primitive(returning(run), shapes)(x, rng))
+    return tuple(primitive(returning(run), out)(x, rng))
+
+
+def quantize_mxfp4(x: Array, *, rounding: str = "rceil", columnwise: bool = False) -> MXFP4Tensor:
+    """:func:`fp8core.quantize_mxfp4` of x [M, K] (float32/bfloat16/float16) under jit: MXFP4Tensor(data uint8
+    [R, C/2], scale float8_e8m0fnu [R, C/32]); the operand [R, C] is x, or x^T with ``columnwise``."""
+    x = _args.high_precision(x, "x", matrix=True)
+    return MXFP4Tensor(*_quantize_mxfp4(x, rounding=args.scale_mode(rounding, "rounding"),
+                                        columnwise=args.flag(columnwise, "columnwise")))
+
+
+@jitted("rounding", "columnwise")
+def _quantize_mxfp4(x: Array, *, rounding: str, columnwise: bool) -> tuple:
+    named = dict(rounding=rounding, columnwise=columnwise)
+    run = returning(lambda t: tuple(PRIMITIVES["quantize_mxfp4"].call(t, **named)))
+    return tuple(primitive(run, shapes("quantize_mxfp4", x=x, **named))(x))
+
+
+def _fp4_parts(t: Any, cls: type, arg: str) -> tuple:
+    if not isinstance(t, cls):
+        raise TypeError(f"{arg}: expected an {cls.__name__} ({', '.join(cls._fields)}), got {type(t).__name__}")
+    return tuple(t)
+
+
+def dequantize_nvfp4(t: NVFP4Tensor, out_dtype: Any = jnp.float32) -> Array:
+    """:func:`fp8core.dequantize_nvfp4` under jit: the operand [R, C] in out_dtype (float32/bfloat16/float16)."""
+    return _dequantize_fp4(_fp4_parts(t, NVFP4Tensor, "t"), name="dequantize_nvfp4",
+                           out_dtype=_args.out_dtype(out_dtype), layout=t.layout.value)
+
+
+def dequantize_mxfp4(t: MXFP4Tensor, out_dtype: Any = jnp.float32) -> Array:
+    """:func:`fp8core.dequantize_mxfp4` under jit: the operand [R, C] in out_dtype (float32/bfloat16/float16)."""
+    return _dequantize_fp4(_fp4_parts(t, MXFP4Tensor, "t"), name="dequantize_mxfp4",
+                           out_dtype=_args.out_dtype(out_dtype), layout=None)
+
+
+@jitted("name", "out_dtype", "layout")
+def _dequantize_fp4(parts: tuple, *, name: str, out_dtype: Any, layout: str | None) -> Array:
+    p = PRIMITIVES[name]
+    named = {"out_dtype": jnp.dtype(out_dtype).name, **({} if layout is None else {"layout": layout})}
+    inputs = dict(zip((a.name for a in p.args), parts))
+    run = returning(lambda *t: p.call(*t, **named))
+    (out,) = shapes(name, **inputs, **named)
+    return primitive(run, out)(*parts)
 
 
 def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: Any = jnp.bfloat16) -> Array:
@@ -103,9 +143,6 @@ def nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: Any = jnp.bfloat16) ->
     for arg, t in (("a", a), ("b", b)):
         if not isinstance(t, NVFP4Tensor):
             raise TypeError(f"{arg}: expected an NVFP4Tensor (data, scale, global_amax), got {type(t).__name__}")
-    if a[0].shape[1] != b[0].shape[1]:
-        raise ValueError(f"b: expected packed data [N, K/2] beside a's [M, K/2] = {tuple(a[0].shape)}, got shape "
-                         f"{tuple(b[0].shape)}")
     return _nvfp4_gemm(tuple(a), tuple(b), out_dtype=_args.out_dtype(out_dtype),
                        layouts=(a.layout.value, b.layout.value))
 
@@ -115,7 +152,10 @@ def _nvfp4_gemm(a: tuple, b: tuple, *, out_dtype: Any, layouts: tuple[str, str])
     name = jnp.dtype(out_dtype).name
     run = returning(lambda *t: fp8core.gemm(NVFP4Tensor(*t[:3], layouts[0]), NVFP4Tensor(*t[3:], layouts[1]),
                                              out_dtype=name))
-    return primitive(run, jax.ShapeDtypeStruct((a[0].shape[0], b[0].shape[0]), out_dtype))(*a, *b)
+    names = ("a", "a_scale", "a_amax", "b", "b_scale", "b_amax")
+    (out,) = shapes("nvfp4_gemm", **dict(zip(names, (*a, *b))), a_layout=layouts[0], b_layout=layouts[1],
+                    out_dtype=name)
+    return primitive(run, out)(*a, *b)
 
 
 # ---- the dense layer ------------------------------------------------------------------------------------

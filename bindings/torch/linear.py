@@ -29,13 +29,15 @@ import torch.nn.functional as F
 import fp8core
 from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from fp8core.gemm import MULTIPLE
+from fp8core.linear_plan import linear_plan
 from fp8core.scaling import check_state_values
 
 from . import ops
-from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
+from .block_linear import BLOCK_RECIPES
 from .fp4_ops import advance_rng
-from .fp4_linear import STREAMS, NVFP4Matmul, fp4_multiple, fp4_spec, initial_rng
-from .rowwise_linear import RowwiseMatmul, is_rowwise, rowwise_spec
+from .fp4_linear import STREAMS, initial_rng
+from .linear_function import LinearFunction
+from .rowwise_linear import is_rowwise
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
 from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
                       current_context, initial_state)
@@ -223,6 +225,7 @@ class Float8Linear(torch.nn.Linear):
         if shared is not None and recipe is not None and check_recipe(recipe) != shared.recipe:
             raise ValueError(f"recipe: {recipe} is not the shared state's recipe {shared.recipe}")
         self.recipe = check_recipe(recipe if shared is None else shared.recipe)
+        self._fp8_plan = linear_plan(self.recipe)
         self._fp8_group: SharedScaling | None = None
         if isinstance(self.recipe, DelayedScaling):
             self._fp8_group = shared if shared is not None else SharedScaling(self.recipe)
@@ -336,16 +339,14 @@ class Float8Linear(torch.nn.Linear):
         if isinstance(self.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)) or is_rowwise(self.recipe):
             self._fp8_weight_scale_inv(None)
             w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
+            state = ()
             if isinstance(self.recipe, NVFP4BlockScaling):
                 rng, after = advance_rng(self.fp4_rng, STREAMS)
                 if torch.is_grad_enabled():  # a backward may follow: the next step draws fresh bytes
                     with torch.no_grad():
                         self.fp4_rng.copy_(after)
-                y = NVFP4Matmul.apply(x, w, self.bias, rng, fp4_spec(self.recipe))
-            elif is_rowwise(self.recipe):
-                y = RowwiseMatmul.apply(x, w, self.bias, rowwise_spec(self.recipe))
-            else:
-                y = BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
+                state = (rng,)
+            y = LinearFunction.apply(x, w, self.bias, self._fp8_plan, *state)
             if self._fp8_recording:
                 _record(self, x, y)
             return y
@@ -514,11 +515,8 @@ class Float8Conv1D(Float8Linear):
 
 def _feature_multiple(recipe: Any) -> tuple[int, str]:
     """(what in_features and out_features must be multiples of under ``recipe``, and why)."""
-    if isinstance(recipe, BLOCK_RECIPES):
-        return block_multiple(recipe)
-    if isinstance(recipe, NVFP4BlockScaling):
-        return fp4_multiple(recipe)
-    return MULTIPLE, "the FP8 GEMM's limit"
+    plan = linear_plan(recipe)
+    return plan.multiple, plan.why
 
 
 def _check_features(in_features: int, out_features: int, recipe: Any) -> None:

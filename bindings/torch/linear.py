@@ -390,8 +390,9 @@ class Float8Linear(torch.nn.Linear):
         if self._fp8_history.device != self.weight.device:
             self._fp8_follow(self.weight.device)
         row = self._fp8_history[0]
-        torch.maximum(row[0:1], ops.amax(x.reshape(-1, x.shape[-1])), out=row[0:1])
-        torch.maximum(row[1:2], ops.amax(self.weight), out=row[1:2])
+        for role, t in ((Role.INPUT, x.reshape(-1, x.shape[-1])), (Role.WEIGHT, self.weight)):
+            slot = self._fp8_plan.roles[role.value].slot
+            torch.maximum(row[slot:slot + 1], ops.amax(t), out=row[slot:slot + 1])
         ctx.ran[self._fp8_group] = None
 
     def runs_in_fp8(self) -> bool:
@@ -411,17 +412,18 @@ class Float8Linear(torch.nn.Linear):
         weight's own cast would cast it, and its scale_inv [1]. Delayed scaling: the layer's weight scale, the
         shard's amax into the weight's history slot; current scaling: the amax all-reduced over the device
         ``mesh``'s process group first, so that every rank casts with one scale."""
-        fwd = self.recipe.fp8_format.fwd.value
+        weight = self._fp8_plan.roles[Role.WEIGHT.value]
+        fwd, slot = weight.rowwise.encoding, weight.slot
         if self._fp8_group is not None:
             if self._fp8_history.device != shard.device:
                 self._fp8_follow(shard.device)
-            q = ops.quantize(shard, self._fp8_scale[1:2], fwd, self._fp8_history[0, 1:2])
-            return (q,), self._fp8_scale_inv[1:2].clone()
-        r = self.recipe
+            q = ops.quantize(shard, self._fp8_scale[slot:slot + 1], fwd, self._fp8_history[0, slot:slot + 1])
+            return (q,), self._fp8_scale_inv[slot:slot + 1].clone()
+        rule = self._fp8_plan.scale
         amax = ops.amax(shard)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
-        scale, scale_inv = ops.compute_scale(amax, fwd, r.margin, r.power_of_2, float(r.amax_epsilon))
+        scale, scale_inv = ops.compute_scale(amax, fwd, rule.margin, rule.power_of_2, rule.epsilon)
         return (ops.quantize(shard, scale, fwd),), scale_inv
 
     # ---- state_dict --------------------------------------------------------------------------------------

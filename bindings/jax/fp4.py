@@ -13,7 +13,6 @@ seed and offset from device memory, on XLA's stream), and the advance is a jnp o
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import jax
@@ -25,10 +24,11 @@ from fp8core import NVFP4BlockScaling, args
 from fp8core.fp4 import FP4_GEMM_K
 from fp8core.declarations import PRIMITIVES
 from fp8core.layouts import Layout, MXFP4Tensor, NVFP4Tensor
+from fp8core.linear_plan import LinearPlan, Quantization, RolePlan, linear_plan
 
 from . import _args
 from .blocks import returning
-from .derivatives import first_order_only
+from .linear_vjp import LinearOps, linear_matmul, output, padded_tokens
 from .primitives import jitted, primitive, shapes
 
 __all__ = ["quantize_nvfp4", "quantize_mxfp4", "dequantize_nvfp4", "dequantize_mxfp4", "nvfp4_gemm", "rng_state",
@@ -160,55 +160,33 @@ def _nvfp4_gemm(a: tuple, b: tuple, *, out_dtype: Any, layouts: tuple[str, str])
 
 # ---- the dense layer ------------------------------------------------------------------------------------
 
-def _spec(recipe: NVFP4BlockScaling, out_dtype: str | None = None) -> tuple[bool, bool, bool, str | None]:
-    """(weight in 16x16 tiles, the Hadamard transform on the wgrad operands, stochastic rounding of gradients,
-    the output's dtype name: None for x's)."""
-    return (not recipe.disable_2d_quantization, not recipe.disable_rht, not recipe.disable_stochastic_rounding,
-            out_dtype)
+def _quantize(t: Array, role: RolePlan, plan: LinearPlan, rowwise: bool, columnwise: bool,
+              state: tuple) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+    """(t's operand, t^T's operand), each only where asked, with its usage's rule; stochastic rounding draws from
+    ``state`` (the call's uint32 [4] random state) at the usage's stream."""
+    return tuple(_one(t, q, state, usage) if asked else None
+                 for q, usage, asked in ((role.rowwise, False, rowwise), (role.columnwise, True, columnwise)))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _nvfp4_matmul(x, w, rng, spec):
-    return _forward(x, w, rng, spec)[0]
+def _one(t: Array, q: Quantization, state: tuple, columnwise: bool) -> NVFP4Tensor:
+    if q.stochastic:
+        return quantize_nvfp4(t, weight_2d=q.layout is Layout.NVFP4_16X16, hadamard=q.hadamard, stochastic=True,
+                              rng=state[0], stream=q.stream, columnwise=columnwise)
+    return quantize_nvfp4(t, weight_2d=q.layout is Layout.NVFP4_16X16, hadamard=q.hadamard, columnwise=columnwise)
 
 
-def _forward(x, w, rng, spec):
-    return first_order_only(partial(_forward_once, spec=spec), "fp8core.jax.dense", x, w, rng)
+def _operand(parts: tuple, q: Quantization) -> NVFP4Tensor:
+    return NVFP4Tensor(*parts, q.layout)
 
 
-def _forward_once(x, w, rng, spec):
-    weight_2d, rht, _, out = spec
-    x_q, x_t = quantize_nvfp4(x), quantize_nvfp4(x, hadamard=rht, columnwise=True)
-    w_q = quantize_nvfp4(w, weight_2d=weight_2d)
-    w_t = quantize_nvfp4(w, weight_2d=weight_2d, columnwise=True)
-    y = nvfp4_gemm(x_q, w_q, x.dtype if out is None else out)
-    # layouts are static (the spec); dtypes travel as empty arrays: residuals must be JAX values
-    return y, (tuple(x_t), tuple(w_t), rng, jnp.zeros(0, x.dtype), jnp.zeros(0, w.dtype))
-
-
-def _fwd(x, w, rng, spec):
-    return _forward(x, w, rng, spec)
-
-
-def _bwd(spec, res, g):
-    x_t, w_t, rng, x_like, w_like = res
-    weight_2d, rht, stochastic, _ = spec
-    w_layout = Layout.NVFP4_16X16 if weight_2d else Layout.NVFP4_1X16
-    x_t, w_t = NVFP4Tensor(*x_t, Layout.NVFP4_1X16), NVFP4Tensor(*w_t, w_layout)
-    g_q = quantize_nvfp4(g, stochastic=stochastic, rng=rng, stream=0)
-    g_t = quantize_nvfp4(g, hadamard=rht, stochastic=stochastic, rng=rng, stream=1, columnwise=True)
-    dx = nvfp4_gemm(g_q, w_t, x_like.dtype)
-    dw = nvfp4_gemm(g_t, x_t, w_like.dtype)
-    return dx, dw, np.zeros(rng.shape, jax.dtypes.float0)
-
-
-_nvfp4_matmul.defvjp(_fwd, _bwd)
+OPS = LinearOps(_quantize, nvfp4_gemm, _operand)
 
 
 def nvfp4_matmul(x: Array, w: Array, rng: Array, recipe: NVFP4BlockScaling, out_dtype: Any = None) -> Array:
     """y [M, N] = x [M, K] · w [N, K]ᵀ with NVFP4 GEMMs forward and backward (M, N, K multiples of 32), in
     ``out_dtype`` (x's by default); the gradients' stochastic rounding from ``rng`` (uint32 [4])."""
-    return _nvfp4_matmul(x, w, rng, _spec(recipe, None if out_dtype is None else jnp.dtype(out_dtype).name))
+    out = None if out_dtype is None else jnp.dtype(out_dtype).name
+    return linear_matmul(x, w, (rng,), linear_plan(recipe), OPS, out, "fp8core.jax.dense")
 
 
 def nvfp4_dense(x: Array, w: Array, state: Any, recipe: NVFP4BlockScaling, bias: Array | None = None
@@ -225,12 +203,5 @@ def nvfp4_dense(x: Array, w: Array, state: Any, recipe: NVFP4BlockScaling, bias:
                          f"NVFP4BlockScaling (the FP4 GEMM's K), got {tuple(w.shape)}")
     if bias is not None and tuple(_args.array(bias, "bias").shape) != (n,):
         raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
-    pad = -rows % FP4_GEMM_K or (FP4_GEMM_K if rows == 0 else 0)
-    if pad:
-        x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-    y = nvfp4_matmul(x2, w, rng, recipe)[:rows].reshape(*x.shape[:-1], n)
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
-    return y, dict(state, rng=advance_rng(jax.lax.stop_gradient(rng)))
+    x2, rows = padded_tokens(x, FP4_GEMM_K)
+    return output(nvfp4_matmul(x2, w, rng, recipe), x, rows, bias), dict(state, rng=advance_rng(jax.lax.stop_gradient(rng)))

@@ -132,6 +132,21 @@ def _spec(recipe: NVFP4BlockScaling, out_dtype: str | None = None) -> tuple[bool
             out_dtype)
 
 
+def _per_element(t: NVFP4Tensor, parts: int, axis: int) -> list[NVFP4Tensor]:
+    """The operand of each batch element of a tensor quantized with its batch elements one after another along
+    its rows (rowwise: axis 0) or along its operand's columns (columnwise, the operand x^T: axis 1): data and
+    scales cut into ``parts`` equal pieces there (every piece whole blocks and whole 16x16 tiles: the GEMM's
+    dimensions are multiples of 32); the global amax is the whole tensor's."""
+    data, scale, g = t
+    return [NVFP4Tensor(d, s, g, t.layout) for d, s in zip(jnp.split(data, parts, axis), jnp.split(scale, parts, axis))]
+
+
+def _gemms(a: NVFP4Tensor, a_axis: int, b: NVFP4Tensor, b_axis: int, parts: int, out_dtype: Any) -> Array:
+    """[B, ., .]: nvfp4_gemm of each batch element's operands (:func:`_per_element`)."""
+    return jnp.stack([nvfp4_gemm(pa, pb, out_dtype)
+                      for pa, pb in zip(_per_element(a, parts, a_axis), _per_element(b, parts, b_axis))])
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _nvfp4_matmul(x, w, rng, spec):
     return _forward(x, w, rng, spec)[0]
@@ -142,11 +157,16 @@ def _forward(x, w, rng, spec):
 
 
 def _forward_once(x, w, rng, spec):
+    # x [B, M, K], w [B, N, K]: each operand quantized once with its batch elements flattened into its rows
+    # (tokens, or the weight's N): one global amax per operand, as one scale per tensor is in the FP8 recipes,
+    # and stochastic rounding's block numbers running on across the batch
     weight_2d, rht, _, out = spec
-    x_q, x_t = quantize_nvfp4(x), quantize_nvfp4(x, hadamard=rht, columnwise=True)
-    w_q = quantize_nvfp4(w, weight_2d=weight_2d)
-    w_t = quantize_nvfp4(w, weight_2d=weight_2d, columnwise=True)
-    y = nvfp4_gemm(x_q, w_q, x.dtype if out is None else out)
+    parts, m, k = x.shape
+    x2, w2 = x.reshape(-1, k), w.reshape(-1, k)
+    x_q, x_t = quantize_nvfp4(x2), quantize_nvfp4(x2, hadamard=rht, columnwise=True)
+    w_q = quantize_nvfp4(w2, weight_2d=weight_2d)
+    w_t = quantize_nvfp4(w2, weight_2d=weight_2d, columnwise=True)
+    y = _gemms(x_q, 0, w_q, 0, parts, x.dtype if out is None else out)
     # layouts are static (the spec); dtypes travel as empty arrays: residuals must be JAX values
     return y, (tuple(x_t), tuple(w_t), rng, jnp.zeros(0, x.dtype), jnp.zeros(0, w.dtype))
 
@@ -160,10 +180,12 @@ def _bwd(spec, res, g):
     weight_2d, rht, stochastic, _ = spec
     w_layout = Layout.NVFP4_16X16 if weight_2d else Layout.NVFP4_1X16
     x_t, w_t = NVFP4Tensor(*x_t, Layout.NVFP4_1X16), NVFP4Tensor(*w_t, w_layout)
-    g_q = quantize_nvfp4(g, stochastic=stochastic, rng=rng, stream=0)
-    g_t = quantize_nvfp4(g, hadamard=rht, stochastic=stochastic, rng=rng, stream=1, columnwise=True)
-    dx = nvfp4_gemm(g_q, w_t, x_like.dtype)
-    dw = nvfp4_gemm(g_t, x_t, w_like.dtype)
+    parts = g.shape[0]
+    g2 = g.reshape(-1, g.shape[-1])
+    g_q = quantize_nvfp4(g2, stochastic=stochastic, rng=rng, stream=0)
+    g_t = quantize_nvfp4(g2, hadamard=rht, stochastic=stochastic, rng=rng, stream=1, columnwise=True)
+    dx = _gemms(g_q, 0, w_t, 1, parts, x_like.dtype)  # [B, M, K]: each g [M, N] . w^T [K, N]
+    dw = _gemms(g_t, 1, x_t, 1, parts, w_like.dtype)  # [B, N, K]: each g^T [N, M] . x^T [K, M]
     return dx, dw, np.zeros(rng.shape, jax.dtypes.float0)
 
 
@@ -172,8 +194,16 @@ _nvfp4_matmul.defvjp(_fwd, _bwd)
 
 def nvfp4_matmul(x: Array, w: Array, rng: Array, recipe: NVFP4BlockScaling, out_dtype: Any = None) -> Array:
     """y [M, N] = x [M, K] · w [N, K]ᵀ with NVFP4 GEMMs forward and backward (M, N, K multiples of 32), in
-    ``out_dtype`` (x's by default); the gradients' stochastic rounding from ``rng`` (uint32 [4])."""
-    return _nvfp4_matmul(x, w, rng, _spec(recipe, None if out_dtype is None else jnp.dtype(out_dtype).name))
+    ``out_dtype`` (x's by default); the gradients' stochastic rounding from ``rng`` (uint32 [4]). Batched: x
+    [B, M, K] and w [B, N, K] give y [B, M, N], each batch element's GEMMs the unbatched ones of operands
+    quantized with the batch flattened into their rows (one global amax per operand over all its elements)."""
+    if x.ndim != w.ndim or x.ndim not in (2, 3) or (x.ndim == 3 and x.shape[0] != w.shape[0]):
+        raise ValueError(f"w: expected [N, K] beside x [M, K], or [B, N, K] beside x [B, M, K], got x "
+                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
+    spec = _spec(recipe, None if out_dtype is None else jnp.dtype(out_dtype).name)
+    if x.ndim == 2:
+        return _nvfp4_matmul(x[None], w[None], rng, spec)[0]
+    return _nvfp4_matmul(x, w, rng, spec)
 
 
 def nvfp4_dense(x: Array, w: Array, state: Any, recipe: NVFP4BlockScaling, bias: Array | None = None

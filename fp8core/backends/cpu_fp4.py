@@ -22,7 +22,7 @@ from .. import formats
 from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
-from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast
+from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast, transpose
 from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
 
 E2M1 = formats.E2M1
@@ -30,9 +30,6 @@ E4M3 = formats.E4M3  # NVFP4's block scales
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
 SPAN = 1 << 16  # elements of x per tile (at least one row, or 16 where blocks run down columns): temporaries ~256 KiB
-# Rows of x per columnwise tile where its columns are split: the tile's blocks then fill 64 contiguous bytes of
-# each operand row they are written to (one tile row of 16 gave 8 bytes a row, a cache line apiece)
-_COLUMN_ROWS = 128
 
 _F32_INF = np.uint32(0x7F800000)
 _F32_NAN = np.uint32(0x7FFFFFFF)
@@ -267,22 +264,13 @@ def _pack_rows(codes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def _pack_blocks(codes: np.ndarray, b: int, out: np.ndarray, m0: int, k0: int) -> None:
-    """Write the codes [s, kc] of x's tile at (m0, k0) (s a multiple of b; blocks down the columns) into the
-    transposed operand out [K, M/2] (packed as rows: element 2j of a block in the low nibble) without a transpose of
-    the whole operand: down the columns first (rows 2j, 2j+1 into a byte), then each block's b/2 bytes made
-    contiguous by one small in-cache copy, so a block is b/16 uint64 words, and the words go to their place in out
-    (its row k, its block t): a strided copy of 8-byte words, where a byte transpose of the operand moved one byte
-    at a time (~0.75 ns per input element on bf16)."""
-    s, kc = codes.shape
-    r = s // b
-    pairs = codes.reshape(r, b // 2, 2, kc)
-    lo, hi = (pairs[:, :, 0], pairs[:, :, 1]) if E2M1.low_nibble_first else (pairs[:, :, 1], pairs[:, :, 0])
-    packed = np.left_shift(hi, 4, dtype=np.uint8)
-    np.bitwise_or(packed, lo, out=packed)
-    blocks = np.ascontiguousarray(packed.transpose(0, 2, 1)).view(np.uint64)  # [r, kc, b/16]
-    words = out.view(np.uint64).reshape(out.shape[0], -1, b // 16)
-    words[k0:k0 + kc, m0 // b:m0 // b + r] = blocks.transpose(1, 0, 2)
+def _pack_columns(codes: np.ndarray, out: np.ndarray) -> None:
+    """out [s/2, K] = codes [s, K] (s even) packed down the columns: row 2j in the low nibble (the transposed
+    operand's packing, before its transpose), written in place."""
+    pairs = codes.reshape(codes.shape[0] // 2, 2, codes.shape[1])
+    lo, hi = (pairs[:, 0], pairs[:, 1]) if E2M1.low_nibble_first else (pairs[:, 1], pairs[:, 0])
+    np.left_shift(hi, 4, out=out, dtype=np.uint8)
+    np.bitwise_or(out, lo, out=out)
 
 
 def _random_bytes(tile: tuple[int, int, int, int], shape: tuple[int, int], columnwise: bool, seed: int,
@@ -299,16 +287,13 @@ def _random_bytes(tile: tuple[int, int, int, int], shape: tuple[int, int], colum
     return np.ascontiguousarray(block_bytes(g, seed, offset).transpose(0, 2, 1)).reshape(m1 - m0, k1 - k0)
 
 
-def _tiles(m: int, k: int, step: int, columnwise: bool, tall: bool = False) -> list[tuple[int, int, int, int]]:
+def _tiles(m: int, k: int, step: int, columnwise: bool) -> list[tuple[int, int, int, int]]:
     """(m0, m1, k0, k1) covering x [M, K], about SPAN elements each: whole rows (``step`` of them at least)
     rowwise; columnwise, ``step`` rows or more by as many columns (multiples of 64) as fit, so a tall operand of
-    few rows (NVFP4's position-major blocks, [16, n]) is split too. ``tall``: columnwise tiles of _COLUMN_ROWS
-    rows at least where that splits the columns (the transposed operand's writes, :func:`_pack_blocks`)."""
+    few rows (NVFP4's position-major blocks, [16, n]) is split too."""
     if m == 0 or k == 0:
         return []
     rows = max(1, SPAN // k // step) * step
-    if columnwise and tall:
-        rows = max(rows, min(_COLUMN_ROWS, SPAN // 64) // step * step)
     cols = k if not columnwise or rows * k <= SPAN else max(64, SPAN // rows // 64 * 64)
     return [(m0, min(m0 + rows, m), k0, min(k0 + cols, k)) for m0 in range(0, m, rows) for k0 in range(0, k, cols)]
 
@@ -324,9 +309,9 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
     m, k = x.shape
     grid = (-(-m // b), k // b) if tiles else ((m // b, k) if columnwise else (m, k // b))
     stored = np.empty(grid, np.uint8) if known is None else known[0]
-    packed = np.empty((k, m // 2) if columnwise else (m, k // 2), np.uint8)
+    packed = np.empty((m // 2, k) if columnwise else (m, k // 2), np.uint8)
     step = b if columnwise or tiles else 1
-    todo = _tiles(m, k, step, columnwise, tall=True)
+    todo = _tiles(m, k, step, columnwise)
 
     def work(i0: int, i1: int) -> None:
         for m0, m1, k0, k1 in todo[i0:i1]:
@@ -342,12 +327,14 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
                 q = _codes(y) if sr is None else \
                     e2m1_stochastic(y, _random_bytes((m0, m1, k0, k1), (m, k), columnwise, *sr))
                 if columnwise:
-                    _pack_blocks(q, b, packed, m0, k0)
+                    _pack_columns(q, packed[m0 // 2:m1 // 2, k0:k1])
                 else:
                     _pack_rows(q, packed[m0:m1])
 
     map_spans(len(todo), 1, work)
-    return packed, (np.ascontiguousarray(stored.T) if columnwise else stored)
+    if not columnwise:
+        return packed, stored
+    return transpose(Tensor(packed, "uint8", ("cpu", 0), "numpy")), np.ascontiguousarray(stored.T)
 
 
 # ---- the random Hadamard transform ------------------------------------------------------------------------
@@ -374,28 +361,28 @@ def _sign_bits() -> dict[int, np.ndarray]:
 
 
 def _rht(src: np.ndarray, dst: np.ndarray, scratch: np.ndarray) -> None:
-    """dst [A, 16, B] = the transform of the blocks whose 16 positions are the middle axis of src [A, 16, B]
-    (same dtype, float32/bfloat16/float16): v = S * fp32(x) (sign bits flipped: exact), the fp32 butterfly for
-    h = 1, 2, 4, 8, then ROUND_TO(dtype, v *rn 0.25). scratch: float32, at least 2 * src.size elements, reused from
-    tile to tile. A stage is two calls: positions i with i & h == 0 are
+    """dst [A, 16, B] (float32/bfloat16/float16) = the transform of the blocks whose 16 positions are the middle
+    axis of src [A, 16, B] (dst's dtype, or float32 holding it exactly): v = S * fp32(x) (sign bits flipped:
+    exact), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(dst's dtype, v *rn 0.25). scratch: float32, at
+    least 2 * src.size elements, reused from tile to tile. A stage is two calls: positions i with i & h == 0 are
     [:, :, 0] of the view [A, 16 / 2h, 2, h, B], their partners i + h are [:, :, 1], and (v_i, v_i+h) =
     (v_i +rn v_i+h, v_i -rn v_i+h) goes into the other buffer. NumPy's warnings must be off (inf - inf is a value
     here)."""
     a, _, b = src.shape
     n = src.size
     v, w = scratch[:n].reshape(src.shape), scratch[n:2 * n].reshape(src.shape)
-    signs = _sign_bits()[src.itemsize]
     if src.itemsize == 4:
-        np.bitwise_xor(src.view(np.uint32), signs, out=v.view(np.uint32))
+        np.bitwise_xor(src.view(np.uint32), _sign_bits()[4], out=v.view(np.uint32))
     else:
-        flipped = np.bitwise_xor(src.view(np.uint16), signs, out=v.reshape(-1).view(np.uint16)[:n].reshape(src.shape))
+        flipped = np.bitwise_xor(src.view(np.uint16), _sign_bits()[2],
+                                 out=v.reshape(-1).view(np.uint16)[:n].reshape(src.shape))
         v = flipped.view(src.dtype).astype(np.float32)  # exact; a copyto into the scratch took twice as long
     for h in (1, 2, 4, 8):
         pairs, into = v.reshape(a, NVFP4_BLOCK // (2 * h), 2, h, b), w.reshape(a, NVFP4_BLOCK // (2 * h), 2, h, b)
         np.add(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 0])
         np.subtract(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
         v, w = w, v
-    if src.itemsize == 4:
+    if dst.itemsize == 4:
         np.multiply(v, _QUARTER, out=dst)
     else:
         v *= _QUARTER
@@ -421,8 +408,8 @@ def _transformed(x: np.ndarray, columnwise: bool) -> tuple[np.ndarray, np.ndarra
                 src = x[m0:m1, k0:k1].reshape(-1, NVFP4_BLOCK, k1 - k0)
                 dst = out[m0:m1, k0:k1].reshape(src.shape)
                 top = maxima[m0 // NVFP4_BLOCK:m1 // NVFP4_BLOCK, k0:k1]
-            else:  # the tile's blocks position-major: a strided view, copied once by the sign flip
-                src = x[m0:m1].reshape(-1, NVFP4_BLOCK).T[None]
+            else:  # the tile's blocks position-major, widened first: the sign flip's copy then gathers 4-byte words
+                src = x[m0:m1].astype(np.float32).reshape(-1, NVFP4_BLOCK).T[None]
                 dst = out[None, :, m0 * per:m1 * per]
                 top = maxima[:, m0 * per:m1 * per]
             if scratch is None:
@@ -441,7 +428,8 @@ def _transformed(x: np.ndarray, columnwise: bool) -> tuple[np.ndarray, np.ndarra
 def hadamard16(t: np.ndarray, columnwise: bool) -> np.ndarray:
     """The RHT of every 16-element block of t [s, K] (x's layout; blocks along rows, or down the columns when
     ``columnwise``): v = S * fp32(x), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(t.dtype, v *rn 0.25).
-    Same shape and dtype as t. NumPy's warnings must be off."""
+    Same shape and dtype as t. S_i * x_i is a sign-bit flip, so a NaN input's sign is flipped where S_i = -1 (a
+    NaN's sign is no value of the contract; every block holding one quantizes to NaN's codes)."""
     out, _ = _transformed(t, columnwise)
     if columnwise:
         return out
@@ -517,7 +505,7 @@ def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool,
     s_enc, s_dec = global_scales(g)
     # Rowwise, the transform left x's blocks position-major: its columnwise operand is x's blocks, one a row
     packed, scales = _quantize(data, NVFP4_BLOCK, True, False, None, sr, nvfp4_block_scales(maxima, s_enc, s_dec))
-    if hadamard and not columnwise:
+    if not columnwise:
         packed, scales = packed.reshape(m, k // 2), scales.reshape(m, k // NVFP4_BLOCK)
     return packed, scales.view(E4M3.numpy_dtype), g
 

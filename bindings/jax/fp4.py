@@ -169,22 +169,53 @@ def _quantize(t: Array, role: RolePlan, plan: LinearPlan, rowwise: bool, columnw
 
 
 def _one(t: Array, q: Quantization, state: tuple, columnwise: bool) -> NVFP4Tensor:
+    if t.ndim == 3:  # [B, ., K]: quantized once with its batch flattened into its rows, then cut per element
+        return _per_element(_one(t.reshape(-1, t.shape[-1]), q, state, columnwise), t.shape[0], int(columnwise))
     if q.stochastic:
         return quantize_nvfp4(t, weight_2d=q.layout is Layout.NVFP4_16X16, hadamard=q.hadamard, stochastic=True,
                               rng=state[0], stream=q.stream, columnwise=columnwise)
     return quantize_nvfp4(t, weight_2d=q.layout is Layout.NVFP4_16X16, hadamard=q.hadamard, columnwise=columnwise)
 
 
+def _per_element(t: NVFP4Tensor, parts: int, axis: int) -> NVFP4Tensor:
+    """A tensor quantized with its batch elements one after another along its rows (rowwise: axis 0) or along its
+    operand's columns (columnwise, the operand x^T: axis 1) as each element's operand stacked: data and scales
+    cut into ``parts`` equal pieces there (every piece whole blocks and whole 16x16 tiles: the GEMM's dimensions
+    are multiples of 32), data [B, R, C/2] and its scales as the tensor checks them, [B * scale rows, .]. The
+    global amax is the whole tensor's: one per operand, as one scale per tensor is in the FP8 recipes, and
+    stochastic rounding's block numbers run on across the batch."""
+    data, scale, g = t
+    scale = jnp.stack(jnp.split(scale, parts, axis))
+    return NVFP4Tensor(jnp.stack(jnp.split(data, parts, axis)), scale.reshape(-1, scale.shape[-1]), g, t.layout)
+
+
+def _gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: Any) -> Array:
+    """a · bᵀ, or [B, ., .] of each batch element's where the operands are stacked (:func:`_per_element`)."""
+    if a[0].ndim == 2:
+        return nvfp4_gemm(a, b, out_dtype)
+
+    def element(t: NVFP4Tensor, i: int) -> NVFP4Tensor:
+        data, scale, g = t
+        return NVFP4Tensor(data[i], scale.reshape(data.shape[0], -1, scale.shape[-1])[i], g, t.layout)
+
+    return jnp.stack([nvfp4_gemm(element(a, i), element(b, i), out_dtype) for i in range(a[0].shape[0])])
+
+
 def _operand(parts: tuple, q: Quantization) -> NVFP4Tensor:
     return NVFP4Tensor(*parts, q.layout)
 
 
-OPS = LinearOps(_quantize, nvfp4_gemm, _operand)
+OPS = LinearOps(_quantize, _gemm, _operand)
 
 
 def nvfp4_matmul(x: Array, w: Array, rng: Array, recipe: NVFP4BlockScaling, out_dtype: Any = None) -> Array:
     """y [M, N] = x [M, K] · w [N, K]ᵀ with NVFP4 GEMMs forward and backward (M, N, K multiples of 32), in
-    ``out_dtype`` (x's by default); the gradients' stochastic rounding from ``rng`` (uint32 [4])."""
+    ``out_dtype`` (x's by default); the gradients' stochastic rounding from ``rng`` (uint32 [4]). Batched: x
+    [B, M, K] and w [B, N, K] give y [B, M, N], each batch element's GEMMs the unbatched ones of operands
+    quantized with the batch flattened into their rows (one global amax per operand over all its elements)."""
+    if x.ndim != w.ndim or x.ndim not in (2, 3) or (x.ndim == 3 and x.shape[0] != w.shape[0]):
+        raise ValueError(f"w: expected [N, K] beside x [M, K], or [B, N, K] beside x [B, M, K], got x "
+                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
     out = None if out_dtype is None else jnp.dtype(out_dtype).name
     return linear_matmul(x, w, (rng,), linear_plan(recipe), OPS, out, "fp8core.jax.dense")
 

@@ -310,31 +310,26 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
 def _nvfp4_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: Any, recipe: NVFP4BlockScaling,
                preferred_element_type: Any, dot: str) -> jax.Array:
     """dot_general under NVFP4BlockScaling: fp8core.jax.fp4's matmul (fp8core.jax.dense's GEMMs) of lhs as
-    [M, K] and rhs as [N, K], each dimension zero-padded to a multiple of 32 (zeros change no amax, no block and
-    no sum; the padded outputs are cut off). No batch dimensions."""
-    if any(len(tuple(d)) for d in dimension_numbers[1]):
-        raise NotImplementedError(f"dimension_numbers: {dot} under NVFP4BlockScaling takes no batch dimensions "
-                                  f"(got {dimension_numbers[1]}); run batched products (attention) in FP8 or high "
-                                  "precision")
+    [B, M, K] and rhs as [B, N, K] (B = 1 without batch dims), M, K and N zero-padded to multiples of 32 (zeros
+    change no amax, no block and no sum; the padded outputs are cut off) and an empty batch to one element. With
+    batch dims each operand is quantized once with its batch flattened into its rows (one global amax per
+    operand), each batch element's GEMMs those of the unbatched dot."""
     if not isinstance(state, Mapping) or "rng" not in state:
         raise TypeError(f"state: expected NVFP4BlockScaling's state {{'rng': uint32 [4]}}, got {type(state).__name__}")
     rng = check_rng(state["rng"], "state['rng']")
-    lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
+    lperm, rperm, (b, m, k, n), out_shape = _batched_layout(lhs, rhs, dimension_numbers)
     _dtype_name(lhs.dtype, "lhs")
     _dtype_name(rhs.dtype, "rhs")
     out = _dtype_name(preferred_element_type if preferred_element_type is not None
                       else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
-    ncontract = len(dimension_numbers[0][0])
-    out_shape = tuple(lhs.shape[d] for d in lperm[:lhs.ndim - ncontract]) + \
-        tuple(rhs.shape[d] for d in rperm[ncontract:])
-    rows = int(np.prod(out_shape[:lhs.ndim - ncontract], dtype=np.int64))
-    x = jnp.transpose(lhs, lperm).reshape(rows, k)
-    w = jnp.transpose(rhs, rperm).reshape(k, n)
-    pad_rows, pad_k, pad_n = (padding(v, FP4_GEMM_K) for v in (rows, k, n))
-    x = jnp.pad(x, ((0, pad_rows), (0, pad_k)))
-    w = jnp.pad(w, ((0, pad_k), (0, pad_n)))
-    y = nvfp4_matmul(x, w.T, rng, recipe, out)
-    return y[:rows, :n].reshape(out_shape)
+    x = jnp.transpose(lhs, lperm).reshape(b, m, k)
+    w = jnp.transpose(rhs, rperm).reshape(b, k, n)
+    pad_b = int(b == 0)
+    pad_m, pad_k, pad_n = (padding(v, FP4_GEMM_K) for v in (m, k, n))
+    x = jnp.pad(x, ((0, pad_b), (0, pad_m), (0, pad_k)))
+    w = jnp.pad(w, ((0, pad_b), (0, pad_k), (0, pad_n)))
+    y = nvfp4_matmul(x, jnp.swapaxes(w, 1, 2), rng, recipe, out)
+    return y[:b, :m, :n].reshape(out_shape)
 
 
 def _pad(size: int) -> int:

@@ -129,6 +129,22 @@ def test_a_declared_default_reaches_the_call():
     assert op(x.to("meta")).shape == (3, 5)
 
 
+def test_the_gradient_check_of_torch_2_7_answers_as_torchs_own():
+    """torch 2.7, the declared minimum, lacks torch._C._any_requires_grad: the autograd kernel's Python check
+    answers there, and must say what torch's helper says (a wrong False drops the gradient, a wrong True sends a
+    plain call through autograd)."""
+    torch = _torch()
+    from fp8core.torch.custom_ops import _any_requires_grad_py
+
+    leaf = torch.ones(3, requires_grad=True)
+    cases = [((), False), ((torch.ones(3), 2.0, None, "e4m3"), False), ((torch.ones(3), leaf), True),
+             ((leaf * 2, 7), True), ((leaf.detach(), [torch.ones(2), leaf]), True), (((leaf.detach(),),), False)]
+    for values, want in cases:
+        assert _any_requires_grad_py(*values) is want, values
+        if hasattr(torch._C, "_any_requires_grad"):
+            assert torch._C._any_requires_grad(*values) is want, values
+
+
 @pytest.mark.parametrize("columnwise", [False, True], ids=["rowwise", "columnwise"])
 def test_the_fp4_rules_give_the_core_results_shapes(columnwise):
     x = np.linspace(-3, 3, 64 * 96, dtype=np.float32).reshape(2, 32, 96)  # [M, K] = [64, 96]

@@ -149,7 +149,10 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 
 
 def _any_requires_grad_py(*values: Any) -> bool:
-    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+    """torch's helper: a tensor argument, or one in a list or tuple argument, that requires grad."""
+    return any(v.requires_grad if isinstance(v, torch.Tensor) else
+               isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in v)
+               for v in values)
 
 
 # torch's C helper (2.8 on) costs a 16-element call less; torch 2.7, the declared minimum, lacks it.

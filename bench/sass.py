@@ -306,6 +306,8 @@ class Measured:
     must: dict
     element_bytes: int
     moved: float
+    family: bool = False  # measured for the family-specific target (sm_100f) where the device has one, as the
+    #                       loader compiles its file there (_kernels.FAMILY_FILES, arch_options)
 
 
 BF16 = "fp8core::bf16"
@@ -319,9 +321,9 @@ KERNELS = (
     Measured("mxfp8_both", "block_quantize.cu", f"fp8core::mx_quantize_kernel<{BF16}, 0, true>",
              {r"LDG\.E\.128.*": 1, r"BAR\.SYNC.*": 3, r"STG\.E\.64.*": 2}, 2, 2 + 2 + 2 / 32),
     Measured("nvfp4", "fp4_quantize.cu", f"fp8core::nvfp4_quantize_kernel<{BF16}>",
-             {r"LDG\.E\.128.*": 2, r"STG\.E\.64.*": 1}, 2, 2 + 0.5 + 1 / 16),
+             {r"LDG\.E\.128.*": 2, r"STG\.E\.64.*": 1}, 2, 2 + 0.5 + 1 / 16, family=True),
     Measured("mxfp4", "fp4_quantize.cu", f"fp8core::mxfp4_quantize_kernel<{BF16}, true>",
-             {r"LDG\.E\.128.*": 4, r"STG\.E\.64.*": 2}, 2, 2 + 0.5 + 1 / 32),
+             {r"LDG\.E\.128.*": 4, r"STG\.E\.128.*": 1}, 2, 2 + 0.5 + 1 / 32, family=True),
 )
 
 
@@ -329,7 +331,8 @@ def measure(kernel: Measured, arch: str, tmp: str) -> Figures:
     """Compile ``kernel``'s file for sm_``arch`` (NVRTC, no GPU) and read its fast path's figures."""
     from fp8core import _kernels
 
-    cubin, mapping = _kernels.compile_cubin(kernel.file, arch)
+    family = kernel.family and kernel.file in _kernels.FAMILY_FILES and int(arch) in _kernels.FAMILY_ARCHS
+    cubin, mapping = _kernels.compile_cubin(kernel.file, f"{arch}f" if family else arch)
     dis = Disassembly(cubin, tmp)
     name = mapping[kernel.expr]
     return figures(dis.sass[name], dis.resources[name], kernel.must, kernel.element_bytes)

@@ -6,10 +6,17 @@
 // elements of an operand row), so a block's amax, scale and random bytes need no cross-thread work; 16x16 weight
 // tiles are 16 lanes (one row segment each) reduced by shuffles.
 //
-// E2M1 is converted in software on every target (soft_cvt on bit patterns, as FP8 on sm_80): the contract allows
-// cvt.rn.satfinite.e2m1x2.f32 only where it agrees with the software rule, which stays unconfirmed on sm_100 for
-// NaN, and cvt.rs (stochastic) is unconfirmed for its byte order and arithmetic. Stochastic rounding's random bytes
-// are Philox4x32-10 keyed by (seed, block number, offset): no RNG state, the same bytes for any launch shape.
+// The plain path (rowwise, round to nearest, x 16-byte aligned: what a Linear's forward quantizes) is branch-free:
+// block w of the operand is x[16 w ..] (32 w for MXFP4), its codes data[8 w ..] and its scale scale[w], so it
+// needs no index division; 16-byte loads, one 8- or 16-byte store of codes. Its E2M1 conversion is
+// cvt.rn.satfinite.e2m1x2.f32 on the family-specific Blackwell targets (sm_100f, sm_120f, ...: the loader compiles
+// this file for one, _kernels.FAMILY_FILES) and e2m1_magnitudes8's fp32 arithmetic elsewhere (H100/H200 have no
+// FP4 conversion). Neither meets a NaN: a block holding one (its amax NaN) gets the contract's NaN block (scale
+// 0x7F or 0xFF, every code 0x7) by a select, so what the hardware writes for a NaN does not matter.
+// The other paths (columnwise, 16x16 tiles, the Hadamard transform, stochastic rounding) convert with soft_cvt on
+// bit patterns, as FP8 on sm_80. Stochastic rounding's random bytes are Philox4x32-10 keyed by (seed, block number,
+// offset): no RNG state, the same bytes for any launch shape; cvt.rs (stochastic) is unconfirmed for its byte order
+// and arithmetic, so it stays software everywhere.
 #include "common.cuh"
 #include "e8m0.cuh"
 #include "nvfp4_scale.cuh"
@@ -64,6 +71,159 @@ __device__ __forceinline__ u32 e2m1_stochastic(float y, u32 r) {
   return ((n >> 8) + (((n & 255u) + r) >> 8) + 2u * binade) | sign;
 }
 
+// ---- the plain path's E2M1: branch-free, two codes a byte -----------------------------------------------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && !defined(FP8CORE_FORCE_SOFT_FP8) && \
+    (defined(__CUDA_ARCH_FAMILY_SPECIFIC__) || defined(__CUDA_ARCH_SPECIFIC__) || defined(__CUDA_ARCH_FEAT_SM100_ALL))
+#define FP8CORE_HW_E2M1 1
+#else
+#define FP8CORE_HW_E2M1 0
+#endif
+
+// IEEE fp32 operations that -ftz=true must not flush (written as PTX without .ftz, as mul_rn).
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+__device__ __forceinline__ float abs_f32(float a) {
+  float r;
+  asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+__device__ __forceinline__ float min_f32(float a, float b) {
+  float r;
+  asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+// max with NaN propagating (the canonical NaN 0x7FFFFFFF when either is NaN): a block's amax on the FP pipe.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// The E2M1 magnitudes of 8 values y (none NaN, all |y| < 7 unless CLAMP), code i in bits 4i .. 4i+2 (bit 4i+3
+// clear). With a = |y|, E2M1's code is g(a) = min(2a, a + 2, a/2 + 4) rounded to the nearest integer, ties to even
+// (slopes 2, 1, 1/2 on the steps 0.5, 1 and 2 below 2, 4 and 6; the lines meet at 2 and 4, where the code is even;
+// 6 <= a < 7 rounds to 7, saturation), and rounding is monotonic, so it is the min of the three lines each rounded:
+// fma(a, slope, MAGIC + offset) rounds the exact line once to an integer (fp32's ulp is 1 in [2^23, 2^24), MAGIC
+// even, so ties go to the even code), leaving the code in the low bits. CLAMP takes min(a, 6) first, for blocks
+// whose largest product may reach 7 (a saturated or E4M3-subnormal scale, inf). The words are summed as
+// w = sum 16^i t_i: every bit above the codes is MAGIC's and cancels mod 2^32 (bits(MAGIC) + 16 bits(MAGIC1) =
+// 2^32, and 256 bits(MAGIC) = 0), one LEA a value. Everything before the sum runs on the FP pipe, |y| an operand
+// modifier; -ftz cannot touch it (fma.rn/add.rn/min without .ftz; a subnormal a gives 0 anyway).
+static constexpr float E2M1_MAGIC = 8388608.f;    // 2^23: bits 0x4B000000
+static constexpr float E2M1_MAGIC1 = 13631488.f;  // 2^23 + 0x500000: bits 0x4B500000, element 1's
+static constexpr float E2M1_UNCLAMPED = 7.f;      // products below this need no clamp
+template <bool CLAMP>
+__device__ __forceinline__ u32 e2m1_magnitudes8(const float* y) {
+  u32 w = 0u;
+#pragma unroll
+  for (int i = 7; i >= 0; --i) {
+    const float m = i == 1 ? E2M1_MAGIC1 : E2M1_MAGIC;
+    const float a = CLAMP ? min_f32(abs_f32(y[i]), 6.f) : abs_f32(y[i]);
+    const float t = min_f32(min_f32(fma_rn(a, 2.f, m), add_rn(a, m + 2.f)), fma_rn(a, 0.5f, m + 4.f));
+    w = w * 16u + __float_as_uint(t);
+  }
+  return w;
+}
+
+// prmt.b32 in its default mode: byte i of the result is byte s[4i+2:4i] of {b, a}, its sign bit replicated where
+// s bit 4i+3 is set (CUDA's __byte_perm drops that bit).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+  return r;
+}
+
+// The signs of 8 elements at bits 4i+3, from their raw words: bf16/f16 (4 words, element 2j in the low half of word
+// j), by sign-replicating byte permutes, no shifts: a = [s0, s2, s1, s3], b = [s4, s6, s5, s7] (a byte each), then
+// the even signs go to bits 3 and the odd to bits 7 of their bytes. fp32: 8 words, the sign in each top byte.
+template <typename T>
+__device__ __forceinline__ u32 sign_bits8(const u32* w, T*) {
+  const u32 a = prmt(w[0], w[1], 0xFBD9u), b = prmt(w[2], w[3], 0xFBD9u);
+  return (prmt(a, b, 0x5410u) & 0x08080808u) | (prmt(a, b, 0x7632u) & 0x80808080u);
+}
+__device__ __forceinline__ u32 sign_bits8(const u32* w, float*) {
+  const u32 even = prmt(prmt(w[0], w[2], 0xFBFBu), prmt(w[4], w[6], 0xFBFBu), 0x5410u);
+  const u32 odd = prmt(prmt(w[1], w[3], 0xFBFBu), prmt(w[5], w[7], 0xFBFBu), 0x5410u);
+  return (even & 0x08080808u) | (odd & 0x80808080u);
+}
+
+#if FP8CORE_HW_E2M1
+// Two codes in one byte: hi in bits 4-7 (PTX puts its first source in the upper nibble).
+__device__ __forceinline__ u32 cvt_e2m1x2(float lo, float hi) {
+  u32 r;
+  asm("{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, %1, %2; cvt.u32.u8 %0, t; }" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#endif
+
+// The codes of 8 products y = x * factor (factor > 0, so y has x's sign; none NaN), packed: code i in bits 4i ..
+// 4i+3. raw: the 8 elements' own words (their signs).
+template <typename T, bool CLAMP>
+__device__ __forceinline__ u32 e2m1x8(const float* y, const u32* raw) {
+#if FP8CORE_HW_E2M1
+  return cvt_e2m1x2(y[0], y[1]) | cvt_e2m1x2(y[2], y[3]) << 8 | cvt_e2m1x2(y[4], y[5]) << 16 |
+         cvt_e2m1x2(y[6], y[7]) << 24;
+#else
+  return e2m1_magnitudes8<CLAMP>(y) | sign_bits8(raw, (T*)nullptr);
+#endif
+}
+
+static constexpr u32 E2M1_NAN_WORD = 0x77777777u;  // a NaN block: every code 0x7
+
+// N elements at p (16-byte aligned) as raw words and as fp32; their amax with NaN propagating (NaN: 0x7FFFFFFF).
+template <typename T, int N>
+struct PlainBlock {
+  static constexpr int WORDS = N * (int)sizeof(T) / 4;
+  u32 w[WORDS];
+  float f[N];
+  __device__ __forceinline__ float load(const T* p) {
+#pragma unroll
+    for (int k = 0; k < WORDS / 4; ++k) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[k];
+      w[4 * k] = v.x; w[4 * k + 1] = v.y; w[4 * k + 2] = v.z; w[4 * k + 3] = v.w;
+    }
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      f[i] = element(i, (T*)nullptr);
+      m = max_nan(m, abs_f32(f[i]));
+    }
+    return m;
+  }
+  __device__ __forceinline__ float element(int i, float*) const { return __uint_as_float(w[i]); }
+  template <typename U>
+  __device__ __forceinline__ float element(int i, U*) const {
+    U h;
+    h.bits = (u16)(w[i / 2] >> (16 * (i % 2)));
+    return to_f32(h);
+  }
+  // The N codes times factor (> 0), packed 8 a word; a NaN block (amax NaN) all 0x7. Blocks whose largest product
+  // reaches 7 (E2M1_UNCLAMPED) convert with the clamp: another copy of the loop, so the usual block runs its own.
+  __device__ __forceinline__ void codes(float amax, float factor, u32* c) const {
+    if (!(mul_rn(amax, factor) < E2M1_UNCLAMPED)) {
+      codes_of<true>(factor, c);
+      if (__float_as_uint(amax) > F32_INF) {
+#pragma unroll
+        for (int k = 0; k < N / 8; ++k) c[k] = E2M1_NAN_WORD;
+      }
+    } else {
+      codes_of<false>(factor, c);
+    }
+  }
+  template <bool CLAMP>
+  __device__ __forceinline__ void codes_of(float factor, u32* c) const {
+#pragma unroll
+    for (int k = 0; k < N / 8; ++k) {
+      float y[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) y[i] = mul_rn(f[8 * k + i], factor);
+      c[k] = e2m1x8<T, CLAMP>(y, w + k * 8 * (int)sizeof(T) / 4);
+    }
+  }
+};
 // 16 or 32 codes, packed two a byte (element 2i in the low nibble), stored at p (8 or 16 bytes).
 template <int N>
 __device__ __forceinline__ void store_codes(u8* p, const u32* c) {
@@ -167,6 +327,12 @@ __device__ __forceinline__ Items nvfp4_items(i64 rows, i64 cols, int columnwise,
 // memory, four little-endian u32 words (seed lo, seed hi, offset lo, offset hi: an int64 [2] or uint32 [4] array,
 // 4-byte aligned), so the caller never reads it to the host; the by-value offset is then added to the state's (the
 // stream of one state), mod 2^64.
+// e_b = 1 /rn (fp32(s_b) *rn S_dec), FLT_MAX where inf, for the E4M3 scale code s_b (0 .. 0x7F; 0x7F: NaN).
+__device__ __forceinline__ float nvfp4_encode_multiplier(u32 s_b, float s_dec) {
+  const float e = d2f(1.0 / f2d(mul_rn(fp8_to_f32<E4M3>(s_b), s_dec)));
+  return (__float_as_uint(e) & 0x7fffffffu) == F32_INF ? FLT_MAX_F : e;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(FP4_THREADS) nvfp4_quantize_kernel(
     const T* __restrict__ x, u8* __restrict__ data, u8* __restrict__ scale, const float* __restrict__ global_amax,
@@ -179,8 +345,28 @@ __global__ void __launch_bounds__(FP4_THREADS) nvfp4_quantize_kernel(
   const Items items = nvfp4_items(rows, cols, columnwise, tiles);
   const bool vec = !columnwise && aligned(x, 16);
   float s_enc = 1.f, s_dec = 1.f;
-  if (amax_out == nullptr) nvfp4_global_scales(*global_amax, &s_enc, &s_dec);
+  // e_b of each scale code s_b (0x7F, the NaN scale: NaN), computed once per CTA: a block looks its e_b up
+  __shared__ float e_of[128];
+  if (amax_out == nullptr) {
+    nvfp4_global_scales(*global_amax, &s_enc, &s_dec);
+    for (u32 k = threadIdx.x; k < 128u; k += blockDim.x) e_of[k] = nvfp4_encode_multiplier(k, s_dec);
+    __syncthreads();
+  }
   const float m = mul_rn(s_enc, __uint_as_float(ONE_SIXTH_BITS));
+  if (amax_out == nullptr && vec && !tiles && !hadamard && !stochastic && aligned(data, 8)) {
+    // The plain path: block w is x[16 w ..], its codes data[8 w ..], its scale scale[w] (the operand is x, whose
+    // rows hold whole blocks).
+    for (i64 w = (i64)blockIdx.x * blockDim.x + threadIdx.x; w < items.count; w += (i64)gridDim.x * blockDim.x) {
+      PlainBlock<T, NVFP4_BLOCK> b;
+      const float amax_b = b.load(x + w * NVFP4_BLOCK);
+      const u32 s_b = __float_as_uint(amax_b) > F32_INF ? 0x7fu : (u32)cvt_pair<E4M3>(mul_rn(amax_b, m), 0.f) & 0x7fu;
+      u32 c[2];
+      b.codes(amax_b, e_of[s_b], c);
+      reinterpret_cast<uint2*>(data)[w] = make_uint2(c[0], c[1]);
+      scale[w] = (u8)s_b;
+    }
+    return;
+  }
   u32 acc = 0u;
   // The trip count is uniform over a CTA (base steps together), so every lane reaches the tile shuffles.
   for (i64 base = (i64)blockIdx.x * blockDim.x; base < items.count; base += (i64)gridDim.x * blockDim.x) {
@@ -210,8 +396,7 @@ __global__ void __launch_bounds__(FP4_THREADS) nvfp4_quantize_kernel(
     }
     if (!in) continue;
     const u32 s_b = soft_cvt<E4M3>(mul_rn(__uint_as_float(amax_b), m));
-    float e = d2f(1.0 / f2d(mul_rn(fp8_to_f32<E4M3>(s_b), s_dec)));
-    if ((__float_as_uint(e) & 0x7fffffffu) == F32_INF) e = FLT_MAX_F;
+    const float e = e_of[s_b];
     u32 c[NVFP4_BLOCK];
     if (stochastic) {
       const uint4 rnd = block_random((u64)r * (u64)items.nb + (u64)j, seed, offset);
@@ -241,6 +426,19 @@ __global__ void __launch_bounds__(FP4_THREADS) mxfp4_quantize_kernel(
   const i64 r_op = columnwise ? cols : rows, nb = (columnwise ? rows : cols) / MXFP4_BLOCK;
   const Items items{r_op, nb, r_op * nb, columnwise != 0, false};
   const bool vec = !columnwise && aligned(x, 16);
+  if (vec && aligned(data, 16)) {
+    // The plain path: block w is x[32 w ..], its codes data[16 w ..] (one 16-byte store), its scale scale[w].
+    for (i64 w = (i64)blockIdx.x * blockDim.x + threadIdx.x; w < items.count; w += (i64)gridDim.x * blockDim.x) {
+      PlainBlock<T, MXFP4_BLOCK> b;
+      const u32 amax_b = __float_as_uint(b.load(x + w * MXFP4_BLOCK));  // NaN: 0x7FFFFFFF, e = 0xFF
+      const u32 e = e8m0<RCEIL>(amax_b, __uint_as_float(ONE_SIXTH_BITS), 2);
+      u32 c[4];
+      b.codes(__uint_as_float(amax_b), e8m0_quant_factor(e), c);
+      reinterpret_cast<uint4*>(data)[w] = make_uint4(c[0], c[1], c[2], c[3]);
+      scale[w] = (u8)e;
+    }
+    return;
+  }
   for (i64 w = (i64)blockIdx.x * blockDim.x + threadIdx.x; w < items.count; w += (i64)gridDim.x * blockDim.x) {
     i64 r, j;
     items.at(w, &r, &j);

@@ -317,9 +317,11 @@ def _fp4_encodings_option() -> str:
 
 
 # Files with instructions that exist only on family-specific targets (block_quantize.cu: the hardware E8M0
-# conversion), and the devices that get one: sm_XXXf is a superset of the sm_XXX CuPy appends, and NVRTC given
-# both compiles for the family target. The forced software path never takes it.
-FAMILY_FILES = frozenset({"block_quantize.cu"})
+# conversion; fp4_quantize.cu: E8M0 and E2M1, cvt.rn.satfinite.e2m1x2.f32, which NVRTC 13 takes for sm_100a/f,
+# sm_103f, sm_110f, sm_120f, sm_121f and refuses for sm_90 and the generic sm_100), and the devices that get one:
+# sm_XXXf is a superset of the sm_XXX CuPy appends, and NVRTC given both compiles for the family target. The forced
+# software path never takes it.
+FAMILY_FILES = frozenset({"block_quantize.cu", "fp4_quantize.cu"})
 FAMILY_ARCHS = (100, 103, 110, 120, 121)
 # The first NVRTC that takes each family target: the "f" targets came with CUDA 12.9 (12.8 answers "invalid value
 # for --gpu-architecture"), and sm_110 was sm_101 before CUDA 13.0. The cuda12 extra allows NVRTC 12.4+, so an

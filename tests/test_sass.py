@@ -85,7 +85,7 @@ VECTOR = {
     "quantize_128x128_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
     "block_dequantize_kernel": [r"LDG\.E\.64", r"STG\.E\.128"],
     "nvfp4_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
-    "mxfp4_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.64"],
+    "mxfp4_quantize_kernel": [r"LDG\.E\.128", r"STG\.E\.128"],
 }
 
 
@@ -98,8 +98,15 @@ def vector_patterns(expr: str) -> list[str]:
 
 def rceil_in_hardware(expr: str, arch: str, soft: bool) -> bool:
     """Where E8M0 "rceil" must be cvt.rp.satfinite.ue8m0x2.f32 (F2FP...E8...RP): family targets, not forced soft."""
-    return kind(expr) == "mx_quantize_kernel" and template_args(expr)[2] == "true" and arch.endswith("f") \
-        and not soft
+    rceil = ((kind(expr) == "mx_quantize_kernel" and template_args(expr)[2] == "true")
+             or (kind(expr) == "mxfp4_quantize_kernel" and template_args(expr)[1] == "true"))
+    return rceil and arch.endswith("f") and not soft
+
+
+def e2m1_in_hardware(expr: str, arch: str, soft: bool) -> bool:
+    """Where the FP4 quantizers' plain path must convert with cvt.rn.satfinite.e2m1x2.f32 (F2FP...E2M1): family
+    targets, not forced soft; nowhere else (NVRTC refuses it for sm_90 and the generic sm_100)."""
+    return kind(expr) in ("nvfp4_quantize_kernel", "mxfp4_quantize_kernel") and arch.endswith("f") and not soft
 
 
 def function(filename, expr, arch, soft, tmp_path_factory):
@@ -172,6 +179,13 @@ def check_sass(filename, expr, arch, soft, tmp_path_factory):
         assert any(".RP" in i for i in e8m0), f"{expr}: no cvt.rp.satfinite.ue8m0x2.f32 on sm_{arch}"
     else:
         assert not e8m0, f"{expr}: hardware E8M0 conversion on sm_{arch} (soft={soft}): {sorted(set(e8m0))}"
+
+    # E2M1: the hardware conversion exactly where the family target has it; software (FP-pipe arithmetic) elsewhere.
+    e2m1 = re.findall(r"\bF2FP\.[.\w]*\bE2M1\b[.\w]*", sass)
+    if e2m1_in_hardware(expr, arch, soft):
+        assert e2m1, f"{expr}: no cvt.rn.satfinite.e2m1x2.f32 on sm_{arch}"
+    else:
+        assert not e2m1, f"{expr}: hardware E2M1 conversion on sm_{arch} (soft={soft}): {sorted(set(e2m1))}"
 
     # The vectorised fast path is there.
     for pattern in vector_patterns(expr):

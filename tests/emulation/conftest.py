@@ -19,8 +19,8 @@ import pytest  # noqa: E402
 
 # sm_80 (software conversions) and sm_90 (hardware conversions) run every test; sm_100 adds only the
 # family-specific E8M0 conversion of block_quantize.cu, so only the block-scaling tests run there, and FP4's
-# kernels (fp4_quantize.cu: software E2M1 everywhere, run there for the record of sm_100; fp4_gemm.cu: the FP4
-# GEMM's alpha, which only sm_100+ uses).
+# kernels (fp4_quantize.cu: the family-specific E2M1 and E8M0 conversions of its plain path, software E2M1 on
+# sm_80/90; fp4_gemm.cu: the FP4 GEMM's alpha, which only sm_100+ uses).
 PER_FILE = {"block_quantize.cu": (0, 1, 2), "fp4_quantize.cu": (0, 1, 2), "fp4_gemm.cu": (0, 1, 2)}
 EMULATED = [pytest.param(i, id=f"sm_{device.DEVICES[i].cc}") for i in (0, 1)]
 BLOCK_EMULATED = [pytest.param(i, id=f"sm_{device.DEVICES[i].cc}") for i in PER_FILE["block_quantize.cu"]]

@@ -110,17 +110,13 @@ inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); 
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned int)x); }
-// PTX prmt (default mode): byte i of the result is byte s[4i+2:4i] of {y, x} (x bytes 0-3, y bytes 4-7); with
-// s bit 4i+3 set, the selected byte's sign bit replicated.
+// CUDA's __byte_perm: byte i of the result is byte s[4i+2:4i] of {y, x} (x bytes 0-3, y bytes 4-7). Bit 4i+3 of s is
+// ignored: NVRTC compiles __byte_perm(x, y, 0xFBD9) to PRMT x, 0x7351, y (no sign replication, which only prmt.b32
+// written as inline PTX gives).
 inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
   const unsigned long long v = ((unsigned long long)y << 32) | x;
   unsigned int r = 0;
-  for (int i = 0; i < 4; ++i) {
-    const unsigned sel = (s >> (4 * i)) & 0xfu;
-    unsigned byte = (unsigned)(v >> (8 * (sel & 7u))) & 0xffu;
-    if (sel & 8u) byte = (byte & 0x80u) ? 0xffu : 0u;
-    r |= byte << (8 * i);
-  }
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
   return r;
 }
 inline int min(int a, int b) { return a < b ? a : b; }

@@ -1,4 +1,5 @@
-// The PTX instructions cuda/ uses in inline asm, on the host, as the PTX ISA documents them (sections "cvt", "mul", "add", "sub").
+// The PTX instructions cuda/ uses in inline asm, on the host, as the PTX ISA documents them (sections "cvt", "mul", "add",
+// "sub", "fma", "abs", "min", "max", "prmt").
 //
 // build.py rewrites `asm("T" : "=c"(d) : "c"(a), "c"(b));` into
 // `::fp8emu::ptx<::fp8emu::op("T")>(::fp8emu::out<'c'>(d), ::fp8emu::in<'c'>(a), ::fp8emu::in<'c'>(b));`
@@ -206,6 +207,65 @@ FP8EMU_PTX("cvt.rp.satfinite.ue8m0x2.f32 %0, %1, %2;") {
   template <typename H> static void run(H& d, float a, float b) {
     d = (H)((ue8m0_rp_satfinite(a) << 8) | ue8m0_rp_satfinite(b));
   }
+};
+
+FP8EMU_PTX("fma.rn.f32 %0, %1, %2, %3;") {
+  static void run(float& d, float a, float b, float c) { d = std::fmaf(a, b, c); }  // one rounding, IeeeMode
+};
+FP8EMU_PTX("abs.f32 %0, %1;") {
+  static void run(float& d, float a) { d = f32(bits(a) & 0x7fffffffu); }  // no .ftz: subnormals kept
+};
+FP8EMU_PTX("min.f32 %0, %1, %2;") {
+  // One NaN operand: the other; both: the canonical NaN; -0.0 is below +0.0.
+  static void run(float& d, float a, float b) {
+    if (std::isnan(a) && std::isnan(b)) d = f32(0x7fffffffu);
+    else if (std::isnan(a)) d = b;
+    else if (std::isnan(b)) d = a;
+    else if (a == b) d = std::signbit(a) ? a : b;
+    else d = a < b ? a : b;
+  }
+};
+FP8EMU_PTX("max.NaN.f32 %0, %1, %2;") {
+  // Either operand NaN: the canonical NaN; +0.0 is above -0.0.
+  static void run(float& d, float a, float b) {
+    if (std::isnan(a) || std::isnan(b)) d = f32(0x7fffffffu);
+    else if (a == b) d = std::signbit(a) ? b : a;
+    else d = a > b ? a : b;
+  }
+};
+FP8EMU_PTX("prmt.b32 %0, %1, %2, %3;") {
+  // Default mode: byte i of d is byte s[4i+2:4i] of {b, a} (a bytes 0-3), its sign replicated where s[4i+3] is set.
+  static void run(uint32_t& d, uint32_t a, uint32_t b, uint32_t s) {
+    const unsigned long long v = ((unsigned long long)b << 32) | a;
+    d = 0;
+    for (int i = 0; i < 4; ++i) {
+      const unsigned sel = (s >> (4 * i)) & 0xfu;
+      unsigned byte = (unsigned)(v >> (8 * (sel & 7u))) & 0xffu;
+      if (sel & 8u) byte = (byte & 0x80u) ? 0xffu : 0u;
+      d |= byte << (8 * i);
+    }
+  }
+};
+
+// E2M1 (cvt.rn.satfinite.e2m1x2.f32): round to nearest even among 0, 0.5, 1, 1.5, 2, 3, 4, 6 (code = index), .satfinite
+// clamps beyond 6 (inf too) to 6, the sign kept (also on a result that rounds to 0). A NaN: E2M1 has none, and what
+// the silicon writes is unconfirmed (cuda_fp4.hpp's host emulation: +6, 0x7), so the emulator writes 0xF: a kernel
+// that leaves the contract's 0x7 to the hardware fails here.
+inline uint8_t e2m1_rn_satfinite(float x) {
+  static const double v[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  if (std::isnan(x)) return 0xf;
+  const unsigned sign = std::signbit(x) ? 8u : 0u;
+  const double a = std::fabs((double)x);
+  if (a >= 6) return (uint8_t)(sign | 7u);
+  unsigned lo = 0;
+  while (v[lo + 1] <= a) ++lo;  // v[lo] <= a < v[lo + 1]
+  const double below = a - v[lo], above = v[lo + 1] - a;
+  const unsigned r = below < above ? lo : above < below ? lo + 1 : ((lo & 1u) ? lo + 1 : lo);
+  return (uint8_t)(sign | r);
+}
+FP8EMU_PTX("{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, %1, %2; cvt.u32.u8 %0, t; }") {
+  // a's code in bits 4-7, b's in bits 0-3 (the first source in the upper nibble), widened to 32 bits
+  static void run(uint32_t& d, float a, float b) { d = (uint32_t)((e2m1_rn_satfinite(a) << 4) | e2m1_rn_satfinite(b)); }
 };
 
 #undef FP8EMU_PTX

@@ -27,6 +27,10 @@ MAX_HISTORY_LEN = MAX_TENSORS = 2**31 - 1
 AMAX_ALGOS = ("max", "most_recent")  # the batched update's built-in rules
 SCALE_MODES = ("rceil", "floor")  # MXFP8's E8M0 scale rules
 FP4_ROUNDINGS = ("nearest", "stochastic")  # NVFP4's element rounding
+MULTIPLE = 16  # K and N: cuBLASLt's FP8 GEMM takes positive multiples of it
+# cuBLASLt's FP8 table: the bias type each output takes (fp8 outputs take the type of C, bf16 or fp16).
+_BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",),
+                **{name: ("bfloat16", "float16") for name in FP8_DTYPES}}
 _HP = frozenset(HIGH_PRECISION_DTYPES)
 _FP8_TEXT = ", ".join(FP8_DTYPES)
 _FORMATS_TEXT = ", ".join([f"Format.{f.name}" for f in ENCODINGS] + [repr(f.value) for f in ENCODINGS])
@@ -516,9 +520,65 @@ def no_overlap(outputs: Sequence[tuple[str, Tensor | None]], inputs: Sequence[tu
                 raise ValueError(f"{arg}: overlaps {other} in memory; pass a separate array")
 
 
+@functools.cache
+def array_dtype(dtype: str, cuda: bool) -> np.dtype:
+    """The dtype of a backend's array of logical ``dtype``: itself on the CPU, its storage dtype on a GPU."""
+    return storage_dtype(dtype) if cuda else logical_numpy_dtype(dtype)
+
+
 def backend_data(t: Tensor | None, dtype: str, shape: tuple | None = None) -> Any:
     """An out slot as its backend takes arrays: logical dtype on the CPU, storage dtype on a GPU."""
     if t is None:
         return None
-    data = t.data.view(storage_dtype(dtype) if t.is_cuda else logical_numpy_dtype(dtype))
+    data = t.data.view(array_dtype(dtype, t.is_cuda))
     return data if shape is None else data.reshape(shape)
+
+
+# ---- rules on shapes and dtype names alone: the core, its declarations (fp8core.declarations) and the front-ends
+# that check while tracing state them once, here ------------------------------------------------------------
+
+def check_shapes(a_shape: tuple[int, ...], b_shape: tuple[int, ...], fa: Format | None = None,
+                 fb: Format | None = None) -> tuple[int, int, int]:
+    """(M, K, N) of ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's FP8 limits, from shapes (and the operands' formats,
+    when known) alone."""
+    for arg, shape, dims in (("a", a_shape, "[M, K]"), ("b", b_shape, "[N, K]")):
+        if len(shape) != 2:
+            raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {tuple(shape)}")
+    (m, k), (n, kb) = a_shape, b_shape
+    if kb != k:
+        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a_shape)}, got shape "
+                         f"{tuple(b_shape)}")
+    if k == 0 or k % MULTIPLE:
+        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of {MULTIPLE}")
+    if n == 0 or n % MULTIPLE:
+        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of {MULTIPLE}")
+    if fa is Format.E5M2 and fb is Format.E5M2:
+        raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
+    return m, k, n
+
+
+def check_bias(dtype: str, shape: tuple[int, ...], n: int, out_name: str) -> None:
+    """The bias rule by dtype name and shape: [N], of the type cuBLASLt pairs with the output."""
+    allowed = _BIAS_DTYPES[out_name]
+    if dtype not in allowed:
+        raise TypeError(f"bias: for out_dtype {out_name} expected {' or '.join(allowed)}, got {dtype}")
+    if tuple(shape) != (n,):
+        raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(shape)}")
+
+
+def check_update_shapes(history: tuple[str, tuple[int, ...]], vectors: Sequence[tuple[str, str, tuple[int, ...],
+                        str]], history_arg: str = "history") -> int:
+    """The batched update's dtype and shape rules, from dtype names and shapes alone: history float32 [L, N], L and
+    N >= 1; each (arg, dtype, shape, expected dtype) of ``vectors`` [N]. Returns N."""
+    dtype, shape = history
+    if dtype != "float32":
+        raise TypeError(f"{history_arg}: expected float32, got {dtype}")
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"{history_arg}: expected shape [L, N] with L, N >= 1, got {tuple(shape)}")
+    n = shape[1]
+    for arg, dtype, shape, want in vectors:
+        if dtype != want:
+            raise TypeError(f"{arg}: expected {want}, got {dtype}")
+        if tuple(shape) != (n,):
+            raise ValueError(f"{arg}: expected shape ({n},) to match {history_arg} [L, {n}], got {tuple(shape)}")
+    return n

@@ -6,6 +6,8 @@ Formats are names ("e4m3", "e5m2"), layouts their names ("1x32", "128x128"); sca
 
 A new primitive is a row here (its arguments, its rule, ``call=`` the core function, ``backend=`` what it reaches),
 then ``custom_ops(PRIMITIVES[name])`` in fp8core.torch and ``primitive(run, shapes(name, ...))`` in fp8core.jax.
+The core functions that allocate their results from their rule (fp8core.ops, fp8core.gemm) import this module, so
+their rows name them by path (``call="ops.quantize"``).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import args, blocks, ops, rowwise, scaling
-from .declare import Arg, Primitive, Spec, declare
-from .args import as_format
-from .gemm import check_shapes, gemm
+from . import args, blocks, rowwise
+from .declare import Arg, Primitive, Spec, core_function, declare
+from .args import check_shapes
+from .formats import Encoding
 from .layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
 
 __all__ = ["PRIMITIVES", "matrix"]
@@ -34,26 +36,26 @@ def matrix(x: Spec, arg: str) -> tuple[int, int]:
 
 
 def _fp8(x: Spec, fmt: Any, shape: tuple | None = None) -> Spec:
-    return Spec(x.shape if shape is None else shape, as_format(fmt).dtype_name)
+    return Spec(x.shape if shape is None else shape, (fmt if isinstance(fmt, Encoding) else args.encoding(fmt)).dtype_name)
 
 
 # ---- per-tensor scaling (fp8core.ops, fp8core.scaling) ------------------------------------------------------
 
-@declare("amax", (Arg("x"),), returns=1, call=ops.amax, backend=("multi_amax", "amax"))
+@declare("amax", (Arg("x"),), returns=1, call="ops.amax", backend=("multi_amax", "amax"))
 def _amax(x: Spec) -> tuple[Spec, ...]:
     """max |x| as float32 [1]."""
     return (F32_1,)
 
 
 @declare("quantize", (Arg("x"), Arg("scale"), Arg("fmt", "str"), _AMAX_OUT), returns=1, backend=("quantize",),
-         call=ops.quantize)
+         call="ops.quantize")
 def _quantize(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
     """SATFINITE_RTNE(fp32(x) * scale) in fmt; amax_out (float32 [1]) accumulates max |x| in place."""
     return (_fp8(x, fmt),)
 
 
 @declare("quantize_dynamic", (Arg("x"), Arg("fmt", "str"), *_RULE), returns=3, backend=("quantize_dynamic",),
-         call=ops.quantize_dynamic)
+         call="ops.quantize_dynamic")
 def _quantize_dynamic(x: Spec, fmt: str, margin: int = 0, power_of_2: bool = False,
                       epsilon: float = 0.0) -> tuple[Spec, ...]:
     """Current scaling: (q, scale_inv [1], amax [1])."""
@@ -61,13 +63,13 @@ def _quantize_dynamic(x: Spec, fmt: str, margin: int = 0, power_of_2: bool = Fal
 
 
 @declare("dequantize", (Arg("q"), Arg("scale_inv"), Arg("out_dtype", "dtype")), returns=1,
-         call=ops.dequantize, backend=("dequantize",))
+         call="ops.dequantize", backend=("dequantize",))
 def _dequantize(q: Spec, scale_inv: Spec, out_dtype: str) -> tuple[Spec, ...]:
     """q · scale_inv in out_dtype, q's shape."""
     return (Spec(q.shape, out_dtype),)
 
 
-@declare("transpose", (Arg("q"),), returns=1, call=ops.transpose, backend=("transpose",))
+@declare("transpose", (Arg("q"),), returns=1, call="ops.transpose", backend=("transpose",))
 def _transpose(q: Spec) -> tuple[Spec, ...]:
     """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
     rows, cols = matrix(q, "q")
@@ -75,7 +77,7 @@ def _transpose(q: Spec) -> tuple[Spec, ...]:
 
 
 @declare("cast_transpose", (Arg("x"), Arg("scale"), Arg("fmt", "str"), _AMAX_OUT), returns=2,
-         backend=("cast_transpose",), call=ops.cast_transpose)
+         backend=("cast_transpose",), call="ops.cast_transpose")
 def _cast_transpose(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
     """(quantize(x), its [last, prod(leading)] transpose) from one read of x."""
     rows, cols = matrix(x, "x")
@@ -83,7 +85,7 @@ def _cast_transpose(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
 
 
 @declare("compute_scale", (Arg("amax"), Arg("fmt", "str"), *_RULE), returns=2, backend=("compute_scale",),
-         call=ops.compute_scale)
+         call="ops.compute_scale")
 def _compute_scale(amax: Spec, fmt: str, margin: int = 0, power_of_2: bool = False,
                    epsilon: float = 0.0) -> tuple[Spec, ...]:
     """(scale, scale_inv) from amax by the contract's scale rule (1.0 where there is no scale); a 0-d amax gives
@@ -95,7 +97,7 @@ def _compute_scale(amax: Spec, fmt: str, margin: int = 0, power_of_2: bool = Fal
 @declare("gemm", (Arg("a"), Arg("b"), Arg("a_scale_inv"), Arg("b_scale_inv"), Arg("out_dtype", "dtype"),
                   Arg("bias", "Tensor?"), Arg("out_scale", "Tensor?"),
                   Arg("out_amax", "Tensor?", None, mutated=True, slot=F32_1), Arg("use_fast_accum", "bool")),
-         returns=1, backend=("gemm",), call=gemm)
+         returns=1, backend=("gemm",), call="gemm.gemm")
 def _gemm(a: Spec, b: Spec, a_scale_inv: Spec, b_scale_inv: Spec, out_dtype: str, bias: Spec | None = None,
           out_scale: Spec | None = None, use_fast_accum: bool = False) -> tuple[Spec, ...]:
     """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias); see fp8core.gemm."""
@@ -109,14 +111,14 @@ _STATE = ("history", "scale", "scale_inv", "fp8_max", "non_finite")
 @declare("update", (*(Arg(n, mutated=n not in ("fp8_max",)) for n in _STATE), Arg("margin", "int"),
                     Arg("algo", "str"), Arg("power_of_2", "bool"), Arg("epsilon", "float"),
                     Arg("update_scale", "bool")),
-         returns=0, call=scaling.update_in_place, backend=("update",))
+         returns=0, call="scaling.update_in_place", backend=("update",))
 def _update(history: Spec, scale: Spec, scale_inv: Spec, fp8_max: Spec, non_finite: Spec, margin: int, algo: str,
             power_of_2: bool, epsilon: float, update_scale: bool) -> tuple[Spec, ...]:
     """The batched delayed-scaling update of N tensors, in place: history [L, N], scale/scale_inv/fp8_max
     float32 [N], non_finite bool [N], all on one device; margin |m| <= 512, algo 'max' or 'most_recent',
     epsilon finite >= 0. Everything is checked (the core's checks) before the one launch on a GPU."""
     vectors = zip(_STATE[1:], (scale, scale_inv, fp8_max, non_finite), ("float32",) * 3 + ("bool",))
-    scaling.check_update_shapes((history.dtype, history.shape), [(n, v.dtype, v.shape, want) for n, v, want in vectors])
+    args.check_update_shapes((history.dtype, history.shape), [(n, v.dtype, v.shape, want) for n, v, want in vectors])
     args.amax_algo(algo)
     args.margin(margin)
     args.epsilon(epsilon)
@@ -204,6 +206,9 @@ def _transpose_blocks(data: Spec, scale: Spec, layout: str) -> tuple[Spec, ...]:
     return Spec((cols, rows), data.dtype), Spec(tuple(scale.shape[::-1]), scale.dtype)
 
 
+_gemm_call = core_function("gemm.gemm")
+
+
 def _block_operands(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b_layout: str,
                     out_dtype: str) -> None:
     blocks.gemm_operands(ScaledTensor(a, a_scale, a_layout), ScaledTensor(b, b_scale, b_layout), None, None)
@@ -212,7 +217,7 @@ def _block_operands(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: st
 @declare("block_gemm", (Arg("a"), Arg("a_scale", label="a.scale"), Arg("b"), Arg("b_scale", label="b.scale"),
                         Arg("a_layout", "str"), Arg("b_layout", "str"), Arg("out_dtype", "dtype")),
          returns=1, precheck=_block_operands, backend=("blocks.gemm_scale",),
-         call=lambda a, a_scale, b, b_scale, a_layout, b_layout, out_dtype: gemm(
+         call=lambda a, a_scale, b, b_scale, a_layout, b_layout, out_dtype: _gemm_call(
              ScaledTensor(a, a_scale, a_layout), ScaledTensor(b, b_scale, b_layout), out_dtype=out_dtype))
 def _block_gemm(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b_layout: str,
                 out_dtype: str) -> tuple[Spec, ...]:

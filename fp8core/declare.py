@@ -5,17 +5,21 @@ are in :mod:`fp8core.declarations` (its PRIMITIVES); a hand-written op beside th
 
 The rule sees each tensor argument as a :class:`Spec` (shape, dtype name), each dtype argument as its name and
 every other argument as given; it raises the core's error wherever the core refuses an argument for its shape
-(so that a traced call fails as the eager one does) and returns one Spec per output.
+(so that a traced call fails as the eager one does) and returns one Spec per output. The core functions allocate
+their results from the same rule, so it is the one statement of a primitive's output shapes: which is why a
+declaration names its core function by path ("ops.quantize", resolved on its first call), the core importing the
+declarations and not the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any, Callable, NamedTuple
 
 from .formats import dtype_name
 
-__all__ = ["Spec", "Arg", "Primitive", "declare", "REQUIRED"]
+__all__ = ["Spec", "Arg", "Primitive", "declare", "core_function", "REQUIRED"]
 
 REQUIRED: Any = object()  # an argument without a default
 
@@ -63,7 +67,7 @@ class Primitive:
 
     outputs: ``rule(**inputs) -> tuple[Spec, ...]`` (tensors as Specs, dtypes as names). call: the core's
     function, called with the declared arguments by name, returning the outputs (one array, or a tuple (a
-    ScaledTensor too) in the rule's order).
+    ScaledTensor too) in the rule's order); given to :func:`declare` as a function or as its path in fp8core.
     returns: how many arrays it returns (0: it only mutates, 1: one array, n: a tuple). precheck: type rules the
     core applies before it looks at devices (the scaled operands' kinds), run first. backend: the backend
     functions it reaches (selftest's coverage). may_alias: an output may be an input itself (a 1-row transpose).
@@ -104,11 +108,30 @@ def _abstract(arg: Arg, value: Any) -> Any:
     return dtype_name(value) if arg.type == "dtype" else value
 
 
-def declare(name: str, args: tuple[Arg, ...], *, returns: int, **fields: Any) -> Callable[[Callable], Primitive]:
-    """Decorator: the rule below it (its docstring the primitive's) makes the declaration ``name``."""
+def core_function(path: str) -> Callable[..., Any]:
+    """The function at ``path`` in fp8core ("ops.quantize"), imported on its first call: a core module that
+    allocates from its declaration imports fp8core.declarations, which therefore cannot import it."""
+    module, _, attr = path.rpartition(".")
+    found: list[Callable[..., Any]] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not found:
+            found.append(getattr(importlib.import_module(f"fp8core.{module}"), attr))
+        return found[0](*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = attr
+    call.__doc__ = f"fp8core.{path}"
+    return call
+
+
+def declare(name: str, args: tuple[Arg, ...], *, returns: int, call: Callable[..., Any] | str,
+            **fields: Any) -> Callable[[Callable], Primitive]:
+    """Decorator: the rule below it (its docstring the primitive's) makes the declaration ``name``. call: the core
+    function, or its path in fp8core ("ops.quantize")."""
     def make(rule: Callable[..., tuple[Spec, ...]]) -> Primitive:
         names = [a.name for a in args]
         if len(set(names)) != len(names):
             raise ValueError(f"args: {name}'s argument names repeat: {names}")
-        return Primitive(name, tuple(args), rule, returns=returns, doc=rule.__doc__ or "", **fields)
+        fn = core_function(call) if isinstance(call, str) else call
+        return Primitive(name, tuple(args), rule, fn, returns=returns, doc=rule.__doc__ or "", **fields)
     return make

@@ -1,5 +1,9 @@
 """The public FP8 primitives. Each validates its arguments (fp8core.args), picks the backend by device, and
 returns the caller's own array type. The numerics are in docs/numerics.md; the backends implement them bit for bit.
+
+Results have the shapes and dtypes their declaration's rule gives (fp8core.declarations, which the torch fakes and
+fp8core.jax read too): a given ``out=`` is checked against them, and the rest is allocated from them here, by the
+caller's allocator, before the backend writes it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import numpy as np
 from . import args, backends
 from ._caches import memo
 from ._tensor import Tensor, export, export_all, wrap
+from .declarations import PRIMITIVES
+from .declare import Spec
 from .formats import Format
 
 __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose",
@@ -26,6 +32,20 @@ _BACKENDS: dict[tuple, Any] = memo("ops.backends", {})
 def _backend(t: Tensor) -> Any:
     b = _BACKENDS.get(t.device)
     return b if b is not None else _BACKENDS.setdefault(t.device, backends.for_device(t.device))
+
+
+_QUANTIZE, _DYNAMIC, _DEQUANTIZE, _TRANSPOSE, _CAST_TRANSPOSE = (
+    PRIMITIVES[name].outputs for name in ("quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose"))
+
+
+def _new(backend: Any, spec: Spec, t: Tensor) -> Any:
+    """A result of ``spec`` (its declaration's) from t's caller's allocator, as t's backend takes arrays."""
+    return backend.allocate(spec.shape, args.array_dtype(spec.dtype, t.is_cuda), t)
+
+
+def _slot(given: Any, arg: str, spec: Spec, t: Tensor, xarg: str = "x") -> Tensor | None:
+    """A given ``out=`` array checked against its declared spec, or None."""
+    return None if given is None else args.out_slot(given, arg, spec.shape, spec.dtype, t, xarg)
 
 
 # ---- the primitives ---------------------------------------------------------------------------------------
@@ -50,13 +70,15 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
+    (spec,) = _QUANTIZE(Spec(t.shape, t.dtype), None, f)
+    backend = _backend(t)
     if out is None:
-        return export(_backend(t).quantize(t, s, f, a), f.dtype_name, t)
+        return export(backend.quantize(t, s, f, a, out=_new(backend, spec, t)), spec.dtype, t)
     (o,) = args.outs(out, 1)
-    ot = None if o is None else args.out_slot(o, "out", t.shape, f.dtype_name, t)
+    ot = _slot(o, "out", spec, t)
     args.no_overlap([("out", ot)], [("x", t), ("scale", s), ("amax_out", a)])
-    q = _backend(t).quantize(t, s, f, a, out=args.backend_data(ot, f.dtype_name))
-    return o if o is not None else export(q, f.dtype_name, t)
+    q = backend.quantize(t, s, f, a, out=_new(backend, spec, t) if ot is None else args.backend_data(ot, spec.dtype))
+    return o if o is not None else export(q, spec.dtype, t)
 
 
 def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int = 0, power_of_2: bool = False,
@@ -73,17 +95,22 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     rule = (args.margin(margin), args.flag(power_of_2, "power_of_2"), args.epsilon(epsilon), args.reduce_hook(reduce))
+    specs = _DYNAMIC(Spec(t.shape, t.dtype), f)
+    backend = _backend(t)
+    # q from its spec; scale_inv and amax, unless given, are the backend's (on a GPU its kernel's workspace)
+    o = (None, None, None) if out is None else args.outs(out, 3) if isinstance(out, tuple) else (out, None, None)
+    names = ("out[0]", "out[1]", "out[2]")
+    slots = [_slot(v, arg, spec, t) for v, arg, spec in zip(o, names, specs)]
+    if out is not None:
+        args.no_overlap(list(zip(names, slots)), [("x", t)])
+    outs = [None if v is None else args.backend_data(v, spec.dtype) for v, spec in zip(slots, specs)]
+    if outs[0] is None:
+        outs[0] = _new(backend, specs[0], t)
+    results = backend.quantize_dynamic(t, f, *rule, out=tuple(outs))
     if out is None:
-        q, s_inv, a = _backend(t).quantize_dynamic(t, f, *rule)
-        return export_all(((q, f.dtype_name), (s_inv, "float32"), (a, "float32")), t)
-    o = args.outs(out, 3) if isinstance(out, tuple) else (out, None, None)
-    slots = [None if v is None else args.out_slot(v, arg, shape, dtype, t) for v, arg, shape, dtype in
-             zip(o, ("out[0]", "out[1]", "out[2]"), (t.shape, (1,), (1,)), (f.dtype_name, "float32", "float32"))]
-    args.no_overlap(list(zip(("out[0]", "out[1]", "out[2]"), slots)), [("x", t)])
-    q, s_inv, a = _backend(t).quantize_dynamic(
-        t, f, *rule, out=tuple(args.backend_data(v, d) for v, d in zip(slots, (f.dtype_name, "float32", "float32"))))
-    return tuple(given if given is not None else export(r, d, t)  # type: ignore[return-value]
-                 for given, r, d in zip(o, (q, s_inv, a), (f.dtype_name, "float32", "float32")))
+        return export_all(tuple((r, spec.dtype) for r, spec in zip(results, specs)), t)
+    return tuple(given if given is not None else export(r, spec.dtype, t)  # type: ignore[return-value]
+                 for given, r, spec in zip(o, results, specs))
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *,
@@ -96,12 +123,15 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     t, f = args.fp8(q, "q", fmt)
     name = args.out_dtype(out_dtype)
     s = args.scalar(scale_inv, t, "scale_inv", "q")
+    (spec,) = _DEQUANTIZE(Spec(t.shape, f.dtype_name), None, name)
+    backend = _backend(t)
     if out is None:
-        return export(_backend(t).dequantize(t, f.encoding, s, name), name, t)
+        return export(backend.dequantize(t, f.encoding, s, name, out=_new(backend, spec, t)), name, t)
     (o,) = args.outs(out, 1)
-    ot = None if o is None else args.out_slot(o, "out", t.shape, name, t, "q")
+    ot = _slot(o, "out", spec, t, "q")
     args.no_overlap([("out", ot)], [("q", t), ("scale_inv", s)])
-    y = _backend(t).dequantize(t, f.encoding, s, name, out=args.backend_data(ot, name))
+    y = backend.dequantize(t, f.encoding, s, name,
+                           out=_new(backend, spec, t) if ot is None else args.backend_data(ot, name))
     return o if o is not None else export(y, name, t)
 
 
@@ -111,14 +141,16 @@ def transpose(q: Array, *, fmt: Format | str | None = None, out: Array | None = 
     out: optional [N, M] result array (q's fp8 dtype or uint8 storage), written and returned.
     """
     t, f = args.fp8(q, "q", fmt)
+    (spec,) = _TRANSPOSE(Spec(t.shape, f.dtype_name))
     t = args.as_2d(t, "q")
+    backend = _backend(t)
     if out is None:
-        return export(_backend(t).transpose(t), f.dtype_name, t)
+        return export(backend.transpose(t, out=_new(backend, spec, t)), spec.dtype, t)
     (o,) = args.outs(out, 1)
-    ot = None if o is None else args.out_slot(o, "out", t.shape[::-1], f.dtype_name, t, "q")
+    ot = _slot(o, "out", spec, t, "q")
     args.no_overlap([("out", ot)], [("q", t)])
-    qt = _backend(t).transpose(t, out=args.backend_data(ot, f.dtype_name))
-    return o if o is not None else export(qt, f.dtype_name, t)
+    qt = backend.transpose(t, out=_new(backend, spec, t) if ot is None else args.backend_data(ot, spec.dtype))
+    return o if o is not None else export(qt, spec.dtype, t)
 
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
@@ -132,18 +164,19 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
-    if out is None:
-        q, qt = _backend(t).cast_transpose(args.as_2d(t, "x"), s, f, a)
-        return export_all(((q.reshape(t.data.shape), f.dtype_name), (qt, f.dtype_name)), t)
+    specs = _CAST_TRANSPOSE(Spec(t.shape, t.dtype), None, f)
     t2 = args.as_2d(t, "x")
+    backend = _backend(t)
     o = args.outs(out, 2)
-    oq = None if o[0] is None else args.out_slot(o[0], "out[0]", t.shape, f.dtype_name, t)
-    oqt = None if o[1] is None else args.out_slot(o[1], "out[1]", t2.shape[::-1], f.dtype_name, t)
-    args.no_overlap([("out[0]", oq), ("out[1]", oqt)], [("x", t), ("scale", s), ("amax_out", a)])
-    q, qt = _backend(t).cast_transpose(
-        t2, s, f, a, out=(args.backend_data(oq, f.dtype_name, t2.shape), args.backend_data(oqt, f.dtype_name)))
-    return (o[0] if o[0] is not None else export(q.reshape(t.shape), f.dtype_name, t),
-            o[1] if o[1] is not None else export(qt, f.dtype_name, t))
+    slots = [_slot(v, arg, spec, t) for v, arg, spec in zip(o, ("out[0]", "out[1]"), specs)]
+    if out is not None:
+        args.no_overlap([("out[0]", slots[0]), ("out[1]", slots[1])], [("x", t), ("scale", s), ("amax_out", a)])
+    q, qt = (_new(backend, spec, t) if v is None else args.backend_data(v, spec.dtype) for v, spec in zip(slots, specs))
+    backend.cast_transpose(t2, s, f, a, out=(q.reshape(t2.shape), qt))
+    if out is None:
+        return export_all(((q, specs[0].dtype), (qt, specs[1].dtype)), t)
+    return (o[0] if o[0] is not None else export(q, specs[0].dtype, t),
+            o[1] if o[1] is not None else export(qt, specs[1].dtype, t))
 
 
 def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, power_of_2: bool = False,

@@ -209,6 +209,11 @@ def _amax(x: Tensor) -> np.ndarray:
 
 
 @ieee
+def allocate(shape: tuple, dtype: np.dtype, like: Tensor) -> np.ndarray:
+    """A result the core allocates from its declaration: like's caller's memory."""
+    return like.caller.empty(shape, dtype, like.device)
+
+
 def amax(x: Tensor) -> np.ndarray:
     return _amax(x)
 

@@ -83,6 +83,12 @@ def _amax_into(x: Tensor, out: Any, device: int, stream: int) -> None:
         AMAX.launch(device, (x.dtype,), x.size, stream, x=x.data.data.ptr, amax_out=out.data.ptr, n=x.size)
 
 
+def allocate(shape: tuple, dtype: np.dtype, like: Tensor) -> Any:
+    """A result the core allocates from its declaration: like's caller's memory, on like's device."""
+    with On(like.device[1]):
+        return empty(shape, dtype, like)
+
+
 def amax(x: Tensor) -> Any:
     device = x.device[1]
     with On(device):

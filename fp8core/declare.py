@@ -17,6 +17,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, NamedTuple
 
+from ._caches import memo
 from .formats import dtype_name
 
 __all__ = ["Spec", "Arg", "Primitive", "declare", "core_function", "REQUIRED"]
@@ -83,6 +84,18 @@ class Primitive:
     precheck: Callable[..., None] | None = None
     may_alias: bool = False
 
+    def results(self, *inputs: Any) -> tuple[Spec, ...]:
+        """The rule on the core's positional inputs, each tensor given as its (shape, dtype name) pair: what the
+        core allocates. Remembered by the inputs (a program's calls repeat their shapes), so a repeated call
+        costs a lookup; a refused input raises every time."""
+        key = (self.outputs, *inputs)
+        found = _RESULTS.get(key)
+        if found is None:
+            if len(_RESULTS) >= _RESULTS_MAX:
+                _RESULTS.clear()
+            found = _RESULTS[key] = self.outputs(*(Spec(*v) if type(v) is tuple else v for v in inputs))
+        return found
+
     def arg(self, name: str) -> Arg:
         return next(a for a in self.args if a.name == name)
 
@@ -98,6 +111,11 @@ class Primitive:
         mutated = tuple(Spec.of(inputs[a.name]) if inputs.get(a.name) is not None else a.slot
                         for a in self.args if a.mutated)
         return self.specs(**inputs) + mutated
+
+
+# Primitive.results' memo: rule outputs by their inputs (shapes, dtype names, formats), cleared when full
+_RESULTS: dict[tuple, tuple[Spec, ...]] = memo("declare.results", {})
+_RESULTS_MAX = 1024
 
 
 def _abstract(arg: Arg, value: Any) -> Any:

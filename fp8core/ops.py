@@ -35,7 +35,7 @@ def _backend(t: Tensor) -> Any:
 
 
 _QUANTIZE, _DYNAMIC, _DEQUANTIZE, _TRANSPOSE, _CAST_TRANSPOSE = (
-    PRIMITIVES[name].outputs for name in ("quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose"))
+    PRIMITIVES[name].results for name in ("quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose"))
 
 
 def _new(backend: Any, spec: Spec, t: Tensor) -> Any:
@@ -70,7 +70,7 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
-    (spec,) = _QUANTIZE(Spec(t.shape, t.dtype), None, f)
+    (spec,) = _QUANTIZE((t.data.shape, t.dtype), None, f)
     backend = _backend(t)
     if out is None:
         return export(backend.quantize(t, s, f, a, out=_new(backend, spec, t)), spec.dtype, t)
@@ -95,7 +95,7 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     rule = (args.margin(margin), args.flag(power_of_2, "power_of_2"), args.epsilon(epsilon), args.reduce_hook(reduce))
-    specs = _DYNAMIC(Spec(t.shape, t.dtype), f)
+    specs = _DYNAMIC((t.data.shape, t.dtype), f)
     backend = _backend(t)
     # q from its spec; scale_inv and amax, unless given, are the backend's (on a GPU its kernel's workspace)
     o = (None, None, None) if out is None else args.outs(out, 3) if isinstance(out, tuple) else (out, None, None)
@@ -123,7 +123,7 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     t, f = args.fp8(q, "q", fmt)
     name = args.out_dtype(out_dtype)
     s = args.scalar(scale_inv, t, "scale_inv", "q")
-    (spec,) = _DEQUANTIZE(Spec(t.shape, f.dtype_name), None, name)
+    (spec,) = _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)
     backend = _backend(t)
     if out is None:
         return export(backend.dequantize(t, f.encoding, s, name, out=_new(backend, spec, t)), name, t)
@@ -141,7 +141,7 @@ def transpose(q: Array, *, fmt: Format | str | None = None, out: Array | None = 
     out: optional [N, M] result array (q's fp8 dtype or uint8 storage), written and returned.
     """
     t, f = args.fp8(q, "q", fmt)
-    (spec,) = _TRANSPOSE(Spec(t.shape, f.dtype_name))
+    (spec,) = _TRANSPOSE((t.data.shape, f.dtype_name))
     t = args.as_2d(t, "q")
     backend = _backend(t)
     if out is None:
@@ -164,7 +164,7 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
-    specs = _CAST_TRANSPOSE(Spec(t.shape, t.dtype), None, f)
+    specs = _CAST_TRANSPOSE((t.data.shape, t.dtype), None, f)
     t2 = args.as_2d(t, "x")
     backend = _backend(t)
     o = args.outs(out, 2)

@@ -495,6 +495,9 @@ def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     out = q.caller.empty((cols, rows), q.data.dtype, q.device) if out is None else out
     src = q.data.view(np.uint8)
     dst = out.view(np.uint8)
+    if rows * cols <= _SMALL:
+        np.copyto(dst, src.T)
+        return out
     strip = _strip_rows(cols)
 
     def strips(r0: int, r1: int) -> None:  # r0, r1: multiples of strip, or rows (slices stop there)

@@ -526,6 +526,12 @@ def array_dtype(dtype: str, cuda: bool) -> np.dtype:
     return storage_dtype(dtype) if cuda else logical_numpy_dtype(dtype)
 
 
+def result(backend: Any, spec: Any, like: Tensor) -> Any:
+    """A new array for a result of ``spec`` (a declared output: shape and dtype name) from like's caller's
+    allocator, as ``backend`` takes arrays."""
+    return backend.allocate(spec.shape, array_dtype(spec.dtype, like.is_cuda), like)
+
+
 def backend_data(t: Tensor | None, dtype: str, shape: tuple | None = None) -> Any:
     """An out slot as its backend takes arrays: logical dtype on the CPU, storage dtype on a GPU."""
     if t is None:

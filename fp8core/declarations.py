@@ -101,8 +101,14 @@ def _compute_scale(amax: Spec, fmt: str, margin: int = 0, power_of_2: bool = Fal
 def _gemm(a: Spec, b: Spec, a_scale_inv: Spec, b_scale_inv: Spec, out_dtype: str, bias: Spec | None = None,
           out_scale: Spec | None = None, use_fast_accum: bool = False) -> tuple[Spec, ...]:
     """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias); see fp8core.gemm."""
-    m, _, n = check_shapes(a.shape, b.shape)
+    m, _, n = check_shapes(a.shape, b.shape, _fp8_operand(a, "a"), _fp8_operand(b, "b"))
     return (Spec((m, n), out_dtype),)
+
+
+def _fp8_operand(x: Spec, arg: str) -> Any:
+    """The format of fp8 operand x (by its dtype name), as the core checks it."""
+    args.fp8_name(x.dtype, arg)
+    return args.fmt(x.dtype)
 
 
 _STATE = ("history", "scale", "scale_inv", "fp8_max", "non_finite")

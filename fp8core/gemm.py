@@ -14,6 +14,8 @@ from . import args, backends, fp4
 from ._tensor import Tensor, export, wrap
 from .args import MULTIPLE, as_format, check_bias, check_shapes
 from .blocks import gemm_operands, gemm_scales
+from .declarations import PRIMITIVES
+from .declare import Spec
 from .formats import E2M1, ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Encoding, Format, dtype_name
 from .layouts import Layout, ScaledTensor
 
@@ -21,6 +23,9 @@ __all__ = ["gemm", "GemmSpec", "ALIGNMENT", "MULTIPLE", "check_shapes", "check_b
 
 Array = Any
 ALIGNMENT = 16  # bytes: cuBLASLt's requirement for FP8 operands and outputs
+
+
+_GEMM = PRIMITIVES["gemm"].results  # the output's shape and dtype, as the front-ends read them
 
 
 @dataclass(frozen=True)
@@ -82,14 +87,14 @@ def _bias(bias: Any, ta: Tensor, n: int, out_name: str) -> Tensor | None:
     return t
 
 
-def _out(obj: Any, ta: Tensor, m: int, n: int, out_name: str) -> Tensor:
+def _out(obj: Any, ta: Tensor, spec: Spec) -> Tensor:
     t = args.contiguous(wrap(obj, "out"), "out")
     args.same_device(t, ta, "out", "a")
-    storage_ok = ta.is_cuda and out_name in FP8_DTYPES and t.dtype == "uint8"
-    if t.dtype != out_name and not storage_ok:
-        raise TypeError(f"out: expected {out_name}, got {t.dtype}")
-    if t.shape != (m, n):
-        raise ValueError(f"out: expected shape ({m}, {n}), got {t.shape}")
+    storage_ok = ta.is_cuda and spec.dtype in FP8_DTYPES and t.dtype == "uint8"
+    if t.dtype != spec.dtype and not storage_ok:
+        raise TypeError(f"out: expected {spec.dtype}, got {t.dtype}")
+    if t.shape != spec.shape:
+        raise ValueError(f"out: expected shape {spec.shape}, got {t.shape}")
     if t.readonly:
         raise ValueError("out: is read-only")
     _aligned(t, "out")
@@ -164,16 +169,19 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     so = args.scalar(out_scale, ta, "out_scale", "a") if fp8_out else None
     am = args.f32_slots(out_amax, ta, "out_amax", "a") if out_amax is not None else None
     tbias = _bias(bias, ta, n, out_name)
-    dst = None
-    if out is not None:
-        to = _out(out, ta, m, n, out_name)
+    (result,) = _GEMM((ta.shape, fa.dtype_name), (tb.shape, fb.dtype_name), None, None, out_name)
+    backend = backends.for_device(ta.device)
+    if out is None:
+        dst = args.result(backend, result, ta)
+    else:
+        to = _out(out, ta, result)
         # the CPU's column spans write out while others still read b (and cuBLASLt reads and writes at once)
         args.no_overlap([("out", to)], [("a", ta), ("b", tb), ("bias", tbias), ("a_scale_inv", sa),
                                          ("b_scale_inv", sb), ("out_scale", so), ("out_amax", am)])
         dst = to.data
     spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, fast_accum,
                     a_layout, b_layout)
-    d = backends.for_device(ta.device).gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
+    d = backend.gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
     return out if out is not None else export(d, out_name, ta)
 
 

@@ -38,11 +38,6 @@ _QUANTIZE, _DYNAMIC, _DEQUANTIZE, _TRANSPOSE, _CAST_TRANSPOSE = (
     PRIMITIVES[name].results for name in ("quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose"))
 
 
-def _new(backend: Any, spec: Spec, t: Tensor) -> Any:
-    """A result of ``spec`` (its declaration's) from t's caller's allocator, as t's backend takes arrays."""
-    return backend.allocate(spec.shape, args.array_dtype(spec.dtype, t.is_cuda), t)
-
-
 def _slot(given: Any, arg: str, spec: Spec, t: Tensor, xarg: str = "x") -> Tensor | None:
     """A given ``out=`` array checked against its declared spec, or None."""
     return None if given is None else args.out_slot(given, arg, spec.shape, spec.dtype, t, xarg)
@@ -73,11 +68,11 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     (spec,) = _QUANTIZE((t.data.shape, t.dtype), None, f)
     backend = _backend(t)
     if out is None:
-        return export(backend.quantize(t, s, f, a, out=_new(backend, spec, t)), spec.dtype, t)
+        return export(backend.quantize(t, s, f, a, out=args.result(backend, spec, t)), spec.dtype, t)
     (o,) = args.outs(out, 1)
     ot = _slot(o, "out", spec, t)
     args.no_overlap([("out", ot)], [("x", t), ("scale", s), ("amax_out", a)])
-    q = backend.quantize(t, s, f, a, out=_new(backend, spec, t) if ot is None else args.backend_data(ot, spec.dtype))
+    q = backend.quantize(t, s, f, a, out=args.result(backend, spec, t) if ot is None else args.backend_data(ot, spec.dtype))
     return o if o is not None else export(q, spec.dtype, t)
 
 
@@ -105,7 +100,7 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
         args.no_overlap(list(zip(names, slots)), [("x", t)])
     outs = [None if v is None else args.backend_data(v, spec.dtype) for v, spec in zip(slots, specs)]
     if outs[0] is None:
-        outs[0] = _new(backend, specs[0], t)
+        outs[0] = args.result(backend, specs[0], t)
     results = backend.quantize_dynamic(t, f, *rule, out=tuple(outs))
     if out is None:
         return export_all(tuple((r, spec.dtype) for r, spec in zip(results, specs)), t)
@@ -126,12 +121,12 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     (spec,) = _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)
     backend = _backend(t)
     if out is None:
-        return export(backend.dequantize(t, f.encoding, s, name, out=_new(backend, spec, t)), name, t)
+        return export(backend.dequantize(t, f.encoding, s, name, out=args.result(backend, spec, t)), name, t)
     (o,) = args.outs(out, 1)
     ot = _slot(o, "out", spec, t, "q")
     args.no_overlap([("out", ot)], [("q", t), ("scale_inv", s)])
     y = backend.dequantize(t, f.encoding, s, name,
-                           out=_new(backend, spec, t) if ot is None else args.backend_data(ot, name))
+                           out=args.result(backend, spec, t) if ot is None else args.backend_data(ot, name))
     return o if o is not None else export(y, name, t)
 
 
@@ -145,11 +140,11 @@ def transpose(q: Array, *, fmt: Format | str | None = None, out: Array | None = 
     t = args.as_2d(t, "q")
     backend = _backend(t)
     if out is None:
-        return export(backend.transpose(t, out=_new(backend, spec, t)), spec.dtype, t)
+        return export(backend.transpose(t, out=args.result(backend, spec, t)), spec.dtype, t)
     (o,) = args.outs(out, 1)
     ot = _slot(o, "out", spec, t, "q")
     args.no_overlap([("out", ot)], [("q", t)])
-    qt = backend.transpose(t, out=_new(backend, spec, t) if ot is None else args.backend_data(ot, spec.dtype))
+    qt = backend.transpose(t, out=args.result(backend, spec, t) if ot is None else args.backend_data(ot, spec.dtype))
     return o if o is not None else export(qt, spec.dtype, t)
 
 
@@ -171,7 +166,7 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     slots = [_slot(v, arg, spec, t) for v, arg, spec in zip(o, ("out[0]", "out[1]"), specs)]
     if out is not None:
         args.no_overlap([("out[0]", slots[0]), ("out[1]", slots[1])], [("x", t), ("scale", s), ("amax_out", a)])
-    q, qt = (_new(backend, spec, t) if v is None else args.backend_data(v, spec.dtype) for v, spec in zip(slots, specs))
+    q, qt = (args.result(backend, spec, t) if v is None else args.backend_data(v, spec.dtype) for v, spec in zip(slots, specs))
     backend.cast_transpose(t2, s, f, a, out=(q.reshape(t2.shape), qt))
     if out is None:
         return export_all(((q, specs[0].dtype), (qt, specs[1].dtype)), t)

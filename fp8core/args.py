@@ -17,8 +17,9 @@ import numpy as np
 
 from ._fpenv import ieee
 from ._tensor import Tensor, logical_numpy_dtype, storage_dtype, wrap
-from .formats import ENCODINGS, FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, Encoding, Format, dtype_name
-from .layouts import Layout
+from .formats import (E2M1, ENCODINGS, FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, ROWS, Encoding, Format,
+                      dtype_name)
+from .layouts import Layout, ScaledTensor
 
 MAX_MARGIN = 512
 # A delayed-scaling state's dimensions: the update kernel takes the history length as a 32-bit int, and a count
@@ -27,6 +28,10 @@ MAX_HISTORY_LEN = MAX_TENSORS = 2**31 - 1
 AMAX_ALGOS = ("max", "most_recent")  # the batched update's built-in rules
 SCALE_MODES = ("rceil", "floor")  # MXFP8's E8M0 scale rules
 FP4_ROUNDINGS = ("nearest", "stochastic")  # NVFP4's element rounding
+MX_BLOCK = 32  # MXFP8's block: 32 elements along a row or a column
+FP32_BLOCK = 128  # DeepSeek-V3's blocks: 1x128 and 128x128
+_AXES = {-1: Layout.ROWWISE, 1: Layout.ROWWISE, 0: Layout.COLUMNWISE, -2: Layout.COLUMNWISE}
+_BY_DTYPE = {row.dtype_name: row for row in ROWS}  # an encoding by its dtype, for errors
 MULTIPLE = 16  # K and N: cuBLASLt's FP8 GEMM takes positive multiples of it
 # cuBLASLt's FP8 table: the bias type each output takes (fp8 outputs take the type of C, bf16 or fp16).
 _BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",),
@@ -588,3 +593,79 @@ def check_update_shapes(history: tuple[str, tuple[int, ...]], vectors: Sequence[
         if tuple(shape) != (n,):
             raise ValueError(f"{arg}: expected shape ({n},) to match {history_arg} [L, {n}], got {tuple(shape)}")
     return n
+
+
+def axis_layout(axis: Any) -> Layout:
+    """The layout of :func:`quantize_rowwise`'s ``axis``: ROWWISE for -1 or 1, COLUMNWISE for 0 or -2."""
+    if isinstance(axis, bool) or not isinstance(axis, int) or axis not in _AXES:
+        raise ValueError(f"axis: expected -1 or 1 (one scale per row, amax over the columns) or 0 (one scale per "
+                         f"column, amax over the rows) of x viewed as [rows, cols], got {axis!r}")
+    return _AXES[axis]
+
+
+def transposed_layout(layout: Layout, rows: int) -> Layout:
+    """The layout of the transpose's scales, for data of ``rows`` rows (viewed 2-D); 1x128 blocks have none but
+    in a single row, where they are a 128x128 tile's."""
+    if layout.transposed is None and rows > 1:
+        raise ValueError(f"t: {layout.value} blocks lie along rows and have no transpose; quantize the transposed "
+                         "tensor instead")
+    return layout.transposed or Layout.BLOCK_128X128
+
+
+def gemm_operands(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any) -> None:
+    """Scaled GEMM operands: both ScaledTensors of one kind (MX, fp32 blocks, one scale, NVFP4) and element
+    width (FP4's E2M1 or fp8), no separate scales."""
+    for arg, obj in (("a", a), ("b", b)):
+        if not isinstance(obj, ScaledTensor):
+            raise TypeError(f"{arg}: with a block-scaled operand, expected a ScaledTensor (MXTensor, "
+                            f"BlockScaledTensor, NVFP4Tensor, MXFP4Tensor), got {type(obj).__name__}; quantize both "
+                            "operands with the same scheme")
+    if a.kind != b.kind or (a.encoding is E2M1) != (b.encoding is E2M1):
+        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__} ({_described(a)} and "
+                         f"{_described(b)}); a scaled GEMM takes two operands of one scheme: MXFP8, fp32 blocks, "
+                         "one scale per row, one scale each, NVFP4 or MXFP4")
+    for arg, value in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if value is not None:
+            raise ValueError(f"{arg}: block-scaled operands carry their own scales; pass no {arg}")
+
+
+def _described(t: ScaledTensor) -> str:
+    """t's layout and element encoding, for an error ("1x16 E2M1")."""
+    try:
+        layout = t.layout.value
+    except ValueError:  # a scale no layout fits: its own error comes once the operands match
+        layout = t.kind
+    row = t.encoding or _BY_DTYPE.get(dtype_name(t[0].dtype))
+    return f"{layout} {row.name if row else dtype_name(t[0].dtype)}"
+
+
+def gemm_layouts(a_layout: Layout, b_layout: Layout, m: int, n: int, k: int) -> None:
+    """The scaled ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's limits, from layouts and shapes alone: the one
+    statement of the rule, for the core and the front-ends that check it while tracing."""
+    if a_layout.kind == "axiswise":
+        for arg, layout, rows in (("a.scale_inv", a_layout, m), ("b.scale_inv", b_layout, n)):
+            if layout != Layout.ROWWISE:
+                raise ValueError(f"{arg}: the GEMM takes one scale per row of a [M, K] and of b [N, K] (rowwise, "
+                                 f"along K): expected shape {Layout.ROWWISE.scale_shape(rows, k)}, got "
+                                 f"{layout.scale_shape(rows, k)} ({layout.label}); transpose_blocks a columnwise "
+                                 "operand first")
+        return
+    if a_layout.kind == "mx":
+        if k % MX_BLOCK:
+            raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
+        for arg, layout, rows in (("a.scale", a_layout, m), ("b.scale", b_layout, n)):
+            if layout != Layout.MX_ROWWISE:
+                raise ValueError(f"{arg}: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
+                                 f"{Layout.MX_ROWWISE.scale_shape(rows, k)}, got {layout.scale_shape(rows, k)}")
+        return
+    if k % FP32_BLOCK:
+        raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole blocks)")
+    if a_layout == b_layout == Layout.BLOCK_128X128:
+        raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) in "
+                         "1x128 blocks")
+    # cuBLASLt 13.1 on an H200 found no algorithm for M = 1 and M = 130 (run of 2026-11-26) and ran M = 8, 20, 136;
+    # Transformer Engine asks a multiple of 8 too ("Caller must pad"). N is a multiple of 16 for every FP8 GEMM.
+    if m % 8:
+        raise ValueError(f"a: M = {m}; a 1x128/128x128 block GEMM needs M to be a multiple of 8 (as Transformer "
+                         "Engine asks; cuBLASLt found no algorithm for M = 1 or 130), on both backends: pad a's rows "
+                         "with zeros")

@@ -6,8 +6,8 @@ Formats are names ("e4m3", "e5m2"), layouts their names ("1x32", "128x128"); sca
 
 A new primitive is a row here (its arguments, its rule, ``call=`` the core function, ``backend=`` what it reaches),
 then ``custom_ops(PRIMITIVES[name])`` in fp8core.torch and ``primitive(run, shapes(name, ...))`` in fp8core.jax.
-The core functions that allocate their results from their rule (fp8core.ops, fp8core.gemm) import this module, so
-their rows name them by path (``call="ops.quantize"``).
+The core functions allocate their results from their rule, so the core imports this module and the rows name
+their core function by path (``call="ops.quantize"``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import args, blocks, rowwise
+from . import args
 from .declare import Arg, Primitive, Spec, core_function, declare
 from .args import check_shapes
 from .formats import Encoding
@@ -133,6 +133,11 @@ def _update(history: Spec, scale: Spec, scale_inv: Spec, fp8_max: Spec, non_fini
 
 # ---- block scaling (fp8core.blocks) -------------------------------------------------------------------------
 
+# the core functions the rows below reach with arguments of their own making
+_mxfp8_both, _dequantize_mxfp8_call, _dequantize_blockwise_call, _transpose_blocks_call, _gemm_call = (
+    core_function(path) for path in ("blocks.quantize_mxfp8_both", "blocks.dequantize_mxfp8",
+                                     "blocks.dequantize_blockwise", "blocks.transpose_blocks", "gemm.gemm"))
+
 def _scale(x: Spec, layout: Layout) -> Spec:
     return Spec(layout.scale_shape(*matrix(x, "x")), "float8_e8m0fnu" if layout.kind == "mx" else "float32")
 
@@ -142,14 +147,14 @@ def _mx(columnwise: bool) -> Layout:
 
 
 @declare("quantize_mxfp8", (Arg("x"), Arg("fmt", "str"), Arg("scale_mode", "str"), Arg("columnwise", "bool")),
-         returns=2, backend=("blocks.quantize_mxfp8",), call=blocks.quantize_mxfp8)
+         returns=2, backend=("blocks.quantize_mxfp8",), call="blocks.quantize_mxfp8")
 def _quantize_mxfp8(x: Spec, fmt: str, scale_mode: str, columnwise: bool) -> tuple[Spec, ...]:
     """(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     return _fp8(x, fmt), _scale(x, _mx(columnwise))
 
 
 def _both(x: Any, fmt: str, scale_mode: str) -> tuple:
-    row, col = blocks.quantize_mxfp8_both(x, fmt, scale_mode=scale_mode)
+    row, col = _mxfp8_both(x, fmt, scale_mode=scale_mode)
     return (*row, *col)
 
 
@@ -170,7 +175,7 @@ _T_DATA = Arg("data", label="t.data")
 
 
 @declare("dequantize_mxfp8", (_T_DATA, Arg("scale", label="t.scale"), Arg("out_dtype", "dtype")), returns=1,
-         call=lambda data, scale, out_dtype: blocks.dequantize_mxfp8(MXTensor(data, scale), out_dtype),
+         call=lambda data, scale, out_dtype: _dequantize_mxfp8_call(MXTensor(data, scale), out_dtype),
          backend=("blocks.dequantize_blocks",))
 def _dequantize_mxfp8(data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ...]:
     """y = data · 2^(scale - 127) per block, in out_dtype, data's shape."""
@@ -179,7 +184,7 @@ def _dequantize_mxfp8(data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ..
 
 @declare("quantize_blockwise", (Arg("x"), Arg("fmt", "str"), Arg("block", "str"), Arg("power_of_2", "bool"),
                                 Arg("epsilon", "float")), returns=2, backend=("blocks.quantize_blockwise",),
-         call=blocks.quantize_blockwise)
+         call="blocks.quantize_blockwise")
 def _quantize_blockwise(x: Spec, fmt: str, block: Any, power_of_2: bool, epsilon: float) -> tuple[Spec, ...]:
     """(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)])."""
     return _fp8(x, fmt), _scale(x, args.block(block))
@@ -187,15 +192,15 @@ def _quantize_blockwise(x: Spec, fmt: str, block: Any, power_of_2: bool, epsilon
 
 @declare("quantize_rowwise", (Arg("x"), Arg("fmt", "str"), Arg("axis", "int"), Arg("power_of_2", "bool"),
                               Arg("epsilon", "float")), returns=2, backend=("blocks.quantize_blockwise",),
-         call=rowwise.quantize_rowwise)
+         call="rowwise.quantize_rowwise")
 def _quantize_rowwise(x: Spec, fmt: str, axis: int, power_of_2: bool, epsilon: float) -> tuple[Spec, ...]:
     """(data in x's shape, float32 scale_inv [rows, 1] (axis -1) or [1, cols] (axis 0))."""
-    return _fp8(x, fmt), _scale(x, rowwise.axis_layout(axis))
+    return _fp8(x, fmt), _scale(x, args.axis_layout(axis))
 
 
 @declare("dequantize_blockwise", (_T_DATA, Arg("scale_inv", label="t.scale_inv"), Arg("out_dtype", "dtype")),
          returns=1, backend=("blocks.dequantize_blocks",),
-         call=lambda data, scale_inv, out_dtype: blocks.dequantize_blockwise(BlockScaledTensor(data, scale_inv),
+         call=lambda data, scale_inv, out_dtype: _dequantize_blockwise_call(BlockScaledTensor(data, scale_inv),
                                                                              out_dtype))
 def _dequantize_blockwise(data: Spec, scale_inv: Spec, out_dtype: str) -> tuple[Spec, ...]:
     """y = data · scale_inv[its block] in out_dtype, data's shape."""
@@ -204,20 +209,19 @@ def _dequantize_blockwise(data: Spec, scale_inv: Spec, out_dtype: str) -> tuple[
 
 @declare("transpose_blocks", (_T_DATA, Arg("scale", label="t.scale"), Arg("layout", "str")), returns=2,
          may_alias=True, backend=("transpose", "blocks.transpose_scale"),
-         call=lambda data, scale, layout: blocks.transpose_blocks(ScaledTensor(data, scale, layout)))
+         call=lambda data, scale, layout: _transpose_blocks_call(ScaledTensor(data, scale, layout)))
 def _transpose_blocks(data: Spec, scale: Spec, layout: str) -> tuple[Spec, ...]:
     """The block-scaled transpose (fp8core.blocks.transpose_blocks): (data [cols, rows], its scales)."""
     rows, cols = matrix(data, "t.data")
-    blocks.transposed_layout(layout_of(ScaledTensor(data, scale, layout)), rows)
+    args.transposed_layout(layout_of(ScaledTensor(data, scale, layout)), rows)
     return Spec((cols, rows), data.dtype), Spec(tuple(scale.shape[::-1]), scale.dtype)
 
 
-_gemm_call = core_function("gemm.gemm")
 
 
 def _block_operands(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b_layout: str,
                     out_dtype: str) -> None:
-    blocks.gemm_operands(ScaledTensor(a, a_scale, a_layout), ScaledTensor(b, b_scale, b_layout), None, None)
+    args.gemm_operands(ScaledTensor(a, a_scale, a_layout), ScaledTensor(b, b_scale, b_layout), None, None)
 
 
 @declare("block_gemm", (Arg("a"), Arg("a_scale", label="a.scale"), Arg("b"), Arg("b_scale", label="b.scale"),
@@ -229,7 +233,7 @@ def _block_gemm(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b
                 out_dtype: str) -> tuple[Spec, ...]:
     """fp8core.gemm with scaled operands of one kind (both MX or both fp32 blocks): [M, N] in out_dtype."""
     m, k, n = check_shapes(a.shape, b.shape)
-    blocks.gemm_layouts(layout_of(ScaledTensor(a, a_scale, a_layout), "a"),
+    args.gemm_layouts(layout_of(ScaledTensor(a, a_scale, a_layout), "a"),
                         layout_of(ScaledTensor(b, b_scale, b_layout), "b"), m, n, k)
     return (Spec((m, n), out_dtype),)
 

@@ -35,7 +35,7 @@ from .._kernels import (AMAX, CAST_TRANSPOSE, COMPUTE_SCALE, DEQUANTIZE, FILL, M
 from .._views import Tensor, storage_dtype
 from ..formats import Encoding
 from . import cublaslt
-from .cuda_call import On, capture_outlives, empty, merge_amax, ptr, stream_of
+from .cuda_call import On, allocate, capture_outlives, empty, merge_amax, ptr, stream_of  # noqa: F401 - allocate: the core's
 from .cuda_call import launch_stream  # noqa: F401 - the front-ends' name
 
 name = "cuda"
@@ -81,12 +81,6 @@ def _amax_into(x: Tensor, out: Any, device: int, stream: int) -> None:
     _runtime.memsetAsync(out.data.ptr, 0, 4, stream)
     if x.size:
         AMAX.launch(device, (x.dtype,), x.size, stream, x=x.data.data.ptr, amax_out=out.data.ptr, n=x.size)
-
-
-def allocate(shape: tuple, dtype: np.dtype, like: Tensor) -> Any:
-    """A result the core allocates from its declaration: like's caller's memory, on like's device."""
-    with On(like.device[1]):
-        return empty(shape, dtype, like)
 
 
 def amax(x: Tensor) -> Any:

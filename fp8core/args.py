@@ -31,6 +31,7 @@ FP4_ROUNDINGS = ("nearest", "stochastic")  # NVFP4's element rounding
 MX_BLOCK = 32  # MXFP8's block: 32 elements along a row or a column
 FP32_BLOCK = 128  # DeepSeek-V3's blocks: 1x128 and 128x128
 _AXES = {-1: Layout.ROWWISE, 1: Layout.ROWWISE, 0: Layout.COLUMNWISE, -2: Layout.COLUMNWISE}
+_E8M0 = Layout.MX_ROWWISE.scale.dtype_name  # MX scales: float8_e8m0fnu
 _BY_DTYPE = {row.dtype_name: row for row in ROWS}  # an encoding by its dtype, for errors
 MULTIPLE = 16  # K and N: cuBLASLt's FP8 GEMM takes positive multiples of it
 # cuBLASLt's FP8 table: the bias type each output takes (fp8 outputs take the type of C, bf16 or fp16).
@@ -362,11 +363,23 @@ def as_2d(t: Tensor, arg: str) -> Tensor:
     return Tensor(t.data.reshape(rows, shape[-1]), t.dtype, t.device, t.origin, t.readonly, t.place)
 
 
+def float32_name(name: str, arg: str) -> None:
+    """``name`` (a dtype name) is float32."""
+    if name != "float32":
+        raise TypeError(f"{arg}: expected float32, got {name}")
+
+
+def one_element(shape: tuple[int, ...], arg: str) -> None:
+    """An array of ``shape`` holds one element (a scale, an amax slot)."""
+    if math.prod(shape) != 1:
+        raise ValueError(f"{arg}: expected 1 element, got shape {tuple(shape)}")
+
+
 def f32_vector(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Tensor:
     """float32 data, contiguous, on x's device."""
     t = contiguous(wrap(obj, arg), arg)
     if t.dtype != "float32":
-        raise TypeError(f"{arg}: expected float32, got {t.dtype}")
+        float32_name(t.dtype, arg)
     if t.device != x.device or t.place is not x.place:
         same_device(t, x, arg, xarg)
     return t
@@ -384,7 +397,7 @@ def scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
         return obj if obj.ndim == 1 else obj.reshape(-1)  # a native fp32 element: nothing the checks would refuse
     data = f32_vector(obj, x, arg, xarg).data
     if data.size != 1:
-        raise ValueError(f"{arg}: expected 1 element, got shape {tuple(data.shape)}")
+        one_element(data.shape, arg)
     return data if data.ndim == 1 else data.reshape(-1)
 
 
@@ -593,6 +606,11 @@ def check_update_shapes(history: tuple[str, tuple[int, ...]], vectors: Sequence[
         if tuple(shape) != (n,):
             raise ValueError(f"{arg}: expected shape ({n},) to match {history_arg} [L, {n}], got {tuple(shape)}")
     return n
+
+
+def scale_dtypes(kind: str) -> tuple[str, ...]:
+    """The dtypes a scale of a layout kind may have: its encoding's, and uint8 storage of E8M0 (CuPy)."""
+    return (_E8M0, "uint8") if kind == "mx" else ("float32",)
 
 
 def axis_layout(axis: Any) -> Layout:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import args, backends, formats, fp4
-from .args import FP32_BLOCK, MX_BLOCK, gemm_layouts, gemm_operands, transposed_layout
+from .args import FP32_BLOCK, MX_BLOCK, gemm_layouts, gemm_operands, scale_dtypes, transposed_layout
 from ._tensor import Tensor, export, export_all, wrap
 from .declarations import PRIMITIVES
 from .formats import E2M1, FP8_DTYPES, Encoding, Format, dtype_name
@@ -46,11 +46,6 @@ def quantized(backend: Any, t: Tensor, specs: tuple, quantize: Any, *options: An
     out = tuple(args.result(backend, spec, t) for spec in specs)
     quantize(t2, *options, tuple(o if o.ndim == 2 else o.reshape(t2.shape) for o in out))  # data: x's shape
     return export_all(tuple((o, spec.dtype) for o, spec in zip(out, specs)), t)
-
-
-def scale_dtypes(kind: str) -> tuple[str, ...]:
-    """The dtypes a scale of a layout kind may have: its encoding's, and uint8 storage of E8M0 (CuPy)."""
-    return (E8M0, "uint8") if kind == "mx" else ("float32",)
 
 
 def _scale_tensor(obj: Any, arg: str, like: Tensor, dtypes: tuple[str, ...]) -> Tensor:

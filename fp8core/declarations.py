@@ -3,6 +3,9 @@ dtypes of its outputs, its call into the core. fp8core.torch makes each a custom
 takes its output shapes from here, and selftest lists them; the numerics are the core's (docs/numerics.md).
 
 Formats are names ("e4m3", "e5m2"), layouts their names ("1x32", "128x128"); scales and amax slots float32 [1].
+Each rule refuses, in the core's order and words, what the core refuses for a dtype, a shape or a value (the
+rules of fp8core.args, on names and shapes), so that a traced call (a torch fake, fp8core.jax) fails as the eager
+one does; a scale may also be a Python number (the core's own rules for numbers apply in the call).
 
 A new primitive is a row here (its arguments, its rule, ``call=`` the core function, ``backend=`` what it reaches),
 then ``custom_ops(PRIMITIVES[name])`` in fp8core.torch and ``primitive(run, shapes(name, ...))`` in fp8core.jax.
@@ -35,6 +38,23 @@ def matrix(x: Spec, arg: str) -> tuple[int, int]:
     return math.prod(x.shape[:-1]), x.shape[-1]
 
 
+def _hp(x: Spec, arg: str = "x") -> None:
+    args.high_precision_name(x.dtype, arg)
+
+
+def _scalar(value: Any, arg: str) -> None:
+    """A scale given as an array: float32, 1 element (a Python number, or None where the core has it, passes)."""
+    if isinstance(value, Spec):
+        args.float32_name(value.dtype, arg)
+        args.one_element(value.shape, arg)
+
+
+def _fp8_data(x: Spec, arg: str) -> Any:
+    """The format of fp8 data x (by its dtype name), as the core checks it."""
+    args.fp8_name(x.dtype, arg)
+    return args.fmt(x.dtype)
+
+
 def _fp8(x: Spec, fmt: Any, shape: tuple | None = None) -> Spec:
     return Spec(x.shape if shape is None else shape, (fmt if isinstance(fmt, Encoding) else args.encoding(fmt)).dtype_name)
 
@@ -44,6 +64,7 @@ def _fp8(x: Spec, fmt: Any, shape: tuple | None = None) -> Spec:
 @declare("amax", (Arg("x"),), returns=1, call="ops.amax", backend=("multi_amax", "amax"))
 def _amax(x: Spec) -> tuple[Spec, ...]:
     """max |x| as float32 [1]."""
+    _hp(x)
     return (F32_1,)
 
 
@@ -51,7 +72,10 @@ def _amax(x: Spec) -> tuple[Spec, ...]:
          call="ops.quantize")
 def _quantize(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
     """SATFINITE_RTNE(fp32(x) * scale) in fmt; amax_out (float32 [1]) accumulates max |x| in place."""
-    return (_fp8(x, fmt),)
+    _hp(x)
+    q = _fp8(x, fmt)
+    _scalar(scale, "scale")
+    return (q,)
 
 
 @declare("quantize_dynamic", (Arg("x"), Arg("fmt", "str"), *_RULE), returns=3, backend=("quantize_dynamic",),
@@ -59,19 +83,28 @@ def _quantize(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
 def _quantize_dynamic(x: Spec, fmt: str, margin: int = 0, power_of_2: bool = False,
                       epsilon: float = 0.0) -> tuple[Spec, ...]:
     """Current scaling: (q, scale_inv [1], amax [1])."""
-    return _fp8(x, fmt), F32_1, F32_1
+    _hp(x)
+    q = _fp8(x, fmt)
+    args.margin(margin)
+    args.flag(power_of_2, "power_of_2")
+    args.epsilon(epsilon)
+    return q, F32_1, F32_1
 
 
 @declare("dequantize", (Arg("q"), Arg("scale_inv"), Arg("out_dtype", "dtype")), returns=1,
          call="ops.dequantize", backend=("dequantize",))
 def _dequantize(q: Spec, scale_inv: Spec, out_dtype: str) -> tuple[Spec, ...]:
     """q · scale_inv in out_dtype, q's shape."""
-    return (Spec(q.shape, out_dtype),)
+    _fp8_data(q, "q")
+    name = args.out_dtype(out_dtype)
+    _scalar(scale_inv, "scale_inv")
+    return (Spec(q.shape, name),)
 
 
 @declare("transpose", (Arg("q"),), returns=1, call="ops.transpose", backend=("transpose",))
 def _transpose(q: Spec) -> tuple[Spec, ...]:
     """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
+    _fp8_data(q, "q")
     rows, cols = matrix(q, "q")
     return (Spec((cols, rows), q.dtype),)
 
@@ -80,8 +113,11 @@ def _transpose(q: Spec) -> tuple[Spec, ...]:
          backend=("cast_transpose",), call="ops.cast_transpose")
 def _cast_transpose(x: Spec, scale: Spec, fmt: str) -> tuple[Spec, ...]:
     """(quantize(x), its [last, prod(leading)] transpose) from one read of x."""
+    _hp(x)
+    q = _fp8(x, fmt)
+    _scalar(scale, "scale")
     rows, cols = matrix(x, "x")
-    return _fp8(x, fmt), _fp8(x, fmt, (cols, rows))
+    return q, _fp8(x, fmt, (cols, rows))
 
 
 @declare("compute_scale", (Arg("amax"), Arg("fmt", "str"), *_RULE), returns=2, backend=("compute_scale",),
@@ -90,6 +126,11 @@ def _compute_scale(amax: Spec, fmt: str, margin: int = 0, power_of_2: bool = Fal
                    epsilon: float = 0.0) -> tuple[Spec, ...]:
     """(scale, scale_inv) from amax by the contract's scale rule (1.0 where there is no scale); a 0-d amax gives
     [1] results, as every scale in fp8core."""
+    args.encoding(fmt)
+    args.float32_name(amax.dtype, "amax")
+    args.margin(margin)
+    args.flag(power_of_2, "power_of_2")
+    args.epsilon(epsilon)
     shape = Spec(amax.shape if amax.shape else (1,), "float32")
     return shape, shape
 
@@ -100,15 +141,14 @@ def _compute_scale(amax: Spec, fmt: str, margin: int = 0, power_of_2: bool = Fal
          returns=1, backend=("gemm",), call="gemm.gemm")
 def _gemm(a: Spec, b: Spec, a_scale_inv: Spec, b_scale_inv: Spec, out_dtype: str, bias: Spec | None = None,
           out_scale: Spec | None = None, use_fast_accum: bool = False) -> tuple[Spec, ...]:
-    """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias); see fp8core.gemm."""
-    m, _, n = check_shapes(a.shape, b.shape, _fp8_operand(a, "a"), _fp8_operand(b, "b"))
+    """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias); see fp8core.gemm. The bias is checked
+    here for the front-ends (the core checks it after the scales)."""
+    m, _, n = check_shapes(a.shape, b.shape, _fp8_data(a, "a"), _fp8_data(b, "b"))
+    _scalar(a_scale_inv, "a_scale_inv")
+    _scalar(b_scale_inv, "b_scale_inv")
+    if bias is not None:
+        args.check_bias(bias.dtype, bias.shape, n, out_dtype)
     return (Spec((m, n), out_dtype),)
-
-
-def _fp8_operand(x: Spec, arg: str) -> Any:
-    """The format of fp8 operand x (by its dtype name), as the core checks it."""
-    args.fp8_name(x.dtype, arg)
-    return args.fmt(x.dtype)
 
 
 _STATE = ("history", "scale", "scale_inv", "fp8_max", "non_finite")
@@ -138,6 +178,7 @@ _mxfp8_both, _dequantize_mxfp8_call, _dequantize_blockwise_call, _transpose_bloc
     core_function(path) for path in ("blocks.quantize_mxfp8_both", "blocks.dequantize_mxfp8",
                                      "blocks.dequantize_blockwise", "blocks.transpose_blocks", "gemm.gemm"))
 
+
 def _scale(x: Spec, layout: Layout) -> Spec:
     return Spec(layout.scale_shape(*matrix(x, "x")), "float8_e8m0fnu" if layout.kind == "mx" else "float32")
 
@@ -150,7 +191,10 @@ def _mx(columnwise: bool) -> Layout:
          returns=2, backend=("blocks.quantize_mxfp8",), call="blocks.quantize_mxfp8")
 def _quantize_mxfp8(x: Spec, fmt: str, scale_mode: str, columnwise: bool) -> tuple[Spec, ...]:
     """(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
-    return _fp8(x, fmt), _scale(x, _mx(columnwise))
+    _hp(x)
+    q = _fp8(x, fmt)
+    args.scale_mode(scale_mode)
+    return q, _scale(x, _mx(args.flag(columnwise, "columnwise")))
 
 
 def _both(x: Any, fmt: str, scale_mode: str) -> tuple:
@@ -162,13 +206,27 @@ def _both(x: Any, fmt: str, scale_mode: str) -> tuple:
          backend=("blocks.quantize_mxfp8_both",))
 def _quantize_mxfp8_both(x: Spec, fmt: str, scale_mode: str) -> tuple[Spec, ...]:
     """(rowwise data, its scale, columnwise data, its scale) from one read of x."""
-    return _fp8(x, fmt), _scale(x, _mx(False)), _fp8(x, fmt), _scale(x, _mx(True))
+    _hp(x)
+    q = _fp8(x, fmt)
+    args.scale_mode(scale_mode)
+    return q, _scale(x, _mx(False)), q, _scale(x, _mx(True))
+
+
+def _scales(arg: str, data: Spec, scale: Spec, layout: Any = None, cls: type = ScaledTensor) -> Layout:
+    """The layout of scaled tensor ``arg`` (data, scale) by the core's checks: the scale's dtype that of its kind,
+    its shape the layout's."""
+    t = cls(data, scale, layout)
+    name = f"{arg}.{cls._fields[1] if cls is not ScaledTensor else 'scale' if t.kind == 'mx' else 'scale_inv'}"
+    if scale.dtype not in args.scale_dtypes(t.kind):
+        raise TypeError(f"{name}: expected {' or '.join(args.scale_dtypes(t.kind))}, got {scale.dtype}")
+    return layout_of(t, arg)
 
 
 def _dequantized(cls: type, data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ...]:
+    _fp8_data(data, "t.data")
     matrix(data, "t.data")
-    layout_of(cls(data, scale))
-    return (Spec(data.shape, out_dtype),)
+    _scales("t", data, scale, cls=cls)
+    return (Spec(data.shape, args.out_dtype(out_dtype)),)
 
 
 _T_DATA = Arg("data", label="t.data")
@@ -187,7 +245,12 @@ def _dequantize_mxfp8(data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ..
          call="blocks.quantize_blockwise")
 def _quantize_blockwise(x: Spec, fmt: str, block: Any, power_of_2: bool, epsilon: float) -> tuple[Spec, ...]:
     """(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)])."""
-    return _fp8(x, fmt), _scale(x, args.block(block))
+    _hp(x)
+    q = _fp8(x, fmt)
+    layout = args.block(block)
+    args.flag(power_of_2, "power_of_2")
+    args.epsilon(epsilon)
+    return q, _scale(x, layout)
 
 
 @declare("quantize_rowwise", (Arg("x"), Arg("fmt", "str"), Arg("axis", "int"), Arg("power_of_2", "bool"),
@@ -195,7 +258,12 @@ def _quantize_blockwise(x: Spec, fmt: str, block: Any, power_of_2: bool, epsilon
          call="rowwise.quantize_rowwise")
 def _quantize_rowwise(x: Spec, fmt: str, axis: int, power_of_2: bool, epsilon: float) -> tuple[Spec, ...]:
     """(data in x's shape, float32 scale_inv [rows, 1] (axis -1) or [1, cols] (axis 0))."""
-    return _fp8(x, fmt), _scale(x, args.axis_layout(axis))
+    _hp(x)
+    q = _fp8(x, fmt)
+    layout = args.axis_layout(axis)
+    args.flag(power_of_2, "power_of_2")
+    args.epsilon(epsilon)
+    return q, _scale(x, layout)
 
 
 @declare("dequantize_blockwise", (_T_DATA, Arg("scale_inv", label="t.scale_inv"), Arg("out_dtype", "dtype")),
@@ -232,9 +300,8 @@ def _block_operands(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: st
 def _block_gemm(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b_layout: str,
                 out_dtype: str) -> tuple[Spec, ...]:
     """fp8core.gemm with scaled operands of one kind (both MX or both fp32 blocks): [M, N] in out_dtype."""
-    m, k, n = check_shapes(a.shape, b.shape)
-    args.gemm_layouts(layout_of(ScaledTensor(a, a_scale, a_layout), "a"),
-                        layout_of(ScaledTensor(b, b_scale, b_layout), "b"), m, n, k)
+    m, k, n = check_shapes(a.shape, b.shape, _fp8_data(a, "a"), _fp8_data(b, "b"))
+    args.gemm_layouts(_scales("a", a, a_scale, a_layout), _scales("b", b, b_scale, b_layout), m, n, k)
     return (Spec((m, n), out_dtype),)
 
 

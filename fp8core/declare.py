@@ -121,8 +121,8 @@ _RESULTS_MAX = 1024
 def _abstract(arg: Arg, value: Any) -> Any:
     if value is None:
         return None
-    if arg.tensor:
-        return Spec.of(value)
+    if arg.tensor:  # a scale may be a Python number (the core converts it)
+        return Spec.of(value) if hasattr(value, "dtype") else value
     return dtype_name(value) if arg.type == "dtype" else value
 
 

@@ -188,7 +188,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
         amax = args.host_f32([args.real(amax, "amax")])
     t = args.contiguous(wrap(amax, "amax"), "amax")
     if t.dtype != "float32":
-        raise TypeError(f"amax: expected float32, got {t.dtype}")
+        args.float32_name(t.dtype, "amax")
     if t.data.ndim == 0:
         t = Tensor(t.data.reshape(1), t.dtype, t.device, t.origin, t.readonly, t.place)
     m, p2, eps = args.margin(margin), args.flag(power_of_2, "power_of_2"), args.epsilon(epsilon)

@@ -19,7 +19,7 @@ from . import args, backends, formats, fp4
 from .args import FP32_BLOCK, MX_BLOCK, gemm_layouts, gemm_operands, scale_dtypes, transposed_layout
 from ._tensor import Tensor, export, export_all, wrap
 from .declarations import PRIMITIVES
-from .formats import E2M1, FP8_DTYPES, Encoding, Format, dtype_name
+from .formats import E2M1, FP8_DTYPES, Encoding, Format
 from .layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledTensor, resolve
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",

@@ -56,7 +56,8 @@ def _fp8_data(x: Spec, arg: str) -> Any:
 
 
 def _fp8(x: Spec, fmt: Any, shape: tuple | None = None) -> Spec:
-    return Spec(x.shape if shape is None else shape, (fmt if isinstance(fmt, Encoding) else args.encoding(fmt)).dtype_name)
+    row = fmt if isinstance(fmt, Encoding) else args.encoding(fmt)  # the core passes its row
+    return Spec(x.shape if shape is None else shape, row.dtype_name)
 
 
 # ---- per-tensor scaling (fp8core.ops, fp8core.scaling) ------------------------------------------------------

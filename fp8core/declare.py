@@ -93,7 +93,9 @@ class Primitive:
         if found is None:
             if len(_RESULTS) >= _RESULTS_MAX:
                 _RESULTS.clear()
-            found = _RESULTS[key] = self.outputs(*(Spec(*v) if type(v) is tuple else v for v in inputs))
+            declared = [a for a in self.args if a.slot is None]  # the rule's parameters, in order
+            found = _RESULTS[key] = self.outputs(*(Spec(*v) if a.tensor and v is not None else v
+                                                   for a, v in zip(declared, inputs)))
         return found
 
     def arg(self, name: str) -> Arg:

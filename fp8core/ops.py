@@ -43,6 +43,11 @@ def _slot(given: Any, arg: str, spec: Spec, t: Tensor, xarg: str = "x") -> Tenso
     return None if given is None else args.out_slot(given, arg, spec.shape, spec.dtype, t, xarg)
 
 
+def _dest(backend: Any, spec: Spec, slot: Tensor | None, t: Tensor) -> Any:
+    """Where a result goes, as the backend takes arrays: its checked out= slot, else a new array of its spec."""
+    return args.result(backend, spec, t) if slot is None else args.backend_data(slot, spec.dtype)
+
+
 # ---- the primitives ---------------------------------------------------------------------------------------
 
 def amax(x: Array) -> Array:
@@ -72,7 +77,7 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     (o,) = args.outs(out, 1)
     ot = _slot(o, "out", spec, t)
     args.no_overlap([("out", ot)], [("x", t), ("scale", s), ("amax_out", a)])
-    q = backend.quantize(t, s, f, a, out=args.result(backend, spec, t) if ot is None else args.backend_data(ot, spec.dtype))
+    q = backend.quantize(t, s, f, a, out=_dest(backend, spec, ot, t))
     return o if o is not None else export(q, spec.dtype, t)
 
 
@@ -125,8 +130,7 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     (o,) = args.outs(out, 1)
     ot = _slot(o, "out", spec, t, "q")
     args.no_overlap([("out", ot)], [("q", t), ("scale_inv", s)])
-    y = backend.dequantize(t, f.encoding, s, name,
-                           out=args.result(backend, spec, t) if ot is None else args.backend_data(ot, name))
+    y = backend.dequantize(t, f.encoding, s, name, out=_dest(backend, spec, ot, t))
     return o if o is not None else export(y, name, t)
 
 
@@ -144,7 +148,7 @@ def transpose(q: Array, *, fmt: Format | str | None = None, out: Array | None = 
     (o,) = args.outs(out, 1)
     ot = _slot(o, "out", spec, t, "q")
     args.no_overlap([("out", ot)], [("q", t)])
-    qt = backend.transpose(t, out=args.result(backend, spec, t) if ot is None else args.backend_data(ot, spec.dtype))
+    qt = backend.transpose(t, out=_dest(backend, spec, ot, t))
     return o if o is not None else export(qt, spec.dtype, t)
 
 
@@ -166,7 +170,7 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     slots = [_slot(v, arg, spec, t) for v, arg, spec in zip(o, ("out[0]", "out[1]"), specs)]
     if out is not None:
         args.no_overlap([("out[0]", slots[0]), ("out[1]", slots[1])], [("x", t), ("scale", s), ("amax_out", a)])
-    q, qt = (args.result(backend, spec, t) if v is None else args.backend_data(v, spec.dtype) for v, spec in zip(slots, specs))
+    q, qt = (_dest(backend, spec, v, t) for v, spec in zip(slots, specs))
     backend.cast_transpose(t2, s, f, a, out=(q.reshape(t2.shape), qt))
     if out is None:
         return export_all(((q, specs[0].dtype), (qt, specs[1].dtype)), t)

@@ -16,7 +16,7 @@ from .args import axis_layout
 from .blocks import dequantize_kind, quantized
 from .declarations import PRIMITIVES
 from .formats import Format
-from .layouts import Layout, RowwiseTensor
+from .layouts import RowwiseTensor
 
 __all__ = ["RowwiseTensor", "quantize_rowwise", "dequantize_rowwise", "axis_layout"]
 

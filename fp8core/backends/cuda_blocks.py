@@ -19,7 +19,8 @@ from .._views import Tensor, storage_dtype
 from ..formats import E8M0, Encoding
 from ..layouts import Layout
 from .cpu_blocks import cdiv, inv_fp8_max
-from .cuda_call import On, allocate, capture_outlives, cupy, empty, ptr, stream_of  # noqa: F401 - allocate: the core's
+from .cuda_call import allocate  # noqa: F401 - the core allocates the quantizers' results through it
+from .cuda_call import On, capture_outlives, cupy, empty, ptr, stream_of
 
 
 # ---- MXFP8 ------------------------------------------------------------------------------------------------

@@ -122,7 +122,8 @@ def block_gemm_operands(a: Any, b: Any) -> tuple[Layout, Layout]:
     """The layouts of scaled GEMM operands, by the block_gemm declaration's rules: both MX (rowwise, K a
     multiple of 32) or both fp32 blocks (K a multiple of 128, not both 128x128)."""
     args.gemm_operands(a, b, None, None)  # both ScaledTensors of one kind: the core's rule
-    named = [t._layout for t in (a, b)]
+    # the declaration sees data and scale alone: a rowwise tensor's kind is its type's, so its layout is named
+    named = [t._layout or (layout_of(t, arg) if t.kind == "axiswise" else None) for arg, t in (("a", a), ("b", b))]
     check("block_gemm", a=a[0], a_scale=a[1], b=b[0], b_scale=b[1], a_layout=named[0], b_layout=named[1],
           out_dtype=None)  # out_dtype: fp8core.jax's own rule, checked by the caller
     return layout_of(a, "a"), layout_of(b, "b")

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp8core
-from fp8core import args
+from fp8core import args, declarations
 from fp8core.args import as_format, check_update_shapes
-from fp8core import declarations
 from fp8core.declarations import PRIMITIVES
 from fp8core.declare import Spec
 from fp8core.formats import Format

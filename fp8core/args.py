@@ -547,7 +547,13 @@ def array_dtype(dtype: str, cuda: bool) -> np.dtype:
 def result(backend: Any, spec: Any, like: Tensor) -> Any:
     """A new array for a result of ``spec`` (a declared output: shape and dtype name) from like's caller's
     allocator, as ``backend`` takes arrays."""
-    return backend.allocate(spec.shape, array_dtype(spec.dtype, like.is_cuda), like)
+    device = like.device
+    if device[0] == "cpu":  # no device guard to take: the caller's allocator straight away (a small call's cost)
+        return like.caller.empty(spec.shape, _LOGICAL.get(spec.dtype) or array_dtype(spec.dtype, False), device)
+    return backend.allocate(spec.shape, array_dtype(spec.dtype, True), like)
+
+
+_LOGICAL: dict[str, np.dtype] = {name: np.dtype(name) for name in (*HIGH_PRECISION_DTYPES, *FP8_DTYPES)}
 
 
 def backend_data(t: Tensor | None, dtype: str, shape: tuple | None = None) -> Any:

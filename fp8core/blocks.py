@@ -41,7 +41,7 @@ _MXFP8, _MXFP8_BOTH, _BLOCKWISE = (PRIMITIVES[name].results for name in
 
 def quantized(backend: Any, t: Tensor, specs: tuple, quantize: Any, *options: Any) -> tuple:
     """A block quantizer's results, allocated from their declared ``specs`` on t's device and written by
-    ``quantize(t as [rows, cols], *options, out=...)`` of ``backend``, as the caller's arrays."""
+    ``quantize(t as [rows, cols], *options, outs)`` of ``backend``, as the caller's arrays."""
     t2 = args.as_2d(t, "x")
     out = tuple(args.result(backend, spec, t) for spec in specs)
     quantize(t2, *options, tuple(o if o.ndim == 2 else o.reshape(t2.shape) for o in out))  # data: x's shape

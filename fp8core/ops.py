@@ -98,17 +98,16 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     specs = _DYNAMIC((t.data.shape, t.dtype), f)
     backend = _backend(t)
     # q from its spec; scale_inv and amax, unless given, are the backend's (on a GPU its kernel's workspace)
-    o = (None, None, None) if out is None else args.outs(out, 3) if isinstance(out, tuple) else (out, None, None)
+    if out is None:
+        results = backend.quantize_dynamic(t, f, *rule, out=(args.result(backend, specs[0], t), None, None))
+        return export_all(tuple((r, spec.dtype) for r, spec in zip(results, specs)), t)
+    o = args.outs(out, 3) if isinstance(out, tuple) else (out, None, None)
     names = ("out[0]", "out[1]", "out[2]")
     slots = [_slot(v, arg, spec, t) for v, arg, spec in zip(o, names, specs)]
-    if out is not None:
-        args.no_overlap(list(zip(names, slots)), [("x", t)])
+    args.no_overlap(list(zip(names, slots)), [("x", t)])
     outs = [None if v is None else args.backend_data(v, spec.dtype) for v, spec in zip(slots, specs)]
-    if outs[0] is None:
-        outs[0] = args.result(backend, specs[0], t)
+    outs[0] = _dest(backend, specs[0], slots[0], t)
     results = backend.quantize_dynamic(t, f, *rule, out=tuple(outs))
-    if out is None:
-        return export_all(tuple((r, spec.dtype) for r, spec in zip(results, specs)), t)
     return tuple(given if given is not None else export(r, spec.dtype, t)  # type: ignore[return-value]
                  for given, r, spec in zip(o, results, specs))
 
@@ -166,14 +165,15 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     specs = _CAST_TRANSPOSE((t.data.shape, t.dtype), None, f)
     t2 = args.as_2d(t, "x")
     backend = _backend(t)
+    if out is None:
+        q, qt = args.result(backend, specs[0], t), args.result(backend, specs[1], t)
+        backend.cast_transpose(t2, s, f, a, out=(q.reshape(t2.shape), qt))
+        return export_all(((q, specs[0].dtype), (qt, specs[1].dtype)), t)
     o = args.outs(out, 2)
     slots = [_slot(v, arg, spec, t) for v, arg, spec in zip(o, ("out[0]", "out[1]"), specs)]
-    if out is not None:
-        args.no_overlap([("out[0]", slots[0]), ("out[1]", slots[1])], [("x", t), ("scale", s), ("amax_out", a)])
+    args.no_overlap([("out[0]", slots[0]), ("out[1]", slots[1])], [("x", t), ("scale", s), ("amax_out", a)])
     q, qt = (_dest(backend, spec, v, t) for v, spec in zip(slots, specs))
     backend.cast_transpose(t2, s, f, a, out=(q.reshape(t2.shape), qt))
-    if out is None:
-        return export_all(((q, specs[0].dtype), (qt, specs[1].dtype)), t)
     return (o[0] if o[0] is not None else export(q, specs[0].dtype, t),
             o[1] if o[1] is not None else export(qt, specs[1].dtype, t))
 

@@ -208,12 +208,12 @@ def _amax(x: Tensor) -> np.ndarray:
     return np.array([bits], np.uint32).view(np.float32)
 
 
-@ieee
 def allocate(shape: tuple, dtype: np.dtype, like: Tensor) -> np.ndarray:
     """A result the core allocates from its declaration: like's caller's memory."""
     return like.caller.empty(shape, dtype, like.device)
 
 
+@ieee
 def amax(x: Tensor) -> np.ndarray:
     return _amax(x)
 
@@ -372,7 +372,7 @@ def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None,
             _accumulate(amax_out, _amax_bits(flat))
         return q if data.ndim == 1 else q.reshape(data.shape)
     q = x.caller.empty(data.shape, fmt.numpy_dtype, x.device) if out is None else out
-    qflat = q.reshape(-1).view(np.uint8)
+    qflat = (q if q.ndim == 1 else q.reshape(-1)).view(np.uint8)
     # Above one chunk, amax is one pass over the whole array after all chunks: a reduction between two chunks'
     # lookups evicts what the next lookup reads.
     if table is not None:

@@ -103,9 +103,21 @@ class Primitive:
 
     def specs(self, **inputs: Any) -> tuple[Spec, ...]:
         """The outputs' specs from the inputs (arrays or Specs, dtypes in any spelling; slots left out), by the
-        rule."""
-        return self.outputs(**{name: _abstract(self.arg(name), v) for name, v in inputs.items()
-                               if self.arg(name).slot is None})
+        rule; remembered like :meth:`results` (by the arrays' shapes and dtypes, the other values as given)."""
+        try:
+            key = (self.outputs, "specs", *((k, (tuple(v.shape), v.dtype) if _is_array(v) else v)
+                                            for k, v in inputs.items()))
+            found = _RESULTS.get(key)
+        except TypeError:  # an unhashable value: the rule names what is wrong with it
+            key = found = None
+        if found is None:
+            found = self.outputs(**{name: _abstract(self.arg(name), v) for name, v in inputs.items()
+                                    if self.arg(name).slot is None})
+            if key is not None:
+                if len(_RESULTS) >= _RESULTS_MAX:
+                    _RESULTS.clear()
+                _RESULTS[key] = found
+        return found
 
     def functional(self, **inputs: Any) -> tuple[Spec, ...]:
         """The outputs a functional front-end returns: the rule's, then each mutated argument's new value (the
@@ -120,11 +132,16 @@ _RESULTS: dict[tuple, tuple[Spec, ...]] = memo("declare.results", {})
 _RESULTS_MAX = 1024
 
 
+def _is_array(value: Any) -> bool:
+    """Anything with a shape and a dtype (an array, a tracer, a Spec), not a dtype or its type (jnp.float32)."""
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, type)
+
+
 def _abstract(arg: Arg, value: Any) -> Any:
     if value is None:
         return None
     if arg.tensor:  # a scale may be a Python number (the core converts it)
-        return Spec.of(value) if hasattr(value, "dtype") else value
+        return Spec.of(value) if _is_array(value) else value
     return dtype_name(value) if arg.type == "dtype" else value
 
 

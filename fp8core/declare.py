@@ -14,6 +14,7 @@ declarations and not the other way round.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Any, Callable, NamedTuple
 
@@ -98,8 +99,12 @@ class Primitive:
                                                    for a, v in zip(declared, inputs)))
         return found
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Arg]:
+        return {a.name: a for a in self.args}
+
     def arg(self, name: str) -> Arg:
-        return next(a for a in self.args if a.name == name)
+        return self._by_name[name]
 
     def specs(self, **inputs: Any) -> tuple[Spec, ...]:
         """The outputs' specs from the inputs (arrays or Specs, dtypes in any spelling; slots left out), by the

@@ -12,6 +12,7 @@
 // are Philox4x32-10 keyed by (seed, block number, offset): no RNG state, the same bytes for any launch shape.
 #include "common.cuh"
 #include "e8m0.cuh"
+#include "nvfp4_scale.cuh"
 
 // E2M1 (fp8core.formats.E2M1) is declared by common.cuh from the loader's FP8CORE_FP4_ENCODINGS: Encoding<E2M1>
 // gives soft_cvt and fp8_to_f32 its layout, +max code and NaN cast.
@@ -20,7 +21,6 @@ namespace fp8core {
 static constexpr int FP4_THREADS = 256;
 static constexpr int NVFP4_BLOCK = 16;
 static constexpr int MXFP4_BLOCK = 32;
-static constexpr float NVFP4_RANGE = 2688.f;  // E4M3 max * E2M1 max, exact
 static constexpr u32 ONE_SIXTH_BITS = 0x3E2AAAABu;  // fp32(1/6), rounded once
 static constexpr u32 HADAMARD_SIGN_MASK = 0xD7E8u;  // TE's wgrad sign vector: bit i set where S_i = -1
 static constexpr u32 PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
@@ -134,19 +134,6 @@ __device__ __forceinline__ void hadamard16(float* f) {
 }
 
 // ---- NVFP4 --------------------------------------------------------------------------------------------------
-// S_enc = 2688 /rn G (FLT_MAX where inf; 1 where G is 0, inf or NaN), S_dec = 1 /rn S_enc; the quotients in fp64,
-// rounded once (the correctly rounded fp32 quotient, subnormal S_dec kept).
-__device__ __forceinline__ void nvfp4_global_scales(float g, float* s_enc, float* s_dec) {
-  const u32 a = __float_as_uint(g) & 0x7fffffffu;
-  float s = 1.f;
-  if (a != 0u && a < F32_INF) {
-    s = d2f(f2d(NVFP4_RANGE) / f2d(g));
-    if ((__float_as_uint(s) & 0x7fffffffu) == F32_INF) s = FLT_MAX_F;
-  }
-  *s_enc = s;
-  *s_dec = d2f(1.0 / f2d(s));
-}
-
 // The work items of one launch: operand blocks (r, j), numbered so that neighbouring threads read neighbouring
 // memory: rowwise r-major; columnwise j-major (threads along r, the columns of x); 16x16 tiles in groups of 16
 // lanes, one row segment each (rows past R in a partial last tile are items that load zeros and write nothing).
@@ -176,11 +163,19 @@ __device__ __forceinline__ Items nvfp4_items(i64 rows, i64 cols, int columnwise,
 // x [rows, cols] -> the NVFP4 operand's data [R, C/2] and E4M3 scales ([R, C/16], or [ceil(R/16), C/16] with
 // tiles). With amax_out non-null the launch only takes the operand's amax (after the transform) into it (one
 // atomic per CTA, the slot zeroed before): the global amax pass. Otherwise *global_amax is G.
+// Stochastic rounding's (seed, offset): by value, or with rng_state non-null from the caller's state in device
+// memory, four little-endian u32 words (seed lo, seed hi, offset lo, offset hi: an int64 [2] or uint32 [4] array,
+// 4-byte aligned), so the caller never reads it to the host; the by-value offset is then added to the state's (the
+// stream of one state), mod 2^64.
 template <typename T>
 __global__ void __launch_bounds__(FP4_THREADS) nvfp4_quantize_kernel(
     const T* __restrict__ x, u8* __restrict__ data, u8* __restrict__ scale, const float* __restrict__ global_amax,
     u32* __restrict__ amax_out, i64 rows, i64 cols, int columnwise, int tiles, int hadamard, int stochastic,
-    u64 seed, u64 offset) {
+    u64 seed, u64 offset, const u32* __restrict__ rng_state) {
+  if (rng_state != nullptr) {
+    seed = (u64)rng_state[0] | (u64)rng_state[1] << 32;
+    offset += (u64)rng_state[2] | (u64)rng_state[3] << 32;
+  }
   const Items items = nvfp4_items(rows, cols, columnwise, tiles);
   const bool vec = !columnwise && aligned(x, 16);
   float s_enc = 1.f, s_dec = 1.f;

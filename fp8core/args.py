@@ -30,6 +30,8 @@ SCALE_MODES = ("rceil", "floor")  # MXFP8's E8M0 scale rules
 FP4_ROUNDINGS = ("nearest", "stochastic")  # NVFP4's element rounding
 MX_BLOCK = 32  # MXFP8's block: 32 elements along a row or a column
 FP32_BLOCK = 128  # DeepSeek-V3's blocks: 1x128 and 128x128
+NVFP4_BLOCK = 16  # NVFP4's block: 16 elements along an operand row, under one E4M3 scale
+MXFP4_BLOCK = 32  # MXFP4's block: 32 elements along an operand row, under one E8M0 scale
 _AXES = {-1: Layout.ROWWISE, 1: Layout.ROWWISE, 0: Layout.COLUMNWISE, -2: Layout.COLUMNWISE}
 _E8M0 = Layout.MX_ROWWISE.scale.dtype_name  # MX scales: float8_e8m0fnu
 _BY_DTYPE = {row.dtype_name: row for row in ROWS}  # an encoding by its dtype, for errors
@@ -547,9 +549,10 @@ def array_dtype(dtype: str, cuda: bool) -> np.dtype:
 def result(backend: Any, spec: Any, like: Tensor) -> Any:
     """A new array for a result of ``spec`` (a declared output: shape and dtype name) from like's caller's
     allocator, as ``backend`` takes arrays."""
-    device = like.device
-    if device[0] == "cpu":  # no device guard to take: the caller's allocator straight away (a small call's cost)
-        return like.caller.empty(spec.shape, _LOGICAL.get(spec.dtype) or array_dtype(spec.dtype, False), device)
+    if like.device[0] == "cpu":  # no device guard to take: the caller's allocator straight away (a small call's cost)
+        dt = _LOGICAL.get(spec.dtype) or array_dtype(spec.dtype, False)
+        caller = like.caller
+        return caller.empty(spec.shape, dt, like.device) if caller.allocates else np.empty(spec.shape, dt)
     return backend.allocate(spec.shape, array_dtype(spec.dtype, True), like)
 
 
@@ -585,6 +588,18 @@ def check_shapes(a_shape: tuple[int, ...], b_shape: tuple[int, ...], fa: Format 
     if fa is Format.E5M2 and fb is Format.E5M2:
         raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
     return m, k, n
+
+
+def fp4_operand(mk: tuple[int, int], function: str, block: int, columnwise: bool) -> tuple[int, int]:
+    """[R, C] of an FP4 operand of x viewed as [M, K] = ``mk`` (x itself, or x^T with ``columnwise``), its rows a
+    whole number of ``block``-element blocks."""
+    m, k = mk
+    cols = m if columnwise else k
+    if cols % block:
+        name, what = ("M", "down the columns of x") if columnwise else ("K", "along the rows of x")
+        raise ValueError(f"x: {function}{' (columnwise)' if columnwise else ''} takes blocks of {block} {what} "
+                         f"viewed as [M, K] = [{m}, {k}]; {name} = {cols} must be a multiple of {block}")
+    return (k, m) if columnwise else (m, k)
 
 
 def check_bias(dtype: str, shape: tuple[int, ...], n: int, out_name: str) -> None:

@@ -10,7 +10,8 @@ one does; a scale may also be a Python number (the core's own rules for numbers 
 A new primitive is a row here (its arguments, its rule, ``call=`` the core function, ``backend=`` what it reaches),
 then ``custom_ops(PRIMITIVES[name])`` in fp8core.torch and ``primitive(run, shapes(name, ...))`` in fp8core.jax.
 The core functions allocate their results from their rule, so the core imports this module and the rows name
-their core function by path (``call="ops.quantize"``).
+their core function by path (``call="ops.quantize"``), or reach it through ``core`` (its modules, imported on first
+use) where they build its arguments.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import math
 from typing import Any
 
 from . import args
-from .declare import Arg, Primitive, Spec, core_function, declare
+from .declare import Arg, CoreModules, Primitive, Spec, declare
 from .args import check_shapes
-from .formats import Encoding
-from .layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
+from .formats import E4M3, E8M0, Encoding
+from .layouts import BlockScaledTensor, Layout, MXFP4Tensor, MXTensor, NVFP4Tensor, ScaledTensor, layout_of
 
-__all__ = ["PRIMITIVES", "matrix"]
+__all__ = ["PRIMITIVES", "matrix", "check_rng"]
 
 F32_1 = Spec((1,), "float32")
 _AMAX_OUT = Arg("amax_out", "Tensor?", None, mutated=True, slot=F32_1)
@@ -174,10 +175,8 @@ def _update(history: Spec, scale: Spec, scale_inv: Spec, fp8_max: Spec, non_fini
 
 # ---- block scaling (fp8core.blocks) -------------------------------------------------------------------------
 
-# the core functions the rows below reach with arguments of their own making
-_mxfp8_both, _dequantize_mxfp8_call, _dequantize_blockwise_call, _transpose_blocks_call, _gemm_call = (
-    core_function(path) for path in ("blocks.quantize_mxfp8_both", "blocks.dequantize_mxfp8",
-                                     "blocks.dequantize_blockwise", "blocks.transpose_blocks", "gemm.gemm"))
+# the core, for the rows below that call it with arguments of their own making (imported on first use)
+core = CoreModules()
 
 
 def _scale(x: Spec, layout: Layout) -> Spec:
@@ -199,7 +198,7 @@ def _quantize_mxfp8(x: Spec, fmt: str, scale_mode: str, columnwise: bool) -> tup
 
 
 def _both(x: Any, fmt: str, scale_mode: str) -> tuple:
-    row, col = _mxfp8_both(x, fmt, scale_mode=scale_mode)
+    row, col = core.blocks.quantize_mxfp8_both(x, fmt, scale_mode=scale_mode)
     return (*row, *col)
 
 
@@ -234,7 +233,7 @@ _T_DATA = Arg("data", label="t.data")
 
 
 @declare("dequantize_mxfp8", (_T_DATA, Arg("scale", label="t.scale"), Arg("out_dtype", "dtype")), returns=1,
-         call=lambda data, scale, out_dtype: _dequantize_mxfp8_call(MXTensor(data, scale), out_dtype),
+         call=lambda data, scale, out_dtype: core.blocks.dequantize_mxfp8(MXTensor(data, scale), out_dtype),
          backend=("blocks.dequantize_blocks",))
 def _dequantize_mxfp8(data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ...]:
     """y = data · 2^(scale - 127) per block, in out_dtype, data's shape."""
@@ -269,7 +268,7 @@ def _quantize_rowwise(x: Spec, fmt: str, axis: int, power_of_2: bool, epsilon: f
 
 @declare("dequantize_blockwise", (_T_DATA, Arg("scale_inv", label="t.scale_inv"), Arg("out_dtype", "dtype")),
          returns=1, backend=("blocks.dequantize_blocks",),
-         call=lambda data, scale_inv, out_dtype: _dequantize_blockwise_call(BlockScaledTensor(data, scale_inv),
+         call=lambda data, scale_inv, out_dtype: core.blocks.dequantize_blockwise(BlockScaledTensor(data, scale_inv),
                                                                              out_dtype))
 def _dequantize_blockwise(data: Spec, scale_inv: Spec, out_dtype: str) -> tuple[Spec, ...]:
     """y = data · scale_inv[its block] in out_dtype, data's shape."""
@@ -278,14 +277,12 @@ def _dequantize_blockwise(data: Spec, scale_inv: Spec, out_dtype: str) -> tuple[
 
 @declare("transpose_blocks", (_T_DATA, Arg("scale", label="t.scale"), Arg("layout", "str")), returns=2,
          may_alias=True, backend=("transpose", "blocks.transpose_scale"),
-         call=lambda data, scale, layout: _transpose_blocks_call(ScaledTensor(data, scale, layout)))
+         call=lambda data, scale, layout: core.blocks.transpose_blocks(ScaledTensor(data, scale, layout)))
 def _transpose_blocks(data: Spec, scale: Spec, layout: str) -> tuple[Spec, ...]:
     """The block-scaled transpose (fp8core.blocks.transpose_blocks): (data [cols, rows], its scales)."""
     rows, cols = matrix(data, "t.data")
     args.transposed_layout(layout_of(ScaledTensor(data, scale, layout)), rows)
     return Spec((cols, rows), data.dtype), Spec(tuple(scale.shape[::-1]), scale.dtype)
-
-
 
 
 def _block_operands(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b_layout: str,
@@ -296,7 +293,7 @@ def _block_operands(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: st
 @declare("block_gemm", (Arg("a"), Arg("a_scale", label="a.scale"), Arg("b"), Arg("b_scale", label="b.scale"),
                         Arg("a_layout", "str"), Arg("b_layout", "str"), Arg("out_dtype", "dtype")),
          returns=1, precheck=_block_operands, backend=("blocks.gemm_scale",),
-         call=lambda a, a_scale, b, b_scale, a_layout, b_layout, out_dtype: _gemm_call(
+         call=lambda a, a_scale, b, b_scale, a_layout, b_layout, out_dtype: core.gemm.gemm(
              ScaledTensor(a, a_scale, a_layout), ScaledTensor(b, b_scale, b_layout), out_dtype=out_dtype))
 def _block_gemm(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b_layout: str,
                 out_dtype: str) -> tuple[Spec, ...]:
@@ -304,6 +301,88 @@ def _block_gemm(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b
     m, k, n = check_shapes(a.shape, b.shape, _fp8_data(a, "a"), _fp8_data(b, "b"))
     args.gemm_layouts(_scales("a", a, a_scale, a_layout), _scales("b", b, b_scale, b_layout), m, n, k)
     return (Spec((m, n), out_dtype),)
+
+
+# ---- FP4 (fp8core.fp4) ---------------------------------------------------------------------------------------
+
+def check_rng(rng: Any, x: Any = None) -> None:
+    """Stochastic rounding's state, int64 [2] = (seed, offset): its dtype, shape and place (host memory, or x's
+    device where the kernel reads it by pointer), from its metadata alone: no read of its values."""
+    if str(rng.dtype) not in ("int64", "torch.int64") or tuple(rng.shape) != (2,):
+        raise ValueError(f"rng: expected int64 [2] (seed, offset), got {rng.dtype} {tuple(rng.shape)}")
+    where, there = str(getattr(rng, "device", "cpu")), str(getattr(x, "device", "cpu"))
+    if x is not None and where != there and where != "cpu":
+        raise ValueError(f"rng: is on {where} but x is on {there}; keep the (seed, offset) state on x's device "
+                         "(read there by the kernel) or in host memory (read by value)")
+
+
+def _nvfp4(x: Any, weight_2d: bool, hadamard: bool, stochastic: bool, rng: Any, stream: int,
+           columnwise: bool) -> NVFP4Tensor:
+    check_rng(rng, x)
+    return core.fp4.quantize_nvfp4(x, weight_2d=weight_2d, hadamard=hadamard,
+                              rounding="stochastic" if stochastic else "nearest",
+                              rng_state=rng if stochastic else None, offset=stream if stochastic else 0,
+                              columnwise=columnwise)
+
+
+@declare("quantize_nvfp4", (Arg("x"), Arg("weight_2d", "bool"), Arg("hadamard", "bool"), Arg("stochastic", "bool"),
+                            Arg("rng"), Arg("stream", "int"), Arg("columnwise", "bool")),
+         returns=3, call=_nvfp4, backend=("fp4.quantize_nvfp4",))
+def _quantize_nvfp4(x: Spec, weight_2d: bool, hadamard: bool, stochastic: bool, rng: Spec, stream: int,
+                    columnwise: bool) -> tuple[Spec, ...]:
+    """NVFP4 of the operand [R, C] (x as [M, K], or x^T): (data uint8 [R, C/2], scale float8_e4m3fn [R, C/16]
+    or [ceil(R/16), C/16] with weight_2d, global_amax float32 [1]). Stochastic rounding takes seed and offset +
+    stream from rng, int64 [2] (seed, offset) in host memory or on x's device, read where it lives when the
+    primitive runs (on a GPU by the kernel: no host read)."""
+    rows, cols = args.fp4_operand(matrix(x, "x"), "quantize_nvfp4", args.NVFP4_BLOCK, columnwise)
+    scale_rows = args.cdiv(rows, args.NVFP4_BLOCK) if weight_2d else rows
+    return Spec((rows, cols // 2), "uint8"), Spec((scale_rows, cols // args.NVFP4_BLOCK), E4M3.dtype_name), F32_1
+
+
+@declare("quantize_mxfp4", (Arg("x"), Arg("rounding", "str"), Arg("columnwise", "bool")),
+         returns=2, call="fp4.quantize_mxfp4", backend=("fp4.quantize_mxfp4",))
+def _quantize_mxfp4(x: Spec, rounding: str, columnwise: bool) -> tuple[Spec, ...]:
+    """MXFP4 of the operand [R, C] (x as [M, K], or x^T): (data uint8 [R, C/2], scale float8_e8m0fnu [R, C/32])."""
+    rows, cols = args.fp4_operand(matrix(x, "x"), "quantize_mxfp4", args.MXFP4_BLOCK, columnwise)
+    return Spec((rows, cols // 2), "uint8"), Spec((rows, cols // args.MXFP4_BLOCK), E8M0.dtype_name)
+
+
+def _unpacked(data: Spec, out_dtype: str) -> tuple[Spec, ...]:
+    rows, cols = matrix(data, "t.data")
+    return (Spec((rows, 2 * cols), out_dtype),)
+
+
+@declare("dequantize_nvfp4", (_T_DATA, Arg("scale", label="t.scale"), Arg("global_amax", label="t.global_amax"),
+                              Arg("layout", "str"), Arg("out_dtype", "dtype")), returns=1,
+         call=lambda data, scale, global_amax, layout, out_dtype: core.fp4.dequantize_nvfp4(
+             NVFP4Tensor(data, scale, global_amax, layout), out_dtype),
+         backend=("fp4.dequantize_nvfp4",))
+def _dequantize_nvfp4(data: Spec, scale: Spec, global_amax: Spec, layout: str, out_dtype: str) -> tuple[Spec, ...]:
+    """The NVFP4 operand [R, C] back in out_dtype, from data uint8 [R, C/2] in layout "1x16" or "16x16"."""
+    return _unpacked(data, out_dtype)
+
+
+@declare("dequantize_mxfp4", (_T_DATA, Arg("scale", label="t.scale"), Arg("out_dtype", "dtype")), returns=1,
+         call=lambda data, scale, out_dtype: core.fp4.dequantize_mxfp4(MXFP4Tensor(data, scale), out_dtype),
+         backend=("fp4.dequantize_mxfp4",))
+def _dequantize_mxfp4(data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ...]:
+    """The MXFP4 operand [R, C] back in out_dtype, from data uint8 [R, C/2]."""
+    return _unpacked(data, out_dtype)
+
+
+@declare("nvfp4_gemm", (Arg("a"), Arg("a_scale", label="a.scale"), Arg("a_amax", label="a.global_amax"), Arg("b"),
+                        Arg("b_scale", label="b.scale"), Arg("b_amax", label="b.global_amax"), Arg("a_layout", "str"),
+                        Arg("b_layout", "str"), Arg("out_dtype", "dtype")),
+         returns=1, backend=("fp4.gemm",),
+         call=lambda a, a_scale, a_amax, b, b_scale, b_amax, a_layout, b_layout, out_dtype: core.gemm.gemm(
+             NVFP4Tensor(a, a_scale, a_amax, a_layout), NVFP4Tensor(b, b_scale, b_amax, b_layout), out_dtype=out_dtype))
+def _nvfp4_gemm(a: Spec, a_scale: Spec, a_amax: Spec, b: Spec, b_scale: Spec, b_amax: Spec, a_layout: str,
+                b_layout: str, out_dtype: str) -> tuple[Spec, ...]:
+    """fp8core.gemm of two NVFP4 operands (TN, blocks along K: a data [M, K/2], b data [N, K/2]): [M, N]."""
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"b: expected packed data [N, K/2] beside a's [M, K/2] = {tuple(a.shape)}, got shape "
+                         f"{tuple(b.shape)}")
+    return (Spec((a.shape[0], b.shape[0]), out_dtype),)
 
 
 PRIMITIVES: dict[str, Primitive] = {p.name: p for p in globals().values() if isinstance(p, Primitive)}

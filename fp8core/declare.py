@@ -7,7 +7,7 @@ The rule sees each tensor argument as a :class:`Spec` (shape, dtype name), each 
 every other argument as given; it raises the core's error wherever the core refuses an argument for its shape
 (so that a traced call fails as the eager one does) and returns one Spec per output. The core functions allocate
 their results from the same rule, so it is the one statement of a primitive's output shapes: which is why a
-declaration names its core function by path ("ops.quantize", resolved on its first call), the core importing the
+declaration names its core function by path ("ops.quantize", imported on first use), the core importing the
 declarations and not the other way round.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 from ._caches import memo
 from .formats import dtype_name
 
-__all__ = ["Spec", "Arg", "Primitive", "declare", "core_function", "REQUIRED"]
+__all__ = ["Spec", "Arg", "Primitive", "declare", "core_function", "CoreModules", "REQUIRED"]
 
 REQUIRED: Any = object()  # an argument without a default
 
@@ -67,9 +67,9 @@ class Arg:
 class Primitive:
     """A primitive as the front-ends see it.
 
-    outputs: ``rule(**inputs) -> tuple[Spec, ...]`` (tensors as Specs, dtypes as names). call: the core's
-    function, called with the declared arguments by name, returning the outputs (one array, or a tuple (a
-    ScaledTensor too) in the rule's order); given to :func:`declare` as a function or as its path in fp8core.
+    outputs: ``rule(**inputs) -> tuple[Spec, ...]`` (tensors as Specs, dtypes as names). target: the core's
+    function, or its path in fp8core ("ops.quantize"); :attr:`call` is that function, called with the declared
+    arguments by name, returning the outputs (one array, or a tuple (a ScaledTensor too) in the rule's order).
     returns: how many arrays it returns (0: it only mutates, 1: one array, n: a tuple). precheck: type rules the
     core applies before it looks at devices (the scaled operands' kinds), run first. backend: the backend
     functions it reaches (selftest's coverage). may_alias: an output may be an input itself (a 1-row transpose).
@@ -78,26 +78,45 @@ class Primitive:
     name: str
     args: tuple[Arg, ...]
     outputs: Callable[..., tuple[Spec, ...]]
-    call: Callable[..., Any]
+    target: Callable[..., Any] | str
     returns: int
     backend: tuple[str, ...] = ()
     doc: str = ""
     precheck: Callable[..., None] | None = None
     may_alias: bool = False
 
+    # the rule's answers by their inputs (results': the core's positional inputs; specs': "specs" and the named
+    # ones), registered with fp8core._caches as "declare.<name>" and emptied when full
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        memo(f"declare.{self.name}", self._memo)
+
     def results(self, *inputs: Any) -> tuple[Spec, ...]:
         """The rule on the core's positional inputs, each tensor given as its (shape, dtype name) pair: what the
         core allocates. Remembered by the inputs (a program's calls repeat their shapes), so a repeated call
         costs a lookup; a refused input raises every time."""
-        key = (self.outputs, *inputs)
-        found = _RESULTS.get(key)
-        if found is None:
-            if len(_RESULTS) >= _RESULTS_MAX:
-                _RESULTS.clear()
-            declared = [a for a in self.args if a.slot is None]  # the rule's parameters, in order
-            found = _RESULTS[key] = self.outputs(*(Spec(*v) if a.tensor and v is not None else v
-                                                   for a, v in zip(declared, inputs)))
+        found = self._memo.get(inputs)
+        return found if found is not None else self._remember(inputs, lambda: self.outputs(*(
+            Spec(*v) if a.tensor and v is not None else v for a, v in zip(self._ruled, inputs))))
+
+    def _remember(self, key: tuple, rule: Callable[[], tuple[Spec, ...]]) -> tuple[Spec, ...]:
+        found = rule()
+        if len(self._memo) >= _MEMO_MAX:
+            self._memo.clear()
+        self._memo[key] = found
         return found
+
+    @functools.cached_property
+    def _ruled(self) -> tuple[Arg, ...]:
+        """The rule's parameters, in order: the arguments but the slots."""
+        return tuple(a for a in self.args if a.slot is None)
+
+    @functools.cached_property
+    def call(self) -> Callable[..., Any]:
+        """The core function itself (a path imported on first use): a front-end that keeps it calls the core with
+        no frame between."""
+        return self.target if callable(self.target) else core_function(self.target)
 
     @functools.cached_property
     def _by_name(self) -> dict[str, Arg]:
@@ -109,20 +128,15 @@ class Primitive:
     def specs(self, **inputs: Any) -> tuple[Spec, ...]:
         """The outputs' specs from the inputs (arrays or Specs, dtypes in any spelling; slots left out), by the
         rule; remembered like :meth:`results` (by the arrays' shapes and dtypes, the other values as given)."""
+        def rule() -> tuple[Spec, ...]:
+            return self.outputs(**{name: _abstract(self.arg(name), v) for name, v in inputs.items()
+                                   if self.arg(name).slot is None})
         try:
-            key = (self.outputs, "specs", *((k, (tuple(v.shape), v.dtype) if _is_array(v) else v)
-                                            for k, v in inputs.items()))
-            found = _RESULTS.get(key)
+            key = ("specs", *((k, (tuple(v.shape), v.dtype) if _is_array(v) else v) for k, v in inputs.items()))
+            found = self._memo.get(key)
         except TypeError:  # an unhashable value: the rule names what is wrong with it
-            key = found = None
-        if found is None:
-            found = self.outputs(**{name: _abstract(self.arg(name), v) for name, v in inputs.items()
-                                    if self.arg(name).slot is None})
-            if key is not None:
-                if len(_RESULTS) >= _RESULTS_MAX:
-                    _RESULTS.clear()
-                _RESULTS[key] = found
-        return found
+            return rule()
+        return found if found is not None else self._remember(key, rule)
 
     def functional(self, **inputs: Any) -> tuple[Spec, ...]:
         """The outputs a functional front-end returns: the rule's, then each mutated argument's new value (the
@@ -132,9 +146,7 @@ class Primitive:
         return self.specs(**inputs) + mutated
 
 
-# Primitive.results' memo: rule outputs by their inputs (shapes, dtype names, formats), cleared when full
-_RESULTS: dict[tuple, tuple[Spec, ...]] = memo("declare.results", {})
-_RESULTS_MAX = 1024
+_MEMO_MAX = 1024  # a primitive's remembered answers; a program's distinct shapes are far fewer
 
 
 def _is_array(value: Any) -> bool:
@@ -151,19 +163,23 @@ def _abstract(arg: Arg, value: Any) -> Any:
 
 
 def core_function(path: str) -> Callable[..., Any]:
-    """The function at ``path`` in fp8core ("ops.quantize"), imported on its first call: a core module that
-    allocates from its declaration imports fp8core.declarations, which therefore cannot import it."""
+    """The function at ``path`` in fp8core ("ops.quantize"). Imported when asked for, not when declared: a core
+    module that allocates from its declaration imports fp8core.declarations, which therefore cannot import it."""
     module, _, attr = path.rpartition(".")
-    found: list[Callable[..., Any]] = []
+    return getattr(importlib.import_module(f"fp8core.{module}"), attr)
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not found:
-            found.append(getattr(importlib.import_module(f"fp8core.{module}"), attr))
-        return found[0](*args, **kwargs)
 
-    call.__name__ = call.__qualname__ = attr
-    call.__doc__ = f"fp8core.{path}"
-    return call
+class CoreModules:
+    """fp8core's core modules as attributes (``core.blocks``), each imported on its first use and then an
+    ordinary attribute: the declarations' own calls reach the core through it, without importing it at their
+    import and without a frame of their own."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        module = importlib.import_module(f"fp8core.{name}")
+        setattr(self, name, module)
+        return module
 
 
 def declare(name: str, args: tuple[Arg, ...], *, returns: int, call: Callable[..., Any] | str,
@@ -174,6 +190,5 @@ def declare(name: str, args: tuple[Arg, ...], *, returns: int, call: Callable[..
         names = [a.name for a in args]
         if len(set(names)) != len(names):
             raise ValueError(f"args: {name}'s argument names repeat: {names}")
-        fn = core_function(call) if isinstance(call, str) else call
-        return Primitive(name, tuple(args), rule, fn, returns=returns, doc=rule.__doc__ or "", **fields)
+        return Primitive(name, tuple(args), rule, call, returns=returns, doc=rule.__doc__ or "", **fields)
     return make

@@ -334,6 +334,7 @@ def quantize_table(dtype: str, scale_bits: int, fmt: Encoding) -> np.ndarray:
 TABLE_MIN = 1 << 16  # building the table is the direct path over 65,536 patterns: from here it never loses
 # From TABLE_MIN >> 4 elements a table is built for a scale seen before (delayed scaling keeps a scale for
 # many calls; a scale used once, as current scaling's are, never pays for a table it will not reuse).
+_SEEN_MIN = TABLE_MIN >> 4
 _seen: OrderedDict = memo("cpu.seen_scales", OrderedDict())
 _SEEN_MAX = 16
 
@@ -341,7 +342,7 @@ _SEEN_MAX = 16
 def _table_for(dtype: str, scale: np.float32, fmt: Encoding, n: int) -> np.ndarray | None:
     if n >= TABLE_MIN:
         return quantize_table(dtype, int(scale.view(np.uint32)), fmt)
-    if n < TABLE_MIN >> 4:
+    if n < _SEEN_MIN:
         return None
     key = (dtype, int(scale.view(np.uint32)), fmt)
     try:
@@ -357,14 +358,14 @@ def _table_for(dtype: str, scale: np.float32, fmt: Encoding, n: int) -> np.ndarr
     return quantize_table(*key)
 
 
-def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, out: np.ndarray | None
+def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, out: np.ndarray | None = None
               ) -> np.ndarray:
     s = _scale_0d(scale)
     data = x.data
     flat = data if data.ndim == 1 else data.reshape(-1)
     n = flat.size
     want = amax_out is not None
-    table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
+    table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 and n >= _SEEN_MIN else None
     if out is None and table is None and not x.caller.allocates and 0 < n <= CHUNK and n < _POOL_MIN["cast"]:
         # A small call's cost is its NumPy calls: the lookup allocates the result (torch callers get torch's)
         q = _cast_f32(_scaled_f32(flat, s), fmt).view(fmt.numpy_dtype)
@@ -382,8 +383,10 @@ def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None,
         else:
             map_chunks(n, lambda a, b: table.take(codes[a:b], out=qflat[a:b], mode="clip"))
         bits = _amax_bits(flat) if want else 0
-    elif n <= CHUNK and n < _POOL_MIN["cast"]:
-        bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
+    elif n <= CHUNK and n < _POOL_MIN["cast"]:  # _quantize_chunk's work, one frame fewer on a small call's path
+        if n:
+            _cast_f32(_scaled_f32(flat, s), fmt, qflat)
+        bits = _amax_bits(flat) if want and n else 0
     else:
         map_chunks(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], False), "cast")
         bits = _amax_bits(flat) if want else 0
@@ -392,10 +395,7 @@ def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None,
     return q
 
 
-@ieee
-def quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, *,
-             out: np.ndarray | None = None) -> np.ndarray:
-    return _quantize(x, scale, fmt, amax_out, out)
+quantize = ieee(_quantize)  # the backend's quantize: _quantize in the IEEE environment, no frame between
 
 
 def scale_value(scale: Any) -> np.float32:

@@ -18,6 +18,7 @@ import numpy as np
 from . import args, backends
 from ._caches import memo
 from ._tensor import Tensor, export, export_all, wrap
+from ._views import ALLOCATING
 from .declarations import PRIMITIVES
 from .declare import Spec
 from .formats import Format
@@ -75,7 +76,7 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
     backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        q = None if t.device[0] == "cpu" and not t.caller.allocates else \
+        q = None if t.device[0] == "cpu" and t.origin not in ALLOCATING else \
             args.result(backend, _QUANTIZE((t.data.shape, t.dtype), None, f)[0], t)
         return export(backend.quantize(t, s, f, a, out=q), f.dtype_name, t)
     (spec,) = _QUANTIZE((t.data.shape, t.dtype), None, f)
@@ -103,7 +104,7 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     backend = _BACKENDS.get(t.device) or _backend(t)
     # q from its spec; scale_inv and amax, unless given, are the backend's (on a GPU its kernel's workspace)
     if out is None:
-        q = None if t.device[0] == "cpu" and not t.caller.allocates else \
+        q = None if t.device[0] == "cpu" and t.origin not in ALLOCATING else \
             args.result(backend, _DYNAMIC((t.data.shape, t.dtype), f)[0], t)
         q, s_inv, a = backend.quantize_dynamic(t, f, *rule, out=(q, None, None))
         return export_all(((q, f.dtype_name), (s_inv, "float32"), (a, "float32")), t)
@@ -131,7 +132,7 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     s = args.scalar(scale_inv, t, "scale_inv", "q")
     backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        y = None if t.device[0] == "cpu" and not t.caller.allocates else \
+        y = None if t.device[0] == "cpu" and t.origin not in ALLOCATING else \
             args.result(backend, _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)[0], t)
         return export(backend.dequantize(t, f.encoding, s, name, out=y), name, t)
     (spec,) = _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)
@@ -151,7 +152,7 @@ def transpose(q: Array, *, fmt: Format | str | None = None, out: Array | None = 
     t = args.as_2d(t, "q")
     backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        qt = None if t.device[0] == "cpu" and not t.caller.allocates else \
+        qt = None if t.device[0] == "cpu" and t.origin not in ALLOCATING else \
             args.result(backend, _TRANSPOSE((t.data.shape, f.dtype_name))[0], t)
         return export(backend.transpose(t, out=qt), f.dtype_name, t)
     (spec,) = _TRANSPOSE((t.data.shape, f.dtype_name))
@@ -175,7 +176,7 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
     t2 = args.as_2d(t, "x")
     backend = _BACKENDS.get(t.device) or _backend(t)
-    if out is None and t.device[0] == "cpu" and not t.caller.allocates:
+    if out is None and t.device[0] == "cpu" and t.origin not in ALLOCATING:
         q, qt = backend.cast_transpose(t2, s, f, a)
         return export_all(((q if q.shape == t.data.shape else q.reshape(t.data.shape), f.dtype_name),
                            (qt, f.dtype_name)), t)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._caches import cached, memo
 from .._fpenv import ieee, set_default
-from .._views import Tensor, logical_numpy_dtype
+from .._views import ALLOCATING, Tensor, logical_numpy_dtype
 from .cpu_threads import blas_on_one_thread, thread_budget
 from ..formats import E8M0, Encoding
 from ..layouts import Layout
@@ -366,7 +366,7 @@ def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None,
     n = flat.size
     want = amax_out is not None
     table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 and n >= _SEEN_MIN else None
-    if out is None and table is None and not x.caller.allocates and 0 < n <= CHUNK and n < _POOL_MIN["cast"]:
+    if out is None and table is None and x.origin not in ALLOCATING and 0 < n <= CHUNK and n < _POOL_MIN["cast"]:
         # A small call's cost is its NumPy calls: the lookup allocates the result (torch callers get torch's)
         q = _cast_f32(_scaled_f32(flat, s), fmt).view(fmt.numpy_dtype)
         if want:
@@ -460,7 +460,7 @@ def dequantize(q: Tensor, fmt: Encoding, scale_inv: Any, out_dtype: str, *,
     table = _dequant_table(fmt, int(_scale_0d(scale_inv).view(np.uint32)), out_dtype)
     data = q.data
     codes = (data if data.ndim == 1 else data.reshape(-1)).view(np.uint8)
-    if out is None and not q.caller.allocates and codes.size <= CHUNK:  # the lookup allocates (see _quantize)
+    if out is None and q.origin not in ALLOCATING and codes.size <= CHUNK:  # the lookup allocates (see _quantize)
         y = table.take(codes, mode="clip")
         return y if data.ndim == 1 else y.reshape(data.shape)
     y = q.caller.empty(data.shape, table.dtype, q.device) if out is None else out
@@ -490,7 +490,7 @@ _TRANSPOSE_POOL_MIN = 1 << 22
 def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     rows, cols = q.shape
     # Small ones: one allocating copy (the strips pay once the array outgrows the cache)
-    if out is None and not q.caller.allocates and rows * cols <= _SMALL:
+    if out is None and q.origin not in ALLOCATING and rows * cols <= _SMALL:
         return q.data.T.copy()
     out = q.caller.empty((cols, rows), q.data.dtype, q.device) if out is None else out
     src = q.data.view(np.uint8)

@@ -76,8 +76,9 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
     backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        q = None if t.device[0] == "cpu" and t.origin not in ALLOCATING else \
-            args.result(backend, _QUANTIZE((t.data.shape, t.dtype), None, f)[0], t)
+        if t.device[0] == "cpu" and t.origin not in ALLOCATING:  # NumPy's lookup makes it (the module docstring)
+            return export(backend.quantize(t, s, f, a), f.dtype_name, t)
+        q = args.result(backend, _QUANTIZE((t.data.shape, t.dtype), None, f)[0], t)
         return export(backend.quantize(t, s, f, a, out=q), f.dtype_name, t)
     (spec,) = _QUANTIZE((t.data.shape, t.dtype), None, f)
     (o,) = args.outs(out, 1)
@@ -104,9 +105,11 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     backend = _BACKENDS.get(t.device) or _backend(t)
     # q from its spec; scale_inv and amax, unless given, are the backend's (on a GPU its kernel's workspace)
     if out is None:
-        q = None if t.device[0] == "cpu" and t.origin not in ALLOCATING else \
-            args.result(backend, _DYNAMIC((t.data.shape, t.dtype), f)[0], t)
-        q, s_inv, a = backend.quantize_dynamic(t, f, *rule, out=(q, None, None))
+        if t.device[0] == "cpu" and t.origin not in ALLOCATING:
+            q, s_inv, a = backend.quantize_dynamic(t, f, *rule)
+        else:
+            q = args.result(backend, _DYNAMIC((t.data.shape, t.dtype), f)[0], t)
+            q, s_inv, a = backend.quantize_dynamic(t, f, *rule, out=(q, None, None))
         return export_all(((q, f.dtype_name), (s_inv, "float32"), (a, "float32")), t)
     specs = _DYNAMIC((t.data.shape, t.dtype), f)
     o = args.outs(out, 3) if isinstance(out, tuple) else (out, None, None)
@@ -132,8 +135,9 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     s = args.scalar(scale_inv, t, "scale_inv", "q")
     backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        y = None if t.device[0] == "cpu" and t.origin not in ALLOCATING else \
-            args.result(backend, _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)[0], t)
+        if t.device[0] == "cpu" and t.origin not in ALLOCATING:
+            return export(backend.dequantize(t, f.encoding, s, name), name, t)
+        y = args.result(backend, _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)[0], t)
         return export(backend.dequantize(t, f.encoding, s, name, out=y), name, t)
     (spec,) = _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)
     (o,) = args.outs(out, 1)
@@ -152,8 +156,9 @@ def transpose(q: Array, *, fmt: Format | str | None = None, out: Array | None = 
     t = args.as_2d(t, "q")
     backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        qt = None if t.device[0] == "cpu" and t.origin not in ALLOCATING else \
-            args.result(backend, _TRANSPOSE((t.data.shape, f.dtype_name))[0], t)
+        if t.device[0] == "cpu" and t.origin not in ALLOCATING:
+            return export(backend.transpose(t), f.dtype_name, t)
+        qt = args.result(backend, _TRANSPOSE((t.data.shape, f.dtype_name))[0], t)
         return export(backend.transpose(t, out=qt), f.dtype_name, t)
     (spec,) = _TRANSPOSE((t.data.shape, f.dtype_name))
     (o,) = args.outs(out, 1)
@@ -176,7 +181,7 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
     t2 = args.as_2d(t, "x")
     backend = _BACKENDS.get(t.device) or _backend(t)
-    if out is None and t.device[0] == "cpu" and t.origin not in ALLOCATING:
+    if out is None and t.device[0] == "cpu" and t.origin not in ALLOCATING:  # one guarded call, no keyword
         q, qt = backend.cast_transpose(t2, s, f, a)
         return export_all(((q if q.shape == t.data.shape else q.reshape(t.data.shape), f.dtype_name),
                            (qt, f.dtype_name)), t)

@@ -128,6 +128,9 @@ class _TorchCaller(Caller):
 
 _PLAIN = Caller()
 _CALLERS = {"torch": _TorchCaller()}
+# The origins whose caller allocates every result (Caller.allocates), as a set: the core and the CPU backend ask on
+# every small call, where a property's frame is a measurable part of it.
+ALLOCATING = frozenset(origin for origin, caller in _CALLERS.items() if caller.allocates)
 
 
 @dataclass(slots=True)  # slots: built on every call, several times

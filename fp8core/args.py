@@ -17,8 +17,9 @@ import numpy as np
 
 from ._fpenv import ieee
 from ._tensor import Tensor, logical_numpy_dtype, storage_dtype, wrap
-from .formats import ENCODINGS, FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, Encoding, Format, dtype_name
-from .layouts import Layout
+from .formats import (E2M1, ENCODINGS, FORMAT_NAMES, FP8_DTYPES, HIGH_PRECISION_DTYPES, ROWS, Encoding, Format,
+                      dtype_name)
+from .layouts import Layout, ScaledTensor
 
 MAX_MARGIN = 512
 # A delayed-scaling state's dimensions: the update kernel takes the history length as a 32-bit int, and a count
@@ -27,6 +28,17 @@ MAX_HISTORY_LEN = MAX_TENSORS = 2**31 - 1
 AMAX_ALGOS = ("max", "most_recent")  # the batched update's built-in rules
 SCALE_MODES = ("rceil", "floor")  # MXFP8's E8M0 scale rules
 FP4_ROUNDINGS = ("nearest", "stochastic")  # NVFP4's element rounding
+MX_BLOCK = 32  # MXFP8's block: 32 elements along a row or a column
+FP32_BLOCK = 128  # DeepSeek-V3's blocks: 1x128 and 128x128
+NVFP4_BLOCK = 16  # NVFP4's block: 16 elements along an operand row, under one E4M3 scale
+MXFP4_BLOCK = 32  # MXFP4's block: 32 elements along an operand row, under one E8M0 scale
+_AXES = {-1: Layout.ROWWISE, 1: Layout.ROWWISE, 0: Layout.COLUMNWISE, -2: Layout.COLUMNWISE}
+_E8M0 = Layout.MX_ROWWISE.scale.dtype_name  # MX scales: float8_e8m0fnu
+_BY_DTYPE = {row.dtype_name: row for row in ROWS}  # an encoding by its dtype, for errors
+MULTIPLE = 16  # K and N: cuBLASLt's FP8 GEMM takes positive multiples of it
+# cuBLASLt's FP8 table: the bias type each output takes (fp8 outputs take the type of C, bf16 or fp16).
+_BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",),
+                **{name: ("bfloat16", "float16") for name in FP8_DTYPES}}
 _HP = frozenset(HIGH_PRECISION_DTYPES)
 _FP8_TEXT = ", ".join(FP8_DTYPES)
 _FORMATS_TEXT = ", ".join([f"Format.{f.name}" for f in ENCODINGS] + [repr(f.value) for f in ENCODINGS])
@@ -353,11 +365,23 @@ def as_2d(t: Tensor, arg: str) -> Tensor:
     return Tensor(t.data.reshape(rows, shape[-1]), t.dtype, t.device, t.origin, t.readonly, t.place)
 
 
+def float32_name(name: str, arg: str) -> None:
+    """``name`` (a dtype name) is float32."""
+    if name != "float32":
+        raise TypeError(f"{arg}: expected float32, got {name}")
+
+
+def one_element(shape: tuple[int, ...], arg: str) -> None:
+    """An array of ``shape`` holds one element (a scale, an amax slot)."""
+    if math.prod(shape) != 1:
+        raise ValueError(f"{arg}: expected 1 element, got shape {tuple(shape)}")
+
+
 def f32_vector(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Tensor:
     """float32 data, contiguous, on x's device."""
     t = contiguous(wrap(obj, arg), arg)
     if t.dtype != "float32":
-        raise TypeError(f"{arg}: expected float32, got {t.dtype}")
+        float32_name(t.dtype, arg)
     if t.device != x.device or t.place is not x.place:
         same_device(t, x, arg, xarg)
     return t
@@ -375,7 +399,7 @@ def scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
         return obj if obj.ndim == 1 else obj.reshape(-1)  # a native fp32 element: nothing the checks would refuse
     data = f32_vector(obj, x, arg, xarg).data
     if data.size != 1:
-        raise ValueError(f"{arg}: expected 1 element, got shape {tuple(data.shape)}")
+        one_element(data.shape, arg)
     return data if data.ndim == 1 else data.reshape(-1)
 
 
@@ -516,9 +540,171 @@ def no_overlap(outputs: Sequence[tuple[str, Tensor | None]], inputs: Sequence[tu
                 raise ValueError(f"{arg}: overlaps {other} in memory; pass a separate array")
 
 
+@functools.cache
+def array_dtype(dtype: str, cuda: bool) -> np.dtype:
+    """The dtype of a backend's array of logical ``dtype``: itself on the CPU, its storage dtype on a GPU."""
+    return storage_dtype(dtype) if cuda else logical_numpy_dtype(dtype)
+
+
+def result(backend: Any, spec: Any, like: Tensor) -> Any:
+    """A new array for a result of ``spec`` (a declared output: shape and dtype name) from like's caller's
+    allocator, as ``backend`` takes arrays."""
+    if like.device[0] == "cpu":  # no device guard to take: the caller's allocator straight away (a small call's cost)
+        dt = _LOGICAL.get(spec.dtype) or array_dtype(spec.dtype, False)
+        caller = like.caller
+        return caller.empty(spec.shape, dt, like.device) if caller.allocates else np.empty(spec.shape, dt)
+    return backend.allocate(spec.shape, array_dtype(spec.dtype, True), like)
+
+
+_LOGICAL: dict[str, np.dtype] = {name: np.dtype(name) for name in (*HIGH_PRECISION_DTYPES, *FP8_DTYPES)}
+
+
 def backend_data(t: Tensor | None, dtype: str, shape: tuple | None = None) -> Any:
     """An out slot as its backend takes arrays: logical dtype on the CPU, storage dtype on a GPU."""
     if t is None:
         return None
-    data = t.data.view(storage_dtype(dtype) if t.is_cuda else logical_numpy_dtype(dtype))
+    data = t.data.view(array_dtype(dtype, t.is_cuda))
     return data if shape is None else data.reshape(shape)
+
+
+# ---- rules on shapes and dtype names alone: the core, its declarations (fp8core.declarations) and the front-ends
+# that check while tracing state them once, here ------------------------------------------------------------
+
+def check_shapes(a_shape: tuple[int, ...], b_shape: tuple[int, ...], fa: Format | None = None,
+                 fb: Format | None = None) -> tuple[int, int, int]:
+    """(M, K, N) of ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's FP8 limits, from shapes (and the operands' formats,
+    when known) alone."""
+    for arg, shape, dims in (("a", a_shape, "[M, K]"), ("b", b_shape, "[N, K]")):
+        if len(shape) != 2:
+            raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {tuple(shape)}")
+    (m, k), (n, kb) = a_shape, b_shape
+    if kb != k:
+        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a_shape)}, got shape "
+                         f"{tuple(b_shape)}")
+    if k == 0 or k % MULTIPLE:
+        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of {MULTIPLE}")
+    if n == 0 or n % MULTIPLE:
+        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of {MULTIPLE}")
+    if fa is Format.E5M2 and fb is Format.E5M2:
+        raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
+    return m, k, n
+
+
+def fp4_operand(mk: tuple[int, int], function: str, block: int, columnwise: bool) -> tuple[int, int]:
+    """[R, C] of an FP4 operand of x viewed as [M, K] = ``mk`` (x itself, or x^T with ``columnwise``), its rows a
+    whole number of ``block``-element blocks."""
+    m, k = mk
+    cols = m if columnwise else k
+    if cols % block:
+        name, what = ("M", "down the columns of x") if columnwise else ("K", "along the rows of x")
+        raise ValueError(f"x: {function}{' (columnwise)' if columnwise else ''} takes blocks of {block} {what} "
+                         f"viewed as [M, K] = [{m}, {k}]; {name} = {cols} must be a multiple of {block}")
+    return (k, m) if columnwise else (m, k)
+
+
+def check_bias(dtype: str, shape: tuple[int, ...], n: int, out_name: str) -> None:
+    """The bias rule by dtype name and shape: [N], of the type cuBLASLt pairs with the output."""
+    allowed = _BIAS_DTYPES[out_name]
+    if dtype not in allowed:
+        raise TypeError(f"bias: for out_dtype {out_name} expected {' or '.join(allowed)}, got {dtype}")
+    if tuple(shape) != (n,):
+        raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(shape)}")
+
+
+def check_update_shapes(history: tuple[str, tuple[int, ...]], vectors: Sequence[tuple[str, str, tuple[int, ...],
+                        str]], history_arg: str = "history") -> int:
+    """The batched update's dtype and shape rules, from dtype names and shapes alone: history float32 [L, N], L and
+    N >= 1; each (arg, dtype, shape, expected dtype) of ``vectors`` [N]. Returns N."""
+    dtype, shape = history
+    if dtype != "float32":
+        raise TypeError(f"{history_arg}: expected float32, got {dtype}")
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"{history_arg}: expected shape [L, N] with L, N >= 1, got {tuple(shape)}")
+    n = shape[1]
+    for arg, dtype, shape, want in vectors:
+        if dtype != want:
+            raise TypeError(f"{arg}: expected {want}, got {dtype}")
+        if tuple(shape) != (n,):
+            raise ValueError(f"{arg}: expected shape ({n},) to match {history_arg} [L, {n}], got {tuple(shape)}")
+    return n
+
+
+def scale_dtypes(kind: str) -> tuple[str, ...]:
+    """The dtypes a scale of a layout kind may have: its encoding's, and uint8 storage of E8M0 (CuPy)."""
+    return (_E8M0, "uint8") if kind == "mx" else ("float32",)
+
+
+def axis_layout(axis: Any) -> Layout:
+    """The layout of :func:`quantize_rowwise`'s ``axis``: ROWWISE for -1 or 1, COLUMNWISE for 0 or -2."""
+    if isinstance(axis, bool) or not isinstance(axis, int) or axis not in _AXES:
+        raise ValueError(f"axis: expected -1 or 1 (one scale per row, amax over the columns) or 0 (one scale per "
+                         f"column, amax over the rows) of x viewed as [rows, cols], got {axis!r}")
+    return _AXES[axis]
+
+
+def transposed_layout(layout: Layout, rows: int) -> Layout:
+    """The layout of the transpose's scales, for data of ``rows`` rows (viewed 2-D); 1x128 blocks have none but
+    in a single row, where they are a 128x128 tile's."""
+    if layout.transposed is None and rows > 1:
+        raise ValueError(f"t: {layout.value} blocks lie along rows and have no transpose; quantize the transposed "
+                         "tensor instead")
+    return layout.transposed or Layout.BLOCK_128X128
+
+
+def gemm_operands(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any) -> None:
+    """Scaled GEMM operands: both ScaledTensors of one kind (MX, fp32 blocks, one scale, NVFP4) and element
+    width (FP4's E2M1 or fp8), no separate scales."""
+    for arg, obj in (("a", a), ("b", b)):
+        if not isinstance(obj, ScaledTensor):
+            raise TypeError(f"{arg}: with a block-scaled operand, expected a ScaledTensor (MXTensor, "
+                            f"BlockScaledTensor, NVFP4Tensor, MXFP4Tensor), got {type(obj).__name__}; quantize both "
+                            "operands with the same scheme")
+    if a.kind != b.kind or (a.encoding is E2M1) != (b.encoding is E2M1):
+        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__} ({_described(a)} and "
+                         f"{_described(b)}); a scaled GEMM takes two operands of one scheme: MXFP8, fp32 blocks, "
+                         "one scale per row, one scale each, NVFP4 or MXFP4")
+    for arg, value in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if value is not None:
+            raise ValueError(f"{arg}: block-scaled operands carry their own scales; pass no {arg}")
+
+
+def _described(t: ScaledTensor) -> str:
+    """t's layout and element encoding, for an error ("1x16 E2M1")."""
+    try:
+        layout = t.layout.value
+    except ValueError:  # a scale no layout fits: its own error comes once the operands match
+        layout = t.kind
+    row = t.encoding or _BY_DTYPE.get(dtype_name(t[0].dtype))
+    return f"{layout} {row.name if row else dtype_name(t[0].dtype)}"
+
+
+def gemm_layouts(a_layout: Layout, b_layout: Layout, m: int, n: int, k: int) -> None:
+    """The scaled ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's limits, from layouts and shapes alone: the one
+    statement of the rule, for the core and the front-ends that check it while tracing."""
+    if a_layout.kind == "axiswise":
+        for arg, layout, rows in (("a.scale_inv", a_layout, m), ("b.scale_inv", b_layout, n)):
+            if layout != Layout.ROWWISE:
+                raise ValueError(f"{arg}: the GEMM takes one scale per row of a [M, K] and of b [N, K] (rowwise, "
+                                 f"along K): expected shape {Layout.ROWWISE.scale_shape(rows, k)}, got "
+                                 f"{layout.scale_shape(rows, k)} ({layout.label}); transpose_blocks a columnwise "
+                                 "operand first")
+        return
+    if a_layout.kind == "mx":
+        if k % MX_BLOCK:
+            raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
+        for arg, layout, rows in (("a.scale", a_layout, m), ("b.scale", b_layout, n)):
+            if layout != Layout.MX_ROWWISE:
+                raise ValueError(f"{arg}: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
+                                 f"{Layout.MX_ROWWISE.scale_shape(rows, k)}, got {layout.scale_shape(rows, k)}")
+        return
+    if k % FP32_BLOCK:
+        raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole blocks)")
+    if a_layout == b_layout == Layout.BLOCK_128X128:
+        raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) in "
+                         "1x128 blocks")
+    # cuBLASLt 13.1 on an H200 found no algorithm for M = 1 and M = 130 (run of 2026-11-26) and ran M = 8, 20, 136;
+    # Transformer Engine asks a multiple of 8 too ("Caller must pad"). N is a multiple of 16 for every FP8 GEMM.
+    if m % 8:
+        raise ValueError(f"a: M = {m}; a 1x128/128x128 block GEMM needs M to be a multiple of 8 (as Transformer "
+                         "Engine asks; cuBLASLt found no algorithm for M = 1 or 130), on both backends: pad a's rows "
+                         "with zeros")

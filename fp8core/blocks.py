@@ -16,8 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import args, backends, formats, fp4
-from ._tensor import Tensor, export, wrap
-from .formats import E2M1, FP8_DTYPES, Encoding, Format, dtype_name
+from .args import FP32_BLOCK, MX_BLOCK, gemm_layouts, gemm_operands, scale_dtypes, transposed_layout
+from ._tensor import Tensor, export, export_all, wrap
+from .declarations import PRIMITIVES
+from .formats import E2M1, FP8_DTYPES, Encoding, Format
 from .layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledTensor, resolve
 
 __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_both", "dequantize_mxfp8",
@@ -26,19 +28,24 @@ __all__ = ["MXTensor", "BlockScaledTensor", "quantize_mxfp8", "quantize_mxfp8_bo
            "dequantize_kind"]
 
 Array = Any
-MX_BLOCK = 32
-FP32_BLOCK = 128
 E8M0 = formats.E8M0.dtype_name  # the scales' dtype: float8_e8m0fnu
 # the block kinds (rowwise scaling's row-long blocks too), and the names of their pairs
 _CLASSES = {"mx": MXTensor, "blocks": BlockScaledTensor, "axiswise": RowwiseTensor}
 _FAMILIES = {kind: layout.family for kind, layout in (("mx", Layout.MX_ROWWISE), ("blocks", Layout.BLOCK_1X128),
                                                         ("axiswise", Layout.ROWWISE))}
-_ROWS = {row.dtype_name: row for row in formats.ROWS}  # an encoding by its dtype, for errors
 
 
-def scale_dtypes(kind: str) -> tuple[str, ...]:
-    """The dtypes a scale of a layout kind may have: its encoding's, and uint8 storage of E8M0 (CuPy)."""
-    return (E8M0, "uint8") if kind == "mx" else ("float32",)
+_MXFP8, _MXFP8_BOTH, _BLOCKWISE = (PRIMITIVES[name].results for name in
+                                  ("quantize_mxfp8", "quantize_mxfp8_both", "quantize_blockwise"))
+
+
+def quantized(backend: Any, t: Tensor, specs: tuple, quantize: Any, *options: Any) -> tuple:
+    """A block quantizer's results, allocated from their declared ``specs`` on t's device and written by
+    ``quantize(t as [rows, cols], *options, outs)`` of ``backend``, as the caller's arrays."""
+    t2 = args.as_2d(t, "x")
+    out = tuple(args.result(backend, spec, t) for spec in specs)
+    quantize(t2, *options, tuple(o if o.ndim == 2 else o.reshape(t2.shape) for o in out))  # data: x's shape
+    return export_all(tuple((o, spec.dtype) for o, spec in zip(out, specs)), t)
 
 
 def _scale_tensor(obj: Any, arg: str, like: Tensor, dtypes: tuple[str, ...]) -> Tensor:
@@ -118,9 +125,11 @@ def quantize_mxfp8(x: Array, fmt: Format | str = Format.E4M3, *, scale_mode: str
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     mode = args.scale_mode(scale_mode)
-    layout = Layout.MX_COLUMNWISE if args.flag(columnwise, "columnwise") else Layout.MX_ROWWISE
-    q, s = backends.blocks_for_device(t.device).quantize_mxfp8(args.as_2d(t, "x"), f, mode, layout)
-    return MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t), layout, f)
+    cw = args.flag(columnwise, "columnwise")
+    layout = Layout.MX_COLUMNWISE if cw else Layout.MX_ROWWISE
+    backend = backends.blocks_for_device(t.device)
+    specs = _MXFP8((t.data.shape, t.dtype), f, mode, cw)
+    return MXTensor(*quantized(backend, t, specs, backend.quantize_mxfp8, f, mode, layout), layout, f)
 
 
 def quantize_mxfp8_both(x: Array, fmt: Format | str = Format.E4M3, *,
@@ -130,9 +139,10 @@ def quantize_mxfp8_both(x: Array, fmt: Format | str = Format.E4M3, *,
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     mode = args.scale_mode(scale_mode)
-    q, s, qc, sc = backends.blocks_for_device(t.device).quantize_mxfp8_both(args.as_2d(t, "x"), f, mode)
-    return (MXTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s, E8M0, t), Layout.MX_ROWWISE, f),
-            MXTensor(export(qc.reshape(t.shape), f.dtype_name, t), export(sc, E8M0, t), Layout.MX_COLUMNWISE, f))
+    backend = backends.blocks_for_device(t.device)
+    q, s, qc, sc = quantized(backend, t, _MXFP8_BOTH((t.data.shape, t.dtype), f, mode), backend.quantize_mxfp8_both,
+                             f, mode)
+    return MXTensor(q, s, Layout.MX_ROWWISE, f), MXTensor(qc, sc, Layout.MX_COLUMNWISE, f)
 
 
 def dequantize_mxfp8(t: MXTensor, out_dtype: Any = "float32", *, fmt: Format | str | None = None) -> Array:
@@ -159,9 +169,10 @@ def quantize_blockwise(x: Array, fmt: Format | str = Format.E4M3, *, block: Any 
     f = args.encoding(fmt)
     layout = args.block(block)
     pow2 = args.flag(power_of_2, "power_of_2")
-    q, s_inv = backends.blocks_for_device(t.device).quantize_blockwise(args.as_2d(t, "x"), f, layout, pow2,
-                                                                       args.epsilon(epsilon))
-    return BlockScaledTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s_inv, "float32", t), layout, f)
+    eps = args.epsilon(epsilon)
+    backend = backends.blocks_for_device(t.device)
+    specs = _BLOCKWISE((t.data.shape, t.dtype), f, layout, pow2, eps)
+    return BlockScaledTensor(*quantized(backend, t, specs, backend.quantize_blockwise, f, layout, pow2, eps), layout, f)
 
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = "float32", *,
@@ -190,43 +201,7 @@ def transpose_blocks(t: ScaledTensor, *, fmt: Format | str | None = None) -> Sca
     return type(t)(export(q_t, f.dtype_name, tq), export(s_t, ts.dtype, tq), layout_t, f)
 
 
-def transposed_layout(layout: Layout, rows: int) -> Layout:
-    """The layout of the transpose's scales, for data of ``rows`` rows (viewed 2-D); 1x128 blocks have none but
-    in a single row, where they are a 128x128 tile's."""
-    if layout.transposed is None and rows > 1:
-        raise ValueError(f"t: {layout.value} blocks lie along rows and have no transpose; quantize the transposed "
-                         "tensor instead")
-    return layout.transposed or Layout.BLOCK_128X128
-
-
 # ---- operands of fp8core.gemm -----------------------------------------------------------------------------
-
-def gemm_operands(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any) -> None:
-    """Scaled GEMM operands: both ScaledTensors of one kind (MX, fp32 blocks, one scale, NVFP4) and element
-    width (FP4's E2M1 or fp8), no separate scales."""
-    for arg, obj in (("a", a), ("b", b)):
-        if not isinstance(obj, ScaledTensor):
-            raise TypeError(f"{arg}: with a block-scaled operand, expected a ScaledTensor (MXTensor, "
-                            f"BlockScaledTensor, NVFP4Tensor, MXFP4Tensor), got {type(obj).__name__}; quantize both "
-                            "operands with the same scheme")
-    if a.kind != b.kind or (a.encoding is E2M1) != (b.encoding is E2M1):
-        raise ValueError(f"b: a is {type(a).__name__} but b is {type(b).__name__} ({_described(a)} and "
-                         f"{_described(b)}); a scaled GEMM takes two operands of one scheme: MXFP8, fp32 blocks, "
-                         "one scale per row, one scale each, NVFP4 or MXFP4")
-    for arg, value in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
-        if value is not None:
-            raise ValueError(f"{arg}: block-scaled operands carry their own scales; pass no {arg}")
-
-
-def _described(t: ScaledTensor) -> str:
-    """t's layout and element encoding, for an error ("1x16 E2M1")."""
-    try:
-        layout = t.layout.value
-    except ValueError:  # a scale no layout fits: its own error comes once the operands match
-        layout = t.kind
-    row = t.encoding or _ROWS.get(dtype_name(t[0].dtype))
-    return f"{layout} {row.name if row else dtype_name(t[0].dtype)}"
-
 
 def gemm_scales(a: ScaledTensor, b: ScaledTensor, ta: Tensor, tb: Tensor, k: int,
                 out_name: str) -> tuple[Tensor, Tensor, Layout, Layout]:
@@ -243,35 +218,3 @@ def gemm_scales(a: ScaledTensor, b: ScaledTensor, ta: Tensor, tb: Tensor, k: int
     sa, la, sb, lb = scales
     gemm_layouts(la, lb, ta.shape[0], tb.shape[0], k)
     return sa, sb, la, lb
-
-
-def gemm_layouts(a_layout: Layout, b_layout: Layout, m: int, n: int, k: int) -> None:
-    """The scaled ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's limits, from layouts and shapes alone: the one
-    statement of the rule, for the core and the front-ends that check it while tracing."""
-    if a_layout.kind == "axiswise":
-        for arg, layout, rows in (("a.scale_inv", a_layout, m), ("b.scale_inv", b_layout, n)):
-            if layout != Layout.ROWWISE:
-                raise ValueError(f"{arg}: the GEMM takes one scale per row of a [M, K] and of b [N, K] (rowwise, "
-                                 f"along K): expected shape {Layout.ROWWISE.scale_shape(rows, k)}, got "
-                                 f"{layout.scale_shape(rows, k)} ({layout.label}); transpose_blocks a columnwise "
-                                 "operand first")
-        return
-    if a_layout.kind == "mx":
-        if k % MX_BLOCK:
-            raise ValueError(f"a: K = {k}; an MXFP8 GEMM needs K to be a multiple of 32 (whole 1x32 blocks)")
-        for arg, layout, rows in (("a.scale", a_layout, m), ("b.scale", b_layout, n)):
-            if layout != Layout.MX_ROWWISE:
-                raise ValueError(f"{arg}: the GEMM takes rowwise MXFP8 (blocks along K): expected shape "
-                                 f"{Layout.MX_ROWWISE.scale_shape(rows, k)}, got {layout.scale_shape(rows, k)}")
-        return
-    if k % FP32_BLOCK:
-        raise ValueError(f"a: K = {k}; a 1x128/128x128 block GEMM needs K to be a multiple of 128 (whole blocks)")
-    if a_layout == b_layout == Layout.BLOCK_128X128:
-        raise ValueError("a, b: cuBLASLt has no 128x128 x 128x128 GEMM; quantize a (activations, gradients) in "
-                         "1x128 blocks")
-    # cuBLASLt 13.1 on an H200 found no algorithm for M = 1 and M = 130 (run of 2026-11-26) and ran M = 8, 20, 136;
-    # Transformer Engine asks a multiple of 8 too ("Caller must pad"). N is a multiple of 16 for every FP8 GEMM.
-    if m % 8:
-        raise ValueError(f"a: M = {m}; a 1x128/128x128 block GEMM needs M to be a multiple of 8 (as Transformer "
-                         "Engine asks; cuBLASLt found no algorithm for M = 1 or 130), on both backends: pad a's rows "
-                         "with zeros")

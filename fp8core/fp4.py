@@ -29,8 +29,8 @@ __all__ = ["NVFP4Tensor", "MXFP4Tensor", "quantize_nvfp4", "quantize_nvfp4_both"
            "GemmFP4", "gemm_operands", "FP4_GEMM_K"]
 
 Array = Any
-NVFP4_BLOCK = 16
-MXFP4_BLOCK = 32
+NVFP4_BLOCK = args.NVFP4_BLOCK
+MXFP4_BLOCK = args.MXFP4_BLOCK
 E4M3 = formats.E4M3.dtype_name  # NVFP4's scales: float8_e4m3fn
 E8M0 = formats.E8M0.dtype_name  # MXFP4's scales: float8_e8m0fnu
 # the layouts each FP4 tensor may have: MXFP4's blocks always lie along the stored rows (columnwise stores x^T)
@@ -42,12 +42,7 @@ def _operand(x: Any, function: str, block: int, columnwise: bool) -> tuple[Tenso
     t = args.high_precision(x, "x")
     backend = backends.fp4_for_device(t.device, function)
     t2 = args.as_2d(t, "x")
-    m, k = t2.shape
-    cols = m if columnwise else k
-    if cols % block:
-        name, what = ("M", "down the columns of x") if columnwise else ("K", "along the rows of x")
-        raise ValueError(f"x: {function}{' (columnwise)' if columnwise else ''} takes blocks of {block} {what} "
-                         f"viewed as [M, K] = [{m}, {k}]; {name} = {cols} must be a multiple of {block}")
+    args.fp4_operand(t2.shape, function, block, columnwise)
     return t2, backend
 
 

@@ -12,8 +12,10 @@ from typing import Any
 
 from . import args, backends, fp4
 from ._tensor import Tensor, export, wrap
-from .args import as_format
+from .args import MULTIPLE, as_format, check_bias, check_shapes
 from .blocks import gemm_operands, gemm_scales
+from .declarations import PRIMITIVES
+from .declare import Spec
 from .formats import E2M1, ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES, Encoding, Format, dtype_name
 from .layouts import Layout, ScaledTensor
 
@@ -21,11 +23,9 @@ __all__ = ["gemm", "GemmSpec", "ALIGNMENT", "MULTIPLE", "check_shapes", "check_b
 
 Array = Any
 ALIGNMENT = 16  # bytes: cuBLASLt's requirement for FP8 operands and outputs
-MULTIPLE = 16  # K and N: cuBLASLt's FP8 GEMM takes positive multiples of it
 
-# cuBLASLt's FP8 table: the bias type each output takes (fp8 outputs take the type of C, bf16 or fp16).
-_BIAS_DTYPES = {"float32": ("bfloat16",), "bfloat16": ("bfloat16",), "float16": ("float16",),
-                **{name: ("bfloat16", "float16") for name in FP8_DTYPES}}
+
+_GEMM = PRIMITIVES["gemm"].results  # the output's shape and dtype, as the front-ends read them
 
 
 @dataclass(frozen=True)
@@ -69,42 +69,12 @@ def _aligned(t: Tensor, arg: str) -> None:
                          f"got an address {ptr % ALIGNMENT} bytes past a boundary; pass a fresh contiguous copy")
 
 
-def check_shapes(a_shape: tuple[int, ...], b_shape: tuple[int, ...], fa: Format | None = None,
-                 fb: Format | None = None) -> tuple[int, int, int]:
-    """(M, K, N) of ``a [M, K] · b [N, K]ᵀ`` by cuBLASLt's FP8 limits, from shapes (and the operands' formats,
-    when known) alone: the one statement of the rule, for the core and for the front-ends that check it while
-    tracing (the torch custom ops' fakes, fp8core.jax)."""
-    for arg, shape, dims in (("a", a_shape, "[M, K]"), ("b", b_shape, "[N, K]")):
-        if len(shape) != 2:
-            raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {tuple(shape)}")
-    (m, k), (n, kb) = a_shape, b_shape
-    if kb != k:
-        raise ValueError(f"b: expected [N, K] with K = {k} to match a [M, K] = {tuple(a_shape)}, got shape "
-                         f"{tuple(b_shape)}")
-    if k == 0 or k % MULTIPLE:
-        raise ValueError(f"a: K = {k}; cuBLASLt's FP8 GEMM needs K to be a positive multiple of {MULTIPLE}")
-    if n == 0 or n % MULTIPLE:
-        raise ValueError(f"b: N = {n}; cuBLASLt's FP8 GEMM needs N to be a positive multiple of {MULTIPLE}")
-    if fa is Format.E5M2 and fb is Format.E5M2:
-        raise ValueError("a, b: E5M2 x E5M2 has no FP8 GEMM (cuBLASLt); use E4M3 for one operand")
-    return m, k, n
-
-
 def _operand(obj: Any, arg: str, fmt: Any, dims: str) -> tuple[Tensor, Format]:
     t, f = args.fp8(obj, arg, fmt)
     if len(t.shape) != 2:
         raise ValueError(f"{arg}: expected a 2-D {dims} array, got shape {t.shape}")
     _aligned(t, arg)
     return t, f
-
-
-def check_bias(dtype: str, shape: tuple[int, ...], n: int, out_name: str) -> None:
-    """The bias rule by dtype name and shape: [N], of the type cuBLASLt pairs with the output."""
-    allowed = _BIAS_DTYPES[out_name]
-    if dtype not in allowed:
-        raise TypeError(f"bias: for out_dtype {out_name} expected {' or '.join(allowed)}, got {dtype}")
-    if tuple(shape) != (n,):
-        raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(shape)}")
 
 
 def _bias(bias: Any, ta: Tensor, n: int, out_name: str) -> Tensor | None:
@@ -117,14 +87,14 @@ def _bias(bias: Any, ta: Tensor, n: int, out_name: str) -> Tensor | None:
     return t
 
 
-def _out(obj: Any, ta: Tensor, m: int, n: int, out_name: str) -> Tensor:
+def _out(obj: Any, ta: Tensor, spec: Spec) -> Tensor:
     t = args.contiguous(wrap(obj, "out"), "out")
     args.same_device(t, ta, "out", "a")
-    storage_ok = ta.is_cuda and out_name in FP8_DTYPES and t.dtype == "uint8"
-    if t.dtype != out_name and not storage_ok:
-        raise TypeError(f"out: expected {out_name}, got {t.dtype}")
-    if t.shape != (m, n):
-        raise ValueError(f"out: expected shape ({m}, {n}), got {t.shape}")
+    storage_ok = ta.is_cuda and spec.dtype in FP8_DTYPES and t.dtype == "uint8"
+    if t.dtype != spec.dtype and not storage_ok:
+        raise TypeError(f"out: expected {spec.dtype}, got {t.dtype}")
+    if t.shape != spec.shape:
+        raise ValueError(f"out: expected shape {spec.shape}, got {t.shape}")
     if t.readonly:
         raise ValueError("out: is read-only")
     _aligned(t, "out")
@@ -199,16 +169,19 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float | None = None, b_scale_i
     so = args.scalar(out_scale, ta, "out_scale", "a") if fp8_out else None
     am = args.f32_slots(out_amax, ta, "out_amax", "a") if out_amax is not None else None
     tbias = _bias(bias, ta, n, out_name)
-    dst = None
-    if out is not None:
-        to = _out(out, ta, m, n, out_name)
+    (result,) = _GEMM((ta.shape, fa.dtype_name), (tb.shape, fb.dtype_name), None, None, out_name)
+    backend = backends.for_device(ta.device)
+    if out is None:
+        dst = args.result(backend, result, ta)
+    else:
+        to = _out(out, ta, result)
         # the CPU's column spans write out while others still read b (and cuBLASLt reads and writes at once)
         args.no_overlap([("out", to)], [("a", ta), ("b", tb), ("bias", tbias), ("a_scale_inv", sa),
                                          ("b_scale_inv", sb), ("out_scale", so), ("out_amax", am)])
         dst = to.data
     spec = GemmSpec(m, n, k, fa, fb, out_name, tbias.dtype if tbias is not None else None, fast_accum,
                     a_layout, b_layout)
-    d = backends.for_device(ta.device).gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
+    d = backend.gemm(spec, ta, tb, sa, sb, tbias, so, am, dst)
     return out if out is not None else export(d, out_name, ta)
 
 

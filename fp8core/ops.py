@@ -1,5 +1,12 @@
 """The public FP8 primitives. Each validates its arguments (fp8core.args), picks the backend by device, and
 returns the caller's own array type. The numerics are in docs/numerics.md; the backends implement them bit for bit.
+
+Results have the shapes and dtypes their declaration's rule gives (fp8core.declarations, which the torch fakes and
+fp8core.jax read too): a given ``out=`` is checked against them, and the rest is allocated from them here, by the
+caller's allocator (torch's, CuPy's on a GPU), before the backend writes it. On the CPU, for a caller whose
+results NumPy may allocate (NumPy, JAX, DLPack: not torch), the backend's lookup or copy that computes a result
+makes it, in the declared shape and dtype (tests/test_declarations.py holds every primitive to its rule): a
+separate allocation and a write through ``out`` cost a 16-element call a tenth of its time.
 """
 
 from __future__ import annotations
@@ -11,6 +18,9 @@ import numpy as np
 from . import args, backends
 from ._caches import memo
 from ._tensor import Tensor, export, export_all, wrap
+from ._views import ALLOCATING
+from .declarations import PRIMITIVES
+from .declare import Spec
 from .formats import Format
 
 __all__ = ["amax", "quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose",
@@ -26,6 +36,20 @@ _BACKENDS: dict[tuple, Any] = memo("ops.backends", {})
 def _backend(t: Tensor) -> Any:
     b = _BACKENDS.get(t.device)
     return b if b is not None else _BACKENDS.setdefault(t.device, backends.for_device(t.device))
+
+
+_QUANTIZE, _DYNAMIC, _DEQUANTIZE, _TRANSPOSE, _CAST_TRANSPOSE = (  # each call's declared results
+    PRIMITIVES[name].results for name in ("quantize", "quantize_dynamic", "dequantize", "transpose", "cast_transpose"))
+
+
+def _slot(given: Any, arg: str, spec: Spec, t: Tensor, xarg: str = "x") -> Tensor | None:
+    """A given ``out=`` array checked against its declared spec, or None."""
+    return None if given is None else args.out_slot(given, arg, spec.shape, spec.dtype, t, xarg)
+
+
+def _dest(backend: Any, spec: Spec, slot: Tensor | None, t: Tensor) -> Any:
+    """Where a result goes, as the backend takes arrays: its checked out= slot, else a new array of its spec."""
+    return args.result(backend, spec, t) if slot is None else args.backend_data(slot, spec.dtype)
 
 
 # ---- the primitives ---------------------------------------------------------------------------------------
@@ -50,13 +74,18 @@ def quantize(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
+    backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        return export(_backend(t).quantize(t, s, f, a), f.dtype_name, t)
+        if t.device[0] == "cpu" and t.origin not in ALLOCATING:  # NumPy's lookup makes it (the module docstring)
+            return export(backend.quantize(t, s, f, a), f.dtype_name, t)
+        q = args.result(backend, _QUANTIZE((t.data.shape, t.dtype), None, f)[0], t)
+        return export(backend.quantize(t, s, f, a, out=q), f.dtype_name, t)
+    (spec,) = _QUANTIZE((t.data.shape, t.dtype), None, f)
     (o,) = args.outs(out, 1)
-    ot = None if o is None else args.out_slot(o, "out", t.shape, f.dtype_name, t)
+    ot = _slot(o, "out", spec, t)
     args.no_overlap([("out", ot)], [("x", t), ("scale", s), ("amax_out", a)])
-    q = _backend(t).quantize(t, s, f, a, out=args.backend_data(ot, f.dtype_name))
-    return o if o is not None else export(q, f.dtype_name, t)
+    q = backend.quantize(t, s, f, a, out=_dest(backend, spec, ot, t))
+    return o if o is not None else export(q, spec.dtype, t)
 
 
 def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int = 0, power_of_2: bool = False,
@@ -73,17 +102,25 @@ def quantize_dynamic(x: Array, fmt: Format | str = Format.E4M3, *, margin: int =
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     rule = (args.margin(margin), args.flag(power_of_2, "power_of_2"), args.epsilon(epsilon), args.reduce_hook(reduce))
+    backend = _BACKENDS.get(t.device) or _backend(t)
+    # q from its spec; scale_inv and amax, unless given, are the backend's (on a GPU its kernel's workspace)
     if out is None:
-        q, s_inv, a = _backend(t).quantize_dynamic(t, f, *rule)
+        if t.device[0] == "cpu" and t.origin not in ALLOCATING:
+            q, s_inv, a = backend.quantize_dynamic(t, f, *rule)
+        else:
+            q = args.result(backend, _DYNAMIC((t.data.shape, t.dtype), f)[0], t)
+            q, s_inv, a = backend.quantize_dynamic(t, f, *rule, out=(q, None, None))
         return export_all(((q, f.dtype_name), (s_inv, "float32"), (a, "float32")), t)
+    specs = _DYNAMIC((t.data.shape, t.dtype), f)
     o = args.outs(out, 3) if isinstance(out, tuple) else (out, None, None)
-    slots = [None if v is None else args.out_slot(v, arg, shape, dtype, t) for v, arg, shape, dtype in
-             zip(o, ("out[0]", "out[1]", "out[2]"), (t.shape, (1,), (1,)), (f.dtype_name, "float32", "float32"))]
-    args.no_overlap(list(zip(("out[0]", "out[1]", "out[2]"), slots)), [("x", t)])
-    q, s_inv, a = _backend(t).quantize_dynamic(
-        t, f, *rule, out=tuple(args.backend_data(v, d) for v, d in zip(slots, (f.dtype_name, "float32", "float32"))))
-    return tuple(given if given is not None else export(r, d, t)  # type: ignore[return-value]
-                 for given, r, d in zip(o, (q, s_inv, a), (f.dtype_name, "float32", "float32")))
+    names = ("out[0]", "out[1]", "out[2]")
+    slots = [_slot(v, arg, spec, t) for v, arg, spec in zip(o, names, specs)]
+    args.no_overlap(list(zip(names, slots)), [("x", t)])
+    outs = [None if v is None else args.backend_data(v, spec.dtype) for v, spec in zip(slots, specs)]
+    outs[0] = _dest(backend, specs[0], slots[0], t)
+    results = backend.quantize_dynamic(t, f, *rule, out=tuple(outs))
+    return tuple(given if given is not None else export(r, spec.dtype, t)  # type: ignore[return-value]
+                 for given, r, spec in zip(o, results, specs))
 
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *,
@@ -96,12 +133,17 @@ def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = "float32", *
     t, f = args.fp8(q, "q", fmt)
     name = args.out_dtype(out_dtype)
     s = args.scalar(scale_inv, t, "scale_inv", "q")
+    backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        return export(_backend(t).dequantize(t, f.encoding, s, name), name, t)
+        if t.device[0] == "cpu" and t.origin not in ALLOCATING:
+            return export(backend.dequantize(t, f.encoding, s, name), name, t)
+        y = args.result(backend, _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)[0], t)
+        return export(backend.dequantize(t, f.encoding, s, name, out=y), name, t)
+    (spec,) = _DEQUANTIZE((t.data.shape, f.dtype_name), None, name)
     (o,) = args.outs(out, 1)
-    ot = None if o is None else args.out_slot(o, "out", t.shape, name, t, "q")
+    ot = _slot(o, "out", spec, t, "q")
     args.no_overlap([("out", ot)], [("q", t), ("scale_inv", s)])
-    y = _backend(t).dequantize(t, f.encoding, s, name, out=args.backend_data(ot, name))
+    y = backend.dequantize(t, f.encoding, s, name, out=_dest(backend, spec, ot, t))
     return o if o is not None else export(y, name, t)
 
 
@@ -112,13 +154,18 @@ def transpose(q: Array, *, fmt: Format | str | None = None, out: Array | None = 
     """
     t, f = args.fp8(q, "q", fmt)
     t = args.as_2d(t, "q")
+    backend = _BACKENDS.get(t.device) or _backend(t)
     if out is None:
-        return export(_backend(t).transpose(t), f.dtype_name, t)
+        if t.device[0] == "cpu" and t.origin not in ALLOCATING:
+            return export(backend.transpose(t), f.dtype_name, t)
+        qt = args.result(backend, _TRANSPOSE((t.data.shape, f.dtype_name))[0], t)
+        return export(backend.transpose(t, out=qt), f.dtype_name, t)
+    (spec,) = _TRANSPOSE((t.data.shape, f.dtype_name))
     (o,) = args.outs(out, 1)
-    ot = None if o is None else args.out_slot(o, "out", t.shape[::-1], f.dtype_name, t, "q")
+    ot = _slot(o, "out", spec, t, "q")
     args.no_overlap([("out", ot)], [("q", t)])
-    qt = _backend(t).transpose(t, out=args.backend_data(ot, f.dtype_name))
-    return o if o is not None else export(qt, f.dtype_name, t)
+    qt = backend.transpose(t, out=_dest(backend, spec, ot, t))
+    return o if o is not None else export(qt, spec.dtype, t)
 
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4M3, *,
@@ -132,18 +179,24 @@ def cast_transpose(x: Array, scale: Array | float, fmt: Format | str = Format.E4
     t = args.high_precision(x, "x")
     f = args.encoding(fmt)
     s, a = args.scalar(scale, t, "scale"), args.amax_slot(amax_out, t)
-    if out is None:
-        q, qt = _backend(t).cast_transpose(args.as_2d(t, "x"), s, f, a)
-        return export_all(((q.reshape(t.data.shape), f.dtype_name), (qt, f.dtype_name)), t)
     t2 = args.as_2d(t, "x")
+    backend = _BACKENDS.get(t.device) or _backend(t)
+    if out is None and t.device[0] == "cpu" and t.origin not in ALLOCATING:  # one guarded call, no keyword
+        q, qt = backend.cast_transpose(t2, s, f, a)
+        return export_all(((q if q.shape == t.data.shape else q.reshape(t.data.shape), f.dtype_name),
+                           (qt, f.dtype_name)), t)
+    specs = _CAST_TRANSPOSE((t.data.shape, t.dtype), None, f)
+    if out is None:
+        q, qt = args.result(backend, specs[0], t), args.result(backend, specs[1], t)
+        backend.cast_transpose(t2, s, f, a, out=(q.reshape(t2.shape), qt))
+        return export_all(((q, specs[0].dtype), (qt, specs[1].dtype)), t)
     o = args.outs(out, 2)
-    oq = None if o[0] is None else args.out_slot(o[0], "out[0]", t.shape, f.dtype_name, t)
-    oqt = None if o[1] is None else args.out_slot(o[1], "out[1]", t2.shape[::-1], f.dtype_name, t)
-    args.no_overlap([("out[0]", oq), ("out[1]", oqt)], [("x", t), ("scale", s), ("amax_out", a)])
-    q, qt = _backend(t).cast_transpose(
-        t2, s, f, a, out=(args.backend_data(oq, f.dtype_name, t2.shape), args.backend_data(oqt, f.dtype_name)))
-    return (o[0] if o[0] is not None else export(q.reshape(t.shape), f.dtype_name, t),
-            o[1] if o[1] is not None else export(qt, f.dtype_name, t))
+    slots = [_slot(v, arg, spec, t) for v, arg, spec in zip(o, ("out[0]", "out[1]"), specs)]
+    args.no_overlap([("out[0]", slots[0]), ("out[1]", slots[1])], [("x", t), ("scale", s), ("amax_out", a)])
+    q, qt = (_dest(backend, spec, v, t) for v, spec in zip(slots, specs))
+    backend.cast_transpose(t2, s, f, a, out=(q.reshape(t2.shape), qt))
+    return (o[0] if o[0] is not None else export(q, specs[0].dtype, t),
+            o[1] if o[1] is not None else export(qt, specs[1].dtype, t))
 
 
 def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, power_of_2: bool = False,
@@ -160,7 +213,7 @@ def compute_scale(amax: Array | float, fmt: Format | str, *, margin: int = 0, po
         amax = args.host_f32([args.real(amax, "amax")])
     t = args.contiguous(wrap(amax, "amax"), "amax")
     if t.dtype != "float32":
-        raise TypeError(f"amax: expected float32, got {t.dtype}")
+        args.float32_name(t.dtype, "amax")
     if t.data.ndim == 0:
         t = Tensor(t.data.reshape(1), t.dtype, t.device, t.origin, t.readonly, t.place)
     m, p2, eps = args.margin(margin), args.flag(power_of_2, "power_of_2"), args.epsilon(epsilon)

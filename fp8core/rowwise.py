@@ -12,23 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 from . import args, backends
-from ._tensor import export
-from .blocks import dequantize_kind
+from .args import axis_layout
+from .blocks import dequantize_kind, quantized
+from .declarations import PRIMITIVES
 from .formats import Format
-from .layouts import Layout, RowwiseTensor
+from .layouts import RowwiseTensor
 
 __all__ = ["RowwiseTensor", "quantize_rowwise", "dequantize_rowwise", "axis_layout"]
 
 Array = Any
-_AXES = {-1: Layout.ROWWISE, 1: Layout.ROWWISE, 0: Layout.COLUMNWISE, -2: Layout.COLUMNWISE}
-
-
-def axis_layout(axis: Any) -> Layout:
-    """The layout of :func:`quantize_rowwise`'s ``axis``: ROWWISE for -1 or 1, COLUMNWISE for 0 or -2."""
-    if isinstance(axis, bool) or not isinstance(axis, int) or axis not in _AXES:
-        raise ValueError(f"axis: expected -1 or 1 (one scale per row, amax over the columns) or 0 (one scale per "
-                         f"column, amax over the rows) of x viewed as [rows, cols], got {axis!r}")
-    return _AXES[axis]
+_ROWWISE = PRIMITIVES["quantize_rowwise"].results
 
 
 def quantize_rowwise(x: Array, fmt: Format | str = Format.E4M3, *, axis: int = -1, power_of_2: bool = True,
@@ -46,9 +39,10 @@ def quantize_rowwise(x: Array, fmt: Format | str = Format.E4M3, *, axis: int = -
     f = args.encoding(fmt)
     layout = axis_layout(axis)
     pow2 = args.flag(power_of_2, "power_of_2")
-    q, s_inv = backends.blocks_for_device(t.device).quantize_blockwise(args.as_2d(t, "x"), f, layout, pow2,
-                                                                       args.epsilon(epsilon))
-    return RowwiseTensor(export(q.reshape(t.shape), f.dtype_name, t), export(s_inv, "float32", t), layout, f)
+    eps = args.epsilon(epsilon)
+    backend = backends.blocks_for_device(t.device)
+    specs = _ROWWISE((t.data.shape, t.dtype), f, axis, pow2, eps)
+    return RowwiseTensor(*quantized(backend, t, specs, backend.quantize_blockwise, f, layout, pow2, eps), layout, f)
 
 
 def dequantize_rowwise(t: RowwiseTensor, out_dtype: Any = "float32", *, fmt: Format | str | None = None) -> Array:

@@ -19,7 +19,7 @@ from . import args, backends
 from .backends.cpu import roll
 from ._fpenv import ieee
 from ._tensor import Tensor, wrap
-from .args import as_format, reduce_amaxes
+from .args import as_format, check_update_shapes, reduce_amaxes
 from .extras import install_hint
 from .formats import Format
 from .ops import quantize
@@ -54,25 +54,6 @@ def _device_str(device: tuple) -> str:
 
 
 # ---- checks shared by ScalingState, torch.ops.fp8core.update and the front-ends -----------------------------
-
-def check_update_shapes(history: tuple[str, tuple[int, ...]], vectors: Sequence[tuple[str, str, tuple[int, ...],
-                        str]], history_arg: str = "history") -> int:
-    """The batched update's dtype and shape rules, from dtype names and shapes alone (the front-ends check them
-    while tracing): history float32 [L, N], L and N >= 1; each (arg, dtype, shape, expected dtype) of
-    ``vectors`` [N]. Returns N."""
-    dtype, shape = history
-    if dtype != "float32":
-        raise TypeError(f"{history_arg}: expected float32, got {dtype}")
-    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
-        raise ValueError(f"{history_arg}: expected shape [L, N] with L, N >= 1, got {tuple(shape)}")
-    n = shape[1]
-    for arg, dtype, shape, want in vectors:
-        if dtype != want:
-            raise TypeError(f"{arg}: expected {want}, got {dtype}")
-        if tuple(shape) != (n,):
-            raise ValueError(f"{arg}: expected shape ({n},) to match {history_arg} [L, {n}], got {tuple(shape)}")
-    return n
-
 
 def _vector(obj: Any, arg: str, dtype: str, n: int, like: Tensor) -> Any:
     t = args.contiguous(wrap(obj, arg), arg)

@@ -13,6 +13,7 @@ import pytest
 import blocks_unchunked as twin
 from fp8core._tensor import wrap
 from fp8core.backends import cpu_blocks
+from fp8core.declarations import PRIMITIVES
 from fp8core.formats import ENCODINGS, Format
 from fp8core.layouts import Layout
 
@@ -40,13 +41,19 @@ def u8(a) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)
 
 
+def outs(name: str, x: np.ndarray, *options) -> tuple[np.ndarray, ...]:
+    """The backend's out arrays, as the core allocates them: from the declaration's rule."""
+    return tuple(np.empty(s.shape, s.dtype) for s in PRIMITIVES[name].results((x.shape, x.dtype.name), *options))
+
+
 def check_every_path(x: np.ndarray, fmts=tuple(ENCODINGS), columnwise=(False, True), brs=(1, 128)):
     w = wrap(x)
     for fmt in fmts:
         for cw in columnwise:
             for mode in ("rceil", "floor"):
                 layout = Layout.MX_COLUMNWISE if cw else Layout.MX_ROWWISE
-                got = cpu_blocks.quantize_mxfp8(w, fmt.encoding, mode, layout)
+                got = cpu_blocks.quantize_mxfp8(w, fmt.encoding, mode, layout,
+                                                outs("quantize_mxfp8", x, fmt.encoding, mode, cw))
                 want = twin.quantize_mxfp8(x, fmt, mode, cw)
                 for g, e in zip(got, want):
                     np.testing.assert_array_equal(u8(g), u8(e), err_msg=f"mxfp8 {fmt} {mode} columnwise={cw}")
@@ -57,7 +64,8 @@ def check_every_path(x: np.ndarray, fmts=tuple(ENCODINGS), columnwise=(False, Tr
         for br in brs:
             for pow2 in (True, False):
                 layout = Layout.BLOCK_1X128 if br == 1 else Layout.BLOCK_128X128
-                got = cpu_blocks.quantize_blockwise(w, fmt.encoding, layout, pow2, 1e-30)
+                got = cpu_blocks.quantize_blockwise(w, fmt.encoding, layout, pow2, 1e-30,
+                                                    outs("quantize_blockwise", x, fmt.encoding, layout, pow2, 1e-30))
                 want = twin.quantize_blockwise(x, fmt, br, pow2, 1e-30)
                 for g, e in zip(got, want):
                     np.testing.assert_array_equal(u8(g), u8(e), err_msg=f"blockwise {fmt} {br}x128 pow2={pow2}")

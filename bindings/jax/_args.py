@@ -3,28 +3,28 @@ they hold eagerly and under an outer jit alike, and every error names the argume
 
 The callbacks check again with the core's own functions, but an error raised there reaches the caller wrapped
 in XLA's INTERNAL error, after the program was built: these checks make sure nothing the core would refuse
-for its shape, dtype or value gets that far. The rules are the core's (fp8core.args, fp8core.blocks'
-layouts); where the core has a rule only inside a function that takes real arrays, it is restated here and
-the message is the core's.
+for its shape, dtype or value gets that far. A primitive's checks are its declaration's rule
+(fp8core.declarations, :func:`check`), the functions the core runs, on the abstract values; what is here besides
+is fp8core.jax's own (a scale as a Python number, batched GEMMs, the dense layers' state).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 import fp8core
-from fp8core import args
-from fp8core.args import as_format
-from fp8core.blocks import gemm_layouts, scale_dtypes
-from fp8core.blocks import gemm_operands as split_block_operands
+from fp8core import args, declarations
+from fp8core.args import as_format, check_update_shapes
+from fp8core.declarations import PRIMITIVES
+from fp8core.declare import Spec
 from fp8core.formats import Format
-from fp8core.gemm import check_bias, check_shapes
 from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
-from fp8core.scaling import check_update_shapes
+
+# the declared arguments that may also be a Python number (fp8core.jax converts it: see scale)
+_SCALES = frozenset({"scale", "scale_inv", "a_scale_inv", "b_scale_inv"})
 
 
 def _name(x: Any) -> str:
@@ -38,30 +38,27 @@ def array(x: Any, arg: str) -> Any:
     return x
 
 
+def check(name: str, **inputs: Any) -> tuple[Spec, ...]:
+    """Declaration ``name``'s rule on ``inputs`` (arrays or tracers; a scale may be a Python number, checked by
+    :func:`scale`): the core's checks in the core's order, its errors, and the outputs' specs."""
+    p = PRIMITIVES[name]
+    for key, value in inputs.items():
+        a = p.arg(key)
+        if a.tensor and value is not None and not (key in _SCALES and not hasattr(value, "dtype")):
+            array(value, a.label or key)
+    return p.specs(**inputs)
+
+
 def high_precision(x: Any, arg: str, matrix: bool = False) -> Any:
     """float32, bfloat16 or float16 data; ``matrix``: viewed as [rows, cols], so at least 1-D."""
     name = _name(array(x, arg))
     args.high_precision_name(name, arg)
     if matrix:
-        at_least_1d(x, arg)
+        declarations.matrix(Spec.of(x), arg)
     return x
 
 
 fmt = args.fmt
-
-
-def at_least_1d(x: Any, arg: str) -> None:
-    if len(x.shape) == 0:
-        raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
-
-
-def fp8(q: Any, arg: str, matrix: bool = False) -> Format:
-    """fp8 data (float8_e4m3fn or float8_e5m2; JAX has the dtypes, so no uint8 storage): its format."""
-    name = _name(array(q, arg))
-    args.fp8_name(name, arg)
-    if matrix:
-        at_least_1d(q, arg)
-    return as_format(name)
 
 
 def scale(value: Any, arg: str) -> Any:
@@ -77,11 +74,8 @@ def scale(value: Any, arg: str) -> Any:
                 raise ValueError(f"{arg}: {value.bit_length()}-bit int is too large for a float32 scale") from None
         return value
     array(value, arg)
-    name = _name(value)
-    if name != "float32":
-        raise TypeError(f"{arg}: expected float32, got {name}")
-    if math.prod(value.shape) != 1:
-        raise ValueError(f"{arg}: expected 1 element, got shape {tuple(value.shape)}")
+    args.float32_name(_name(value), arg)
+    args.one_element(tuple(value.shape), arg)
     return value
 
 
@@ -95,56 +89,43 @@ def out_dtype(value: Any, arg: str = "out_dtype") -> Any:
     return value
 
 
-def scaled(t: Any, kind: str | None, arg: str = "t") -> tuple[Format, Layout]:
-    """(format, layout) of a ScaledTensor (or a plain (data, scale) pair of ``kind``, "mx" or "blocks"): fp8
-    data, scales of the kind's dtype in a layout of it (the one named, else the one the scale's shape means)."""
-    cls = {"mx": MXTensor, "blocks": BlockScaledTensor}[kind] if kind else type(t)
+def scaled(t: Any, kind: str, out_dtype: Any) -> Layout:
+    """The layout of a ScaledTensor (or a plain (data, scale) pair) of ``kind`` ("mx" or "blocks") to dequantize
+    to ``out_dtype``, by the dequantize declaration's rule: fp8 data, scales of the kind's dtype in a layout of it
+    (the one named, else the one the scale's shape means)."""
+    cls = {"mx": MXTensor, "blocks": BlockScaledTensor}[kind]
     if not isinstance(t, tuple) or len(t) != 2:
-        raise TypeError(f"{arg}: expected a {cls.__name__} (data, {cls._fields[1]}), got {type(t).__name__}")
-    data, s = t
-    f = fp8(data, f"{arg}.data", matrix=True)
-    name, dtypes = f"{arg}.{cls._fields[1]}", scale_dtypes(kind or t.kind)
-    got = _name(array(s, name))
-    if got not in dtypes:
-        raise TypeError(f"{name}: expected {' or '.join(dtypes)}, got {got}")
-    return f, layout_of(t if isinstance(t, ScaledTensor) else cls(data, s), arg)
+        raise TypeError(f"t: expected a {cls.__name__} (data, {cls._fields[1]}), got {type(t).__name__}")
+    name = "dequantize_mxfp8" if kind == "mx" else "dequantize_blockwise"
+    check(name, **dict(zip(("data", PRIMITIVES[name].args[1].name), t)), out_dtype=out_dtype)
+    return layout_of(t if isinstance(t, ScaledTensor) else cls(*t))
 
 
-def gemm_operands(a: Any, b: Any) -> tuple[Format, Format, int, int]:
-    """(a's format, b's format, K, N) of fp8 a [M, K] and b [N, K], by cuBLASLt's FP8 limits (fp8core.gemm)."""
-    fa, fb = fp8(a, "a"), fp8(b, "b")
-    _, k, n = check_shapes(tuple(a.shape), tuple(b.shape), fa, fb)
-    return fa, fb, k, n
-
-
-def batched_gemm_operands(a: Any, b: Any) -> tuple[tuple[int, ...], int]:
-    """(the batch shape, N) of fp8 a [..., M, K] and b [..., N, K] with the same leading (batch) dims, each
-    batch element's GEMM by cuBLASLt's FP8 limits (fp8core.gemm)."""
-    fa, fb = fp8(a, "a"), fp8(b, "b")
-    for arg, x, dims in (("a", a, "[..., M, K]"), ("b", b, "[..., N, K]")):
-        if len(x.shape) < 2:
-            raise ValueError(f"{arg}: expected a {dims} array, got shape {tuple(x.shape)}")
-    batch = tuple(a.shape[:-2])
-    if tuple(b.shape[:-2]) != batch:
-        raise ValueError(f"b: expected batch dims {batch} (a's leading dims, a {tuple(a.shape)}), got shape "
-                         f"{tuple(b.shape)}")
-    _, _, n = check_shapes(tuple(a.shape[-2:]), tuple(b.shape[-2:]), fa, fb)
-    return batch, n
-
-
-def bias(b: Any, n: int, out_name: str) -> None:
-    if b is not None:
-        check_bias(_name(array(b, "bias")), tuple(b.shape), n, out_name)
+def gemm(a: Any, b: Any, a_scale_inv: Any, b_scale_inv: Any, out_dtype: Any, bias: Any) -> None:
+    """fp8core.gemm's rules for fp8 a [M, K] and b [N, K] (the gemm declaration's), or for a [..., M, K] and
+    b [..., N, K] with the same leading (batch) dims, each batch element's GEMM by them."""
+    if len(array(a, "a").shape) > 2 or len(array(b, "b").shape) > 2:
+        for arg, x, dims in (("a", a, "[..., M, K]"), ("b", b, "[..., N, K]")):
+            args.fp8_name(_name(x), arg)
+            if len(x.shape) < 2:
+                raise ValueError(f"{arg}: expected a {dims} array, got shape {tuple(x.shape)}")
+        batch = tuple(a.shape[:-2])
+        if tuple(b.shape[:-2]) != batch:
+            raise ValueError(f"b: expected batch dims {batch} (a's leading dims, a {tuple(a.shape)}), got shape "
+                             f"{tuple(b.shape)}")
+        a, b = (Spec(tuple(x.shape[-2:]), _name(x)) for x in (a, b))
+    check("gemm", a=a, b=b, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, out_dtype=out_dtype, bias=bias)
 
 
 def block_gemm_operands(a: Any, b: Any) -> tuple[Layout, Layout]:
-    """The layouts of scaled GEMM operands, by fp8core.blocks' rules: both MX (rowwise, K a multiple of 32) or
-    both fp32 blocks (K a multiple of 128, not both 128x128)."""
-    split_block_operands(a, b, None, None)  # both ScaledTensors of one kind: the core's rule
-    _, _, k, n = gemm_operands(a[0], b[0])
-    la, lb = scaled(a, None, "a")[1], scaled(b, None, "b")[1]
-    gemm_layouts(la, lb, a[0].shape[0], n, k)
-    return la, lb
+    """The layouts of scaled GEMM operands, by the block_gemm declaration's rules: both MX (rowwise, K a
+    multiple of 32) or both fp32 blocks (K a multiple of 128, not both 128x128)."""
+    args.gemm_operands(a, b, None, None)  # both ScaledTensors of one kind: the core's rule
+    # the declaration sees data and scale alone: a rowwise tensor's kind is its type's, so its layout is named
+    named = [t._layout or (layout_of(t, arg) if t.kind == "axiswise" else None) for arg, t in (("a", a), ("b", b))]
+    check("block_gemm", a=a[0], a_scale=a[1], b=b[0], b_scale=b[1], a_layout=named[0], b_layout=named[1],
+          out_dtype=None)  # out_dtype: fp8core.jax's own rule, checked by the caller
+    return layout_of(a, "a"), layout_of(b, "b")
 
 
 def delayed(recipe: Any, arg: str = "recipe") -> fp8core.DelayedScaling:

@@ -17,7 +17,6 @@ import fp8core
 from fp8core import args
 from fp8core import blocks as core
 from fp8core.boundary import Tensor
-from fp8core import rowwise as core_rowwise
 from fp8core.declarations import PRIMITIVES
 from fp8core.layouts import BlockScaledTensor, Layout, MXTensor, RowwiseTensor, ScaledTensor
 
@@ -44,9 +43,8 @@ def returning(fn: Callable[..., Any]) -> Callable[..., None]:
 
 def quantize_mxfp8(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil", columnwise: bool = False) -> MXTensor:
     """MXTensor(data in x's shape, E8M0 scale [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
-    return _quantize_mxfp8(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
-                           scale_mode=args.scale_mode(scale_mode),
-                           columnwise=args.flag(columnwise, "columnwise"))
+    _args.check("quantize_mxfp8", x=x, fmt=fmt, scale_mode=scale_mode, columnwise=columnwise)
+    return _quantize_mxfp8(x, fmt=_args.fmt(fmt), scale_mode=scale_mode, columnwise=bool(columnwise))
 
 
 @jitted("fmt", "scale_mode", "columnwise")
@@ -59,8 +57,8 @@ def _quantize_mxfp8(x: Array, *, fmt: Any, scale_mode: Any, columnwise: Any) -> 
 
 def quantize_mxfp8_both(x: Array, fmt: Any = "e4m3", *, scale_mode: str = "rceil") -> tuple[MXTensor, MXTensor]:
     """(rowwise, columnwise) from one read of x."""
-    return _quantize_mxfp8_both(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
-                                scale_mode=args.scale_mode(scale_mode))
+    _args.check("quantize_mxfp8_both", x=x, fmt=fmt, scale_mode=scale_mode)
+    return _quantize_mxfp8_both(x, fmt=_args.fmt(fmt), scale_mode=scale_mode)
 
 
 @jitted("fmt", "scale_mode")
@@ -73,8 +71,8 @@ def _quantize_mxfp8_both(x: Array, *, fmt: Any, scale_mode: Any) -> tuple[MXTens
 
 def dequantize_mxfp8(t: MXTensor, out_dtype: Any = jnp.float32) -> Array:
     """y = data · 2^(scale - 127) per block, in out_dtype (float32, bfloat16 or float16), data's shape."""
-    _, layout = _args.scaled(t, "mx")
-    return _dequantize(tuple(t), out_dtype=_args.out_dtype(out_dtype), layout=layout.value)
+    _args.out_dtype(out_dtype)
+    return _dequantize(tuple(t), out_dtype=out_dtype, layout=_args.scaled(t, "mx", out_dtype).value)
 
 
 @jitted("out_dtype", "layout")
@@ -92,10 +90,9 @@ def quantize_blockwise(x: Array, fmt: Any = "e4m3", *, block: Any = "1x128", pow
                        epsilon: float = 0.0) -> BlockScaledTensor:
     """BlockScaledTensor(data in x's shape, float32 scale_inv [rows or ceil(rows/128), ceil(cols/128)]).
     epsilon is data (traced: one program for every value)."""
-    args.block(block)
-    return _quantize_blockwise(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt),
-                               block=tuple(block) if isinstance(block, list) else block,
-                               power_of_2=args.flag(power_of_2, "power_of_2"), epsilon=epsilon)
+    _args.check("quantize_blockwise", x=x, fmt=fmt, block=block, power_of_2=power_of_2, epsilon=epsilon)
+    return _quantize_blockwise(x, fmt=_args.fmt(fmt), block=tuple(block) if isinstance(block, list) else block,
+                               power_of_2=bool(power_of_2), epsilon=epsilon)
 
 
 @jitted("fmt", "block", "power_of_2", numbers=("epsilon",))
@@ -115,9 +112,9 @@ def quantize_rowwise(x: Array, fmt: Any = "e4m3", *, axis: int = -1, power_of_2:
                      epsilon: float = 0.0) -> RowwiseTensor:
     """RowwiseTensor(data in x's shape, float32 scale_inv [rows, 1], or [1, cols] for axis=0), as
     :func:`fp8core.quantize_rowwise`. epsilon is data (traced: one program for every value)."""
-    layout = core_rowwise.axis_layout(axis)
-    return _quantize_rowwise(_args.high_precision(x, "x", matrix=True), fmt=_args.fmt(fmt), axis=axis,
-                             power_of_2=args.flag(power_of_2, "power_of_2"), epsilon=epsilon, layout=layout.value)
+    _args.check("quantize_rowwise", x=x, fmt=fmt, axis=axis, power_of_2=power_of_2, epsilon=epsilon)
+    return _quantize_rowwise(x, fmt=_args.fmt(fmt), axis=axis, power_of_2=bool(power_of_2), epsilon=epsilon,
+                             layout=args.axis_layout(axis).value)
 
 
 @jitted("fmt", "axis", "power_of_2", "layout", numbers=("epsilon",))
@@ -135,8 +132,8 @@ def _quantize_rowwise(x: Array, *, fmt: Any, axis: Any, power_of_2: Any, layout:
 
 def dequantize_blockwise(t: BlockScaledTensor, out_dtype: Any = jnp.float32) -> Array:
     """y = data · scale_inv[its block] in out_dtype (float32, bfloat16 or float16), data's shape."""
-    _, layout = _args.scaled(t, "blocks")
-    return _dequantize(tuple(t), out_dtype=_args.out_dtype(out_dtype), layout=layout.value)
+    _args.out_dtype(out_dtype)
+    return _dequantize(tuple(t), out_dtype=out_dtype, layout=_args.scaled(t, "blocks", out_dtype).value)
 
 
 def block_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: Any = jnp.bfloat16) -> Array:

@@ -150,7 +150,8 @@ def shapes(name: str, slots: bool = True, **inputs: Any) -> tuple[jax.ShapeDtype
 
 def amax(x: Array) -> Array:
     """max |x| as float32 [1] (NaN propagates)."""
-    return _amax(_args.high_precision(x, "x"))
+    _args.check("amax", x=x)
+    return _amax(x)
 
 
 @jitted()
@@ -160,7 +161,8 @@ def _amax(x: Array) -> Array:
 
 def quantize(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array]:
     """(q, amax of x): the contract's scaled cast; q has x's shape and fmt's dtype."""
-    return _quantize(_args.high_precision(x, "x"), _scale_arg(scale), fmt=_args.fmt(fmt))
+    _args.check("quantize", x=x, scale=scale, fmt=fmt)
+    return _quantize(x, _scale_arg(scale), fmt=_args.fmt(fmt))
 
 
 @jitted("fmt")
@@ -176,8 +178,8 @@ def quantize_dynamic(x: Array, fmt: Any = "e4m3", *, margin: int = 0, power_of_2
                      epsilon: float = 0.0) -> tuple[Array, Array, Array]:
     """Current scaling: (q, scale_inv [1], amax [1]). margin and epsilon are data (traced: one program for
     every value), power_of_2 a bool."""
-    return _quantize_dynamic(_args.high_precision(x, "x"), fmt=_args.fmt(fmt), margin=margin,
-                             power_of_2=fp8core.args.flag(power_of_2, "power_of_2"), epsilon=epsilon)
+    _args.check("quantize_dynamic", x=x, fmt=fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon)
+    return _quantize_dynamic(x, fmt=_args.fmt(fmt), margin=margin, power_of_2=bool(power_of_2), epsilon=epsilon)
 
 
 @jitted("fmt", "power_of_2", numbers=("margin", "epsilon"))
@@ -192,8 +194,9 @@ def _quantize_dynamic(x: Array, *, fmt: Any, power_of_2: Any, numbers: Any,
 
 def dequantize(q: Array, scale_inv: Array | float, out_dtype: Any = jnp.float32) -> Array:
     """y = q · scale_inv in out_dtype (float32, bfloat16 or float16), q's shape; q fp8."""
-    _args.fp8(q, "q")
-    return _dequantize(q, _scale_arg(scale_inv, "scale_inv"), out_dtype=_args.out_dtype(out_dtype))
+    _args.out_dtype(out_dtype)
+    _args.check("dequantize", q=q, scale_inv=scale_inv, out_dtype=out_dtype)
+    return _dequantize(q, _scale_arg(scale_inv, "scale_inv"), out_dtype=out_dtype)
 
 
 @jitted("out_dtype")
@@ -210,7 +213,7 @@ def _dequantize(q: Array, scale_inv: Any, *, out_dtype: Any) -> Array:
 
 def transpose(q: Array) -> Array:
     """[prod(leading), last] -> [last, prod(leading)], bits unchanged."""
-    _args.fp8(q, "q", matrix=True)
+    _args.check("transpose", q=q)
     return _transpose(q)
 
 
@@ -226,7 +229,8 @@ def _transpose(q: Array) -> Array:
 
 def cast_transpose(x: Array, scale: Array | float, fmt: Any = "e4m3") -> tuple[Array, Array, Array]:
     """(q, q_t [last, prod(leading)], amax of x) from one read of x."""
-    return _cast_transpose(_args.high_precision(x, "x", matrix=True), _scale_arg(scale), fmt=_args.fmt(fmt))
+    _args.check("cast_transpose", x=x, scale=scale, fmt=fmt)
+    return _cast_transpose(x, _scale_arg(scale), fmt=_args.fmt(fmt))
 
 
 @jitted("fmt")
@@ -246,15 +250,11 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | fl
     Batched: a [..., M, K] and b [..., N, K] with the same leading dims give [..., M, N], each batch element
     the GEMM above with the same two scales (and bias), in one primitive (its callback runs the core's GEMM
     per element, on XLA's stream on a GPU)."""
-    if len(_args.array(a, "a").shape) > 2 or len(_args.array(b, "b").shape) > 2:
-        _, n = _args.batched_gemm_operands(a, b)
-        _args.out_dtype(out_dtype)
-        _args.bias(bias, n, jnp.dtype(out_dtype).name)
+    _args.out_dtype(out_dtype)
+    _args.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
+    if len(a.shape) > 2 or len(b.shape) > 2:
         return _batched_gemm(a, b, _scale_arg(a_scale_inv, "a_scale_inv"), _scale_arg(b_scale_inv, "b_scale_inv"),
                              bias, out_dtype=out_dtype)
-    _, _, _, n = _args.gemm_operands(a, b)
-    _args.out_dtype(out_dtype)
-    _args.bias(bias, n, jnp.dtype(out_dtype).name)
     return _gemm(a, b, _scale_arg(a_scale_inv, "a_scale_inv"), _scale_arg(b_scale_inv, "b_scale_inv"), bias,
                  out_dtype=out_dtype)
 
@@ -353,11 +353,8 @@ def compute_scale(amax: Array, fmt: Any, *, margin: int = 0, power_of_2: bool = 
     """(scale, scale_inv), float32 like amax ([1] for a 0-d amax, as the core), by the contract's scale rule
     (1.0 where there is no scale): with :func:`cast_transpose`, current scaling from an amax reduced across
     devices first. margin and epsilon are data (traced)."""
-    name = jnp.dtype(_args.array(amax, "amax").dtype).name
-    if name != "float32":
-        raise TypeError(f"amax: expected float32, got {name}")
-    return _compute_scale(amax, fmt=_args.fmt(fmt), margin=margin, power_of_2=fp8core.args.flag(power_of_2, "power_of_2"),
-                          epsilon=epsilon)
+    _args.check("compute_scale", amax=amax, fmt=fmt, margin=margin, power_of_2=power_of_2, epsilon=epsilon)
+    return _compute_scale(amax, fmt=_args.fmt(fmt), margin=margin, power_of_2=bool(power_of_2), epsilon=epsilon)
 
 
 @jitted("fmt", "power_of_2", numbers=("margin", "epsilon"))

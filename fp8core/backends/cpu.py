@@ -17,7 +17,7 @@ import numpy as np
 
 from .._caches import cached, memo
 from .._fpenv import ieee, set_default
-from .._views import Tensor, logical_numpy_dtype
+from .._views import ALLOCATING, Tensor, logical_numpy_dtype
 from .cpu_threads import blas_on_one_thread, thread_budget
 from ..formats import E8M0, Encoding
 from ..layouts import Layout
@@ -208,6 +208,11 @@ def _amax(x: Tensor) -> np.ndarray:
     return np.array([bits], np.uint32).view(np.float32)
 
 
+def allocate(shape: tuple, dtype: np.dtype, like: Tensor) -> np.ndarray:
+    """A result the core allocates from its declaration: like's caller's memory."""
+    return like.caller.empty(shape, dtype, like.device)
+
+
 @ieee
 def amax(x: Tensor) -> np.ndarray:
     return _amax(x)
@@ -329,6 +334,7 @@ def quantize_table(dtype: str, scale_bits: int, fmt: Encoding) -> np.ndarray:
 TABLE_MIN = 1 << 16  # building the table is the direct path over 65,536 patterns: from here it never loses
 # From TABLE_MIN >> 4 elements a table is built for a scale seen before (delayed scaling keeps a scale for
 # many calls; a scale used once, as current scaling's are, never pays for a table it will not reuse).
+_SEEN_MIN = TABLE_MIN >> 4
 _seen: OrderedDict = memo("cpu.seen_scales", OrderedDict())
 _SEEN_MAX = 16
 
@@ -336,7 +342,7 @@ _SEEN_MAX = 16
 def _table_for(dtype: str, scale: np.float32, fmt: Encoding, n: int) -> np.ndarray | None:
     if n >= TABLE_MIN:
         return quantize_table(dtype, int(scale.view(np.uint32)), fmt)
-    if n < TABLE_MIN >> 4:
+    if n < _SEEN_MIN:
         return None
     key = (dtype, int(scale.view(np.uint32)), fmt)
     try:
@@ -352,22 +358,22 @@ def _table_for(dtype: str, scale: np.float32, fmt: Encoding, n: int) -> np.ndarr
     return quantize_table(*key)
 
 
-def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, out: np.ndarray | None
+def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, out: np.ndarray | None = None
               ) -> np.ndarray:
     s = _scale_0d(scale)
     data = x.data
     flat = data if data.ndim == 1 else data.reshape(-1)
     n = flat.size
     want = amax_out is not None
-    table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 else None
-    if out is None and table is None and not x.caller.allocates and 0 < n <= CHUNK and n < _POOL_MIN["cast"]:
+    table = _table_for(x.dtype, s, fmt, n) if flat.itemsize == 2 and n >= _SEEN_MIN else None
+    if out is None and table is None and x.origin not in ALLOCATING and 0 < n <= CHUNK and n < _POOL_MIN["cast"]:
         # A small call's cost is its NumPy calls: the lookup allocates the result (torch callers get torch's)
         q = _cast_f32(_scaled_f32(flat, s), fmt).view(fmt.numpy_dtype)
         if want:
             _accumulate(amax_out, _amax_bits(flat))
         return q if data.ndim == 1 else q.reshape(data.shape)
     q = x.caller.empty(data.shape, fmt.numpy_dtype, x.device) if out is None else out
-    qflat = q.reshape(-1).view(np.uint8)
+    qflat = (q if q.ndim == 1 else q.reshape(-1)).view(np.uint8)
     # Above one chunk, amax is one pass over the whole array after all chunks: a reduction between two chunks'
     # lookups evicts what the next lookup reads.
     if table is not None:
@@ -377,8 +383,10 @@ def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None,
         else:
             map_chunks(n, lambda a, b: table.take(codes[a:b], out=qflat[a:b], mode="clip"))
         bits = _amax_bits(flat) if want else 0
-    elif n <= CHUNK and n < _POOL_MIN["cast"]:
-        bits = _quantize_chunk(flat, s, fmt, qflat, want) if n else 0
+    elif n <= CHUNK and n < _POOL_MIN["cast"]:  # _quantize_chunk's work, one frame fewer on a small call's path
+        if n:
+            _cast_f32(_scaled_f32(flat, s), fmt, qflat)
+        bits = _amax_bits(flat) if want and n else 0
     else:
         map_chunks(n, lambda a, b: _quantize_chunk_pooled(flat[a:b], s, fmt, qflat[a:b], False), "cast")
         bits = _amax_bits(flat) if want else 0
@@ -387,10 +395,7 @@ def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None,
     return q
 
 
-@ieee
-def quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, *,
-             out: np.ndarray | None = None) -> np.ndarray:
-    return _quantize(x, scale, fmt, amax_out, out)
+quantize = ieee(_quantize)  # the backend's quantize: _quantize in the IEEE environment, no frame between
 
 
 def scale_value(scale: Any) -> np.float32:
@@ -455,7 +460,7 @@ def dequantize(q: Tensor, fmt: Encoding, scale_inv: Any, out_dtype: str, *,
     table = _dequant_table(fmt, int(_scale_0d(scale_inv).view(np.uint32)), out_dtype)
     data = q.data
     codes = (data if data.ndim == 1 else data.reshape(-1)).view(np.uint8)
-    if out is None and not q.caller.allocates and codes.size <= CHUNK:  # the lookup allocates (see _quantize)
+    if out is None and q.origin not in ALLOCATING and codes.size <= CHUNK:  # the lookup allocates (see _quantize)
         y = table.take(codes, mode="clip")
         return y if data.ndim == 1 else y.reshape(data.shape)
     y = q.caller.empty(data.shape, table.dtype, q.device) if out is None else out
@@ -485,11 +490,14 @@ _TRANSPOSE_POOL_MIN = 1 << 22
 def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     rows, cols = q.shape
     # Small ones: one allocating copy (the strips pay once the array outgrows the cache)
-    if out is None and not q.caller.allocates and rows * cols <= _SMALL:
+    if out is None and q.origin not in ALLOCATING and rows * cols <= _SMALL:
         return q.data.T.copy()
     out = q.caller.empty((cols, rows), q.data.dtype, q.device) if out is None else out
     src = q.data.view(np.uint8)
     dst = out.view(np.uint8)
+    if rows * cols <= _SMALL:
+        np.copyto(dst, src.T)
+        return out
     strip = _strip_rows(cols)
 
     def strips(r0: int, r1: int) -> None:  # r0, r1: multiples of strip, or rows (slices stop there)

@@ -22,6 +22,7 @@ from .._views import Tensor, logical_numpy_dtype
 from ..formats import Encoding
 from ..layouts import Layout
 from .cpu import CANONICAL_NAN, canonical_nan_fp8, map_chunks, quantize_table, to_f32, scale_rule
+from .cpu import allocate  # noqa: F401 - the core allocates the quantizers' results through it
 
 SCALE = formats.E8M0  # MXFP8's scale encoding
 E8M0 = SCALE.numpy_dtype
@@ -189,9 +190,10 @@ def _cast_tile(x: np.ndarray, q: np.ndarray, tile: tuple[int, int, int, int], fa
     q[r0:r1, c0:c1] = _cast(t, fmt)
 
 
-def _quantize(x: np.ndarray, br: int, bc: int, fmt: Encoding, rule: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(q, stored scales [R, C]): each block's amax through ``rule`` -> (factor fp32, stored), then
-    SATFINITE_RTNE(fp32(x) *rn factor[block]) into ``fmt``; x is [rows, cols].
+def _quantize(x: np.ndarray, br: int, bc: int, fmt: Encoding, rule: Any, q: np.ndarray, stored: np.ndarray
+              ) -> None:
+    """q, stored [R, C] (the stored scales, as ``rule`` gives them) = each block's amax through ``rule`` ->
+    (factor fp32, stored), then SATFINITE_RTNE(fp32(x) *rn factor[block]) into ``fmt``; x is [rows, cols].
 
     Tile by tile (see :func:`_tiles`): the temporaries are tile-sized whatever the shape, and a tile is
     measured and cast while it is in cache. The bits do not depend on the tiling: max is exact and the rest
@@ -200,10 +202,7 @@ def _quantize(x: np.ndarray, br: int, bc: int, fmt: Encoding, rule: Any) -> tupl
     partial block per element or few) its distinct factors and a byte per block.
     """
     rows, cols = x.shape
-    q = np.empty((rows, cols), fmt.numpy_dtype)
-    shape = (-(-rows // br), -(-cols // bc))
-    _, s = rule(np.zeros((0, 0), np.uint32))
-    stored = np.empty(shape, s.dtype)
+    shape = stored.shape
     table = x.dtype.itemsize == 2 and x.size >= TABLE_MIN
     pending: list[tuple[tuple[int, int, int, int], np.ndarray, np.ndarray | None]] = []
     with np.errstate(all="ignore"):
@@ -219,18 +218,17 @@ def _quantize(x: np.ndarray, br: int, bc: int, fmt: Encoding, rule: Any) -> tupl
                 u, inv = np.unique(factor.view(np.uint32), return_inverse=True)
                 pending.append((tile, u, inv.astype(np.uint16 if u.size > 255 else np.uint8).reshape(factor.shape)))
         if not pending:
-            return q, stored
+            return
         scales = np.unique(np.concatenate([f.reshape(-1) for _, f, _ in pending]))
         if scales.size > TABLE_MAX_SCALES:  # too many for tables: cast directly
             for tile, f, inv in pending:
                 _cast_tile(x, q, tile, (f if inv is None else f[inv]).view(np.float32), br, bc, fmt)
-            return q, stored
+            return
         which = np.empty(shape, np.uint8)
         for (r0, r1, c0, c1), f, inv in pending:
             w = np.searchsorted(scales, f).astype(np.uint8)
             which[_block_slices(r0, r1, c0, c1, br, bc)] = w if inv is None else w[inv]
         _table_cast(x, which, scales, br, bc, fmt, q.view(np.uint8))
-    return q, stored
 
 
 def _block_runs(lo: int, hi: int, b: int) -> list[tuple[int, int]]:
@@ -313,36 +311,40 @@ def _scaled_widen(q: np.ndarray, factor_of: Any, br: int, bc: int, out_dtype: st
 # ---- MXFP8 ------------------------------------------------------------------------------------------------
 
 @ieee
-def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
-    """x [rows, cols] -> (q [rows, cols] fmt, scale E8M0 [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
+def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, layout: Layout, out: tuple[np.ndarray, np.ndarray]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, cols] -> out (q [rows, cols] fmt, scale E8M0 [rows, ceil(cols/32)] or [ceil(rows/32), cols])."""
     def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         e = e8m0_rceil(bits, fmt) if scale_mode == "rceil" else e8m0_floor(bits, fmt)
         return _e8m0_factors(-1).take(e), e
 
-    q, e = _quantize(x.data, *layout.block, fmt, rule)
-    return q, e.view(E8M0)
+    _quantize(x.data, *layout.block, fmt, rule, out[0], out[1].view(np.uint8))
+    return out
 
 
 @ieee
-def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[np.ndarray, ...]:
-    """(q_rowwise, scale_rowwise, q_columnwise, scale_columnwise)."""
-    return (*quantize_mxfp8(x, fmt, scale_mode, Layout.MX_ROWWISE),
-            *quantize_mxfp8(x, fmt, scale_mode, Layout.MX_COLUMNWISE))
+def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str, out: tuple[np.ndarray, ...]
+                        ) -> tuple[np.ndarray, ...]:
+    """out (q_rowwise, scale_rowwise, q_columnwise, scale_columnwise)."""
+    return (*quantize_mxfp8(x, fmt, scale_mode, Layout.MX_ROWWISE, out[:2]),
+            *quantize_mxfp8(x, fmt, scale_mode, Layout.MX_COLUMNWISE, out[2:]))
 
 
 # ---- fp32 block scales (1x128, 128x128, and a row or column each) ---------------------------------------
 
 @ieee
-def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool,
-                       epsilon: float) -> tuple[np.ndarray, np.ndarray]:
-    """x [rows, cols] -> (q, scale_inv fp32 in the layout's shape), each block by the scale rule."""
+def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool, epsilon: float,
+                       out: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, cols] -> out (q, scale_inv fp32 in the layout's shape), each block by the scale rule."""
     def rule(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         s, s_inv, _ = scale_rule(bits.view(np.float32).reshape(-1), np.float32(fmt.max), 0, power_of_2, epsilon)
         return s.reshape(bits.shape), s_inv.reshape(bits.shape)
 
     if not x.size:  # a row (column) of no elements has amax 0: scale 1
-        return np.empty(x.shape, fmt.numpy_dtype), np.ones(layout.scale_shape(*x.shape), np.float32)
-    return _quantize(x.data, *layout.block_for(*x.shape), fmt, rule)
+        out[1].fill(1.0)
+        return out
+    _quantize(x.data, *layout.block_for(*x.shape), fmt, rule, *out)
+    return out
 
 
 @ieee

@@ -35,6 +35,7 @@ from .._kernels import (AMAX, CAST_TRANSPOSE, COMPUTE_SCALE, DEQUANTIZE, FILL, M
 from .._views import Tensor, storage_dtype
 from ..formats import Encoding
 from . import cublaslt
+from .cuda_call import allocate  # noqa: F401 - the core allocates its declared results through it
 from .cuda_call import On, capture_outlives, empty, merge_amax, ptr, stream_of
 from .cuda_call import launch_stream  # noqa: F401 - the front-ends' name
 

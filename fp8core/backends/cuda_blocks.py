@@ -19,20 +19,18 @@ from .._views import Tensor, storage_dtype
 from ..formats import E8M0, Encoding
 from ..layouts import Layout
 from .cpu_blocks import cdiv, inv_fp8_max
+from .cuda_call import allocate  # noqa: F401 - the core allocates the quantizers' results through it
 from .cuda_call import On, capture_outlives, cupy, empty, ptr, stream_of
 
 
 # ---- MXFP8 ------------------------------------------------------------------------------------------------
 
-def _mx_launch(x: Tensor, fmt: Encoding, mode: str, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
+def _mx_launch(x: Tensor, fmt: Encoding, mode: str, q: Any, s: Any, qc: Any, sc: Any) -> tuple[Any, ...]:
+    """Writes the rowwise (q, s) and/or the columnwise (qc, sc) outputs given (None: not made)."""
     rows, cols = x.shape
     device = x.device[1]
     with On(device):
         stream = stream_of(x)
-        q = empty((rows, cols), np.uint8, x) if rowwise else None
-        s = empty(Layout.MX_ROWWISE.scale_shape(rows, cols), np.uint8, x) if rowwise else None
-        qc = empty((rows, cols), np.uint8, x) if columnwise else None
-        sc = empty(Layout.MX_COLUMNWISE.scale_shape(rows, cols), np.uint8, x) if columnwise else None
         if x.size:
             MX_QUANTIZE.launch(device, (x.dtype, fmt.index, mode == "rceil"), (rows, cols), stream,
                                x=x.data.data.ptr, q=ptr(q), s=ptr(s), qc=ptr(qc), sc=ptr(sc), rows=rows, cols=cols,
@@ -40,14 +38,17 @@ def _mx_launch(x: Tensor, fmt: Encoding, mode: str, rowwise: bool, columnwise: b
         return q, s, qc, sc
 
 
-def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, layout: Layout) -> tuple[Any, Any]:
-    columnwise = layout == Layout.MX_COLUMNWISE
-    q, s, qc, sc = _mx_launch(x, fmt, scale_mode, not columnwise, columnwise)
-    return (qc, sc) if columnwise else (q, s)
+def quantize_mxfp8(x: Tensor, fmt: Encoding, scale_mode: str, layout: Layout, out: tuple[Any, Any]
+                   ) -> tuple[Any, Any]:
+    if layout == Layout.MX_COLUMNWISE:
+        _mx_launch(x, fmt, scale_mode, None, None, *out)
+    else:
+        _mx_launch(x, fmt, scale_mode, *out, None, None)
+    return out
 
 
-def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str) -> tuple[Any, ...]:
-    return _mx_launch(x, fmt, scale_mode, True, True)
+def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str, out: tuple[Any, ...]) -> tuple[Any, ...]:
+    return _mx_launch(x, fmt, scale_mode, *out)
 
 
 def dequantize_blocks(q: Tensor, scale: Tensor, fmt: Encoding, layout: Layout, out_dtype: str) -> Any:
@@ -66,13 +67,13 @@ def dequantize_blocks(q: Tensor, scale: Tensor, fmt: Encoding, layout: Layout, o
 
 # ---- fp32 block scales ------------------------------------------------------------------------------------
 
-def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool, epsilon: float) -> tuple[Any, Any]:
+def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool, epsilon: float,
+                       out: tuple[Any, Any]) -> tuple[Any, Any]:
     rows, cols = x.shape
     device = x.device[1]
+    q, s_inv = out
     with On(device):
         stream = stream_of(x)
-        q = empty((rows, cols), np.uint8, x)
-        s_inv = empty(layout.scale_shape(rows, cols), np.float32, x)
         if not x.size and s_inv.size:  # rows (columns) of no elements: amax 0, scale 1
             with cupy.cuda.ExternalStream(stream, device):
                 s_inv.fill(1.0)

@@ -65,6 +65,13 @@ def empty(shape: Any, dtype: Any, like: Tensor) -> Any:
     return like.caller.empty(shape, dtype, like.device)
 
 
+def allocate(shape: Any, dtype: Any, like: Tensor) -> Any:
+    """A result the core allocates from its declaration (fp8core.args.result): like's caller's memory, on like's
+    device."""
+    with On(like.device[1]):
+        return empty(shape, dtype, like)
+
+
 def capture_outlives(t: Tensor, stream: int) -> bool:
     """Whether a device temporary made now for ``t`` would be freed while a graph still reads it: ``stream`` is
     capturing and t's caller does not keep a capture's memory (fp8core._views.Caller.graph_safe). Asked only where

@@ -73,7 +73,7 @@ def _forward_once(x, w, state, plan, ops, out_dtype, in_out):
     amaxes = () if ops.amax is None else tuple(ops.amax(next(o for o in made[r] if o is not None)) for r in hp)
     saved = tuple(hp[op.role] if high else tuple(made[op.role][op.transposed]) for op, high in plan.saved())
     # dtypes travel as empty arrays: residuals must be JAX values
-    return (y, amaxes), (saved, state, jnp.zeros(0, x.dtype), jnp.zeros(0, w.dtype))
+    return (y, amaxes), (saved, state, amaxes, jnp.zeros(0, x.dtype), jnp.zeros(0, w.dtype))
 
 
 def _fwd(x, w, state, plan, ops, out_dtype, dot, in_out):
@@ -81,7 +81,7 @@ def _fwd(x, w, state, plan, ops, out_dtype, dot, in_out):
 
 
 def _bwd(plan, ops, out_dtype, dot, in_out, res, cts):
-    saved, state, x_like, w_like = res
+    saved, state, amaxes, x_like, w_like = res
     g = cts[0]  # the amaxes' cotangent: they are not differentiated
     hp = {Role.GRAD_OUTPUT: g}
     made = {Role.INPUT: {}, Role.WEIGHT: {}}
@@ -97,8 +97,7 @@ def _bwd(plan, ops, out_dtype, dot, in_out, res, cts):
     dw = _run(plan.wgrad, ops, made, hp, dtypes[plan.wgrad.out], transposed=in_out)
     if ops.state_cotangent is None:
         return dx, dw, jax.tree.map(lambda s: np.zeros(s.shape, jax.dtypes.float0), state)
-    operands = (made[Role.INPUT][True], made[Role.WEIGHT][True], made[Role.GRAD_OUTPUT][0])
-    return dx, dw, ops.state_cotangent(state, jnp.concatenate([ops.amax(o) for o in operands]))
+    return dx, dw, ops.state_cotangent(state, jnp.concatenate([*amaxes, ops.amax(made[Role.GRAD_OUTPUT][0])]))
 
 
 _matmul.defvjp(_fwd, _bwd)

@@ -1,8 +1,11 @@
 """The Linear's GEMMs as one ``jax.custom_vjp`` run from the recipe's plan (fp8core.linear_plan): which tensor each
 GEMM takes, in which usage, what the forward keeps as residuals and which GEMM runs in high precision are the
-plan's; the quantize and GEMM operations are the layout kind's (:class:`LinearOps`, from rowwise.py and fp4.py),
-passed in as a static argument. The same plan runs fp8core.torch's autograd.Function, so both front-ends give the
-same bits.
+plan's; the quantize and GEMM operations are the layout kind's (:class:`LinearOps`, from tensorwise.py, rowwise.py
+and fp4.py), passed in as a static argument. The same plan runs fp8core.torch's autograd.Function. Delayed scaling
+needs two things more of it: the amaxes of the forward's casts (dense folds them into its new state) and a state
+differentiated through (its cotangent is what the backward's casts saw, for dense's next_state or flax's
+combination of a layer's calls), both given by the kind's operations; flax's kernel, stored [K, N], is taken as
+it is (``in_out``).
 """
 
 from __future__ import annotations

@@ -232,9 +232,7 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
     for arg, t in (("lhs", lhs), ("rhs", rhs)):
         if len(_args.array(t, arg).shape) == 0:
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
-    if isinstance(recipe, NVFP4BlockScaling):
-        return _nvfp4_dot(lhs, rhs, dimension_numbers, state, recipe, preferred_element_type, dot)
-    if any(len(tuple(d)) for d in dimension_numbers[1]):
+    if isinstance(recipe, NVFP4BlockScaling) or any(len(tuple(d)) for d in dimension_numbers[1]):
         if isinstance(recipe, Float8RowwiseScaling):
             raise ValueError(f"dimension_numbers: {dot} runs Float8RowwiseScaling without batch dimensions; "
                              "fold them into the rows, or use a per-tensor recipe")
@@ -264,31 +262,6 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
         return y[:rows, :n].reshape(out_shape)
     y = _per_tensor(x, w, state, out, _Config(recipe, dot, tied_only), axis_name)
     return y[:rows, :n].reshape(out_shape)
-
-
-def _nvfp4_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: Any, recipe: NVFP4BlockScaling,
-               preferred_element_type: Any, dot: str) -> jax.Array:
-    """dot_general under NVFP4BlockScaling: fp8core.jax.fp4's matmul (fp8core.jax.dense's GEMMs) of lhs as
-    [B, M, K] and rhs as [B, N, K] (B = 1 without batch dims), M, K and N zero-padded to multiples of 32 (zeros
-    change no amax, no block and no sum; the padded outputs are cut off) and an empty batch to one element. With
-    batch dims each operand is quantized once with its batch flattened into its rows (one global amax per
-    operand), each batch element's GEMMs those of the unbatched dot."""
-    if not isinstance(state, Mapping) or "rng" not in state:
-        raise TypeError(f"state: expected NVFP4BlockScaling's state {{'rng': uint32 [4]}}, got {type(state).__name__}")
-    rng = check_rng(state["rng"], "state['rng']")
-    lperm, rperm, (b, m, k, n), out_shape = _batched_layout(lhs, rhs, dimension_numbers)
-    _dtype_name(lhs.dtype, "lhs")
-    _dtype_name(rhs.dtype, "rhs")
-    out = _dtype_name(preferred_element_type if preferred_element_type is not None
-                      else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
-    x = jnp.transpose(lhs, lperm).reshape(b, m, k)
-    w = jnp.transpose(rhs, rperm).reshape(b, k, n)
-    pad_b = int(b == 0)
-    pad_m, pad_k, pad_n = (padding(v, FP4_GEMM_K) for v in (m, k, n))
-    x = jnp.pad(x, ((0, pad_b), (0, pad_m), (0, pad_k)))
-    w = jnp.pad(w, ((0, pad_b), (0, pad_k), (0, pad_n)))
-    y = nvfp4_matmul(x, jnp.swapaxes(w, 1, 2), rng, recipe, out)
-    return y[:b, :m, :n].reshape(out_shape)
 
 
 def _pad(size: int) -> int:
@@ -340,10 +313,17 @@ def _batched_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
 def _batched_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                          state: dict[str, jax.Array] | None, recipe: Any, axis_name: Any,
                          preferred_element_type: Any, dot: str, tied_only: bool) -> jax.Array:
-    """dot_general_with_state with batch dims: the batch dims moved to the front (transposes in JAX), each batch element
-    a GEMM [M, K] · [K, N] of the one batched GEMM primitive, the operands' scales per tensor (the amax over
-    the whole operand); padded like the unbatched op (M, K, N to multiples of 16, and an empty batch to one
-    element of zeros), and the output put back in dot_general's order."""
+    """dot_general_with_state with batch dims, and every NVFP4BlockScaling dot (B = 1 without batch dims): the batch
+    dims moved to the front (transposes in JAX), lhs as [B, M, K] and rhs as [B, K, N], M, K and N zero-padded to
+    the GEMMs' multiple (16; NVFP4's 32), an empty batch to one element of zeros (zeros change no amax, no block
+    and no sum; the padded outputs are cut off), each batch element's GEMMs those of the unbatched dot, and the
+    output put back in dot_general's order. Each operand is quantized once over all its batch elements: one
+    per-tensor scale (the amax over the whole operand); under NVFP4 one global amax, with the batch flattened into
+    its rows."""
+    nvfp4 = isinstance(recipe, NVFP4BlockScaling)
+    if nvfp4 and (not isinstance(state, Mapping) or "rng" not in state):
+        raise TypeError(f"state: expected NVFP4BlockScaling's state {{'rng': uint32 [4]}}, got {type(state).__name__}")
+    rng = check_rng(state["rng"], "state['rng']") if nvfp4 else None
     lperm, rperm, (b, m, k, n), out_shape = _batched_layout(lhs, rhs, dimension_numbers)
     _dtype_name(lhs.dtype, "lhs")
     _dtype_name(rhs.dtype, "rhs")
@@ -351,12 +331,16 @@ def _batched_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                       else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
     x = jnp.transpose(lhs, lperm).reshape(b, m, k)
     w = jnp.transpose(rhs, rperm).reshape(b, k, n)
-    pad_b, pad_m, pad_k, pad_n = int(b == 0), _pad(m), _pad(k), _pad(n)
+    multiple = FP4_GEMM_K if nvfp4 else MULTIPLE
+    pad_b, pad_m, pad_k, pad_n = int(b == 0), *(padding(v, multiple) for v in (m, k, n))
     if pad_b or pad_m or pad_k:
         x = jnp.pad(x, ((0, pad_b), (0, pad_m), (0, pad_k)))
     if pad_b or pad_k or pad_n:
         w = jnp.pad(w, ((0, pad_b), (0, pad_k), (0, pad_n)))
-    y = _per_tensor(x, w, state, out, _Config(recipe, dot, tied_only), axis_name)
+    if nvfp4:
+        y = nvfp4_matmul(x, jnp.swapaxes(w, 1, 2), rng, recipe, out)
+    else:
+        y = _per_tensor(x, w, state, out, _Config(recipe, dot, tied_only), axis_name)
     return y[:b, :m, :n].reshape(out_shape)
 
 

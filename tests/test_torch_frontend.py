@@ -196,7 +196,7 @@ def test_what_compile_traces_of_a_layer_is_the_same_python_on_every_device():
     needs are met inside the ops, which are not traced."""
     from fp8core.torch import block_linear, fp4_linear, linear, linear_function, rowwise_linear, te, tensor_linear
 
-    traced = [linear.Float8Linear.forward, linear.Float8Linear._fp8_weight, te.Linear.forward,
+    traced = [linear.Float8Linear.forward, linear.Float8Linear._fp8_weight_scale_inv, te.Linear.forward,
               linear_function.LinearFunction.forward, linear_function.LinearFunction.backward, linear_function._run,
               linear_function.padded, linear_function._high_precision_weight, tensor_linear.quantize,
               tensor_linear.gemm, tensor_linear.gemm_t, block_linear.quantize, rowwise_linear.quantize,

@@ -36,7 +36,7 @@ from .fp4_ops import advance_rng
 from .fp4_linear import STREAMS, initial_rng
 from .linear_function import LinearFunction
 from .rowwise_linear import is_rowwise
-from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
+from .fsdp import Float8AllGatherWeight, plain_weight, wrap_weight
 from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
                       current_context, initial_state)
 
@@ -243,16 +243,17 @@ class Float8Linear(torch.nn.Linear):
             else:
                 ctx.ran[self._fp8_group] = None
             state = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv)
-        y = LinearFunction.apply(x, self._fp8_weight(x.dtype), self.bias, self._fp8_plan, self.in_out, group, *state)
+        y = LinearFunction.apply(x, self.weight, self.bias, self._fp8_plan, self.in_out, group,
+                                 self._fp8_weight_scale_inv(), *state)
         if self._fp8_recording:
             _record(self, x, y)
         return y
 
-    def _fp8_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as the GEMMs take it: a high-precision one as it is; one kept in fp8 (te.fp8_model_init),
-        checked against the plan, as the fp8 weight it is with its scale_inv (FSDP2's gathered weight's type)."""
+    def _fp8_weight_scale_inv(self) -> Optional[torch.Tensor]:
+        """The scale_inv [1] of a weight kept in fp8 (te.fp8_model_init), checked against the plan; None for a
+        high-precision weight."""
         if self.weight.dtype in _HIGH:
-            return self.weight
+            return None
         if self.weight.requires_grad:
             raise RuntimeError("weight: kept only in fp8 (made inside fp8_model_init); fp8core trains "
                                "high-precision weights only: make the layer outside fp8_model_init to train it")
@@ -262,7 +263,7 @@ class Float8Linear(torch.nn.Linear):
             raise TypeError(f"weight: kept in fp8 as {self.weight.dtype} under one scale (fp8_model_init); the "
                             f"layer's {type(self.recipe).__name__} "
                             f"{'scales blocks' if fwd is None else f'casts its forward to {fwd}'}")
-        return Float8GatheredWeight(self.weight, self.weight_scale_inv, dtype)
+        return self.weight_scale_inv
 
     def _high_precision(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype not in _HIGH:  # kept in fp8 (fp8_model_init)

@@ -75,21 +75,22 @@ class LinearFunction(torch.autograd.Function):
     """x [..., in] -> [..., out] = x · weightᵀ (+ bias) with the plan's GEMMs forward and backward.
 
     weight: [out, in], or [in, out] with ``in_out`` (transformers' Conv1D: its gradient comes back [in, out]);
-    under a per-tensor plan it may be a weight FSDP2 gathers or gathered in fp8, or one kept in fp8 (as a
-    Float8GatheredWeight). ``group``: a delayed-scaling group told that a backward ran (SharedScaling.open_step),
+    under a per-tensor plan it may be a weight FSDP2 gathers or gathered in fp8, or one kept in fp8 (fp8_model_init)
+    with its ``weight_scale_inv`` [1] (None for any other). ``group``: a delayed-scaling group told that a backward ran (SharedScaling.open_step),
     or None. ``state``: the plan's state tensors: delayed scaling's (history [L, 3], scale [3], scale_inv [3]) of
     the layer, which the casts read at their role's slot and whose history's row 0 takes their amaxes (held, not
     saved: the backward's cast writes into the same tensor); NVFP4's (seed, offset) copy of this call, int64 [2],
     which the layer will not change afterwards."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: LinearPlan, in_out: bool, group: Any, *state):
+    def forward(ctx, x, weight, bias, plan: LinearPlan, in_out: bool, group: Any, weight_scale_inv, *state):
         ops = OPS[plan.kind]
         x2, rows = padded(x.reshape(-1, x.shape[-1]), plan.multiple)
         made = {Role.INPUT: ops.quantize(x2, plan.roles[Role.INPUT.value], plan, *plan.usages(Role.INPUT, plan.gemms),
                                          state),
                 Role.WEIGHT: ops.quantize(weight, plan.roles[Role.WEIGHT.value], plan,
-                                          *plan.usages(Role.WEIGHT, plan.gemms), state, transposed=in_out)}
+                                          *plan.usages(Role.WEIGHT, plan.gemms), state, transposed=in_out,
+                                          **({} if weight_scale_inv is None else {"scale_inv": weight_scale_inv}))}
         hp = {Role.INPUT: x2}
         if any(g.high_precision and Role.WEIGHT in (g.a.role, g.b.role) for g in plan.gemms):
             hp[Role.WEIGHT] = _high_precision_weight(weight, in_out)
@@ -135,7 +136,7 @@ class LinearFunction(torch.autograd.Function):
             dw = _run(plan.wgrad, ops, made, hp, dtypes[plan.wgrad.out], transposed=ctx.in_out)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.double().sum(0).to(b_dtype)  # float64: the same bits whatever order a compiler sums in
-        return (dx, dw, db, None, None, None, *(None for _ in ctx.state))
+        return (dx, dw, db, None, None, None, None, *(None for _ in ctx.state))
 
 
 def _run(gemm: Gemm, ops: LinearOps, made: dict, hp: dict, out_dtype: torch.dtype,

@@ -6,8 +6,7 @@ Delayed scaling reads the layer's state (history [L, 3], scale [3], scale_inv [3
 the cast's amax into row 0 of the history there; current scaling scales by the tensor's own amax under the plan's
 scale rule. Every cast runs, whichever GEMMs the plan keeps in high precision (override_linear_precision), so that
 the histories see every tensor as Transformer Engine's do. A weight gathered in fp8 by FSDP2, or kept in fp8
-(fp8_model_init), arrives as a :class:`Float8GatheredWeight`: its codes are the operand, cast (and amax taken)
-where it was made.
+(fp8_model_init), is the operand as it is, cast (and its amax taken) where it was made.
 """
 
 from __future__ import annotations
@@ -28,15 +27,19 @@ _BIAS_EPILOGUE = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16} 
 
 
 def quantize(t: torch.Tensor, role: RolePlan, plan: LinearPlan, rowwise: bool, columnwise: bool, state: tuple,
-             transposed: bool = False) -> tuple[ScaledTensor, ScaledTensor]:
+             transposed: bool = False, scale_inv: Optional[torch.Tensor] = None
+             ) -> tuple[ScaledTensor, ScaledTensor]:
     """(t's operand, t.T's operand) of a 2-D tensor under one scale, both whatever is asked (the casts feed the
     histories). ``state``: delayed scaling's (history, scale, scale_inv), () for current scaling.
     ``transposed``: t is stored as the transpose of the role's tensor (Conv1D's [in, out] weight), and its cast's
-    transpose is the role's tensor: no copy is made."""
+    transpose is the role's tensor: no copy is made. ``scale_inv`` [1]: t is already fp8 under it (a weight kept
+    in fp8, fp8_model_init), as a Float8GatheredWeight is."""
     if isinstance(t, Float8AllGatherWeight):  # not sharded: the weight itself
         t = t.high_precision
     if isinstance(t, Float8GatheredWeight):
-        q, q_t, s_inv = t.codes, ops.transpose(t.codes), t.scale_inv.clone()
+        t, scale_inv = t.codes, t.scale_inv
+    if scale_inv is not None:
+        q, q_t, s_inv = t, ops.transpose(t), scale_inv.clone()
     elif not state:
         fmt, rule = role.rowwise.encoding, plan.scale
         s, s_inv = ops.compute_scale(ops.amax(t), fmt, rule.margin, rule.power_of_2, rule.epsilon)

@@ -86,11 +86,12 @@ class LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: LinearPlan, in_out: bool, group: Any, weight_scale_inv, *state):
         ops = OPS[plan.kind]
         x2, rows = padded(x.reshape(-1, x.shape[-1]), plan.multiple)
-        made = {Role.INPUT: ops.quantize(x2, plan.roles[Role.INPUT.value], plan, *plan.usages(Role.INPUT, plan.gemms),
-                                         state),
-                Role.WEIGHT: ops.quantize(weight, plan.roles[Role.WEIGHT.value], plan,
+        # the weight first, then the input: the order record_numerics and its users have always seen the casts in
+        made = {Role.WEIGHT: ops.quantize(weight, plan.roles[Role.WEIGHT.value], plan,
                                           *plan.usages(Role.WEIGHT, plan.gemms), state, transposed=in_out,
                                           **({} if weight_scale_inv is None else {"scale_inv": weight_scale_inv}))}
+        made[Role.INPUT] = ops.quantize(x2, plan.roles[Role.INPUT.value], plan, *plan.usages(Role.INPUT, plan.gemms),
+                                        state)
         hp = {Role.INPUT: x2}
         if any(g.high_precision and Role.WEIGHT in (g.a.role, g.b.role) for g in plan.gemms):
             hp[Role.WEIGHT] = _high_precision_weight(weight, in_out)

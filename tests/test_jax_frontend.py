@@ -155,3 +155,34 @@ def test_dense_state_carries_every_amax_into_the_update():
     state = fj.next_state(new, sg, recipe)
     np.testing.assert_array_equal(np.asarray(state["amax_history"][-1]), [5.0, 0.25, 2.0])
     np.testing.assert_allclose(np.asarray(state["scale"]), [448 / 5.0, 448 / 0.25, 57344 / 2.0], rtol=1e-7)
+
+
+def test_dense_runs_the_gemms_override_linear_precision_names_in_high_precision_and_keeps_every_cast():
+    """The plan's per-GEMM override (Transformer Engine's, as the torch Linear runs it): wgrad in the caller's
+    dtype on the unquantized tensors, fprop and dgrad the fp8 GEMMs' bits, and delayed scaling's history still fed
+    by every cast (grad_output's included)."""
+    fp8, wgrad_hp = (fp8core.DelayedScaling(amax_history_len=4, override_linear_precision=o)
+                     for o in ((False, False, False), (False, False, True)))
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(1), 3)
+    x = jax.random.normal(kx, (32, 64))  # 32 tokens: no padding, so the reference is the same product
+    w = jax.random.normal(kw, (16, 64)) * 0.1
+    g = jax.random.normal(kg, (32, 16))
+
+    def run(recipe):
+        def loss(x, w, state):
+            y, new = fj.dense(x, w, state, recipe)
+            return jnp.sum(y * g), (y, new)
+
+        (_, (y, new)), (dx, dw, sg) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            x, w, fj.init_state(recipe))
+        return y, dx, dw, fj.next_state(new, sg, recipe)
+
+    y, dx, dw, state = run(fp8)
+    y_hp, dx_hp, dw_hp, state_hp = run(wgrad_hp)
+    np.testing.assert_array_equal(u8(y_hp), u8(y))
+    np.testing.assert_array_equal(u8(dx_hp), u8(dx))
+    np.testing.assert_array_equal(u8(dw_hp), u8(g.T @ x))
+    assert not np.array_equal(u8(dw_hp), u8(dw))  # the fp8 wgrad rounds otherwise
+    for key in ("amax_history", "scale", "scale_inv"):
+        np.testing.assert_array_equal(np.asarray(state_hp[key]), np.asarray(state[key]))
+    assert np.all(np.asarray(state_hp["amax_history"][-1]) > 0)

@@ -192,7 +192,11 @@ def hf():
                                                       "dependencies)")
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+# wgrad kept in high precision (override_linear_precision): Conv1D's [in, out] gradient is the Linear's transposed
+WGRAD_HP = fp8core.DelayedScaling(amax_history_len=8, override_linear_precision=(False, False, True))
+
+
+@pytest.mark.parametrize("recipe", [*RECIPES, WGRAD_HP], ids=[*IDS, "delayed-wgrad-hp"])
 def test_conv1d_is_bit_for_bit_a_float8_linear_of_the_transposed_weight(recipe):
     transformers = hf()
     torch.manual_seed(0)

@@ -194,13 +194,13 @@ def test_what_compile_traces_of_a_layer_is_the_same_python_on_every_device():
     a branch on the device in that Python would be traced first on a GPU. One was (a CuPy lookup with
     importlib.util.find_spec, which torch 2.11's dynamo refuses: CUDA's fullgraph compile failed). The device's
     needs are met inside the ops, which are not traced."""
-    from fp8core.torch import block_linear, fp4_linear, linear, linear_function, rowwise_linear, te
+    from fp8core.torch import block_linear, fp4_linear, linear, linear_function, rowwise_linear, te, tensor_linear
 
-    traced = [linear.Float8Linear.forward, te.Linear.forward, linear._Float8Matmul.forward,
-              linear._Float8Matmul.backward, linear._cast, linear._weight_cast,
+    traced = [linear.Float8Linear.forward, linear.Float8Linear._fp8_weight_scale_inv, te.Linear.forward,
               linear_function.LinearFunction.forward, linear_function.LinearFunction.backward, linear_function._run,
-              linear_function.padded, block_linear.quantize, rowwise_linear.quantize, fp4_linear.quantize,
-              fp4_linear._quantize]
+              linear_function.padded, linear_function._high_precision_weight, tensor_linear.quantize,
+              tensor_linear.gemm, tensor_linear.gemm_t, block_linear.quantize, rowwise_linear.quantize,
+              fp4_linear.quantize, fp4_linear._quantize]
     for fn in traced:
         assert not _names(fn.__code__) & {"is_cuda", "importlib", "find_spec", "import_module", "__import__"}, \
             fn.__qualname__

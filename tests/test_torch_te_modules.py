@@ -237,6 +237,24 @@ def test_model_init_keeps_weights_in_fp8_with_the_master_where_asked(init):
     assert te.Linear(64, 32).weight.dtype == torch.float32
 
 
+def test_a_layer_kept_in_fp8_compiles_fullgraph_to_the_eager_bits():
+    """The kept codes and their scale_inv reach the Linear's Function as tensors: nothing the compiler must build
+    (a tensor subclass made per call did not trace under fullgraph=True)."""
+    recipe = te.recipe.Float8CurrentScaling()
+    torch.manual_seed(0)
+    with te.fp8_model_init(recipe=recipe):
+        layer = te.Linear(64, 32)
+    x = inputs().requires_grad_(True)
+    compiled = torch.compile(layer, fullgraph=True)
+    outs = []
+    for run in (layer, compiled):
+        with te.autocast(enabled=True, recipe=recipe):
+            y = run(x)
+        (dx,) = torch.autograd.grad((y * y).sum(), x)
+        outs.append((y, dx))
+    assert same(outs[0][0], outs[1][0]) and same(outs[0][1], outs[1][1])
+
+
 def test_model_init_refuses_what_fp8core_does_not_do():
     with te.fp8_model_init(recipe=RECIPE):
         layer = te.Linear(64, 32)

@@ -8,7 +8,6 @@ gradient of ``state["amax_history"][0, 2]``. :func:`next_state` merges the two a
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Mapping
 
 import jax
@@ -16,17 +15,18 @@ import jax.numpy as jnp
 
 from fp8core import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, NVFP4BlockScaling
 from fp8core.gemm import MULTIPLE
-from fp8core.linear_plan import Role, linear_plan
+from fp8core.linear_plan import linear_plan
 
 from . import _args
-from .derivatives import first_order_only
 from .fp4 import nvfp4_dense, rng_state
-from .linear_vjp import output, padded_tokens
-from .primitives import gemm, reduce_amax, update
+from .linear_vjp import linear_matmul, output, padded_tokens
+from .primitives import reduce_amax, update
 from .rowwise import rowwise_matmul
-from .tensorwise import cast
+from .tensorwise import Tensorwise
 
 __all__ = ["init_state", "dense", "next_state"]
+
+_DOT = "fp8core.jax.dense"  # the op's name in a second derivative's refusal
 
 
 
@@ -41,37 +41,15 @@ def init_state(recipe: DelayedScaling | NVFP4BlockScaling, seed: int = 0) -> dic
             "scale_inv": jnp.ones(3, jnp.float32)}
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fp8_matmul(x, w, scale, scale_inv, grad_slot, plan):
-    return _forward(x, w, scale, scale_inv, plan)[0]
+def _grad_amax(config: Any, state: tuple, amaxes: jax.Array) -> tuple:
+    """dense's state cotangent: the grad_output amax at row 0, column 2 of the history (the forward's come out of
+    dense itself, folded into the new state)."""
+    history, scale, scale_inv = state
+    return jnp.zeros_like(history).at[0, 2].set(amaxes[2]), jnp.zeros_like(scale), jnp.zeros_like(scale_inv)
 
 
-def _forward(x, w, scale, scale_inv, plan):
-    return first_order_only(partial(_forward_once, plan=plan), "fp8core.jax.dense", x, w, scale, scale_inv)
-
-
-def _forward_once(x, w, scale, scale_inv, plan):
-    qx, qxt, sx, ax = cast(x, plan.roles[Role.INPUT.value], plan.scale, scale, scale_inv)
-    qw, qwt, sw, aw = cast(w, plan.roles[Role.WEIGHT.value], plan.scale, scale, scale_inv)
-    y = gemm(qx, qw, sx, sw, x.dtype)
-    # dtypes travel as empty arrays: residuals must be JAX values
-    return (y, ax, aw), (qxt, qwt, sx, sw, scale, scale_inv, jnp.zeros(0, x.dtype), jnp.zeros(0, w.dtype))
-
-
-def _fwd(x, w, scale, scale_inv, grad_slot, plan):
-    out, res = _forward(x, w, scale, scale_inv, plan)
-    return out, res
-
-
-def _bwd(plan, res, cotangents):
-    qxt, qwt, sx, sw, scale, scale_inv, x_like, w_like = res
-    qg, qgt, sg, ag = cast(cotangents[0], plan.roles[Role.GRAD_OUTPUT.value], plan.scale, scale, scale_inv)
-    dx = gemm(qg, qwt, sg, sw, x_like.dtype)  # dgrad: grad_output · weightᵀᵀ
-    dw = gemm(qgt, qxt, sg, sx, w_like.dtype)  # wgrad: grad_outputᵀ · inputᵀᵀ
-    return dx, dw, jnp.zeros_like(scale), jnp.zeros_like(scale_inv), ag
-
-
-_fp8_matmul.defvjp(_fwd, _bwd)
+_CURRENT = Tensorwise().ops()
+_DELAYED = Tensorwise(cotangent=_grad_amax).ops()
 
 
 def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe: Any,
@@ -108,12 +86,11 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
     if isinstance(recipe, Float8RowwiseScaling):
         y, new_state = rowwise_matmul(x2, w, recipe, x.dtype), None
     elif isinstance(recipe, Float8CurrentScaling):
-        one = jnp.ones(3, jnp.float32)
-        y, _, _ = _fp8_matmul(x2, w, one, one, jnp.zeros(1, jnp.float32), linear_plan(recipe))
-        new_state = None
+        y, new_state = linear_matmul(x2, w, (), linear_plan(recipe), _CURRENT, None, _DOT)[0], None
     else:
         h = state["amax_history"]
-        y, ax, aw = _fp8_matmul(x2, w, state["scale"], state["scale_inv"], h[0, 2:3], linear_plan(recipe))
+        y, (ax, aw) = linear_matmul(x2, w, (h, state["scale"], state["scale_inv"]), linear_plan(recipe), _DELAYED,
+                                    None, _DOT)
         row0 = h[0].at[0].max(jax.lax.stop_gradient(ax[0])).at[1].max(jax.lax.stop_gradient(aw[0]))
         new_state = dict(state, amax_history=h.at[0].set(row0))
     return output(y, x, rows, bias), new_state

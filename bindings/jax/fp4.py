@@ -161,9 +161,10 @@ def _nvfp4_gemm(a: tuple, b: tuple, *, out_dtype: Any, layouts: tuple[str, str])
 # ---- the dense layer ------------------------------------------------------------------------------------
 
 def _quantize(t: Array, role: RolePlan, plan: LinearPlan, rowwise: bool, columnwise: bool,
-              state: tuple) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+              state: tuple, transposed: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
     """(t's operand, t^T's operand), each only where asked, with its usage's rule; stochastic rounding draws from
-    ``state`` (the call's uint32 [4] random state) at the usage's stream."""
+    ``state`` (the call's uint32 [4] random state) at the usage's stream. ``transposed``: t is stored transposed."""
+    t = jnp.swapaxes(t, -1, -2) if transposed else t
     return tuple(_one(t, q, state, usage) if asked else None
                  for q, usage, asked in ((role.rowwise, False, rowwise), (role.columnwise, True, columnwise)))
 
@@ -217,7 +218,7 @@ def nvfp4_matmul(x: Array, w: Array, rng: Array, recipe: NVFP4BlockScaling, out_
         raise ValueError(f"w: expected [N, K] beside x [M, K], or [B, N, K] beside x [B, M, K], got x "
                          f"{tuple(x.shape)} and w {tuple(w.shape)}")
     out = None if out_dtype is None else jnp.dtype(out_dtype).name
-    return linear_matmul(x, w, (rng,), linear_plan(recipe), OPS, out, "fp8core.jax.dense")
+    return linear_matmul(x, w, (rng,), linear_plan(recipe), OPS, out, "fp8core.jax.dense")[0]
 
 
 def nvfp4_dense(x: Array, w: Array, state: Any, recipe: NVFP4BlockScaling, bias: Array | None = None

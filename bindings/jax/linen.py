@@ -48,15 +48,14 @@ from jax import lax
 from fp8core import DelayedScaling, Float8RowwiseScaling, NVFP4BlockScaling
 from fp8core.fp4 import FP4_GEMM_K
 from fp8core.gemm import MULTIPLE
-from fp8core.linear_plan import Role, linear_plan, padding
+from fp8core.linear_plan import linear_plan, padding
 
 from . import _args
-from .derivatives import first_order_only
 from .fp4 import advance_rng, check_rng, nvfp4_matmul
-from .primitives import gemm
+from .linear_vjp import linear_matmul
 from .rowwise import rowwise_matmul
-from .tensorwise import cast, cast_whole
-from .tying import advance, check_state, cotangent, is_tied, state_keys, untie
+from .tensorwise import Tensorwise
+from .tying import advance, check_state, cotangent, is_tied, state_keys
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT", "FP4_RNG"]
 
@@ -69,10 +68,6 @@ _HIGH = ("float32", "bfloat16", "float16")
 
 class _Config(NamedTuple):
     recipe: Any
-    axis_name: Any
-    out_dtype: str
-    lhs_dtype: str
-    rhs_dtype: str
     dot: str = "Fp8DotGeneral"  # the dot's name in errors
     tied_only: bool = False  # the state's gradient is taken only through a tie (fp8core.jax.nnx)
 
@@ -82,9 +77,11 @@ _UNTIED = ("{dot}: its scaling state was not differentiated through fp8core.jax.
            "gradient with fp8core.jax.nnx.value_and_grad or fp8core.jax.nnx.grad")
 
 
-def _state_cotangents(cfg: _Config, history: Any, scale: Any, amaxes: Any) -> tuple[Any, Any, Any]:
-    """The state's cotangent from one call: its amaxes in row 0 of the history's (for _link or a tie to combine
-    and update), zeros elsewhere; in the history's dtype (a tied state is tied whole)."""
+def _state_cotangents(cfg: _Config, state: tuple, amaxes: Any) -> tuple[Any, Any, Any]:
+    """The state's cotangent from one call (the state (amax_history, scale, scale_inv)): its amaxes in row 0 of
+    the history's (for _link or a tie to combine and update), zeros elsewhere; in the history's dtype (a tied
+    state is tied whole)."""
+    history, scale = state[:2]
     h = jnp.zeros(history.shape, jnp.float32)
     if isinstance(cfg.recipe, DelayedScaling):
         if cfg.tied_only and not is_tied(history):
@@ -92,41 +89,6 @@ def _state_cotangents(cfg: _Config, history: Any, scale: Any, amaxes: Any) -> tu
         h = h.at[0].set(amaxes)
     zeros = jnp.zeros(scale.shape, jnp.float32)
     return cotangent(h, history), cotangent(zeros, history), cotangent(zeros, history)
-
-
-def _cast(x: jax.Array, role: Role, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
-          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(q, q_t, scale_inv, amax) of one operand as the recipe's plan casts its role (fp8core.jax.tensorwise)."""
-    plan = linear_plan(cfg.recipe)
-    return cast(x, plan.roles[role.value], plan.scale, scale, scale_inv, cfg.axis_name)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fp8_dot(x, k, history, scale, scale_inv, cfg):
-    """y[M, N] = x[M, K] · k[K, N] in fp8 (M a multiple of 16); the state's cotangent is its next value."""
-    return _dot_fwd(x, k, history, scale, scale_inv, cfg)[0]
-
-
-def _dot_fwd(x, k, history, scale, scale_inv, cfg):
-    return first_order_only(partial(_dot_fwd_once, cfg=cfg), cfg.dot, x, k, history, untie(scale), untie(scale_inv))
-
-
-def _dot_fwd_once(x, k, history, scale, scale_inv, cfg):
-    qx, qxt, sx, ax = _cast(x, Role.INPUT, cfg, scale, scale_inv)
-    qk, qkt, sk, ak = _cast(k, Role.WEIGHT, cfg, scale, scale_inv)
-    y = gemm(qx, qkt, sx, sk, cfg.out_dtype)
-    return y, (qxt, qk, sx, sk, ax, ak, history, scale, scale_inv)
-
-
-def _dot_bwd(cfg, res, g):
-    qxt, qk, sx, sk, ax, ak, history, scale, scale_inv = res
-    qg, qgt, sg, ag = _cast(g, Role.GRAD_OUTPUT, cfg, scale, scale_inv)  # float32: the forward pass untied them
-    dx = gemm(qg, qk, sg, sk, cfg.lhs_dtype)     # [M, N] · [K, N]ᵀ
-    dk = gemm(qxt, qgt, sx, sg, cfg.rhs_dtype)   # [K, M] · [N, M]ᵀ
-    return (dx, dk, *_state_cotangents(cfg, history, scale, jnp.concatenate([ax, ak, ag])))
-
-
-_fp8_dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 class _Link(NamedTuple):
@@ -270,16 +232,15 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
     for arg, t in (("lhs", lhs), ("rhs", rhs)):
         if len(_args.array(t, arg).shape) == 0:
             raise ValueError(f"{arg}: expected at least 1 dimension, got a scalar")
-    if isinstance(recipe, NVFP4BlockScaling):
-        return _nvfp4_dot(lhs, rhs, dimension_numbers, state, recipe, preferred_element_type, dot)
-    if any(len(tuple(d)) for d in dimension_numbers[1]):
+    if isinstance(recipe, NVFP4BlockScaling) or any(len(tuple(d)) for d in dimension_numbers[1]):
         if isinstance(recipe, Float8RowwiseScaling):
             raise ValueError(f"dimension_numbers: {dot} runs Float8RowwiseScaling without batch dimensions; "
                              "fold them into the rows, or use a per-tensor recipe")
         return _batched_dot_general(lhs, rhs, dimension_numbers, state, recipe, axis_name, preferred_element_type,
                                     dot, tied_only)
     lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
-    lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
+    _dtype_name(lhs.dtype, "lhs")
+    _dtype_name(rhs.dtype, "rhs")
     out = _dtype_name(preferred_element_type if preferred_element_type is not None
                       else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
     ncontract = len(dimension_numbers[0][0])
@@ -299,37 +260,8 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
     if isinstance(recipe, Float8RowwiseScaling):  # stateless; w [K, N] as the GEMM's [N, K] operand
         y = rowwise_matmul(x, w.T, recipe, jnp.dtype(out))
         return y[:rows, :n].reshape(out_shape)
-    if isinstance(recipe, DelayedScaling):
-        h, s, si = (state[key] for key in _KEYS)
-    else:
-        h = s = si = jnp.zeros(1, jnp.float32)
-    y = _fp8_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname, dot, tied_only))
+    y = _per_tensor(x, w, state, out, _Config(recipe, dot, tied_only), axis_name)
     return y[:rows, :n].reshape(out_shape)
-
-
-def _nvfp4_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: Any, recipe: NVFP4BlockScaling,
-               preferred_element_type: Any, dot: str) -> jax.Array:
-    """dot_general under NVFP4BlockScaling: fp8core.jax.fp4's matmul (fp8core.jax.dense's GEMMs) of lhs as
-    [B, M, K] and rhs as [B, N, K] (B = 1 without batch dims), M, K and N zero-padded to multiples of 32 (zeros
-    change no amax, no block and no sum; the padded outputs are cut off) and an empty batch to one element. With
-    batch dims each operand is quantized once with its batch flattened into its rows (one global amax per
-    operand), each batch element's GEMMs those of the unbatched dot."""
-    if not isinstance(state, Mapping) or "rng" not in state:
-        raise TypeError(f"state: expected NVFP4BlockScaling's state {{'rng': uint32 [4]}}, got {type(state).__name__}")
-    rng = check_rng(state["rng"], "state['rng']")
-    lperm, rperm, (b, m, k, n), out_shape = _batched_layout(lhs, rhs, dimension_numbers)
-    _dtype_name(lhs.dtype, "lhs")
-    _dtype_name(rhs.dtype, "rhs")
-    out = _dtype_name(preferred_element_type if preferred_element_type is not None
-                      else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
-    x = jnp.transpose(lhs, lperm).reshape(b, m, k)
-    w = jnp.transpose(rhs, rperm).reshape(b, k, n)
-    pad_b = int(b == 0)
-    pad_m, pad_k, pad_n = (padding(v, FP4_GEMM_K) for v in (m, k, n))
-    x = jnp.pad(x, ((0, pad_b), (0, pad_m), (0, pad_k)))
-    w = jnp.pad(w, ((0, pad_b), (0, pad_k), (0, pad_n)))
-    y = nvfp4_matmul(x, jnp.swapaxes(w, 1, 2), rng, recipe, out)
-    return y[:b, :m, :n].reshape(out_shape)
 
 
 def _pad(size: int) -> int:
@@ -381,67 +313,46 @@ def _batched_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
 def _batched_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                          state: dict[str, jax.Array] | None, recipe: Any, axis_name: Any,
                          preferred_element_type: Any, dot: str, tied_only: bool) -> jax.Array:
-    """dot_general_with_state with batch dims: the batch dims moved to the front (transposes in JAX), each batch element
-    a GEMM [M, K] · [K, N] of the one batched GEMM primitive, the operands' scales per tensor (the amax over
-    the whole operand); padded like the unbatched op (M, K, N to multiples of 16, and an empty batch to one
-    element of zeros), and the output put back in dot_general's order."""
+    """dot_general_with_state with batch dims, and every NVFP4BlockScaling dot (B = 1 without batch dims): the batch
+    dims moved to the front (transposes in JAX), lhs as [B, M, K] and rhs as [B, K, N], M, K and N zero-padded to
+    the GEMMs' multiple (16; NVFP4's 32), an empty batch to one element of zeros (zeros change no amax, no block
+    and no sum; the padded outputs are cut off), each batch element's GEMMs those of the unbatched dot, and the
+    output put back in dot_general's order. Each operand is quantized once over all its batch elements: one
+    per-tensor scale (the amax over the whole operand); under NVFP4 one global amax, with the batch flattened into
+    its rows."""
+    nvfp4 = isinstance(recipe, NVFP4BlockScaling)
+    if nvfp4 and (not isinstance(state, Mapping) or "rng" not in state):
+        raise TypeError(f"state: expected NVFP4BlockScaling's state {{'rng': uint32 [4]}}, got {type(state).__name__}")
+    rng = check_rng(state["rng"], "state['rng']") if nvfp4 else None
     lperm, rperm, (b, m, k, n), out_shape = _batched_layout(lhs, rhs, dimension_numbers)
-    lname, rname = _dtype_name(lhs.dtype, "lhs"), _dtype_name(rhs.dtype, "rhs")
+    _dtype_name(lhs.dtype, "lhs")
+    _dtype_name(rhs.dtype, "rhs")
     out = _dtype_name(preferred_element_type if preferred_element_type is not None
                       else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
     x = jnp.transpose(lhs, lperm).reshape(b, m, k)
     w = jnp.transpose(rhs, rperm).reshape(b, k, n)
-    pad_b, pad_m, pad_k, pad_n = int(b == 0), _pad(m), _pad(k), _pad(n)
+    multiple = FP4_GEMM_K if nvfp4 else MULTIPLE
+    pad_b, pad_m, pad_k, pad_n = int(b == 0), *(padding(v, multiple) for v in (m, k, n))
     if pad_b or pad_m or pad_k:
         x = jnp.pad(x, ((0, pad_b), (0, pad_m), (0, pad_k)))
     if pad_b or pad_k or pad_n:
         w = jnp.pad(w, ((0, pad_b), (0, pad_k), (0, pad_n)))
-    if isinstance(recipe, DelayedScaling):
-        h, s, si = (state[key] for key in _KEYS)
+    if nvfp4:
+        y = nvfp4_matmul(x, jnp.swapaxes(w, 1, 2), rng, recipe, out)
     else:
-        h = s = si = jnp.zeros(1, jnp.float32)
-    y = _fp8_batched_dot(x, w, h, s, si, _Config(recipe, axis_name, out, lname, rname, dot, tied_only))
+        y = _per_tensor(x, w, state, out, _Config(recipe, dot, tied_only), axis_name)
     return y[:b, :m, :n].reshape(out_shape)
 
 
-def _cast_whole(x: jax.Array, role: Role, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(q, scale_inv, amax) of one operand of any shape, as _cast with no 2-D transpose."""
-    plan = linear_plan(cfg.recipe)
-    return cast_whole(x, plan.roles[role.value], plan.scale, scale, scale_inv, cfg.axis_name)
-
-
-def _swap(q: jax.Array) -> jax.Array:
-    return jnp.swapaxes(q, -1, -2)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fp8_batched_dot(x, w, history, scale, scale_inv, cfg):
-    """y[B, M, N] = x[B, M, K] · w[B, K, N] in fp8 (M, K, N multiples of 16); as _fp8_dot, per batch element."""
-    return _batched_fwd(x, w, history, scale, scale_inv, cfg)[0]
-
-
-def _batched_fwd(x, w, history, scale, scale_inv, cfg):
-    return first_order_only(partial(_batched_fwd_once, cfg=cfg), cfg.dot, x, w, history, untie(scale),
-                            untie(scale_inv))
-
-
-def _batched_fwd_once(x, w, history, scale, scale_inv, cfg):
-    qx, sx, ax = _cast_whole(x, Role.INPUT, cfg, scale, scale_inv)
-    qw, sw, aw = _cast_whole(w, Role.WEIGHT, cfg, scale, scale_inv)
-    y = gemm(qx, _swap(qw), sx, sw, cfg.out_dtype)
-    return y, (qx, qw, sx, sw, ax, aw, history, scale, scale_inv)
-
-
-def _batched_bwd(cfg, res, g):
-    qx, qw, sx, sw, ax, aw, history, scale, scale_inv = res
-    qg, sg, ag = _cast_whole(g, Role.GRAD_OUTPUT, cfg, scale, scale_inv)  # float32: the forward pass untied them
-    dx = gemm(qg, qw, sg, sw, cfg.lhs_dtype)                  # [B, M, N] · [B, K, N]ᵀ
-    dw = gemm(_swap(qx), _swap(qg), sx, sg, cfg.rhs_dtype)    # [B, K, M] · [B, N, M]ᵀ
-    return (dx, dw, *_state_cotangents(cfg, history, scale, jnp.concatenate([ax, aw, ag])))
-
-
-_fp8_batched_dot.defvjp(_batched_fwd, _batched_bwd)
+def _per_tensor(x: jax.Array, w: jax.Array, state: Any, out: str, cfg: _Config, axis_name: Any) -> jax.Array:
+    """y [.., M, N] = x [.., M, K] · w [.., K, N] (the kernel's layout; M, K, N multiples of 16, a leading batch
+    dim or none) by the Linear's custom_vjp (fp8core.jax.linear_vjp) under a per-tensor recipe; delayed scaling's
+    state cotangent is this call's amaxes (see _link)."""
+    if isinstance(cfg.recipe, DelayedScaling):
+        ops, state = Tensorwise(axis_name, _state_cotangents, cfg), tuple(state[key] for key in _KEYS)
+    else:
+        ops, state = Tensorwise(axis_name), ()
+    return linear_matmul(x, w, state, linear_plan(cfg.recipe), ops.ops(), out, cfg.dot, in_out=True)[0]
 
 
 class Fp8DotGeneral(nn.Module):

@@ -40,7 +40,8 @@ def _tensorwise_t(w: jax.Array, enc: str, rule: ScaleRule) -> RowwiseTensor:
 
 
 def _quantize(t: jax.Array, role: RolePlan, plan: LinearPlan, rowwise: bool, columnwise: bool,
-              state: tuple) -> tuple[RowwiseTensor | None, RowwiseTensor | None]:
+              state: tuple, transposed: bool = False) -> tuple[RowwiseTensor | None, RowwiseTensor | None]:
+    t = t.T if transposed else t
     row = _rows(t, role.rowwise.encoding, plan.scale) if rowwise else None
     col = None
     if columnwise:
@@ -59,4 +60,4 @@ OPS = LinearOps(_quantize, block_gemm, _operand)
 def rowwise_matmul(x: jax.Array, w: jax.Array, recipe: Float8RowwiseScaling, out_dtype: Any) -> jax.Array:
     """y [M, N] = x [M, K] · w [N, K]ᵀ in ``out_dtype``; M, K and N as the GEMMs take them (K and N multiples of
     16, M too for the wgrad GEMM: the caller pads with zeros)."""
-    return linear_matmul(x, w, (), linear_plan(recipe), OPS, jnp.dtype(out_dtype).name, "Float8RowwiseScaling")
+    return linear_matmul(x, w, (), linear_plan(recipe), OPS, jnp.dtype(out_dtype).name, "Float8RowwiseScaling")[0]

@@ -29,10 +29,11 @@ def check_block_recipe(recipe: Float8BlockScaling) -> None:
 
 
 def quantize(t: torch.Tensor, role: RolePlan, plan: LinearPlan, rowwise: bool, columnwise: bool,
-             state: tuple) -> tuple[ScaledTensor, ScaledTensor]:
+             state: tuple, transposed: bool = False) -> tuple[ScaledTensor, ScaledTensor]:
     """(t, t.T) of a 2-D tensor, each block-quantized along its rows (a GEMM's K), as the role's plan says; both
-    whatever is asked (the backward's grad_output too)."""
-    t = t.contiguous()
+    whatever is asked (the backward's grad_output too). ``transposed``: t is stored transposed (a copy of t.T is
+    quantized)."""
+    t = (t.t() if transposed else t).contiguous()
     q, rule = role.rowwise, plan.scale
     if q.layout.kind == "mx":
         row, col = bo.quantize_mxfp8_both(t, q.encoding, rule.scale_mode)

@@ -41,10 +41,11 @@ def initial_rng(device: Any = None) -> torch.Tensor:
 
 
 def quantize(t: torch.Tensor, role: RolePlan, plan: LinearPlan, rowwise: bool, columnwise: bool,
-             state: tuple) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
+             state: tuple, transposed: bool = False) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:
     """(t's operand, t^T's operand), each only where asked, with its usage's rule; stochastic rounding draws from
-    ``state`` (the call's (seed, offset) copy) at the usage's stream."""
-    t = t.contiguous()
+    ``state`` (the call's (seed, offset) copy) at the usage's stream. ``transposed``: t is stored transposed (a
+    copy of t.T is quantized)."""
+    t = (t.t() if transposed else t).contiguous()
     return tuple(_quantize(t, q, state, usage) if asked else None
                  for q, usage, asked in ((role.rowwise, False, rowwise), (role.columnwise, True, columnwise)))
 

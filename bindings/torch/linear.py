@@ -1,17 +1,15 @@
 """Float8Linear, a drop-in nn.Linear whose three GEMMs run in fp8 inside ``autocast`` (in high precision, exactly
 nn.Linear, outside it), and convert_to_float8. Where its delayed-scaling state lives and why: scaling.py.
 
-Forward: input and weight are cast (forward format) by ``cast_transpose``, which also writes the transposes
-the backward GEMMs need, so the backward makes no extra pass over them. Backward: grad_output is cast (backward
-format, E5M2 under HYBRID) the same way; dgrad = gemm(grad_q, weight_t), wgrad = gemm(grad_t, input_t).
-Master weights stay in their own precision. The token count is zero-padded to a multiple of 16 for the
-wgrad GEMM (zeros add nothing to the sums nor to the amaxes).
-
-The block-scaling recipes (MXFP8BlockScaling, Float8BlockScaling) are stateless, like current scaling, and
-follow the same autocast rule; their GEMMs, and the transposes they need, are in block_linear.py. NVFP4BlockScaling's
-are in fp4_linear.py; its only state is the (seed, offset) of stochastic rounding, a buffer. torchao's rowwise
-recipes (Float8RowwiseScaling) likewise in rowwise_linear.py. A per-tensor recipe's ``override_linear_precision``
-(Transformer Engine's) runs the GEMMs it names in the caller's dtype.
+Every recipe runs one autograd.Function (linear_function.py) from its plan (fp8core.linear_plan): the per-tensor
+recipes (DelayedScaling, Float8CurrentScaling: ``cast_transpose`` writes the transposes the backward GEMMs take,
+so the backward makes no extra pass over them) through tensor_linear.py, the block-scaling recipes
+(MXFP8BlockScaling, Float8BlockScaling) through block_linear.py, torchao's rowwise recipes (Float8RowwiseScaling)
+through rowwise_linear.py, NVFP4BlockScaling through fp4_linear.py. Master weights stay in their own precision; the
+token count is zero-padded to the plan's multiple for the wgrad GEMM (zeros add nothing to the sums nor to the
+amaxes). The layer holds the recipe's state: delayed scaling's amax history and scales (scaling.py), NVFP4's
+(seed, offset) of stochastic rounding (a buffer); the others are stateless. A per-tensor recipe's
+``override_linear_precision`` (Transformer Engine's) runs the GEMMs it names in the caller's dtype.
 """
 
 from __future__ import annotations
@@ -28,122 +26,23 @@ import torch.nn.functional as F
 
 import fp8core
 from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
-from fp8core.linear_plan import LinearPlan, Role, RolePlan, ScaleRule, linear_plan
+from fp8core.layouts import Layout
+from fp8core.linear_plan import Role, linear_plan
 from fp8core.scaling import check_state_values
 
 from . import ops
 from .block_linear import BLOCK_RECIPES
 from .fp4_ops import advance_rng
 from .fp4_linear import STREAMS, initial_rng
-from .linear_function import LinearFunction, padded
+from .linear_function import LinearFunction
 from .rowwise_linear import is_rowwise
-from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
+from .fsdp import Float8AllGatherWeight, plain_weight, wrap_weight
 from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
                       current_context, initial_state)
 
 __all__ = ["Float8Linear", "Float8Conv1D", "convert_to_float8", "enable_fsdp_float8_all_gather"]
 
 logger = logging.getLogger("fp8core.torch")
-
-_BIAS_EPILOGUE = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}  # else added after the GEMM
-
-
-def _cast(x: torch.Tensor, role: RolePlan, state: Optional[tuple], rule: ScaleRule
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, q_t, scale_inv) of a 2-D tensor in its role's encoding: delayed scaling reads the module's ``state``
-    (history, scale, scale_inv) at the role's slot and feeds its amax into row 0; current scaling (``state`` None)
-    scales by x's own amax under the plan's scale rule."""
-    fmt = role.rowwise.encoding
-    if state is None:
-        s, s_inv = ops.compute_scale(ops.amax(x), fmt, rule.margin, rule.power_of_2, rule.epsilon)
-        q, qt = ops.cast_transpose(x, s, fmt)
-        return q, qt, s_inv
-    hist, scale, scale_inv = state
-    slot = role.slot
-    q, qt = ops.cast_transpose(x, scale[slot:slot + 1], fmt, hist[0, slot:slot + 1])
-    return q, qt, scale_inv[slot:slot + 1].clone()  # the scale_inv of this cast, whatever updates follow
-
-
-def _weight_cast(weight: torch.Tensor, plan: LinearPlan, state: Optional[tuple]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if isinstance(weight, Float8GatheredWeight):  # gathered in fp8 by FSDP2: cast, and its amax taken, there
-        return weight.codes, ops.transpose(weight.codes), weight.scale_inv.clone()
-    if isinstance(weight, Float8AllGatherWeight):  # not sharded: the weight itself
-        weight = weight.high_precision
-    return _cast(weight, plan.roles[Role.WEIGHT.value], state, plan.scale)
-
-
-class _Float8Matmul(torch.autograd.Function):
-    """x [..., in] -> [..., out] under a per-tensor plan (fp8core.linear_plan: each role's encoding and state slot,
-    the GEMMs override_linear_precision keeps in high precision, the token padding); the output is not a view
-    (FSDP2 warns that in-place ops on a module's view output lose its pre-backward hook). The stateless recipes'
-    Function is linear_function.py's; this one also carries delayed scaling's state, a weight stored [in, out]
-    (Conv1D), one kept in fp8 or gathered in fp8 by FSDP2, and the GEMM's bias epilogue."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, hist, scale, scale_inv, plan, in_out=False, group=None, w_scale_inv=None):
-        state = None if hist is None else (hist, scale, scale_inv)
-        high = tuple(g.high_precision for g in plan.gemms)
-        x2, rows = padded(x.reshape(-1, x.shape[-1]), plan.multiple)
-        if w_scale_inv is not None:  # a weight kept in fp8 (te.fp8_model_init): its codes, cast once
-            w_q, w_t, w_inv = weight, ops.transpose(weight), w_scale_inv.clone()
-        else:
-            w_q, w_t, w_inv = _weight_cast(weight, plan, state)
-        if in_out:  # a weight stored [in, out] (transformers' Conv1D): its cast's transpose is the [out, in] one
-            w_q, w_t = w_t, w_q
-        x_q, x_t, x_inv = _cast(x2, plan.roles[Role.INPUT.value], state, plan.scale)
-        # override_linear_precision (fprop, dgrad, wgrad): those GEMMs take the unquantized tensors; the casts
-        # still run, so delayed scaling's histories see every tensor as Transformer Engine's do
-        w_hp = _high_precision_weight(weight, in_out) if high[0] or high[1] else None
-        fused = bias is not None and _BIAS_EPILOGUE.get(x2.dtype) == bias.dtype
-        if high[0]:
-            y = x2 @ w_hp.to(x2.dtype).t()
-            fused = False
-        else:
-            y = ops.gemm(x_q, w_q, x_inv, w_inv, x2.dtype, bias if fused else None)
-        if bias is not None and not fused:
-            y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x_t, w_t, x_inv, w_inv, w_hp if high[1] else None, x2 if high[2] else None)
-        ctx.plan, ctx.state, ctx.x_shape, ctx.in_out = plan, state, x.shape, in_out
-        ctx.group = group  # outside autocast: told that a backward ran (SharedScaling.open_step)
-        ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y[:rows].reshape(*x.shape[:-1], y.shape[-1]).detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_t, w_t, x_inv, w_inv, w_hp, x_hp = ctx.saved_tensors
-        plan = ctx.plan
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g2, rows = padded(grad.reshape(-1, grad.shape[-1]), plan.multiple)
-        g_q, g_t, g_inv = _cast(g2, plan.roles[Role.GRAD_OUTPUT.value], ctx.state, plan.scale)
-        if ctx.group is not None:
-            ctx.group.backward_ran = True
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = (g2 @ w_hp.to(g2.dtype)).to(x_dtype) if plan.dgrad.high_precision else \
-                ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype)
-            dx = dx[:rows].reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1] and plan.wgrad.high_precision:  # [out, in], or [in, out] for a Conv1D's weight
-            dw = (x_hp.t() @ g2.to(x_hp.dtype) if ctx.in_out else g2.t().to(x_hp.dtype) @ x_hp).to(w_dtype)
-        elif ctx.in_out and ctx.needs_input_grad[1]:  # [in, out]; the scales in the [out, in] GEMM's order: the
-            dw = ops.gemm(x_t, g_t, g_inv, x_inv, w_dtype)  # same roundings, so the transpose's bits
-        elif ctx.needs_input_grad[1]:
-            dw = ops.gemm(g_t, x_t, g_inv, x_inv, w_dtype)
-        db = g2.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
-        # db summed in float64: the same bits whatever order a compiler picks for the reduction
-        return dx, dw, db, None, None, None, None, None, None, None
-
-
-def _high_precision_weight(weight: torch.Tensor, in_out: bool) -> torch.Tensor:
-    """The weight as [out, in] in high precision, for a GEMM override_linear_precision keeps out of fp8."""
-    if isinstance(weight, Float8AllGatherWeight):
-        weight = weight.high_precision
-    if isinstance(weight, Float8GatheredWeight) or weight.dtype not in _HIGH:
-        raise TypeError("recipe: override_linear_precision runs a GEMM on the high-precision weight, but this "
-                        "layer's weight is held in fp8 (fp8_model_init or FSDP2's fp8 all-gather); override no "
-                        "GEMM there")
-    return weight.t() if in_out else weight
-
 
 _KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
 RECORDERS = "_fp8_recorders"  # in a recorded layer's __dict__: record_numerics' recorders (numerics.py)
@@ -328,46 +227,38 @@ class Float8Linear(torch.nn.Linear):
         # torch (2.11 refuses importlib's find_spec). The first op refuses a CUDA tensor without CuPy, by name.
         if x.numel() == 0:
             return self._high_precision(x)
-        if isinstance(self.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)) or is_rowwise(self.recipe):
-            self._fp8_weight_scale_inv(None)
-            w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
-            state = ()
-            if isinstance(self.recipe, NVFP4BlockScaling):
-                rng, after = advance_rng(self.fp4_rng, STREAMS)
-                if torch.is_grad_enabled():  # a backward may follow: the next step draws fresh bytes
-                    with torch.no_grad():
-                        self.fp4_rng.copy_(after)
-                state = (rng,)
-            y = LinearFunction.apply(x, w, self.bias, self._fp8_plan, *state)
-            if self._fp8_recording:
-                _record(self, x, y)
-            return y
-        if self._fp8_group is None:
-            state = (None, None, None)
-        else:
+        state, group = (), None
+        if isinstance(self.recipe, NVFP4BlockScaling):
+            rng, after = advance_rng(self.fp4_rng, STREAMS)
+            if torch.is_grad_enabled():  # a backward may follow: the next step draws fresh bytes
+                with torch.no_grad():
+                    self.fp4_rng.copy_(after)
+            state = (rng,)
+        elif self._fp8_group is not None:
             if self._fp8_history.device != self.weight.device:
                 self._fp8_follow(self.weight.device)
             if ctx is None:
                 self._fp8_group.open_step(self._fp8_slot)
+                group = self._fp8_group  # told that a backward ran
             else:
                 ctx.ran[self._fp8_group] = None
             state = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv)
-        group = self._fp8_group if ctx is None else None
-        fwd = self._fp8_plan.roles[Role.WEIGHT.value].rowwise.encoding
-        y = _Float8Matmul.apply(x, self.weight, self.bias, *state, self._fp8_plan, self.in_out, group,
-                                self._fp8_weight_scale_inv(fwd))
+        y = LinearFunction.apply(x, self.weight, self.bias, self._fp8_plan, self.in_out, group,
+                                 self._fp8_weight_scale_inv(), *state)
         if self._fp8_recording:
             _record(self, x, y)
         return y
 
-    def _fp8_weight_scale_inv(self, fwd: Optional[str]) -> Optional[torch.Tensor]:
-        """The scale_inv of a weight kept in fp8 (te.fp8_model_init), checked against the GEMM about to take it;
-        None for a high-precision weight."""
+    def _fp8_weight_scale_inv(self) -> Optional[torch.Tensor]:
+        """The scale_inv [1] of a weight kept in fp8 (te.fp8_model_init), checked against the plan; None for a
+        high-precision weight."""
         if self.weight.dtype in _HIGH:
             return None
         if self.weight.requires_grad:
             raise RuntimeError("weight: kept only in fp8 (made inside fp8_model_init); fp8core trains "
                                "high-precision weights only: make the layer outside fp8_model_init to train it")
+        role = self._fp8_plan.roles[Role.WEIGHT.value].rowwise
+        fwd = role.encoding if role.layout is Layout.TENSORWISE else None
         if fwd is None or self.weight.dtype != fp8core.as_format(fwd).torch_dtype:
             raise TypeError(f"weight: kept in fp8 as {self.weight.dtype} under one scale (fp8_model_init); the "
                             f"layer's {type(self.recipe).__name__} "

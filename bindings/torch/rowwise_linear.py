@@ -48,9 +48,10 @@ def _tensorwise_t(w: torch.Tensor, enc: str, rule: ScaleRule) -> RowwiseTensor:
 
 
 def quantize(t: torch.Tensor, role: RolePlan, plan: LinearPlan, rowwise: bool, columnwise: bool,
-             state: tuple) -> tuple[RowwiseTensor | None, RowwiseTensor | None]:
-    """(per row of t, per row of t.T), each only where asked."""
-    t, rule = t.contiguous(), plan.scale
+             state: tuple, transposed: bool = False) -> tuple[RowwiseTensor | None, RowwiseTensor | None]:
+    """(per row of t, per row of t.T), each only where asked; ``transposed``: t is stored transposed (a copy of
+    t.T is quantized)."""
+    t, rule = (t.t() if transposed else t).contiguous(), plan.scale
     row = _rows(t, role.rowwise.encoding, rule) if rowwise else None
     col = None
     if columnwise:

@@ -10,12 +10,15 @@ exists.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from fp8core._fpenv import ieee
+from fp8core.backends.cpu import map_spans
+from fp8core.backends.cpu_threads import cpu_threads
 from fp8core.formats import Encoding, Format
 
 _CHUNK = 1 << 18  # elements per step of the statistics: its float64 scratch (3 rows, 6 MiB) stays in cache
@@ -65,11 +68,12 @@ def _sum_of_squares(a: np.ndarray) -> float:
 
 @ieee  # the caller's flush-to-zero would read float32 subnormals as 0 in the float64 widening
 def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: int, beyond: float,
-                 work: np.ndarray, magnitude: int = 0x7F) -> tuple[list[int], float, float, float]:
+                 work: np.ndarray, flags: np.ndarray, magnitude: int = 0x7F) -> tuple[list[int], float, float, float]:
     """([finite, nonzero, underflow, clipped, at_max, lost], signal, noise, max_rel) of one flat chunk: the
     values x (float32/bfloat16/float16), their round trip y32 (float32) and its fp8 bytes. ``work``: float64
-    [3, >= chunk size], reused from chunk to chunk (fresh memory each time costs more in page faults than the
-    arithmetic); its third row is the scratch of the counts. ``magnitude``: the code bits below the sign."""
+    [2, >= chunk size], and ``flags``: bool [>= chunk size], the scratch of the counts, both reused from chunk
+    to chunk (fresh memory each time costs more in page faults than the arithmetic). ``magnitude``: the code
+    bits below the sign."""
     v, d = work[0, :x.size], work[1, :x.size]
     np.copyto(v, x)  # exact: every float32/bfloat16/float16 is a float64
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, and the masked path below takes over
@@ -79,7 +83,7 @@ def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: in
         at = np.flatnonzero((codes & magnitude) == max_code)
         clipped = np.count_nonzero(np.abs(v[at]) > np.abs(y32[at].astype(np.float64)) * beyond)
         # a comparison into a bool scratch, then a count of bools: several times faster than counting floats
-        flags = work[2].view(np.bool_)[:x.size]
+        flags = flags[:x.size]
         nonzero = np.count_nonzero(np.not_equal(v, 0, out=flags))
         # 0 comes back 0, so the nonzero results are a subset of the nonzero inputs
         counts = [v.size, nonzero, nonzero - np.count_nonzero(np.not_equal(y32, 0, out=flags)), clipped, at.size,
@@ -161,14 +165,25 @@ def _measure(rows2d: np.ndarray, q: Any, recipe: Recipe) -> dict[str, Any]:
     below_max = float(enc.values[max_code - 1])
     # Within half a step above max a value rounds onto max like any other value; beyond it, it saturates.
     beyond = 1 + (enc.max - below_max) / (2 * enc.max)
+    chunks = list(parts(rows2d, recipe))
+    size = max(((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in chunks), default=0)
+    scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per thread, reused from chunk to chunk
+
+    def stats(i: int, _: int) -> tuple[list[int], float, float, float]:
+        work = scratch.get(threading.get_ident())
+        if work is None:
+            work = scratch[threading.get_ident()] = (np.empty((2, size)), np.empty(size, np.bool_))
+        r0, r1, c0, c1 = chunks[i]
+        with cpu_threads(1):  # the chunks are the parallel work: a pool task queued from here would sit behind them
+            codes, y32 = recipe.dequantize_part(q, r0, r1, c0, c1)
+        return _chunk_stats(rows2d[r0:r1, c0:c1].ravel(), np.asarray(y32).ravel(),
+                            np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, *work, magnitude)
+
+    # The chunks on fp8core's CPU pool (the dequantize and the statistics were a single thread's: most of a
+    # recipe's time), summed here in chunk order: the same float64 sums, whatever thread measured a chunk
     totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
-    work = np.empty((3, max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in parts(rows2d, recipe))
-                     if rows2d.size else 0))
     signal = noise = max_rel = 0.0
-    for r0, r1, c0, c1 in parts(rows2d, recipe):
-        codes, y32 = recipe.dequantize_part(q, r0, r1, c0, c1)
-        counts, s, n, m = _chunk_stats(rows2d[r0:r1, c0:c1].ravel(), np.asarray(y32).ravel(),
-                                       np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work, magnitude)
+    for counts, s, n, m in map_spans(len(chunks), 1, stats):
         totals += counts
         signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
     finite, nonzero, under, clipped, at_max, lost = (int(t) for t in totals)

@@ -5,7 +5,10 @@ fp8core.quantize_mxfp8 on the same input. Every case runs once per round, rounds
 slows them alike; each row gives the wall time's median [20th-80th percentile] and its ratio to MXFP8 rowwise's
 median, and the same of the process's CPU time (every thread's: the pool's too), which other processes on a
 shared machine disturb far less than the wall time.
-Usage: python bench/bench_fp4.py [--sizes-mib 16 64] [--dtypes bfloat16 float32] [--rounds 9] [--json out.json]
+``--threads N`` runs every case inside ``fp8core.cpu_threads(N)`` (1: each path on the calling thread alone, so that
+a path's use of the pool, MXFP8's cast on it, NVFP4's whole pass on it, takes no part in the ratio).
+Usage: python bench/bench_fp4.py [--sizes-mib 16 64] [--dtypes bfloat16 float32] [--rounds 9] [--threads N]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -79,9 +82,12 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, help="run inside fp8core.cpu_threads(N)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    if args.threads:
+        where += f", fp8core.cpu_threads({args.threads})"
     print(f"# bench_fp4 on the CPU ({where}); ns per input element, median of {args.rounds} interleaved rounds "
           f"[20th-80th percentile] and the median over {BAR}'s: wall time, then the process's CPU time")
     out = []
@@ -90,7 +96,8 @@ def main() -> None:
         shape = (n // args.cols, args.cols)
         for name in args.dtypes:
             x = np.random.default_rng(0).standard_normal(shape).astype(np.dtype(name))
-            rows = run(x, args.rounds)
+            with fp8core.cpu_threads(args.threads):
+                rows = run(x, args.rounds)
             out += rows
             print(f"\n## {shape} {name}")
             for r in rows:

@@ -20,6 +20,7 @@ bf16 tensor, the recipes interleaved round by round, in process CPU time and wal
 p80), and the sum over the FP8 recipes against the sum over the FP4 ones: what ``--recipes all`` costs beyond the
 FP8 six, measured in one process under one load (a shared machine's load moves the absolute figures several-fold).
 Usage: python bench/bench_inspect.py [--size-mib 256] [--shape-mib 32] [--cores 2] [--repeat 3] [--json out.json]
+       [--trees A_TREE B_TREE]  (A/B: the file through each source tree's fp8core, --repeat rounds alternating)
        [--shapes-only] [--recipe-rounds 5 --recipes-only]
 """
 
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -75,11 +77,12 @@ _CHILD = ("import atexit, sys\n"
           "sys.exit(main(sys.argv[1:]))\n")
 
 
-def inspect(path: Path) -> tuple[dict, int]:
-    """``fp8core inspect PATH --recipes all --json`` in a child process: (its tensors' rows, its peak RSS in
-    bytes)."""
+def inspect(path: Path, tree: str | None = None) -> tuple[dict, int]:
+    """``fp8core inspect PATH --recipes all --json`` in a child process (fp8core from the source tree ``tree``
+    when given): (its tensors' rows, its peak RSS in bytes)."""
+    env = None if tree is None else dict(os.environ, PYTHONPATH=tree)
     run = subprocess.run([sys.executable, "-c", _CHILD, "inspect", str(path), "--recipes", "all", "--json"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     peak = [line.split()[1] for line in run.stderr.splitlines() if line.startswith("VmHWM")]
     return json.loads(run.stdout)["tensors"], int(peak[-1]) * 1024
@@ -135,6 +138,26 @@ def recipe_rows(rounds: int) -> dict[str, dict]:
     return out
 
 
+def ab_rows(path: Path, trees: list[str], rounds: int) -> dict[str, Any]:
+    """``inspect --recipes all`` of one file with fp8core from each source tree in turn, ``rounds`` times, the order
+    reversed every other round (A B, B A, ...): per tree, wall and CPU seconds (median, p20, p80) and the load
+    average before each run; and whether every tree printed the same JSON (the figures must not move)."""
+    runs: dict[str, dict[str, list[float]]] = {t: {"seconds": [], "cpu_seconds": [], "load": []} for t in trees}
+    printed: dict[str, str] = {}
+    for i in range(rounds):
+        for tree in trees if i % 2 == 0 else trees[::-1]:
+            runs[tree]["load"].append(os.getloadavg()[0])
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t = time.perf_counter()
+            rows, _ = inspect(path, tree)
+            runs[tree]["seconds"].append(time.perf_counter() - t)
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            runs[tree]["cpu_seconds"].append(usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime)
+            printed.setdefault(tree, json.dumps(rows, sort_keys=True))
+    return {"trees": {t: {k: _quantiles(v) | {"runs": v} for k, v in r.items()} for t, r in runs.items()},
+            "same_output": len(set(printed.values())) == 1}
+
+
 def main_bench() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=256)
@@ -145,6 +168,8 @@ def main_bench() -> None:
     ap.add_argument("--json", metavar="OUT")
     ap.add_argument("--recipe-rounds", type=int, default=0, help="rounds of the per-recipe row (0: none)")
     ap.add_argument("--recipes-only", action="store_true", help="the per-recipe row alone")
+    ap.add_argument("--trees", nargs="+", metavar="TREE", help="A/B: the checkpoint through fp8core from each "
+                    "source tree in turn, --repeat rounds, order alternating (nothing else is measured)")
     args = ap.parse_args()
     if args.cores:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])  # the child inherits it
@@ -177,6 +202,20 @@ def main_bench() -> None:
             if args.json:
                 Path(args.json).write_text(json.dumps({"machine": machine, "recipes": rows}, indent=1))
             return
+    if args.trees:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "checkpoint.safetensors"
+            data_bytes, _ = write_checkpoint(path, args.size_mib)
+            ab = ab_rows(path, args.trees, args.repeat)
+        for tree, r in ab["trees"].items():
+            w, c, ld = r["seconds"], r["cpu_seconds"], r["load"]
+            print(f"{tree}: {w['median']:.1f} s wall (p20 {w['p20']:.1f}, p80 {w['p80']:.1f}), {c['median']:.1f} CPU s "
+                  f"(p20 {c['p20']:.1f}, p80 {c['p80']:.1f}), load {min(ld['runs']):.1f}-{max(ld['runs']):.1f}; "
+                  f"{data_bytes / 2**20:.0f} MiB bf16, inspect --recipes all, {args.repeat} rounds; {machine}")
+        print(f"same JSON from every tree: {ab['same_output']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine, "file_bytes": data_bytes, **ab}, indent=1))
+        return
     if args.shapes_only:
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine, "shapes": shapes}, indent=1))

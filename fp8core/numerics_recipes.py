@@ -131,7 +131,8 @@ def _nvfp4(hadamard: bool) -> Recipe:
     def operand(x: np.ndarray) -> np.ndarray | None:
         if x.shape[0] == 1:  # a 1-D (one-row) tensor: no tokens to run blocks down
             return None
-        x = np.pad(x, ((0, -x.shape[0] % NVFP4_BLOCK), (0, 0)))
+        if x.shape[0] % NVFP4_BLOCK:  # np.pad copies even where it adds nothing
+            x = np.pad(x, ((0, -x.shape[0] % NVFP4_BLOCK), (0, 0)))
         out = np.empty((x.shape[1], x.shape[0]), x.dtype)
         # in strips of x's columns, so that the transform's float32 temporaries stay near _STRIP elements; each
         # strip transposed in square tiles (a whole strip's .T read it a column at a time: 8.5 against 2.2 ns an

@@ -10,12 +10,15 @@ exists.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from fp8core._fpenv import ieee
+from fp8core.backends.cpu import map_spans
+from fp8core.backends.cpu_threads import cpu_threads
 from fp8core.formats import Encoding, Format
 
 _CHUNK = 1 << 18  # elements per step of the statistics: its float64 scratch (3 rows, 6 MiB) stays in cache
@@ -65,22 +68,27 @@ def _sum_of_squares(a: np.ndarray) -> float:
 
 @ieee  # the caller's flush-to-zero would read float32 subnormals as 0 in the float64 widening
 def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: int, beyond: float,
-                 work: np.ndarray, magnitude: int = 0x7F) -> tuple[list[int], float, float, float]:
-    """([finite, nonzero, underflow, clipped, at_max, lost], signal, noise, max_rel) of one flat chunk: the
+                 work: np.ndarray, flags: np.ndarray, magnitude: int = 0x7F, of_x: tuple[float, int] | None = None
+                 ) -> tuple[list[int], float, float, float, tuple[float, int] | None]:
+    """([finite, nonzero, underflow, clipped, at_max, lost], signal, noise, max_rel, of_x) of one flat chunk: the
     values x (float32/bfloat16/float16), their round trip y32 (float32) and its fp8 bytes. ``work``: float64
-    [3, >= chunk size], reused from chunk to chunk (fresh memory each time costs more in page faults than the
-    arithmetic); its third row is the scratch of the counts. ``magnitude``: the code bits below the sign."""
+    [2, >= chunk size], and ``flags``: bool [>= chunk size], the scratch of the counts, both reused from chunk
+    to chunk (fresh memory each time costs more in page faults than the arithmetic). ``magnitude``: the code
+    bits below the sign. ``of_x``: what depends on x alone, (signal, nonzero) as this function returned them
+    for the same chunk in another recipe (returned where all values were finite, else None): not recomputed."""
     v, d = work[0, :x.size], work[1, :x.size]
     np.copyto(v, x)  # exact: every float32/bfloat16/float16 is a float64
+    np.copyto(d, y32)  # widened first: a float32 - float64 subtract casts in buffers, at 1.15x the two passes
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, and the masked path below takes over
-        np.subtract(y32, v, out=d)
-    signal, noise = _sum_of_squares(v), _sum_of_squares(d)  # f32 squares cannot overflow float64
+        np.subtract(d, v, out=d)
+    signal = _sum_of_squares(v) if of_x is None else of_x[0]  # f32 squares cannot overflow float64
+    noise = _sum_of_squares(d)
     if math.isfinite(signal) and math.isfinite(noise):  # all finite: nothing to gather through masks
         at = np.flatnonzero((codes & magnitude) == max_code)
         clipped = np.count_nonzero(np.abs(v[at]) > np.abs(y32[at].astype(np.float64)) * beyond)
         # a comparison into a bool scratch, then a count of bools: several times faster than counting floats
-        flags = work[2].view(np.bool_)[:x.size]
-        nonzero = np.count_nonzero(np.not_equal(v, 0, out=flags))
+        flags = flags[:x.size]
+        nonzero = np.count_nonzero(np.not_equal(v, 0, out=flags)) if of_x is None else of_x[1]
         # 0 comes back 0, so the nonzero results are a subset of the nonzero inputs
         counts = [v.size, nonzero, nonzero - np.count_nonzero(np.not_equal(y32, 0, out=flags)), clipped, at.size,
                   0]
@@ -88,7 +96,7 @@ def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: in
             d /= v  # 0/0 where x is 0: NaN, which fmax passes over
         np.abs(d, out=d)
         max_rel = float(np.fmax.reduce(d)) if d.size else 0.0
-        return counts, signal, noise, 0.0 if math.isnan(max_rel) else max_rel
+        return counts, signal, noise, 0.0 if math.isnan(max_rel) else max_rel, (signal, nonzero)
     top = (codes & magnitude) == max_code
     v, y = x.astype(np.float64), y32.astype(np.float64)
     fin = np.isfinite(v)
@@ -100,10 +108,10 @@ def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: in
               (top & (np.abs(v) > np.abs(y) * beyond)).sum(), top.sum(), bad.sum()]
     signal, noise = float(np.sum(v[fin] ** 2)), float(np.sum((y[ok] - v[ok]) ** 2))
     max_rel = float(np.max(np.abs((y[nz] - v[nz]) / v[nz]))) if nz.any() else 0.0
-    return [int(c) for c in counts], signal, noise, max_rel
+    return [int(c) for c in counts], signal, noise, max_rel, None
 
 
-def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
+def measure(x: np.ndarray, recipe: Recipe, shared: dict | None = None) -> dict[str, Any]:
     """How x fares in one recipe, over its finite values (x: any shape; :func:`as_rows` is applied).
 
     sqnr_db: 10 log10(sum x^2 / sum (y - x)^2), inf when exact, None without signal, -inf when a finite value
@@ -112,14 +120,15 @@ def measure(x: np.ndarray, recipe: Recipe) -> dict[str, Any]:
     magnitude their block represents (they land on it: saturated, where rounding would have gone higher).
     at_max: fraction that land on +-max, clipped ones included. max_rel_error: over the nonzero values.
     padded: a block recipe whose blocks do not tile the shape. scale_inv: a per-tensor recipe's one scale
-    inverse.
+    inverse. ``shared``: a dict the caller keeps over the recipes of one x (empty at first): the statistics of x
+    alone (per chunk, its sum of squares and nonzero count) are then computed once, not once per recipe.
     """
     if recipe.block is not None and x.ndim == 0:
         return {"n/a": "a scalar has no blocks"}
     rows2d, q = prepare(x, recipe)
     if q is None:
         return {"n/a": recipe.not_applicable}
-    row = _measure(rows2d, q, recipe)
+    row = _measure(rows2d, q, recipe, None if recipe.operand is not None else shared)
     if recipe.operand is not None:  # its rows were padded to whole blocks
         row["padded"] = bool(row["padded"] or as_rows(x).shape[0] % recipe.block[1])
     return row
@@ -153,7 +162,7 @@ def parts(rows2d: np.ndarray, recipe: Recipe) -> Iterator[tuple[int, int, int, i
             yield r0, min(r0 + step, n_rows), c0, min(c0 + width, n_cols)
 
 
-def _measure(rows2d: np.ndarray, q: Any, recipe: Recipe) -> dict[str, Any]:
+def _measure(rows2d: np.ndarray, q: Any, recipe: Recipe, shared: dict | None = None) -> dict[str, Any]:
     n_rows, n_cols = rows2d.shape
     enc = recipe.fmt.encoding if isinstance(recipe.fmt, Format) else recipe.fmt
     magnitude = (1 << (enc.bits - 1)) - 1
@@ -161,14 +170,29 @@ def _measure(rows2d: np.ndarray, q: Any, recipe: Recipe) -> dict[str, Any]:
     below_max = float(enc.values[max_code - 1])
     # Within half a step above max a value rounds onto max like any other value; beyond it, it saturates.
     beyond = 1 + (enc.max - below_max) / (2 * enc.max)
+    chunks = list(parts(rows2d, recipe))
+    size = max(((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in chunks), default=0)
+    scratch: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per thread, reused from chunk to chunk
+
+    def stats(i: int, _: int) -> tuple[list[int], float, float, float, tuple[float, int] | None]:
+        work = scratch.get(threading.get_ident())
+        if work is None:
+            work = scratch[threading.get_ident()] = (np.empty((2, size)), np.empty(size, np.bool_))
+        r0, r1, c0, c1 = chunks[i]
+        with cpu_threads(1):  # the chunks are the parallel work: a pool task queued from here would sit behind them
+            codes, y32 = recipe.dequantize_part(q, r0, r1, c0, c1)
+        got = _chunk_stats(rows2d[r0:r1, c0:c1].ravel(), np.asarray(y32).ravel(),
+                           np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, *work, magnitude,
+                           None if shared is None else shared.get(chunks[i]))
+        if shared is not None and got[4] is not None:
+            shared[chunks[i]] = got[4]  # keyed by the chunk's bounds: the same elements of x in every recipe
+        return got
+
+    # The chunks on fp8core's CPU pool (the dequantize and the statistics were a single thread's: most of a
+    # recipe's time), summed here in chunk order: the same float64 sums, whatever thread measured a chunk
     totals = np.zeros(6, np.int64)  # finite, nonzero, underflow, clipped, at_max, lost
-    work = np.empty((3, max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in parts(rows2d, recipe))
-                     if rows2d.size else 0))
     signal = noise = max_rel = 0.0
-    for r0, r1, c0, c1 in parts(rows2d, recipe):
-        codes, y32 = recipe.dequantize_part(q, r0, r1, c0, c1)
-        counts, s, n, m = _chunk_stats(rows2d[r0:r1, c0:c1].ravel(), np.asarray(y32).ravel(),
-                                       np.asarray(codes).view(np.uint8).ravel(), max_code, beyond, work, magnitude)
+    for counts, s, n, m, _ in map_spans(len(chunks), 1, stats):
         totals += counts
         signal, noise, max_rel = signal + s, noise + n, max(max_rel, m)
     finite, nonzero, under, clipped, at_max, lost = (int(t) for t in totals)

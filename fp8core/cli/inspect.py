@@ -299,7 +299,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe], blocks: bool = False) -> None:
     data, _ = _measurable(x, raw_fp8)
-    row["recipes"] = {r.name: measure(data, r) for r in recipes}
+    shared: dict = {}  # x's own statistics, computed once for all its recipes
+    row["recipes"] = {r.name: measure(data, r, shared) for r in recipes}
     row["winner"] = winner(row["recipes"])
     if blocks:
         row["blocks"] = {r.name: block_stats(data, r) for r in recipes if r.block_scales is not None}

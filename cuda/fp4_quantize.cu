@@ -12,6 +12,7 @@
 // are Philox4x32-10 keyed by (seed, block number, offset): no RNG state, the same bytes for any launch shape.
 #include "common.cuh"
 #include "e8m0.cuh"
+#include "nvfp4_scale.cuh"
 
 // E2M1 (fp8core.formats.E2M1) is declared by common.cuh from the loader's FP8CORE_FP4_ENCODINGS: Encoding<E2M1>
 // gives soft_cvt and fp8_to_f32 its layout, +max code and NaN cast.
@@ -20,7 +21,6 @@ namespace fp8core {
 static constexpr int FP4_THREADS = 256;
 static constexpr int NVFP4_BLOCK = 16;
 static constexpr int MXFP4_BLOCK = 32;
-static constexpr float NVFP4_RANGE = 2688.f;  // E4M3 max * E2M1 max, exact
 static constexpr u32 ONE_SIXTH_BITS = 0x3E2AAAABu;  // fp32(1/6), rounded once
 static constexpr u32 HADAMARD_SIGN_MASK = 0xD7E8u;  // TE's wgrad sign vector: bit i set where S_i = -1
 static constexpr u32 PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
@@ -134,19 +134,6 @@ __device__ __forceinline__ void hadamard16(float* f) {
 }
 
 // ---- NVFP4 --------------------------------------------------------------------------------------------------
-// S_enc = 2688 /rn G (FLT_MAX where inf; 1 where G is 0, inf or NaN), S_dec = 1 /rn S_enc; the quotients in fp64,
-// rounded once (the correctly rounded fp32 quotient, subnormal S_dec kept).
-__device__ __forceinline__ void nvfp4_global_scales(float g, float* s_enc, float* s_dec) {
-  const u32 a = __float_as_uint(g) & 0x7fffffffu;
-  float s = 1.f;
-  if (a != 0u && a < F32_INF) {
-    s = d2f(f2d(NVFP4_RANGE) / f2d(g));
-    if ((__float_as_uint(s) & 0x7fffffffu) == F32_INF) s = FLT_MAX_F;
-  }
-  *s_enc = s;
-  *s_dec = d2f(1.0 / f2d(s));
-}
-
 // The work items of one launch: operand blocks (r, j), numbered so that neighbouring threads read neighbouring
 // memory: rowwise r-major; columnwise j-major (threads along r, the columns of x); 16x16 tiles in groups of 16
 // lanes, one row segment each (rows past R in a partial last tile are items that load zeros and write nothing).

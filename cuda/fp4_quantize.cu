@@ -163,11 +163,19 @@ __device__ __forceinline__ Items nvfp4_items(i64 rows, i64 cols, int columnwise,
 // x [rows, cols] -> the NVFP4 operand's data [R, C/2] and E4M3 scales ([R, C/16], or [ceil(R/16), C/16] with
 // tiles). With amax_out non-null the launch only takes the operand's amax (after the transform) into it (one
 // atomic per CTA, the slot zeroed before): the global amax pass. Otherwise *global_amax is G.
+// Stochastic rounding's (seed, offset): by value, or with rng_state non-null from the caller's state in device
+// memory, four little-endian u32 words (seed lo, seed hi, offset lo, offset hi: an int64 [2] or uint32 [4] array,
+// 4-byte aligned), so the caller never reads it to the host; the by-value offset is then added to the state's (the
+// stream of one state), mod 2^64.
 template <typename T>
 __global__ void __launch_bounds__(FP4_THREADS) nvfp4_quantize_kernel(
     const T* __restrict__ x, u8* __restrict__ data, u8* __restrict__ scale, const float* __restrict__ global_amax,
     u32* __restrict__ amax_out, i64 rows, i64 cols, int columnwise, int tiles, int hadamard, int stochastic,
-    u64 seed, u64 offset) {
+    u64 seed, u64 offset, const u32* __restrict__ rng_state) {
+  if (rng_state != nullptr) {
+    seed = (u64)rng_state[0] | (u64)rng_state[1] << 32;
+    offset += (u64)rng_state[2] | (u64)rng_state[3] << 32;
+  }
   const Items items = nvfp4_items(rows, cols, columnwise, tiles);
   const bool vec = !columnwise && aligned(x, 16);
   float s_enc = 1.f, s_dec = 1.f;

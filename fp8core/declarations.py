@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import args, blocks, ops, rowwise, scaling
+from . import args, blocks, formats, fp4, ops, rowwise, scaling
+from ._tensor import wrap
 from .declare import Arg, Primitive, Spec, declare
 from .args import as_format
 from .gemm import check_shapes, gemm
-from .layouts import BlockScaledTensor, Layout, MXTensor, ScaledTensor, layout_of
+from .layouts import BlockScaledTensor, Layout, MXFP4Tensor, MXTensor, NVFP4Tensor, ScaledTensor, layout_of
 
-__all__ = ["PRIMITIVES", "matrix"]
+__all__ = ["PRIMITIVES", "matrix", "check_rng"]
 
 F32_1 = Spec((1,), "float32")
 _AMAX_OUT = Arg("amax_out", "Tensor?", None, mutated=True, slot=F32_1)
@@ -221,6 +222,100 @@ def _block_gemm(a: Spec, a_scale: Spec, b: Spec, b_scale: Spec, a_layout: str, b
     blocks.gemm_layouts(layout_of(ScaledTensor(a, a_scale, a_layout), "a"),
                         layout_of(ScaledTensor(b, b_scale, b_layout), "b"), m, n, k)
     return (Spec((m, n), out_dtype),)
+
+
+# ---- FP4 (fp8core.fp4) ---------------------------------------------------------------------------------------
+
+def _fp4_operand(x: Spec, function: str, block: int, columnwise: bool) -> tuple[int, int]:
+    """[R, C] of the operand (x as [M, K], or its transpose with ``columnwise``), C a whole number of blocks: the
+    core's rule and words (fp8core.fp4)."""
+    m, k = matrix(x, "x")
+    cols = m if columnwise else k
+    if cols % block:
+        name, what = ("M", "down the columns of x") if columnwise else ("K", "along the rows of x")
+        raise ValueError(f"x: {function}{' (columnwise)' if columnwise else ''} takes blocks of {block} {what} "
+                         f"viewed as [M, K] = [{m}, {k}]; {name} = {cols} must be a multiple of {block}")
+    return (k, m) if columnwise else (m, k)
+
+
+def check_rng(rng: Any, x: Any = None) -> None:
+    """Stochastic rounding's state, int64 [2] = (seed, offset): its dtype, shape and place (host memory, or x's
+    device where the kernel reads it by pointer), from its metadata alone: no read of its values."""
+    if str(rng.dtype) not in ("int64", "torch.int64") or tuple(rng.shape) != (2,):
+        raise ValueError(f"rng: expected int64 [2] (seed, offset), got {rng.dtype} {tuple(rng.shape)}")
+    where, there = str(getattr(rng, "device", "cpu")), str(getattr(x, "device", "cpu"))
+    if x is not None and where != there and where != "cpu":
+        raise ValueError(f"rng: is on {where} but x is on {there}; keep the (seed, offset) state on x's device "
+                         "(read there by the kernel) or in host memory (read by value)")
+
+
+def _nvfp4(x: Any, weight_2d: bool, hadamard: bool, stochastic: bool, rng: Any, stream: int,
+           columnwise: bool) -> NVFP4Tensor:
+    check_rng(rng, x)
+    return fp4.quantize_nvfp4(x, weight_2d=weight_2d, hadamard=hadamard,
+                              rounding="stochastic" if stochastic else "nearest",
+                              rng_state=rng if stochastic else None, offset=stream if stochastic else 0,
+                              columnwise=columnwise)
+
+
+@declare("quantize_nvfp4", (Arg("x"), Arg("weight_2d", "bool"), Arg("hadamard", "bool"), Arg("stochastic", "bool"),
+                            Arg("rng"), Arg("stream", "int"), Arg("columnwise", "bool")),
+         returns=3, call=_nvfp4, backend=("fp4.quantize_nvfp4",))
+def _quantize_nvfp4(x: Spec, weight_2d: bool, hadamard: bool, stochastic: bool, rng: Spec, stream: int,
+                    columnwise: bool) -> tuple[Spec, ...]:
+    """NVFP4 of the operand [R, C] (x as [M, K], or x^T): (data uint8 [R, C/2], scale float8_e4m3fn [R, C/16]
+    or [ceil(R/16), C/16] with weight_2d, global_amax float32 [1]). Stochastic rounding takes seed and offset +
+    stream from rng, int64 [2] (seed, offset) in host memory or on x's device, read where it lives when the
+    primitive runs (on a GPU by the kernel: no host read)."""
+    rows, cols = _fp4_operand(x, "quantize_nvfp4", fp4.NVFP4_BLOCK, columnwise)
+    scale_rows = -(-rows // fp4.NVFP4_BLOCK) if weight_2d else rows
+    return (Spec((rows, cols // 2), "uint8"), Spec((scale_rows, cols // fp4.NVFP4_BLOCK), formats.E4M3.dtype_name), F32_1)
+
+
+@declare("quantize_mxfp4", (Arg("x"), Arg("rounding", "str"), Arg("columnwise", "bool")),
+         returns=2, call=fp4.quantize_mxfp4, backend=("fp4.quantize_mxfp4",))
+def _quantize_mxfp4(x: Spec, rounding: str, columnwise: bool) -> tuple[Spec, ...]:
+    """MXFP4 of the operand [R, C] (x as [M, K], or x^T): (data uint8 [R, C/2], scale float8_e8m0fnu [R, C/32])."""
+    rows, cols = _fp4_operand(x, "quantize_mxfp4", fp4.MXFP4_BLOCK, columnwise)
+    return Spec((rows, cols // 2), "uint8"), Spec((rows, cols // fp4.MXFP4_BLOCK), formats.E8M0.dtype_name)
+
+
+def _unpacked(data: Spec, out_dtype: str) -> tuple[Spec, ...]:
+    rows, cols = matrix(data, "t.data")
+    return (Spec((rows, 2 * cols), out_dtype),)
+
+
+@declare("dequantize_nvfp4", (_T_DATA, Arg("scale", label="t.scale"), Arg("global_amax", label="t.global_amax"),
+                              Arg("layout", "str"), Arg("out_dtype", "dtype")), returns=1,
+         call=lambda data, scale, global_amax, layout, out_dtype: fp4.dequantize_nvfp4(
+             NVFP4Tensor(data, scale, global_amax, layout), out_dtype),
+         backend=("fp4.dequantize_nvfp4",))
+def _dequantize_nvfp4(data: Spec, scale: Spec, global_amax: Spec, layout: str, out_dtype: str) -> tuple[Spec, ...]:
+    """The NVFP4 operand [R, C] back in out_dtype, from data uint8 [R, C/2] in layout "1x16" or "16x16"."""
+    return _unpacked(data, out_dtype)
+
+
+@declare("dequantize_mxfp4", (_T_DATA, Arg("scale", label="t.scale"), Arg("out_dtype", "dtype")), returns=1,
+         call=lambda data, scale, out_dtype: fp4.dequantize_mxfp4(MXFP4Tensor(data, scale), out_dtype),
+         backend=("fp4.dequantize_mxfp4",))
+def _dequantize_mxfp4(data: Spec, scale: Spec, out_dtype: str) -> tuple[Spec, ...]:
+    """The MXFP4 operand [R, C] back in out_dtype, from data uint8 [R, C/2]."""
+    return _unpacked(data, out_dtype)
+
+
+@declare("nvfp4_gemm", (Arg("a"), Arg("a_scale", label="a.scale"), Arg("a_amax", label="a.global_amax"), Arg("b"),
+                        Arg("b_scale", label="b.scale"), Arg("b_amax", label="b.global_amax"), Arg("a_layout", "str"),
+                        Arg("b_layout", "str"), Arg("out_dtype", "dtype")),
+         returns=1, backend=("fp4.gemm",),
+         call=lambda a, a_scale, a_amax, b, b_scale, b_amax, a_layout, b_layout, out_dtype: gemm(
+             NVFP4Tensor(a, a_scale, a_amax, a_layout), NVFP4Tensor(b, b_scale, b_amax, b_layout), out_dtype=out_dtype))
+def _nvfp4_gemm(a: Spec, a_scale: Spec, a_amax: Spec, b: Spec, b_scale: Spec, b_amax: Spec, a_layout: str,
+                b_layout: str, out_dtype: str) -> tuple[Spec, ...]:
+    """fp8core.gemm of two NVFP4 operands (TN, blocks along K: a data [M, K/2], b data [N, K/2]): [M, N]."""
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"b: expected packed data [N, K/2] beside a's [M, K/2] = {tuple(a.shape)}, got shape "
+                         f"{tuple(b.shape)}")
+    return (Spec((a.shape[0], b.shape[0]), out_dtype),)
 
 
 PRIMITIVES: dict[str, Primitive] = {p.name: p for p in globals().values() if isinstance(p, Primitive)}

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from . import args, backends, formats
 from ._tensor import Tensor, export, export_all, wrap
+from .backends.cpu_fp4 import state_seed_offset
 from .layouts import Layout, MXFP4Tensor, NVFP4Tensor, ScaledTensor, resolve
 
 __all__ = ["NVFP4Tensor", "MXFP4Tensor", "quantize_nvfp4", "quantize_nvfp4_both", "dequantize_nvfp4",
@@ -61,21 +62,53 @@ def _nvfp4_options(weight_2d: Any, hadamard: Any, rounding: Any, seed: Any, offs
     return w2d, rht, stochastic, args.uint64(seed, "seed"), args.uint64(offset, "offset")
 
 
+# a random state in memory: (dtype, shape) -> what it holds
+_RNG_STATES = {("int64", (2,)): "(seed, offset)", ("uint64", (2,)): "(seed, offset)",
+               ("uint32", (4,)): "(seed lo, seed hi, offset lo, offset hi)"}
+
+
+def _rng_state(obj: Any, seed: int, offset: int, x: Tensor) -> tuple[Tensor | None, int, int]:
+    """(the state the backend reads where it lives, or None; seed; offset) of ``rng_state=``: on x's device it
+    goes to the backend (a GPU kernel reads it by pointer: no wait for the GPU); in host memory beside a GPU x it
+    is read here and passed by value (a read of host memory waits for nothing)."""
+    if obj is None:
+        return None, seed, offset
+    if seed:
+        raise ValueError(f"seed: rng_state holds the seed; leave seed at 0 with it (got {seed})")
+    t = args.contiguous(wrap(obj, "rng_state"), "rng_state")
+    if (t.dtype, t.shape) not in _RNG_STATES:
+        held = " or ".join(f"{d} {list(s)} {w}" for (d, s), w in _RNG_STATES.items())
+        raise ValueError(f"rng_state: expected {held}, got {t.dtype} {list(t.shape)}")
+    if t.device == x.device:
+        args.same_device(t, x, "rng_state")
+        return t, 0, offset
+    if t.device[0] != "cpu":
+        raise ValueError(f"rng_state: is on {t.device_str()} but x is on {x.device_str()}; put it on x's device "
+                         "(read there) or in host memory (read by value)")
+    return None, *state_seed_offset(t.data, offset)
+
+
 def _nvfp4_layout(weight_2d: bool) -> Layout:
     return Layout.NVFP4_16X16 if weight_2d else Layout.NVFP4_1X16
 
 
 def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False, rounding: str = "nearest",
-                   seed: int = 0, offset: int = 0, global_amax: Any = None, columnwise: bool = False) -> NVFP4Tensor:
+                   seed: int = 0, offset: int = 0, rng_state: Array | None = None, global_amax: Any = None,
+                   columnwise: bool = False) -> NVFP4Tensor:
     """NVFP4 quantization of the operand (x [M, K], or x^T [K, M] with ``columnwise``): 16-element blocks with
     E4M3 scales under an fp32 global scale, elements E2M1.
 
     weight_2d: one scale per 16x16 tile (weights). hadamard: each block replaced by its random Hadamard transform
     first (the wgrad operand of activations and gradients; not with weight_2d). rounding: "nearest" or
     "stochastic" (elements only; random bytes from Philox4x32-10 keyed by (seed, block, offset), unsigned 64-bit
-    ints: the same bytes on every backend and however the work is split). global_amax: the tensor's amax when
-    given (e.g. MAX-reduced across processes; inf and NaN allowed, negative refused), else amax(operand), taken
-    after the transform. The operand's rows need C % 16 == 0 (K rowwise, M columnwise); R is free.
+    ints: the same bytes on every backend and however the work is split). rng_state: the seed and offset held in
+    memory instead, int64 or uint64 [2] (seed, offset: fp8core.torch's ``fp4_rng``) or uint32 [4] (seed lo,
+    seed hi, offset lo, offset hi: fp8core.jax's state), contiguous, on x's device (the GPU kernel reads it there:
+    no host read, no wait) or in host memory (read by value); its seed is the seed (``seed`` stays 0) and its
+    offset + ``offset`` (mod 2**64) the offset, so one state serves several streams; the same bytes as by value.
+    global_amax: the tensor's amax when given (e.g. MAX-reduced across processes; inf and NaN allowed, negative
+    refused), else amax(operand), taken after the transform. The operand's rows need C % 16 == 0 (K rowwise, M
+    columnwise); R is free.
 
     Returns ``NVFP4Tensor(data uint8 [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16],
     global_amax float32 [1])``, layout ``1x16`` or ``16x16`` (weight_2d), encoding E2M1.
@@ -83,13 +116,14 @@ def quantize_nvfp4(x: Array, *, weight_2d: bool = False, hadamard: bool = False,
     w2d, rht, stochastic, s, o = _nvfp4_options(weight_2d, hadamard, rounding, seed, offset)
     cw = args.flag(columnwise, "columnwise")
     t2, backend = _operand(x, "quantize_nvfp4", NVFP4_BLOCK, cw)
+    state, s, o = _rng_state(rng_state, s, o, t2)
     g = args.global_amax(global_amax, t2)
-    data, scale, amax = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, g, cw)
+    data, scale, amax = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, state, g, cw)
     return NVFP4Tensor(*export_all(((data, "uint8"), (scale, E4M3), (amax, "float32")), t2), _nvfp4_layout(w2d))
 
 
 def quantize_nvfp4_both(x: Array, *, weight_2d: bool = False, hadamard: bool = False, rounding: str = "nearest",
-                        seed: int = 0, offset: int = 0, global_amax: Any = None
+                        seed: int = 0, offset: int = 0, rng_state: Array | None = None, global_amax: Any = None
                         ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """``(rowwise, columnwise)`` from one call, as NVFP4's recipe needs them: the rowwise operand (fprop, dgrad)
     never transformed, the columnwise one (wgrad) with the Hadamard transform when ``hadamard``. Each equals
@@ -101,12 +135,13 @@ def quantize_nvfp4_both(x: Array, *, weight_2d: bool = False, hadamard: bool = F
     w2d, rht, stochastic, s, o = _nvfp4_options(weight_2d, hadamard, rounding, seed, offset)
     t2, backend = _operand(x, "quantize_nvfp4_both", NVFP4_BLOCK, False)
     _operand(x, "quantize_nvfp4_both", NVFP4_BLOCK, True)
+    state, s, o = _rng_state(rng_state, s, o, t2)
     if rht and global_amax is not None:
         raise ValueError("global_amax: with hadamard=True the two operands have different amaxes (the columnwise "
                          "one after the transform); quantize each with quantize_nvfp4 and its own global_amax")
     g = args.global_amax(global_amax, t2)
-    row = backend.quantize_nvfp4(t2, w2d, False, stochastic, s, o, g, False)
-    col = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, None if rht else row[2], True)
+    row = backend.quantize_nvfp4(t2, w2d, False, stochastic, s, o, state, g, False)
+    col = backend.quantize_nvfp4(t2, w2d, rht, stochastic, s, o, state, None if rht else row[2], True)
     out = export_all(((row[0], "uint8"), (row[1], E4M3), (row[2], "float32"),
                       (col[0], "uint8"), (col[1], E4M3), (col[2], "float32")), t2)
     return NVFP4Tensor(*out[:3], _nvfp4_layout(w2d)), NVFP4Tensor(*out[3:], _nvfp4_layout(w2d))

@@ -109,7 +109,8 @@ def _fp4_part(t: Any, r0: int, r1: int, c0: int, c1: int, block: int) -> tuple[A
             np.ascontiguousarray(t.scale[r0:r1, c0 // block:b1]))
 
 
-_STRIP = 1 << 20  # elements of x per step of nvfp4_rht's operand
+_STRIP = 1 << 22  # elements of x per step of nvfp4_rht's operand (its transformed strip: 8 MiB of bf16)
+_TILE = 256  # rows and columns of a tile of its transpose
 
 
 def _nvfp4(hadamard: bool) -> Recipe:
@@ -132,11 +133,16 @@ def _nvfp4(hadamard: bool) -> Recipe:
             return None
         x = np.pad(x, ((0, -x.shape[0] % NVFP4_BLOCK), (0, 0)))
         out = np.empty((x.shape[1], x.shape[0]), x.dtype)
-        # in strips of x's columns, so that the transform's float32 temporaries stay near _STRIP elements
+        # in strips of x's columns, so that the transform's float32 temporaries stay near _STRIP elements; each
+        # strip transposed in square tiles (a whole strip's .T read it a column at a time: 8.5 against 2.2 ns an
+        # element on 4096x4096 bf16)
         step = max(1, _STRIP // max(x.shape[0], 1))
         with np.errstate(all="ignore"):  # the transform's own rule for inf and NaN
             for k0 in range(0, x.shape[1], step):
-                out[k0:k0 + step] = hadamard16(x[:, k0:k0 + step], True).T
+                t = hadamard16(x[:, k0:k0 + step], True)
+                for r0 in range(0, t.shape[0], _TILE):
+                    for c0 in range(0, t.shape[1], _TILE):
+                        out[k0 + c0:k0 + c0 + _TILE, r0:r0 + _TILE] = t[r0:r0 + _TILE, c0:c0 + _TILE].T
         return out
 
     return Recipe("nvfp4_rht", "NVFP4BlockScaling's wgrad operand: x^T (blocks of 16 rows of x, zero-padded), "

@@ -110,6 +110,81 @@ def test_a_declared_op_beside_hand_written_ones():
     assert torch.equal(q.view(torch.uint8), fp8core.quantize(x, 1.0, "e4m3").view(torch.uint8))
 
 
+def test_a_declared_default_reaches_the_call():
+    """The dispatcher drops trailing arguments equal to their schema defaults before it calls a Python kernel:
+    the op's body and fake put the declared default back (here not the call's own)."""
+    torch = _torch()
+    from fp8core.torch.custom_ops import custom_ops
+
+    @declare("test_default_rows", (Arg("x"), Arg("rows", "int", 3)), returns=1,
+             call=lambda x, rows=1: x.new_zeros((rows, x.shape[-1])))
+    def rule(x, rows=3):
+        """zeros [rows, x's last dim]."""
+        return (Spec((rows, x.shape[-1]), x.dtype),)
+
+    (op,) = custom_ops(rule)
+    x = torch.ones(2, 5)
+    assert op(x).shape == op(x, 3).shape == (3, 5) and op(x, 4).shape == (4, 5)
+    assert torch.compile(lambda t: op(t), fullgraph=True, backend="aot_eager")(x).shape == (3, 5)
+    assert op(x.to("meta")).shape == (3, 5)
+
+
+@pytest.mark.parametrize("columnwise", [False, True], ids=["rowwise", "columnwise"])
+def test_the_fp4_rules_give_the_core_results_shapes(columnwise):
+    x = np.linspace(-3, 3, 64 * 96, dtype=np.float32).reshape(2, 32, 96)  # [M, K] = [64, 96]
+    rng = np.array([3, 9], np.int64)
+    cases = [("quantize_nvfp4", dict(x=x, weight_2d=w2d, hadamard=False, stochastic=True, rng=rng, stream=1,
+                                     columnwise=columnwise)) for w2d in (False, True)]
+    cases.append(("quantize_mxfp4", dict(x=x, rounding="floor", columnwise=columnwise)))
+    for name, kwargs in cases:
+        p = PRIMITIVES[name]
+        out = p.call(**kwargs)
+        assert [Spec.of(o) for o in out] == list(p.specs(**kwargs)), name
+        dq = "dequantize_nvfp4" if name == "quantize_nvfp4" else "dequantize_mxfp4"
+        parts = dict(zip(("data", "scale", "global_amax"), out), **({"layout": out.layout.value}
+                                                                   if dq == "dequantize_nvfp4" else {}))
+        y = PRIMITIVES[dq].call(**parts, out_dtype="bfloat16")
+        assert Spec.of(y) == PRIMITIVES[dq].specs(**parts, out_dtype="bfloat16")[0] == Spec((
+            (96, 64) if columnwise else (64, 96)), "bfloat16")
+    a = PRIMITIVES["quantize_nvfp4"].call(**cases[0][1])
+    b = PRIMITIVES["quantize_nvfp4"].call(**cases[1][1])
+    gemm = dict(a=a[0], a_scale=a[1], a_amax=a[2], b=b[0], b_scale=b[1], b_amax=b[2], a_layout="1x16",
+                b_layout="16x16", out_dtype="float32")
+    assert Spec.of(PRIMITIVES["nvfp4_gemm"].call(**gemm)) == PRIMITIVES["nvfp4_gemm"].specs(**gemm)[0]
+
+
+def test_the_fp4_rules_raise_the_core_error():
+    x = np.ones((40, 40), np.float32)  # neither M nor K whole blocks of 16 or 32
+    for name, kwargs in (("quantize_nvfp4", dict(weight_2d=False, hadamard=False, stochastic=False,
+                                                 rng=np.zeros(2, np.int64), stream=0)),
+                         ("quantize_mxfp4", dict(rounding="rceil"))):
+        for columnwise in (False, True):
+            with pytest.raises(ValueError) as core:
+                PRIMITIVES[name].call(x, columnwise=columnwise, **kwargs)
+            with pytest.raises(ValueError) as rule:
+                PRIMITIVES[name].specs(x=x, columnwise=columnwise, **kwargs)
+            assert str(rule.value) == str(core.value) and "must be a multiple of" in str(core.value)
+
+
+def test_the_nvfp4_state_is_checked_by_its_metadata_and_read_where_it_lives():
+    """The declared quantize_nvfp4 hands its int64 [2] (seed, offset) state on to the core unread (the kernel reads
+    it where it lives); the bytes are those of the same seed and offset + stream by value, the offset wrapping as
+    an unsigned 64-bit int."""
+    from fp8core.declarations import check_rng
+
+    x = np.random.default_rng(5).standard_normal((32, 64)).astype(np.float32)
+    for state, stream, seed, offset in (([-1, 7], 2, 2 ** 64 - 1, 9), ([5, -1], 1, 5, 0)):
+        got = PRIMITIVES["quantize_nvfp4"].call(x, weight_2d=False, hadamard=False, stochastic=True,
+                                                rng=np.array(state, np.int64), stream=stream, columnwise=False)
+        want = fp8core.quantize_nvfp4(x, rounding="stochastic", seed=seed, offset=offset)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    with pytest.raises(ValueError, match=r"^rng: expected int64 \[2\] \(seed, offset\), got int32 \(2,\)$"):
+        check_rng(np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match=r"^rng: expected int64 \[2\] \(seed, offset\), got int64 \(3,\)$"):
+        check_rng(np.zeros(3, np.int64))
+
+
 # ---- the JAX primitives' shapes follow the declarations -------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(5,), (3, 32), (2, 16, 32)], ids=str)

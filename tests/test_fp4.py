@@ -152,6 +152,55 @@ def test_stochastic_rounding_is_reproducible_and_keyed_by_seed_and_offset(rng):
         np.testing.assert_array_equal(a.scale.view(np.uint8), c.scale.view(np.uint8))  # scales round to nearest
 
 
+def _state(seed: int, offset: int, form: str):
+    """(seed, offset) in memory, as each front-end holds it."""
+    words = [seed & 0xFFFFFFFF, seed >> 32, offset & 0xFFFFFFFF, offset >> 32]
+    if form == "uint32":  # fp8core.jax's
+        return np.array(words, np.uint32)
+    if form == "torch":  # fp8core.torch's fp4_rng: int64, the unsigned numbers' bits
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(np.array([seed, offset], np.uint64).view(np.int64))
+    if form == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        return jnp.asarray(np.array(words, np.uint32))
+    return np.array([seed, offset], form)
+
+
+@pytest.mark.parametrize("form", ["uint64", "uint32", "torch", "jax"])
+@pytest.mark.parametrize("seed, offset, stream", [(5, 9, 0), (2 ** 64 - 1, 2 ** 32 - 1, 1), (3, 2 ** 64 - 2, 3)])
+def test_a_state_in_memory_gives_the_bytes_of_its_numbers_by_value(rng, form, seed, offset, stream):
+    """rng_state (the form each front-end keeps) holds the seed and offset; ``offset`` is added to the state's, the
+    carry reaching its high word and the sum wrapping past 2^64: the bytes of the same numbers by value, for the
+    rowwise, columnwise (Hadamard) and 16x16 operands and for quantize_nvfp4_both. The state is only read."""
+    x = rng.standard_normal((32, 64)).astype(ml_dtypes.bfloat16)
+    state = _state(seed, offset, form)
+    raw = (lambda: state.numpy().tobytes()) if form == "torch" else (lambda: np.asarray(state).tobytes())
+    before = raw()
+    key = dict(seed=seed, offset=(offset + stream) % 2 ** 64)
+    for kw in ({}, dict(columnwise=True, hadamard=True), dict(weight_2d=True)):
+        got = quantize_nvfp4(x, rounding="stochastic", rng_state=state, offset=stream, **kw)
+        want = quantize_nvfp4(x, rounding="stochastic", **key, **kw)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"{form} {kw}")
+    for g, w in zip(quantize_nvfp4_both(x, hadamard=True, rounding="stochastic", rng_state=state, offset=stream),
+                    quantize_nvfp4_both(x, hadamard=True, rounding="stochastic", **key)):
+        for gp, wp in zip(g, w):
+            np.testing.assert_array_equal(_bits(gp), _bits(wp), err_msg=f"{form} both")
+    assert raw() == before
+    nearest = quantize_nvfp4(x, rng_state=state)  # rounding to nearest takes no random bytes
+    np.testing.assert_array_equal(nearest.data, quantize_nvfp4(x).data)
+
+
+def test_the_cpu_backend_reads_a_state_as_the_kernel_does():
+    """Four little-endian u32 words (seed lo, seed hi, offset lo, offset hi), whichever dtype holds them; the offset
+    added mod 2^64."""
+    seed, offset = 0x0123456789ABCDEF, 0xFFFFFFFF_FFFFFFFE
+    for state in (np.array([seed, offset], np.uint64), np.array([seed, offset], np.uint64).view(np.int64),
+                  np.array([0x89ABCDEF, 0x01234567, 0xFFFFFFFE, 0xFFFFFFFF], np.uint32)):
+        assert cpu_fp4.state_seed_offset(state, 0) == (seed, offset)
+        assert cpu_fp4.state_seed_offset(state, 3) == (seed, 1)
+
+
 @pytest.mark.parametrize("columnwise, hadamard, weight_2d", [(False, True, False), (True, True, False),
                                                              (True, False, False), (True, False, True)])
 def test_stochastic_rounding_does_not_depend_on_how_the_work_is_split(rng, monkeypatch, columnwise, hadamard,
@@ -551,6 +600,16 @@ def test_cuda_input_takes_the_cuda_backend():
     (lambda x: quantize_nvfp4(x, seed=2**64), ValueError, r"^seed: expected an unsigned 64-bit integer"),
     (lambda x: quantize_nvfp4(x, offset=1.0), ValueError, r"^offset: expected an unsigned 64-bit integer"),
     (lambda x: quantize_nvfp4(x, offset=True), ValueError, r"^offset: expected an unsigned 64-bit integer"),
+    (lambda x: quantize_nvfp4(x, rng_state=np.zeros(3, np.int64)), ValueError,
+     r"^rng_state: expected int64 \[2\] \(seed, offset\) or uint64 \[2\] \(seed, offset\) or uint32 \[4\] "
+     r"\(seed lo, seed hi, offset lo, offset hi\), got int64 \[3\]"),
+    (lambda x: quantize_nvfp4(x, rng_state=np.zeros(2, np.int32)), ValueError, r"^rng_state: expected .* got int32 \[2\]"),
+    (lambda x: quantize_nvfp4(x, rng_state=np.zeros(2, F32)), ValueError, r"^rng_state: expected .* got float32 \[2\]"),
+    (lambda x: quantize_nvfp4(x, rng_state=np.zeros(4, np.int64)[::2]), ValueError, r"^rng_state: expected a contiguous"),
+    (lambda x: quantize_nvfp4(x, rng_state=np.zeros(2, np.int64), seed=5), ValueError,
+     r"^seed: rng_state holds the seed; leave seed at 0 with it \(got 5\)"),
+    (lambda x: quantize_nvfp4(x, rng_state=[1, 2]), TypeError, r"^rng_state: "),
+    (lambda x: quantize_nvfp4_both(x, rng_state=np.zeros(4, np.uint64)), ValueError, r"^rng_state: expected"),
     (lambda x: quantize_nvfp4(x, global_amax=-1.0), ValueError, r"^global_amax: expected an amax >= 0"),
     (lambda x: quantize_nvfp4(x, global_amax=-0.0), ValueError, r"^global_amax: expected an amax >= 0"),
     (lambda x: quantize_nvfp4(x, global_amax=np.ones(2, F32)), ValueError, r"^global_amax: expected 1 element"),

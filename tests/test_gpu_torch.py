@@ -200,3 +200,55 @@ def test_an_nvfp4_layer_keeps_its_random_state_in_host_memory_on_the_gpu():
     lin = lin.cuda()
     assert lin.weight.is_cuda and lin.fp4_rng.device.type == "cpu" and torch.equal(lin.fp4_rng, before)
     assert lin.state_dict()["fp4_rng"].device.type == "cpu"
+
+
+def test_nvfp4_quantize_reads_a_state_on_the_gpu_without_waiting_for_it():
+    """A (seed, offset) state on the GPU is read by the kernel and advanced by a device op (torch's sync debug mode
+    raises on any wait), with the bytes of the same state in host memory (by value) and of the CPU reference."""
+    from fp8core.torch import fp4_ops
+
+    g = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    host = torch.tensor([2 ** 62 + 7, -1], dtype=torch.int64)  # offset 2**64 - 1: + 2 wraps to 1
+    device_state = host.cuda()
+    torch.cuda.current_stream().synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        saved, after = fp4_ops.advance_rng(device_state, 2)
+        opts = dict(hadamard=True, stochastic=True, stream=1, columnwise=True)
+        by_pointer = fp4_ops.quantize_nvfp4(g, rng=saved, **opts)
+        by_value = fp4_ops.quantize_nvfp4(g, rng=host, **opts)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    cpu = fp8core.quantize_nvfp4(g.cpu(), hadamard=True, rounding="stochastic", seed=2 ** 62 + 7, offset=0,
+                                 columnwise=True)
+    for a, b, c in zip(by_pointer, by_value, cpu):
+        a, b = a.cpu().view(torch.uint8), b.cpu().view(torch.uint8)
+        assert torch.equal(a, b) and torch.equal(a, c.view(torch.uint8))
+    assert after.cpu().tolist() == [2 ** 62 + 7, 1] and saved.is_cuda
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not 100 <= 10 * torch.cuda.get_device_capability()[0] < 130,
+                    reason="NVFP4 training needs cuBLASLt's FP4 GEMM: compute capability 10.x-12.x")
+def test_an_nvfp4_layer_whose_state_fsdp2_moved_to_the_gpu_trains_like_its_host_twin_without_waiting():
+    """FSDP2 moves buffers itself (buf.data = buf.to(device)): the layer's fp4_rng then lives on the GPU, read there
+    by the kernels and advanced there, with no wait, and the run gives the bits of its twin whose state stayed in
+    host memory."""
+    runs = []
+    for move in (False, True):
+        torch.manual_seed(0)
+        lin = Float8Linear(64, 64, recipe=fp8core.NVFP4BlockScaling(), device="cuda")
+        if move:
+            lin.fp4_rng.data = lin.fp4_rng.to("cuda")
+        xs = [torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(3)]
+        torch.cuda.current_stream().synchronize()
+        torch.cuda.set_sync_debug_mode("error" if move else "default")
+        try:
+            for x in xs:
+                with autocast():
+                    lin(x).square().mean().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        runs.append((lin.weight.grad.clone(), lin.fp4_rng.device.type, [int(v) for v in lin.fp4_rng.cpu()]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][2] == runs[1][2] == [runs[0][2][0], 6]
+    assert (runs[0][1], runs[1][1]) == ("cpu", "cuda")

@@ -160,6 +160,59 @@ def test_the_primitives_are_the_cores_bits(jit):
     np.testing.assert_array_equal(bits(y), bits(fp8core.gemm(want_w, want_w, out_dtype="float32")))
 
 
+def test_the_quantize_callback_hands_its_state_buffer_on_unread(monkeypatch):
+    """Under jit the callback passes the state's own buffer as rng_state and the stream as the offset to add: the
+    kernel reads it where XLA keeps it (on a GPU, device memory on XLA's stream), nothing reads it to the host. The
+    state's offset 2**64 - 1 plus stream 1 wraps to 0, as by value."""
+    from fp8core._tensor import Tensor
+
+    seen = []
+    quantize = fp8core.quantize_nvfp4
+
+    def spy(x, **kw):
+        seen.append(kw)
+        return quantize(x, **kw)
+
+    monkeypatch.setattr(fp8core, "quantize_nvfp4", spy)
+    x = np.random.default_rng(4).standard_normal((32, 64)).astype(np.float32)
+    rng = jfp4.rng_state(2 ** 40 + 9, 2 ** 64 - 1)
+    got = jax.jit(lambda x, r: tuple(jfp4.quantize_nvfp4(x, stochastic=True, rng=r, stream=1)))(jnp.asarray(x), rng)
+    (kw,) = seen
+    state = kw["rng_state"]
+    assert isinstance(state, Tensor) and state.dtype == "uint32" and state.shape == (4,) and kw["offset"] == 1
+    assert "seed" not in kw
+    want = quantize(x, rounding="stochastic", seed=2 ** 40 + 9, offset=0)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_mxfp4_and_the_dequantizers_are_the_cores_bits(jit):
+    x = np.random.default_rng(4).standard_normal((64, 96)).astype(np.float32)
+    x[1, :3] = [np.nan, np.inf, -0.0]
+
+    def run(x):
+        m = jfp4.quantize_mxfp4(x, rounding="floor", columnwise=True)
+        n = jfp4.quantize_nvfp4(x, weight_2d=True)
+        return tuple(m), jfp4.dequantize_mxfp4(m, jnp.bfloat16), jfp4.dequantize_nvfp4(n)
+
+    m, ym, yn = (jax.jit(run) if jit else run)(jnp.asarray(x))
+    want = fp8core.quantize_mxfp4(x, rounding="floor", columnwise=True)
+    for got, ref in zip(m, want):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
+    np.testing.assert_array_equal(bits(ym), bits(fp8core.dequantize_mxfp4(want, "bfloat16")))
+    np.testing.assert_array_equal(bits(yn), bits(fp8core.dequantize_nvfp4(fp8core.quantize_nvfp4(x, weight_2d=True))))
+    x40 = np.ascontiguousarray(x[:, :40])  # K = 40: not whole blocks of 32
+    with pytest.raises(ValueError) as core:
+        fp8core.quantize_mxfp4(x40)
+    with pytest.raises(ValueError) as ours:
+        jfp4.quantize_mxfp4(jnp.asarray(x40))
+    assert str(ours.value) == str(core.value)
+    with pytest.raises(TypeError, match="t: expected an MXFP4Tensor"):
+        jfp4.dequantize_mxfp4(tuple(m))
+
+
 def test_the_primitives_refuse_as_the_core_does():
     with pytest.raises(ValueError) as core:
         fp8core.quantize_nvfp4(np.ones((20, 32), np.float32), columnwise=True)

@@ -18,7 +18,7 @@ PACKAGES = {"fp8core": ROOT / "fp8core", "fp8core.torch": ROOT / "bindings" / "t
 LAYERS = {
     "fp8core.cli": 5, "fp8core.selftest": 5, "fp8core.__main__": 5, "fp8core.torch": 5, "fp8core.jax": 5,
     "fp8core": 4, "fp8core.ops": 4, "fp8core.blocks": 4, "fp8core.fp4": 4, "fp8core.gemm": 4, "fp8core.scaling": 4,
-    "fp8core.numerics_stats": 4, "fp8core.numerics_recipes": 4, "fp8core.declarations": 4,
+    "fp8core.numerics_stats": 4, "fp8core.numerics_recipes": 4, "fp8core.declarations": 4, "fp8core.linear_plan": 4,
     "fp8core.recipe": 3, "fp8core.args": 3,
     "fp8core._tensor": 2, "fp8core._dlpack": 2, "fp8core.boundary": 2,
     "fp8core.backends": 1,

@@ -72,6 +72,45 @@ def test_custom_op_schema_fake_and_autograd_registration(op, args):
     torch.library.opcheck(op, args, test_utils=utils)
 
 
+def test_an_op_has_no_gradient_and_says_so_on_backward():
+    x = torch.randn(8, 16, requires_grad=True)
+    a = ops.amax(x)
+    assert a.requires_grad  # as torch.library.custom_op's ops: the graph reaches the op, whose backward refuses
+    with pytest.raises(RuntimeError, match="backward through fp8core::amax but no autograd formula"):
+        a.sum().backward()
+    with torch.no_grad():
+        assert not ops.amax(x).requires_grad
+    assert not ops.amax(x.detach()).requires_grad
+
+
+def test_the_direct_and_the_dispatched_body_agree():
+    """Plain tensors go from the op's Autograd kernel straight to its body; under a dispatch mode (as under
+    torch.compile's tracing) the op is dispatched on to it. Both give the same bits and write the same slot."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, s = torch.randn(24, 48, dtype=torch.bfloat16), torch.tensor([0.5])
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
+    slot_direct, slot_dispatched = torch.full((1,), 3.0), torch.full((1,), 3.0)
+    version = slot_direct._version
+    direct = ops.cast_transpose(x, s, "e5m2", slot_direct)
+    assert slot_direct._version > version  # the write is seen by autograd, as an in-place op's
+    with Seen() as seen:
+        dispatched = ops.cast_transpose(x, s, "e5m2", slot_dispatched)
+    assert "fp8core.cast_transpose_amax.default" in seen.ops
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(direct, dispatched))
+    assert torch.equal(bits(slot_direct), bits(slot_dispatched)) and slot_direct.isnan().all()  # NaN propagates
+    assert torch.equal(bits(direct[0]), bits(fp8core.quantize(x, s, "e5m2")))
+
+
 def test_ops_give_the_core_bits_eager_and_compiled():
     x, s = torch.randn(48, 64), torch.tensor([0.5])
 
@@ -155,12 +194,13 @@ def test_what_compile_traces_of_a_layer_is_the_same_python_on_every_device():
     a branch on the device in that Python would be traced first on a GPU. One was (a CuPy lookup with
     importlib.util.find_spec, which torch 2.11's dynamo refuses: CUDA's fullgraph compile failed). The device's
     needs are met inside the ops, which are not traced."""
-    from fp8core.torch import block_linear, linear, te
+    from fp8core.torch import block_linear, fp4_linear, linear, linear_function, rowwise_linear, te
 
     traced = [linear.Float8Linear.forward, te.Linear.forward, linear._Float8Matmul.forward,
-              linear._Float8Matmul.backward, linear._cast, linear._weight_cast, linear._padded,
-              block_linear.BlockMatmul.forward, block_linear.BlockMatmul.backward, block_linear._quantize_both,
-              block_linear._padded]
+              linear._Float8Matmul.backward, linear._cast, linear._weight_cast,
+              linear_function.LinearFunction.forward, linear_function.LinearFunction.backward, linear_function._run,
+              linear_function.padded, block_linear.quantize, rowwise_linear.quantize, fp4_linear.quantize,
+              fp4_linear._quantize]
     for fn in traced:
         assert not _names(fn.__code__) & {"is_cuda", "importlib", "find_spec", "import_module", "__import__"}, \
             fn.__qualname__

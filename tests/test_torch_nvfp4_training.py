@@ -234,11 +234,15 @@ def _fp4_op_cases():
         (torch.ops.fp8core.nvfp4_gemm, (*b, *b, "16x16", "16x16", torch.float32)),
         (torch.ops.fp8core.nvfp4_gemm, (*a, *a, "1x16", "1x16", torch.bfloat16)),
         (torch.ops.fp8core.advance_rng, (rng, 2)),
+        (torch.ops.fp8core.quantize_mxfp4, (x, "floor", True)),
+        (torch.ops.fp8core.dequantize_nvfp4, (*b, "16x16", torch.bfloat16)),
+        (torch.ops.fp8core.dequantize_mxfp4, (*fp8core.quantize_mxfp4(x), torch.float32)),
     ]
 
 
 @pytest.mark.parametrize("op,args", _fp4_op_cases(), ids=["rowwise", "columnwise_rht_sr", "tiles_columnwise",
-                                                           "gemm_tiles", "gemm_1x16", "advance_rng"])
+                                                           "gemm_tiles", "gemm_1x16", "advance_rng", "mxfp4_columnwise",
+                                                           "dequantize_nvfp4", "dequantize_mxfp4"])
 def test_fp4_ops_schema_fake_and_autograd_registration(op, args):
     utils = ["test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"]
     if not any(isinstance(a, torch.Tensor) and a.element_size() == 1 and a.is_floating_point() for a in args):
@@ -259,14 +263,127 @@ def test_the_quantize_op_reads_seed_and_offset_plus_stream():
         fp4_ops.quantize_nvfp4(g, stochastic=True, rng=torch.zeros(2, dtype=torch.int32))
 
 
-def test_the_quantize_op_refuses_a_state_outside_host_memory_by_name():
-    """The (seed, offset) state is read on the host: one in device memory would make each quantize wait for the
-    GPU, so it is refused by name (Float8Linear keeps its fp4_rng on the host: test_gpu_torch checks it there)."""
+def test_the_quantize_op_hands_its_state_to_the_core_unread(monkeypatch):
+    """The op passes the (seed, offset) tensor itself as rng_state with ``stream`` as the offset to add: the kernel
+    reads it where it lives (on a GPU by pointer, test_gpu_torch), so nothing reads it to the host."""
+    import fp8core.fp4 as core_fp4
     from fp8core.torch import fp4_ops
 
-    with pytest.raises(ValueError, match=r"^rng: expected the \(seed, offset\) state in host memory \(a CPU tensor\), "
-                                         r"got it on meta"):
-        fp4_ops._seed_offset(torch.zeros(2, dtype=torch.int64, device="meta"), 0)
+    seen = []
+    quantize = fp8core.quantize_nvfp4
+    monkeypatch.setattr(core_fp4, "quantize_nvfp4", lambda x, **kw: seen.append(kw) or quantize(x, **kw))
+    rng = torch.tensor([3, -1], dtype=torch.int64)  # offset 2**64 - 1: + stream wraps to 0
+    g = torch.randn(32, 64)
+    got = fp4_ops.quantize_nvfp4(g, stochastic=True, rng=rng, stream=1)
+    (kw,) = seen
+    assert kw["rng_state"].data_ptr() == rng.data_ptr() and kw["offset"] == 1 and "seed" not in kw
+    want = quantize(g, rounding="stochastic", seed=3, offset=0)
+    assert torch.equal(got.data, want.data) and torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    fp4_ops.quantize_nvfp4(g, rng=rng)  # nearest: no state handed on
+    assert seen[1]["rng_state"] is None
+
+
+def test_the_quantize_op_refuses_a_state_on_another_device_by_name():
+    """Host memory or x's device, nothing else: a CPU x beside a state on another device (meta here, whose tensors
+    the op itself refuses earlier; a GPU alike) would have to be read there."""
+    from fp8core.declarations import check_rng
+
+    with pytest.raises(ValueError, match=r"^rng: is on meta but x is on cpu; keep the \(seed, offset\) state on "
+                                         r"x's device \(read there by the kernel\) or in host memory"):
+        check_rng(torch.zeros(2, dtype=torch.int64, device="meta"), torch.randn(32, 64))
+
+
+def test_advance_rng_adds_to_the_offset_modulo_2_to_the_64():
+    from fp8core.torch import fp4_ops
+
+    rng = torch.tensor([-5, 2 ** 63 - 1], dtype=torch.int64)
+    saved, after = fp4_ops.advance_rng(rng, 2)
+    assert torch.equal(saved, rng) and saved.data_ptr() != rng.data_ptr()
+    assert after.tolist() == [-5, -(2 ** 63) + 1] and rng.tolist() == [-5, 2 ** 63 - 1]
+
+
+def test_a_layer_whose_state_was_moved_as_fsdp2_moves_it_trains_bit_identically_to_its_twin(monkeypatch):
+    """FSDP2 moves buffers itself (``buf.data = buf.to(device)``), past the module's _apply that keeps fp4_rng in
+    host memory: the moved state is then read where it lives (handed to the backend unread: on a GPU the kernel's
+    pointer) and advanced there in place. On the CPU the device is x's own, so this checks what the CPU can: the
+    moved state (a new storage) gives the twin's bits step after step, stays where it was put through a later
+    ``.to()``, advances in place, and every stochastic quantize got the state from memory, not by value."""
+    from fp8core.backends import cpu_fp4
+
+    calls = []
+    quantize = cpu_fp4.quantize_nvfp4
+
+    def spy(x, weight_2d, hadamard, stochastic, seed, offset, rng_state, *rest):
+        calls.append((stochastic, seed, rng_state is not None))
+        return quantize(x, weight_2d, hadamard, stochastic, seed, offset, rng_state, *rest)
+
+    runs, moved = [], {}
+    for move in (False, True):
+        model = mlp(3)
+        torch.manual_seed(11)
+        model = convert_to_float8(model, NVFP4)
+        if move:
+            for name, m in model.named_modules():
+                if isinstance(m, Float8Linear):
+                    m.fp4_rng.data = m.fp4_rng.to(m.weight.device, copy=True)
+                    moved[name] = (m.fp4_rng, m.fp4_rng.data_ptr())
+            model.to(torch.float32)  # a later module transform leaves the moved state where it is
+            monkeypatch.setattr(cpu_fp4, "quantize_nvfp4", spy)
+        losses, _ = train(model, 4)
+        runs.append((bits(losses), params_bits(model), [int(v) for v in model[0].fp4_rng]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert runs[0][2] == runs[1][2] and runs[1][2][1] == 8  # 4 steps, 2 offsets each
+    for name, (buf, ptr) in moved.items():
+        layer = model.get_submodule(name)
+        assert layer.fp4_rng is buf and buf.data_ptr() == ptr and int(buf[1]) == 8
+    stochastic = [c for c in calls if c[0]]
+    # per step: both gradient quantizations of the second layer, the wgrad one of the first (its x needs no grad)
+    assert len(stochastic) == 4 * 3 and all(seed == 0 and from_memory for _, seed, from_memory in stochastic)
+
+
+def _same(got, want):
+    """Every field of two tuples of tensors equal bit for bit (compared as bytes: NaN fields too)."""
+    return len(got) == len(want) and all(g.dtype == w.dtype and g.shape == w.shape and torch.equal(
+        g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("columnwise", [False, True], ids=["rowwise", "columnwise"])
+def test_the_fp4_ops_give_the_core_bits_eager_and_compiled(columnwise):
+    from fp8core.torch import fp4_ops
+
+    x = torch.randn(64, 96, dtype=torch.bfloat16)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+
+    def f(t):
+        m = fp4_ops.quantize_mxfp4(t, "floor", columnwise)
+        n = fp4_ops.quantize_nvfp4(t, weight_2d=True, columnwise=columnwise)
+        return (*m, *n, fp4_ops.dequantize_mxfp4(m, torch.bfloat16), fp4_ops.dequantize_nvfp4(n, torch.float32))
+
+    m = fp8core.quantize_mxfp4(x, rounding="floor", columnwise=columnwise)
+    n = fp8core.quantize_nvfp4(x, weight_2d=True, columnwise=columnwise)
+    want = (*m, *n, fp8core.dequantize_mxfp4(m, "bfloat16"), fp8core.dequantize_nvfp4(n, "float32"))
+    eager = f(x)
+    assert _same(eager, want)
+    assert isinstance(fp4_ops.quantize_mxfp4(x), fp8core.MXFP4Tensor) and fp4_ops.quantize_mxfp4(x).layout == "1x32"
+    assert _same(torch.compile(f, fullgraph=True)(x), eager)
+
+
+def test_the_fp4_ops_raise_the_core_error_eager_and_traced():
+    from fp8core.torch import fp4_ops
+
+    x = torch.randn(48, 40)  # K = 40: not whole blocks of 16 or 32
+    for name, call in (("quantize_mxfp4", lambda t: fp4_ops.quantize_mxfp4(t)),
+                       ("quantize_nvfp4", lambda t: fp4_ops.quantize_nvfp4(
+                           t, rng=torch.zeros(2, dtype=torch.int64, device=t.device)))):
+        with pytest.raises(ValueError) as core:
+            getattr(fp8core, name)(x)
+        assert str(core.value).startswith(f"x: {name} takes blocks of")
+        for t in (x, x.to("meta")):  # eager, then shapes only (the declared rule, as a compiled graph's fake)
+            with pytest.raises(ValueError) as op:
+                call(t)
+            assert str(op.value) == str(core.value)
+
 
 
 def test_a_layer_made_on_meta_and_materialised_draws_its_seed_then():

@@ -16,12 +16,15 @@ import jax.numpy as jnp
 
 from fp8core import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling, NVFP4BlockScaling
 from fp8core.gemm import MULTIPLE
+from fp8core.linear_plan import Role, linear_plan
 
 from . import _args
 from .derivatives import first_order_only
 from .fp4 import nvfp4_dense, rng_state
-from .primitives import cast_transpose, gemm, quantize_dynamic, reduce_amax, transpose, update
+from .linear_vjp import output, padded_tokens
+from .primitives import gemm, reduce_amax, update
 from .rowwise import rowwise_matmul
+from .tensorwise import cast
 
 __all__ = ["init_state", "dense", "next_state"]
 
@@ -38,50 +41,33 @@ def init_state(recipe: DelayedScaling | NVFP4BlockScaling, seed: int = 0) -> dic
             "scale_inv": jnp.ones(3, jnp.float32)}
 
 
-def _current(x: jax.Array, fmt: str, r: Float8CurrentScaling) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q, s_inv, a = quantize_dynamic(x, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
-    return q, transpose(q), s_inv, a
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fp8_matmul(x, w, scale, scale_inv, grad_slot, recipe):
-    return _forward(x, w, scale, scale_inv, recipe)[0]
+def _fp8_matmul(x, w, scale, scale_inv, grad_slot, plan):
+    return _forward(x, w, scale, scale_inv, plan)[0]
 
 
-def _forward(x, w, scale, scale_inv, recipe):
-    return first_order_only(partial(_forward_once, recipe=recipe), "fp8core.jax.dense", x, w, scale, scale_inv)
+def _forward(x, w, scale, scale_inv, plan):
+    return first_order_only(partial(_forward_once, plan=plan), "fp8core.jax.dense", x, w, scale, scale_inv)
 
 
-def _forward_once(x, w, scale, scale_inv, recipe):
-    fmt = recipe.fp8_format
-    if isinstance(recipe, Float8CurrentScaling):
-        qx, qxt, sx, ax = _current(x, fmt.fwd.value, recipe)
-        qw, qwt, sw, aw = _current(w, fmt.fwd.value, recipe)
-    else:
-        qx, qxt, ax = cast_transpose(x, scale[0:1], fmt.fwd.value)
-        qw, qwt, aw = cast_transpose(w, scale[1:2], fmt.fwd.value)
-        sx, sw = scale_inv[0:1], scale_inv[1:2]
+def _forward_once(x, w, scale, scale_inv, plan):
+    qx, qxt, sx, ax = cast(x, plan.roles[Role.INPUT.value], plan.scale, scale, scale_inv)
+    qw, qwt, sw, aw = cast(w, plan.roles[Role.WEIGHT.value], plan.scale, scale, scale_inv)
     y = gemm(qx, qw, sx, sw, x.dtype)
     # dtypes travel as empty arrays: residuals must be JAX values
     return (y, ax, aw), (qxt, qwt, sx, sw, scale, scale_inv, jnp.zeros(0, x.dtype), jnp.zeros(0, w.dtype))
 
 
-def _fwd(x, w, scale, scale_inv, grad_slot, recipe):
-    out, res = _forward(x, w, scale, scale_inv, recipe)
+def _fwd(x, w, scale, scale_inv, grad_slot, plan):
+    out, res = _forward(x, w, scale, scale_inv, plan)
     return out, res
 
 
-def _bwd(recipe, res, cotangents):
+def _bwd(plan, res, cotangents):
     qxt, qwt, sx, sw, scale, scale_inv, x_like, w_like = res
-    g = cotangents[0]
-    bwd = recipe.fp8_format.bwd.value
-    if isinstance(recipe, Float8CurrentScaling):
-        qg, qgt, sg, ag = _current(g, bwd, recipe)
-    else:
-        qg, qgt, ag = cast_transpose(g, scale[2:3], bwd)
-        sg = scale_inv[2:3]
-    dx = gemm(qg, qwt, sg, sw, x_like.dtype)
-    dw = gemm(qgt, qxt, sg, sx, w_like.dtype)
+    qg, qgt, sg, ag = cast(cotangents[0], plan.roles[Role.GRAD_OUTPUT.value], plan.scale, scale, scale_inv)
+    dx = gemm(qg, qwt, sg, sw, x_like.dtype)  # dgrad: grad_output · weightᵀᵀ
+    dw = gemm(qgt, qxt, sg, sx, w_like.dtype)  # wgrad: grad_outputᵀ · inputᵀᵀ
     return dx, dw, jnp.zeros_like(scale), jnp.zeros_like(scale_inv), ag
 
 
@@ -118,26 +104,19 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
         raise ValueError(f"bias: expected shape ({n},) (N), got {tuple(bias.shape)}")
     if k % MULTIPLE or n % MULTIPLE or w.shape[1] != k:
         raise ValueError(f"w: expected [N, K] with K = {k} and N, K multiples of 16, got {w.shape}")
-    x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
-    pad = -rows % MULTIPLE or (MULTIPLE if rows == 0 else 0)
-    if pad:
-        x2 = jnp.pad(x2, ((0, pad), (0, 0)))
+    x2, rows = padded_tokens(x, MULTIPLE)
     if isinstance(recipe, Float8RowwiseScaling):
         y, new_state = rowwise_matmul(x2, w, recipe, x.dtype), None
     elif isinstance(recipe, Float8CurrentScaling):
         one = jnp.ones(3, jnp.float32)
-        y, _, _ = _fp8_matmul(x2, w, one, one, jnp.zeros(1, jnp.float32), recipe)
+        y, _, _ = _fp8_matmul(x2, w, one, one, jnp.zeros(1, jnp.float32), linear_plan(recipe))
         new_state = None
     else:
         h = state["amax_history"]
-        y, ax, aw = _fp8_matmul(x2, w, state["scale"], state["scale_inv"], h[0, 2:3], recipe)
+        y, ax, aw = _fp8_matmul(x2, w, state["scale"], state["scale_inv"], h[0, 2:3], linear_plan(recipe))
         row0 = h[0].at[0].max(jax.lax.stop_gradient(ax[0])).at[1].max(jax.lax.stop_gradient(aw[0]))
         new_state = dict(state, amax_history=h.at[0].set(row0))
-    y = y[:rows].reshape(*x.shape[:-1], n)
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
-    return y, new_state
+    return output(y, x, rows, bias), new_state
 
 
 def next_state(state: dict[str, jax.Array], state_grad: dict[str, jax.Array], recipe: DelayedScaling,

@@ -48,13 +48,15 @@ from jax import lax
 from fp8core import DelayedScaling, Float8RowwiseScaling, NVFP4BlockScaling
 from fp8core.fp4 import FP4_GEMM_K
 from fp8core.gemm import MULTIPLE
+from fp8core.linear_plan import Role, linear_plan, padding
 
 from . import _args
 from .derivatives import first_order_only
 from .fp4 import advance_rng, check_rng, nvfp4_matmul
-from .primitives import amax, cast_transpose, compute_scale, gemm, quantize, quantize_dynamic, reduce_amax, transpose
+from .primitives import gemm
 from .rowwise import rowwise_matmul
-from .tying import advance, check_state, cotangent, formats, is_tied, state_keys, untie
+from .tensorwise import cast, cast_whole
+from .tying import advance, check_state, cotangent, is_tied, state_keys, untie
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "fp8_dot_general", "OVERWRITE_WITH_GRADIENT", "FP4_RNG"]
 
@@ -92,21 +94,11 @@ def _state_cotangents(cfg: _Config, history: Any, scale: Any, amaxes: Any) -> tu
     return cotangent(h, history), cotangent(zeros, history), cotangent(zeros, history)
 
 
-def _cast(x: jax.Array, slot: int, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
+def _cast(x: jax.Array, role: Role, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(q, q_t, scale_inv, amax) of one operand: its delayed scale, or its own amax (reduced over the devices
-    first when there are some)."""
-    r, fmt = cfg.recipe, formats(cfg.recipe)[slot].value
-    if isinstance(r, DelayedScaling):
-        q, qt, a = cast_transpose(x, scale[slot:slot + 1], fmt)
-        return q, qt, scale_inv[slot:slot + 1], a
-    if cfg.axis_name is None:
-        q, s_inv, a = quantize_dynamic(x, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
-        return q, transpose(q), s_inv, a
-    a = reduce_amax(amax(x), cfg.axis_name)
-    s, s_inv = compute_scale(a, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
-    q, qt, _ = cast_transpose(x, s, fmt)
-    return q, qt, s_inv, a
+    """(q, q_t, scale_inv, amax) of one operand as the recipe's plan casts its role (fp8core.jax.tensorwise)."""
+    plan = linear_plan(cfg.recipe)
+    return cast(x, plan.roles[role.value], plan.scale, scale, scale_inv, cfg.axis_name)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -120,15 +112,15 @@ def _dot_fwd(x, k, history, scale, scale_inv, cfg):
 
 
 def _dot_fwd_once(x, k, history, scale, scale_inv, cfg):
-    qx, qxt, sx, ax = _cast(x, 0, cfg, scale, scale_inv)
-    qk, qkt, sk, ak = _cast(k, 1, cfg, scale, scale_inv)
+    qx, qxt, sx, ax = _cast(x, Role.INPUT, cfg, scale, scale_inv)
+    qk, qkt, sk, ak = _cast(k, Role.WEIGHT, cfg, scale, scale_inv)
     y = gemm(qx, qkt, sx, sk, cfg.out_dtype)
     return y, (qxt, qk, sx, sk, ax, ak, history, scale, scale_inv)
 
 
 def _dot_bwd(cfg, res, g):
     qxt, qk, sx, sk, ax, ak, history, scale, scale_inv = res
-    qg, qgt, sg, ag = _cast(g, 2, cfg, scale, scale_inv)  # float32: the forward pass untied them
+    qg, qgt, sg, ag = _cast(g, Role.GRAD_OUTPUT, cfg, scale, scale_inv)  # float32: the forward pass untied them
     dx = gemm(qg, qk, sg, sk, cfg.lhs_dtype)     # [M, N] · [K, N]ᵀ
     dk = gemm(qxt, qgt, sx, sg, cfg.rhs_dtype)   # [K, M] · [N, M]ᵀ
     return (dx, dk, *_state_cotangents(cfg, history, scale, jnp.concatenate([ax, ak, ag])))
@@ -318,37 +310,32 @@ def dot_general_with_state(lhs: jax.Array, rhs: jax.Array, dimension_numbers: An
 def _nvfp4_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, state: Any, recipe: NVFP4BlockScaling,
                preferred_element_type: Any, dot: str) -> jax.Array:
     """dot_general under NVFP4BlockScaling: fp8core.jax.fp4's matmul (fp8core.jax.dense's GEMMs) of lhs as
-    [M, K] and rhs as [N, K], each dimension zero-padded to a multiple of 32 (zeros change no amax, no block and
-    no sum; the padded outputs are cut off). No batch dimensions."""
-    if any(len(tuple(d)) for d in dimension_numbers[1]):
-        raise NotImplementedError(f"dimension_numbers: {dot} under NVFP4BlockScaling takes no batch dimensions "
-                                  f"(got {dimension_numbers[1]}); run batched products (attention) in FP8 or high "
-                                  "precision")
+    [B, M, K] and rhs as [B, N, K] (B = 1 without batch dims), M, K and N zero-padded to multiples of 32 (zeros
+    change no amax, no block and no sum; the padded outputs are cut off) and an empty batch to one element. With
+    batch dims each operand is quantized once with its batch flattened into its rows (one global amax per
+    operand), each batch element's GEMMs those of the unbatched dot."""
     if not isinstance(state, Mapping) or "rng" not in state:
         raise TypeError(f"state: expected NVFP4BlockScaling's state {{'rng': uint32 [4]}}, got {type(state).__name__}")
     rng = check_rng(state["rng"], "state['rng']")
-    lperm, rperm, k, n = _layout(lhs, rhs, dimension_numbers)
+    lperm, rperm, (b, m, k, n), out_shape = _batched_layout(lhs, rhs, dimension_numbers)
     _dtype_name(lhs.dtype, "lhs")
     _dtype_name(rhs.dtype, "rhs")
     out = _dtype_name(preferred_element_type if preferred_element_type is not None
                       else jnp.promote_types(lhs.dtype, rhs.dtype), "preferred_element_type")
-    ncontract = len(dimension_numbers[0][0])
-    out_shape = tuple(lhs.shape[d] for d in lperm[:lhs.ndim - ncontract]) + \
-        tuple(rhs.shape[d] for d in rperm[ncontract:])
-    rows = int(np.prod(out_shape[:lhs.ndim - ncontract], dtype=np.int64))
-    x = jnp.transpose(lhs, lperm).reshape(rows, k)
-    w = jnp.transpose(rhs, rperm).reshape(k, n)
-    pad_rows, pad_k, pad_n = (-v % FP4_GEMM_K or (FP4_GEMM_K if v == 0 else 0) for v in (rows, k, n))
-    x = jnp.pad(x, ((0, pad_rows), (0, pad_k)))
-    w = jnp.pad(w, ((0, pad_k), (0, pad_n)))
-    y = nvfp4_matmul(x, w.T, rng, recipe, out)
-    return y[:rows, :n].reshape(out_shape)
+    x = jnp.transpose(lhs, lperm).reshape(b, m, k)
+    w = jnp.transpose(rhs, rperm).reshape(b, k, n)
+    pad_b = int(b == 0)
+    pad_m, pad_k, pad_n = (padding(v, FP4_GEMM_K) for v in (m, k, n))
+    x = jnp.pad(x, ((0, pad_b), (0, pad_m), (0, pad_k)))
+    w = jnp.pad(w, ((0, pad_b), (0, pad_k), (0, pad_n)))
+    y = nvfp4_matmul(x, jnp.swapaxes(w, 1, 2), rng, recipe, out)
+    return y[:b, :m, :n].reshape(out_shape)
 
 
 def _pad(size: int) -> int:
     """The zeros that take one GEMM dimension to the GEMM's multiple of 16, and an empty one to 16: a
     contraction over nothing is zeros, an empty output is cut from the padded one."""
-    return -size % MULTIPLE or (MULTIPLE if size == 0 else 0)
+    return padding(size, MULTIPLE)
 
 
 def _dims(dims: Any, x: jax.Array, arg: str, kind: str) -> tuple[int, ...]:
@@ -417,19 +404,11 @@ def _batched_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     return y[:b, :m, :n].reshape(out_shape)
 
 
-def _cast_whole(x: jax.Array, slot: int, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
+def _cast_whole(x: jax.Array, role: Role, cfg: _Config, scale: jax.Array, scale_inv: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(q, scale_inv, amax) of one operand of any shape, as _cast but with no 2-D transpose: the batched GEMMs
-    transpose each element's fp8 matrix in JAX instead (bits moved, not changed)."""
-    r, fmt = cfg.recipe, formats(cfg.recipe)[slot].value
-    if isinstance(r, DelayedScaling):
-        q, a = quantize(x, scale[slot:slot + 1], fmt)
-        return q, scale_inv[slot:slot + 1], a
-    if cfg.axis_name is None:
-        return quantize_dynamic(x, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
-    a = reduce_amax(amax(x), cfg.axis_name)
-    s, s_inv = compute_scale(a, fmt, margin=r.margin, power_of_2=r.power_of_2, epsilon=r.amax_epsilon)
-    return quantize(x, s, fmt)[0], s_inv, a
+    """(q, scale_inv, amax) of one operand of any shape, as _cast with no 2-D transpose."""
+    plan = linear_plan(cfg.recipe)
+    return cast_whole(x, plan.roles[role.value], plan.scale, scale, scale_inv, cfg.axis_name)
 
 
 def _swap(q: jax.Array) -> jax.Array:
@@ -448,15 +427,15 @@ def _batched_fwd(x, w, history, scale, scale_inv, cfg):
 
 
 def _batched_fwd_once(x, w, history, scale, scale_inv, cfg):
-    qx, sx, ax = _cast_whole(x, 0, cfg, scale, scale_inv)
-    qw, sw, aw = _cast_whole(w, 1, cfg, scale, scale_inv)
+    qx, sx, ax = _cast_whole(x, Role.INPUT, cfg, scale, scale_inv)
+    qw, sw, aw = _cast_whole(w, Role.WEIGHT, cfg, scale, scale_inv)
     y = gemm(qx, _swap(qw), sx, sw, cfg.out_dtype)
     return y, (qx, qw, sx, sw, ax, aw, history, scale, scale_inv)
 
 
 def _batched_bwd(cfg, res, g):
     qx, qw, sx, sw, ax, aw, history, scale, scale_inv = res
-    qg, sg, ag = _cast_whole(g, 2, cfg, scale, scale_inv)  # float32: the forward pass untied them
+    qg, sg, ag = _cast_whole(g, Role.GRAD_OUTPUT, cfg, scale, scale_inv)  # float32: the forward pass untied them
     dx = gemm(qg, qw, sg, sw, cfg.lhs_dtype)                  # [B, M, N] · [B, K, N]ᵀ
     dw = gemm(_swap(qx), _swap(qg), sx, sg, cfg.rhs_dtype)    # [B, K, M] · [B, N, M]ᵀ
     return (dx, dw, *_state_cotangents(cfg, history, scale, jnp.concatenate([ax, aw, ag])))

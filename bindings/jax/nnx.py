@@ -137,9 +137,13 @@ class Fp8Einsum(Fp8DotGeneral):
                  preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
         check_precision(precision)
 
+        # taken here, not in the dot: jnp.einsum traces its dot_general under its own jit, where NVFP4's advance
+        # of the layer's random state would be a mutation from another trace level
+        state = self._state()
+
         def dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                 preferred_element_type: Any = None, **_: Any) -> jax.Array:
-            return einsum_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, state=self._state(),
+            return einsum_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, state=state,
                               recipe=self.recipe, axis_name=self.axis_name, dot=type(self).__name__ + " (nnx)",
                               tied_only=True)
 

@@ -28,14 +28,15 @@ import torch.nn.functional as F
 
 import fp8core
 from fp8core import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
-from fp8core.gemm import MULTIPLE
+from fp8core.linear_plan import LinearPlan, Role, RolePlan, ScaleRule, linear_plan
 from fp8core.scaling import check_state_values
 
 from . import ops
-from .block_linear import BLOCK_RECIPES, BlockMatmul, block_multiple, block_spec
+from .block_linear import BLOCK_RECIPES
 from .fp4_ops import advance_rng
-from .fp4_linear import STREAMS, NVFP4Matmul, fp4_multiple, fp4_spec, initial_rng
-from .rowwise_linear import RowwiseMatmul, is_rowwise, rowwise_spec
+from .fp4_linear import STREAMS, initial_rng
+from .linear_function import LinearFunction, padded
+from .rowwise_linear import is_rowwise
 from .fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight, wrap_weight
 from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
                       current_context, initial_state)
@@ -47,47 +48,50 @@ logger = logging.getLogger("fp8core.torch")
 _BIAS_EPILOGUE = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}  # else added after the GEMM
 
 
-def _cast(x: torch.Tensor, fmt: str, state: Optional[tuple], slot: int, current: tuple
+def _cast(x: torch.Tensor, role: RolePlan, state: Optional[tuple], rule: ScaleRule
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, q_t, scale_inv) of a 2-D tensor: delayed scaling reads the module's ``state`` (history, scale,
-    scale_inv) at ``slot`` and feeds its amax into row 0; current scaling (``state`` None) scales by x's own
-    amax."""
+    """(q, q_t, scale_inv) of a 2-D tensor in its role's encoding: delayed scaling reads the module's ``state``
+    (history, scale, scale_inv) at the role's slot and feeds its amax into row 0; current scaling (``state`` None)
+    scales by x's own amax under the plan's scale rule."""
+    fmt = role.rowwise.encoding
     if state is None:
-        margin, power_of_2, epsilon = current
-        s, s_inv = ops.compute_scale(ops.amax(x), fmt, margin, power_of_2, epsilon)
+        s, s_inv = ops.compute_scale(ops.amax(x), fmt, rule.margin, rule.power_of_2, rule.epsilon)
         q, qt = ops.cast_transpose(x, s, fmt)
         return q, qt, s_inv
     hist, scale, scale_inv = state
+    slot = role.slot
     q, qt = ops.cast_transpose(x, scale[slot:slot + 1], fmt, hist[0, slot:slot + 1])
     return q, qt, scale_inv[slot:slot + 1].clone()  # the scale_inv of this cast, whatever updates follow
 
 
-def _weight_cast(weight: torch.Tensor, fmt: str, state: Optional[tuple], current: tuple
+def _weight_cast(weight: torch.Tensor, plan: LinearPlan, state: Optional[tuple]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if isinstance(weight, Float8GatheredWeight):  # gathered in fp8 by FSDP2: cast, and its amax taken, there
         return weight.codes, ops.transpose(weight.codes), weight.scale_inv.clone()
     if isinstance(weight, Float8AllGatherWeight):  # not sharded: the weight itself
         weight = weight.high_precision
-    return _cast(weight, fmt, state, 1, current)
+    return _cast(weight, plan.roles[Role.WEIGHT.value], state, plan.scale)
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """x [..., in] -> [..., out]; the token count is zero-padded to a multiple of 16 inside (the wgrad GEMM's
-    limit), and the output is not a view (FSDP2 warns that in-place ops on a module's view output lose its
-    pre-backward hook)."""
+    """x [..., in] -> [..., out] under a per-tensor plan (fp8core.linear_plan: each role's encoding and state slot,
+    the GEMMs override_linear_precision keeps in high precision, the token padding); the output is not a view
+    (FSDP2 warns that in-place ops on a module's view output lose its pre-backward hook). The stateless recipes'
+    Function is linear_function.py's; this one also carries delayed scaling's state, a weight stored [in, out]
+    (Conv1D), one kept in fp8 or gathered in fp8 by FSDP2, and the GEMM's bias epilogue."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, hist, scale, scale_inv, fwd, bwd, current, in_out=False, group=None,
-                w_scale_inv=None, high=(False, False, False)):
+    def forward(ctx, x, weight, bias, hist, scale, scale_inv, plan, in_out=False, group=None, w_scale_inv=None):
         state = None if hist is None else (hist, scale, scale_inv)
-        x2, rows = _padded(x.reshape(-1, x.shape[-1]))
+        high = tuple(g.high_precision for g in plan.gemms)
+        x2, rows = padded(x.reshape(-1, x.shape[-1]), plan.multiple)
         if w_scale_inv is not None:  # a weight kept in fp8 (te.fp8_model_init): its codes, cast once
             w_q, w_t, w_inv = weight, ops.transpose(weight), w_scale_inv.clone()
         else:
-            w_q, w_t, w_inv = _weight_cast(weight, fwd, state, current)
+            w_q, w_t, w_inv = _weight_cast(weight, plan, state)
         if in_out:  # a weight stored [in, out] (transformers' Conv1D): its cast's transpose is the [out, in] one
             w_q, w_t = w_t, w_q
-        x_q, x_t, x_inv = _cast(x2, fwd, state, 0, current)
+        x_q, x_t, x_inv = _cast(x2, plan.roles[Role.INPUT.value], state, plan.scale)
         # override_linear_precision (fprop, dgrad, wgrad): those GEMMs take the unquantized tensors; the casts
         # still run, so delayed scaling's histories see every tensor as Transformer Engine's do
         w_hp = _high_precision_weight(weight, in_out) if high[0] or high[1] else None
@@ -100,8 +104,7 @@ class _Float8Matmul(torch.autograd.Function):
         if bias is not None and not fused:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv, w_hp if high[1] else None, x2 if high[2] else None)
-        ctx.high = high
-        ctx.state, ctx.bwd, ctx.current, ctx.x_shape, ctx.in_out = state, bwd, current, x.shape, in_out
+        ctx.plan, ctx.state, ctx.x_shape, ctx.in_out = plan, state, x.shape, in_out
         ctx.group = group  # outside autocast: told that a backward ran (SharedScaling.open_step)
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1]).detach()
@@ -109,17 +112,18 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_t, w_t, x_inv, w_inv, w_hp, x_hp = ctx.saved_tensors
+        plan = ctx.plan
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g2, rows = _padded(grad.reshape(-1, grad.shape[-1]))
-        g_q, g_t, g_inv = _cast(g2, ctx.bwd, ctx.state, 2, ctx.current)
+        g2, rows = padded(grad.reshape(-1, grad.shape[-1]), plan.multiple)
+        g_q, g_t, g_inv = _cast(g2, plan.roles[Role.GRAD_OUTPUT.value], ctx.state, plan.scale)
         if ctx.group is not None:
             ctx.group.backward_ran = True
-        _, dgrad_high, wgrad_high = ctx.high
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = (g2 @ w_hp.to(g2.dtype)).to(x_dtype) if dgrad_high else ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype)
+            dx = (g2 @ w_hp.to(g2.dtype)).to(x_dtype) if plan.dgrad.high_precision else \
+                ops.gemm(g_q, w_t, g_inv, w_inv, x_dtype)
             dx = dx[:rows].reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1] and wgrad_high:  # [out, in], or [in, out] for a Conv1D's weight
+        if ctx.needs_input_grad[1] and plan.wgrad.high_precision:  # [out, in], or [in, out] for a Conv1D's weight
             dw = (x_hp.t() @ g2.to(x_hp.dtype) if ctx.in_out else g2.t().to(x_hp.dtype) @ x_hp).to(w_dtype)
         elif ctx.in_out and ctx.needs_input_grad[1]:  # [in, out]; the scales in the [out, in] GEMM's order: the
             dw = ops.gemm(x_t, g_t, g_inv, x_inv, w_dtype)  # same roundings, so the transpose's bits
@@ -127,7 +131,7 @@ class _Float8Matmul(torch.autograd.Function):
             dw = ops.gemm(g_t, x_t, g_inv, x_inv, w_dtype)
         db = g2.double().sum(0).to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
         # db summed in float64: the same bits whatever order a compiler picks for the reduction
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _high_precision_weight(weight: torch.Tensor, in_out: bool) -> torch.Tensor:
@@ -139,13 +143,6 @@ def _high_precision_weight(weight: torch.Tensor, in_out: bool) -> torch.Tensor:
                         "layer's weight is held in fp8 (fp8_model_init or FSDP2's fp8 all-gather); override no "
                         "GEMM there")
     return weight.t() if in_out else weight
-
-
-def _padded(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """[rows, k] zero-padded to a multiple of 16 rows (zeros add nothing to the sums nor to the amaxes)."""
-    rows = x2.shape[0]
-    pad = -rows % MULTIPLE
-    return (F.pad(x2, (0, 0, 0, pad)) if pad else x2).contiguous(), rows
 
 
 _KEYS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_steps")
@@ -223,6 +220,7 @@ class Float8Linear(torch.nn.Linear):
         if shared is not None and recipe is not None and check_recipe(recipe) != shared.recipe:
             raise ValueError(f"recipe: {recipe} is not the shared state's recipe {shared.recipe}")
         self.recipe = check_recipe(recipe if shared is None else shared.recipe)
+        self._fp8_plan = linear_plan(self.recipe)
         self._fp8_group: SharedScaling | None = None
         if isinstance(self.recipe, DelayedScaling):
             self._fp8_group = shared if shared is not None else SharedScaling(self.recipe)
@@ -231,8 +229,8 @@ class Float8Linear(torch.nn.Linear):
                 self.recipe.amax_history_len, self.weight.device)
         if isinstance(self.recipe, NVFP4BlockScaling) and "fp4_rng" not in self._buffers:
             # stochastic rounding's (seed, offset): a buffer, so state_dict, module transforms and
-            # torch.compile (an in-place update, no recompile) carry it; in host memory whatever the module's
-            # device (see _apply), so the ops read it without waiting for a GPU
+            # torch.compile (an in-place update, no recompile) carry it; in host memory through the module's
+            # transforms (see _apply), as torch's CUDA generator keeps its own; read where it lives, never waited for
             self.register_buffer("fp4_rng", initial_rng("meta" if self.weight.is_meta else "cpu"))
 
     @classmethod
@@ -287,15 +285,12 @@ class Float8Linear(torch.nn.Linear):
         rng = self._buffers.get("fp4_rng")
         super()._apply(fn, recurse)
         new_rng = self._buffers.get("fp4_rng")
-        if new_rng is not None and new_rng.device.type not in ("cpu", "meta"):
-            # moved with the module (cuda(), to(device), to_empty): back to host memory, where torch's CUDA
-            # generator keeps its seed and offset too and the quantize ops read it without a GPU sync
-            if rng is not None and rng.device.type == "cpu":
-                new_rng = rng
-            elif rng is not None and rng.is_meta:
-                new_rng = torch.empty(2, dtype=torch.int64)  # drawn below
-            else:  # put on a device by other means (FSDP2 moves buffers itself): copied back once, here
-                new_rng = new_rng.cpu()
+        if new_rng is not None and new_rng.device.type not in ("cpu", "meta") and rng is not None \
+                and (rng.device.type == "cpu" or rng.is_meta):
+            # moved with the module (cuda(), to(device), to_empty): kept in host memory, where torch's CUDA
+            # generator keeps its seed and offset too (the ops pass it to the kernels by value). A state put on a
+            # device by other means (FSDP2 moves buffers itself) stays there: the kernels read it by pointer.
+            new_rng = rng if rng.device.type == "cpu" else torch.empty(2, dtype=torch.int64)  # (meta: drawn below)
             self._buffers["fp4_rng"] = new_rng
         if rng is not None and rng.is_meta and new_rng is not None and not new_rng.is_meta:
             with torch.no_grad():  # materialised (to_empty): uninitialised memory is no seed; a new layer's draw
@@ -336,24 +331,19 @@ class Float8Linear(torch.nn.Linear):
         if isinstance(self.recipe, (*BLOCK_RECIPES, NVFP4BlockScaling)) or is_rowwise(self.recipe):
             self._fp8_weight_scale_inv(None)
             w = self.weight.t() if self.in_out else self.weight  # the block GEMM takes [out, in] (a copy of it)
+            state = ()
             if isinstance(self.recipe, NVFP4BlockScaling):
                 rng, after = advance_rng(self.fp4_rng, STREAMS)
                 if torch.is_grad_enabled():  # a backward may follow: the next step draws fresh bytes
                     with torch.no_grad():
                         self.fp4_rng.copy_(after)
-                y = NVFP4Matmul.apply(x, w, self.bias, rng, fp4_spec(self.recipe))
-            elif is_rowwise(self.recipe):
-                y = RowwiseMatmul.apply(x, w, self.bias, rowwise_spec(self.recipe))
-            else:
-                y = BlockMatmul.apply(x, w, self.bias, block_spec(self.recipe))
+                state = (rng,)
+            y = LinearFunction.apply(x, w, self.bias, self._fp8_plan, *state)
             if self._fp8_recording:
                 _record(self, x, y)
             return y
-        fmt = self.recipe.fp8_format
-        fwd, bwd = fmt.fwd.value, fmt.bwd.value
         if self._fp8_group is None:
-            r = self.recipe
-            state, current = (None, None, None), (r.margin, r.power_of_2, float(r.amax_epsilon))
+            state = (None, None, None)
         else:
             if self._fp8_history.device != self.weight.device:
                 self._fp8_follow(self.weight.device)
@@ -361,10 +351,11 @@ class Float8Linear(torch.nn.Linear):
                 self._fp8_group.open_step(self._fp8_slot)
             else:
                 ctx.ran[self._fp8_group] = None
-            state, current = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv), None
+            state = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv)
         group = self._fp8_group if ctx is None else None
-        y = _Float8Matmul.apply(x, self.weight, self.bias, *state, fwd, bwd, current, self.in_out, group,
-                                self._fp8_weight_scale_inv(fwd), tuple(self.recipe.override_linear_precision))
+        fwd = self._fp8_plan.roles[Role.WEIGHT.value].rowwise.encoding
+        y = _Float8Matmul.apply(x, self.weight, self.bias, *state, self._fp8_plan, self.in_out, group,
+                                self._fp8_weight_scale_inv(fwd))
         if self._fp8_recording:
             _record(self, x, y)
         return y
@@ -396,8 +387,9 @@ class Float8Linear(torch.nn.Linear):
         if self._fp8_history.device != self.weight.device:
             self._fp8_follow(self.weight.device)
         row = self._fp8_history[0]
-        torch.maximum(row[0:1], ops.amax(x.reshape(-1, x.shape[-1])), out=row[0:1])
-        torch.maximum(row[1:2], ops.amax(self.weight), out=row[1:2])
+        for role, t in ((Role.INPUT, x.reshape(-1, x.shape[-1])), (Role.WEIGHT, self.weight)):
+            slot = self._fp8_plan.roles[role.value].slot
+            torch.maximum(row[slot:slot + 1], ops.amax(t), out=row[slot:slot + 1])
         ctx.ran[self._fp8_group] = None
 
     def runs_in_fp8(self) -> bool:
@@ -417,17 +409,18 @@ class Float8Linear(torch.nn.Linear):
         weight's own cast would cast it, and its scale_inv [1]. Delayed scaling: the layer's weight scale, the
         shard's amax into the weight's history slot; current scaling: the amax all-reduced over the device
         ``mesh``'s process group first, so that every rank casts with one scale."""
-        fwd = self.recipe.fp8_format.fwd.value
+        weight = self._fp8_plan.roles[Role.WEIGHT.value]
+        fwd, slot = weight.rowwise.encoding, weight.slot
         if self._fp8_group is not None:
             if self._fp8_history.device != shard.device:
                 self._fp8_follow(shard.device)
-            q = ops.quantize(shard, self._fp8_scale[1:2], fwd, self._fp8_history[0, 1:2])
-            return (q,), self._fp8_scale_inv[1:2].clone()
-        r = self.recipe
+            q = ops.quantize(shard, self._fp8_scale[slot:slot + 1], fwd, self._fp8_history[0, slot:slot + 1])
+            return (q,), self._fp8_scale_inv[slot:slot + 1].clone()
+        rule = self._fp8_plan.scale
         amax = ops.amax(shard)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
-        scale, scale_inv = ops.compute_scale(amax, fwd, r.margin, r.power_of_2, float(r.amax_epsilon))
+        scale, scale_inv = ops.compute_scale(amax, fwd, rule.margin, rule.power_of_2, rule.epsilon)
         return (ops.quantize(shard, scale, fwd),), scale_inv
 
     # ---- state_dict --------------------------------------------------------------------------------------
@@ -514,11 +507,8 @@ class Float8Conv1D(Float8Linear):
 
 def _feature_multiple(recipe: Any) -> tuple[int, str]:
     """(what in_features and out_features must be multiples of under ``recipe``, and why)."""
-    if isinstance(recipe, BLOCK_RECIPES):
-        return block_multiple(recipe)
-    if isinstance(recipe, NVFP4BlockScaling):
-        return fp4_multiple(recipe)
-    return MULTIPLE, "the FP8 GEMM's limit"
+    plan = linear_plan(recipe)
+    return plan.multiple, plan.why
 
 
 def _check_features(in_features: int, out_features: int, recipe: Any) -> None:

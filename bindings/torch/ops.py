@@ -36,15 +36,15 @@ _gemm, _gemm_amax = custom_ops(PRIMITIVES["gemm"])
 def quantize(x: Tensor, scale: Tensor, fmt: str, amax_out: Optional[Tensor] = None) -> Tensor:
     """SATFINITE_RTNE(fp32(x) * scale) in fmt; amax_out (float32 [1]) accumulates max |x| in place."""
     if amax_out is None:
-        return torch.ops.fp8core.quantize(x, scale, fmt)
-    return torch.ops.fp8core.quantize_amax(x, scale, fmt, amax_out)
+        return _quantize(x, scale, fmt)
+    return _quantize_amax(x, scale, fmt, amax_out)
 
 
 def cast_transpose(x: Tensor, scale: Tensor, fmt: str, amax_out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(quantize(x), its [last, prod(leading)] transpose) from one read of x."""
     if amax_out is None:
-        return torch.ops.fp8core.cast_transpose(x, scale, fmt)
-    return torch.ops.fp8core.cast_transpose_amax(x, scale, fmt, amax_out)
+        return _cast_transpose(x, scale, fmt)
+    return _cast_transpose_amax(x, scale, fmt, amax_out)
 
 
 def gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
@@ -52,6 +52,5 @@ def gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dty
          use_fast_accum: bool = False) -> Tensor:
     """[M, N] = (a[M, K] · b[N, K]ᵀ) · a_scale_inv · b_scale_inv (+ bias); see fp8core.gemm."""
     if out_amax is None:
-        return torch.ops.fp8core.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, use_fast_accum)
-    return torch.ops.fp8core.gemm_amax(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, out_amax,
-                                       use_fast_accum)
+        return _gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, use_fast_accum)
+    return _gemm_amax(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, out_scale, out_amax, use_fast_accum)

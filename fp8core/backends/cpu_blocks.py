@@ -233,6 +233,15 @@ def _quantize(x: np.ndarray, br: int, bc: int, fmt: Encoding, rule: Any) -> tupl
     return q, stored
 
 
+def _block_runs(lo: int, hi: int, b: int) -> list[tuple[int, int]]:
+    """[lo, hi) split where blocks of ``b`` start, into at most three runs: each lies within one block or holds
+    whole blocks only, so its elements reshape to [blocks, elements of a block]."""
+    first, last = min(-(-lo // b) * b, hi), max(hi // b * b, lo)
+    if last <= first:  # within one block, or across a single block boundary
+        return [(a, z) for a, z in ((lo, first), (first, hi)) if a < z]
+    return [(a, z) for a, z in ((lo, first), (first, last), (last, hi)) if a < z]
+
+
 def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, bc: int, fmt: Encoding,
                 q: np.ndarray) -> None:
     """The same cast for bf16/fp16 as lookups: cpu's quantize table of all 65,536 patterns for each distinct
@@ -244,20 +253,16 @@ def _table_cast(x: np.ndarray, which: np.ndarray, scales: np.ndarray, br: int, b
     codes = x.view(np.uint16).reshape(-1)
     flat = q.reshape(-1)
 
-    def spread(w: np.ndarray, lo: int, hi: int, b: int, axis: int) -> np.ndarray:
-        """w's blocks of b along ``axis`` repeated over the elements [lo, hi) they cover."""
-        if b == 1:
-            return w
-        if hi - lo < b:  # within at most two blocks: repeating whole blocks would overshoot up to b-fold
-            return w.take(np.arange(lo, hi) // b - lo // b, axis=axis)
-        return np.repeat(w, b, axis=axis)[(slice(None),) * axis + (slice(lo % b, lo % b + hi - lo),)]
-
     def offsets(r0: int, r1: int, c0: int, c1: int) -> np.ndarray:  # of rows [r0, r1), columns [c0, c1)
-        # The blocks' table indices spread over their elements as bytes, widened once into the one array of
-        # 8-byte offsets a pool thread holds (the lookup's own, made in place below)
-        w = which[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)]
+        # Each block's table index written straight over its elements of the one array of 8-byte offsets a pool
+        # thread holds: a repeated copy of the indices would be one more chunk-sized array per thread
         offs = np.empty((r1 - r0, c1 - c0), np.intp)
-        offs[...] = spread(spread(w, r0, r1, br, 0), c0, c1, bc, 1)
+        for ra, rb in _block_runs(r0, r1, br):
+            for ca, cb in _block_runs(c0, c1, bc):
+                w = which[ra // br:-(-rb // br), ca // bc:-(-cb // bc)]
+                view = offs[ra - r0:rb - r0, ca - c0:cb - c0].view()
+                view.shape = (w.shape[0], -1, w.shape[1], (cb - ca) // w.shape[1])  # a view: raises if not
+                view[...] = w[:, None, :, None]
         offs <<= 16
         return offs.reshape(-1)
 

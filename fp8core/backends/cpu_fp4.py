@@ -22,7 +22,7 @@ from .. import formats
 from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
-from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast, to_f32, transpose
+from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast, transpose
 from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
 
 E2M1 = formats.E2M1
@@ -34,6 +34,8 @@ SPAN = 1 << 16  # elements of x per tile (at least one row, or 16 where blocks r
 _F32_INF = np.uint32(0x7F800000)
 _F32_NAN = np.uint32(0x7FFFFFFF)
 _LOW15 = np.array(0x7FFF, np.uint32)
+_UINT = {2: np.uint16, 4: np.uint32}
+_LOW = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF)}  # |x| as a bit pattern
 _FIFTEEN = np.array(15, np.uint32)
 _ONE_SIXTH = np.float32(1.0 / 6.0)  # 0x3E2AAAAB, rounded once
 _NVFP4_RANGE = np.float32(E4M3.max * E2M1.max)  # 2688, exact
@@ -147,6 +149,13 @@ def block_bytes(g: np.ndarray, seed: int, offset: int) -> np.ndarray:
     return words.view(np.uint8)
 
 
+def state_seed_offset(words: np.ndarray, offset: int) -> tuple[int, int]:
+    """(seed, state's offset + offset mod 2**64) of a random state in memory (int64/uint64 [2] or uint32 [4]),
+    read as the kernel reads it: four little-endian u32 words (seed lo, seed hi, offset lo, offset hi)."""
+    w = [int(v) for v in np.ascontiguousarray(words).reshape(-1).view("<u4")]
+    return w[0] | w[1] << 32, ((w[2] | w[3] << 32) + offset) % (1 << 64)
+
+
 # ---- blocks in x's layout ----------------------------------------------------------------------------------
 # The work is done in x's own layout [M, K], whichever the operand: a rowwise block is 16 (32) consecutive
 # elements of a row of x, a columnwise one 16 (32) consecutive elements of a column of x. Viewed as [A, b, B], the
@@ -224,7 +233,7 @@ def block_amax_bits(t: np.ndarray, b: int, columnwise: bool, tiles: bool) -> np.
 
 def _scaled(t: np.ndarray, e: np.ndarray, b: int, columnwise: bool, tiles: bool) -> np.ndarray:
     """fp32(t) *rn e[its block], [s, K]; e in x's block grid (:func:`block_amax_bits`)."""
-    y = to_f32(t)
+    y = t.astype(np.float32)  # exact; on a tile ml_dtypes' bf16 widening is a third of a shift's time
     s, k = t.shape
     if columnwise and not tiles:
         y.reshape(s // b, b, k)[...] *= e[:, None, :]
@@ -296,14 +305,17 @@ def _tiles(m: int, k: int, step: int, columnwise: bool) -> list[tuple[int, int, 
     return [(m0, min(m0 + rows, m), k0, min(k0 + cols, k)) for m0 in range(0, m, rows) for k0 in range(0, k, cols)]
 
 
-def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callable[[np.ndarray], tuple],
-              sr: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray]:
+def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callable[[np.ndarray], tuple] | None,
+              sr: tuple[int, int] | None, known: tuple[np.ndarray, np.ndarray] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
     """(packed [R, C/2], stored scales) of the operand of x [M, K] (x or x^T): each block's amax bits through
     ``rule`` -> (stored bytes, fp32 multiplier); q = E2M1(fp32(x) *rn multiplier), or SR with ``sr`` = (seed,
-    offset). Tiles of x (:func:`_tiles`) on cpu's pool; scales [R, C/b], or [ceil(R/16), C/16] with ``tiles``."""
+    offset). Tiles of x (:func:`_tiles`) on cpu's pool; scales [R, C/b], or [ceil(R/16), C/16] with ``tiles``.
+    ``known``: (stored bytes, multipliers) of x's whole block grid already (the transform's pass took the block
+    maxima), in place of ``rule``."""
     m, k = x.shape
     grid = (-(-m // b), k // b) if tiles else ((m // b, k) if columnwise else (m, k // b))
-    stored = np.empty(grid, np.uint8)
+    stored = np.empty(grid, np.uint8) if known is None else known[0]
     packed = np.empty((m // 2, k) if columnwise else (m, k // 2), np.uint8)
     step = b if columnwise or tiles else 1
     todo = _tiles(m, k, step, columnwise)
@@ -312,9 +324,12 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
         for m0, m1, k0, k1 in todo[i0:i1]:
             t = x[m0:m1, k0:k1]
             with np.errstate(all="ignore"):  # here too: the pool's threads do not see the caller's errstate
-                codes, e = rule(block_amax_bits(t, b, columnwise, tiles))
                 g0, c0 = m0 // step, (k0 // b if tiles else k0)
-                stored[g0:g0 + codes.shape[0], c0:c0 + codes.shape[1]] = codes
+                if known is None:
+                    codes, e = rule(block_amax_bits(t, b, columnwise, tiles))
+                    stored[g0:g0 + codes.shape[0], c0:c0 + codes.shape[1]] = codes
+                else:
+                    e = known[1][g0:m1 // step, c0:k1]
                 y = _scaled(t, e, b, columnwise, tiles)
                 q = _codes(y) if sr is None else \
                     e2m1_stochastic(y, _random_bytes((m0, m1, k0, k1), (m, k), columnwise, *sr))
@@ -330,68 +345,104 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
 
 
 # ---- the random Hadamard transform ------------------------------------------------------------------------
+# One pass over x transforms every block into the operand's values (x's dtype) and takes their block maxima; the
+# global amax is then the maximum of those, the scale rule runs once over the whole block grid, and _quantize
+# reads the transformed values back with the scales known: x and the transformed tensor are each read once.
 
 # TE's get_wgrad_sign_vector: bit i of 0xD7E8 set where S_i = -1
 HADAMARD_SIGN_MASK = 0xD7E8
 HADAMARD_SIGNS = tuple(-1 if HADAMARD_SIGN_MASK >> i & 1 else 1 for i in range(NVFP4_BLOCK))
 _QUARTER = np.float32(0.25)
-_SIGNS = np.array(HADAMARD_SIGNS, np.float32)[None, :, None]
 
 
-def _rht(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """The transform of fp32 blocks whose 16 positions are the middle axis of v [A, 16, B] (consumed): v * S, the
-    fp32 butterfly, then ROUND_TO(dtype, v *rn 0.25), [A, 16, B]. A stage is two calls: positions i with
-    i & h == 0 are [:, :, 0] of the view [A, 16 / 2h, 2, h, B], their partners i + h are [:, :, 1], and
-    (v_i, v_i+h) = (v_i +rn v_i+h, v_i -rn v_i+h) goes into a second buffer. NumPy's warnings must be off
-    (inf - inf is a value here)."""
-    v *= _SIGNS  # exact
-    w = np.empty_like(v)
-    a, _, b = v.shape
+@cached("cpu_fp4.sign_bits")
+def _sign_bits() -> dict[int, np.ndarray]:
+    """{itemsize: the sign bit where S_i = -1, else 0, as [1, 16, 1] uint16 or uint32} (read only): S_i * x_i is
+    exact, so it is x_i with its sign bit flipped."""
+    out = {}
+    for size, kind in ((2, np.uint16), (4, np.uint32)):
+        bits = np.array([1 << (8 * size - 1) if si < 0 else 0 for si in HADAMARD_SIGNS], kind).reshape(1, -1, 1)
+        bits.flags.writeable = False
+        out[size] = bits
+    return out
+
+
+def _rht(src: np.ndarray, dst: np.ndarray, scratch: np.ndarray) -> None:
+    """dst [A, 16, B] (float32/bfloat16/float16) = the transform of the blocks whose 16 positions are the middle
+    axis of src [A, 16, B] (dst's dtype, or float32 holding it exactly): v = S * fp32(x) (sign bits flipped:
+    exact), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(dst's dtype, v *rn 0.25). scratch: float32, at
+    least 2 * src.size elements, reused from tile to tile. A stage is two calls: positions i with i & h == 0 are
+    [:, :, 0] of the view [A, 16 / 2h, 2, h, B], their partners i + h are [:, :, 1], and (v_i, v_i+h) =
+    (v_i +rn v_i+h, v_i -rn v_i+h) goes into the other buffer. NumPy's warnings must be off (inf - inf is a value
+    here)."""
+    a, _, b = src.shape
+    n = src.size
+    v, w = scratch[:n].reshape(src.shape), scratch[n:2 * n].reshape(src.shape)
+    if src.itemsize == 4:
+        np.bitwise_xor(src.view(np.uint32), _sign_bits()[4], out=v.view(np.uint32))
+    else:
+        flipped = np.bitwise_xor(src.view(np.uint16), _sign_bits()[2],
+                                 out=v.reshape(-1).view(np.uint16)[:n].reshape(src.shape))
+        v = flipped.view(src.dtype).astype(np.float32)  # exact; a copyto into the scratch took twice as long
     for h in (1, 2, 4, 8):
         pairs, into = v.reshape(a, NVFP4_BLOCK // (2 * h), 2, h, b), w.reshape(a, NVFP4_BLOCK // (2 * h), 2, h, b)
         np.add(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 0])
         np.subtract(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
         v, w = w, v
-    v *= _QUARTER
-    return v if dtype == np.float32 else v.astype(dtype)
+    if dst.itemsize == 4:
+        np.multiply(v, _QUARTER, out=dst)
+    else:
+        v *= _QUARTER
+        np.copyto(dst, v, casting="unsafe")  # RTNE to the dtype
+
+
+def _transformed(x: np.ndarray, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(transformed operand blocks, their maxima as fp32 bits) of x [M, K], in x's dtype: columnwise, x's layout
+    [M, K] with maxima [M/16, K]; rowwise, position-major [16, M * K / 16] (column j is block j of x's rows in
+    order: x's block numbers), whose columnwise operand is the rowwise one's blocks, one a row, with maxima
+    [1, M * K / 16]. Tiles of x on cpu's pool."""
+    m, k = x.shape
+    n = m * k // NVFP4_BLOCK
+    out = np.empty(x.shape if columnwise else (NVFP4_BLOCK, n), x.dtype)
+    maxima = np.empty((m // NVFP4_BLOCK, k) if columnwise else (1, n), np.uint32)
+    todo = _tiles(m, k, NVFP4_BLOCK if columnwise else 1, columnwise)
+    per = k // NVFP4_BLOCK
+
+    def work(i0: int, i1: int) -> None:
+        scratch = None
+        for m0, m1, k0, k1 in todo[i0:i1]:
+            if columnwise:
+                src = x[m0:m1, k0:k1].reshape(-1, NVFP4_BLOCK, k1 - k0)
+                dst = out[m0:m1, k0:k1].reshape(src.shape)
+                top = maxima[m0 // NVFP4_BLOCK:m1 // NVFP4_BLOCK, k0:k1]
+            else:  # the tile's blocks position-major, widened first: the sign flip's copy then gathers 4-byte words
+                src = x[m0:m1].astype(np.float32).reshape(-1, NVFP4_BLOCK).T[None]
+                dst = out[None, :, m0 * per:m1 * per]
+                top = maxima[:, m0 * per:m1 * per]
+            if scratch is None:
+                scratch = np.empty(2 * src.size, np.float32)
+            with np.errstate(all="ignore"):  # the pool's threads do not see the caller's errstate
+                _rht(src, dst, scratch)
+                uint = _UINT[x.itemsize]  # |x'| patterns into the scratch, folded there: the block maxima
+                mag = np.bitwise_and(dst.view(uint), _LOW[x.itemsize],
+                                     out=scratch[:src.size].view(uint)[:src.size].reshape(src.shape))
+                top[...] = _f32_bits(_fold(mag, False), x.dtype)
+
+    map_spans(len(todo), 1, work)
+    return out, maxima
 
 
 def hadamard16(t: np.ndarray, columnwise: bool) -> np.ndarray:
     """The RHT of every 16-element block of t [s, K] (x's layout; blocks along rows, or down the columns when
     ``columnwise``): v = S * fp32(x), the fp32 butterfly for h = 1, 2, 4, 8, then ROUND_TO(t.dtype, v *rn 0.25).
-    Same shape and dtype as t. NumPy's warnings must be off."""
-    s, k = t.shape
+    Same shape and dtype as t. S_i * x_i is a sign-bit flip, so a NaN input's sign is flipped where S_i = -1 (a
+    NaN's sign is no value of the contract; every block holding one quantizes to NaN's codes)."""
+    out, _ = _transformed(t, columnwise)
     if columnwise:
-        return _rht(to_f32(t).reshape(s // NVFP4_BLOCK, NVFP4_BLOCK, k), t.dtype).reshape(s, k)
-    out = np.empty(t.shape, t.dtype)
-    out.reshape(-1, NVFP4_BLOCK)[...] = _position_major(t)[0].T
-    return out
-
-
-def _position_major(t: np.ndarray) -> np.ndarray:
-    """The transformed blocks of the rows of t [s, K], position-major: [1, 16, s * K / 16] in t's dtype."""
-    v = np.ascontiguousarray(to_f32(t).reshape(-1, NVFP4_BLOCK).T).reshape(1, NVFP4_BLOCK, -1)
-    return _rht(v, t.dtype)
-
-
-def _transformed(x: np.ndarray, columnwise: bool) -> np.ndarray:
-    """The transformed operand blocks of x [M, K]: columnwise, x's layout [M, K]; rowwise, position-major
-    [16, M * K / 16] (column j is block j of x's rows in order: x's block numbers), whose columnwise operand is
-    the rowwise one's blocks, one a row. In x's dtype."""
-    m, k = x.shape
-    out = np.empty(x.shape if columnwise else (NVFP4_BLOCK, m * k // NVFP4_BLOCK), x.dtype)
-    step = NVFP4_BLOCK if columnwise else 1
-    per = k // NVFP4_BLOCK
-
-    def span(m0: int, m1: int) -> None:
-        with np.errstate(all="ignore"):
-            if columnwise:
-                out[m0:m1] = hadamard16(x[m0:m1], True)
-            else:
-                out[:, m0 * per:m1 * per] = _position_major(x[m0:m1])[0]
-
-    map_spans(m, max(1, SPAN // max(k, 1) // step) * step, span)
-    return out
+        return out
+    rows = np.empty(t.shape, t.dtype)
+    rows.reshape(-1, NVFP4_BLOCK)[...] = out.T
+    return rows
 
 
 # ---- NVFP4 ----------------------------------------------------------------------------------------------
@@ -435,26 +486,38 @@ def nvfp4_block_scales(amax_bits: np.ndarray, s_enc: np.float32, s_dec: np.float
     NumPy's warnings must be off."""
     d = amax_bits.view(np.float32) * np.float32(s_enc * _ONE_SIXTH)
     codes = satfinite_cast(d, E4M3)  # >= 448 and inf saturate, NaN is 0x7F
-    e = np.divide(np.float32(1), _e4m3_f32().take(codes) * s_dec, dtype=np.float32)
+    # e_b depends on s_b alone under one S_dec: computed for the 256 codes, then looked up
+    e = np.divide(np.float32(1), _e4m3_f32() * s_dec, dtype=np.float32)
     e[np.isinf(e)] = FLT_MAX
-    return codes, e
+    return codes, e.take(codes)
 
 
 @ieee
 def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool, seed: int, offset: int,
-                   global_amax: np.ndarray | None, columnwise: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   rng_state: Tensor | None, global_amax: np.ndarray | None, columnwise: bool
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [M, K] -> (data uint8 [R, C/2], scale float8_e4m3fn [R, C/16] or [ceil(R/16), C/16], global amax
-    float32 [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G or None."""
+    float32 [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G or None.
+    rng_state: None (seed and offset by value) or the caller's state in memory (:func:`state_seed_offset`: its
+    seed, its offset + ``offset``)."""
+    if stochastic and rng_state is not None:
+        seed, offset = state_seed_offset(rng_state.data, offset)
     m, k = x.data.shape
-    data = _transformed(x.data, columnwise) if hadamard else x.data
-    g = amax(Tensor(data, x.dtype, x.device, "numpy")) if global_amax is None else \
-        np.asarray(global_amax, np.float32).reshape(1).copy()
+    sr = (seed, offset) if stochastic else None
+    given = None if global_amax is None else np.asarray(global_amax, np.float32).reshape(1).copy()
+    if not hadamard:
+        g = amax(x) if given is None else given
+        s_enc, s_dec = global_scales(g)
+        packed, scales = _quantize(x.data, NVFP4_BLOCK, columnwise, weight_2d,
+                                   lambda bits: nvfp4_block_scales(bits, s_enc, s_dec), sr)
+        return packed, scales.view(E4M3.numpy_dtype), g
+    data, maxima = _transformed(x.data, columnwise)
+    # the transformed tensor's amax (NaN canonical, empty 0) is the largest of its block maxima
+    g = given if given is not None else np.array([maxima.max() if maxima.size else 0], np.uint32).view(np.float32)
     s_enc, s_dec = global_scales(g)
     # Rowwise, the transform left x's blocks position-major: its columnwise operand is x's blocks, one a row
-    packed, scales = _quantize(data, NVFP4_BLOCK, columnwise or hadamard, weight_2d,
-                               lambda bits: nvfp4_block_scales(bits, s_enc, s_dec),
-                               (seed, offset) if stochastic else None)
-    if hadamard and not columnwise:
+    packed, scales = _quantize(data, NVFP4_BLOCK, True, False, None, sr, nvfp4_block_scales(maxima, s_enc, s_dec))
+    if not columnwise:
         packed, scales = packed.reshape(m, k // 2), scales.reshape(m, k // NVFP4_BLOCK)
     return packed, scales.view(E4M3.numpy_dtype), g
 

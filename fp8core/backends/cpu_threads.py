@@ -35,20 +35,26 @@ _users = 0
 _saved: list[int] = []
 
 
-@contextlib.contextmanager
-def cpu_threads(n: Optional[int]) -> Iterator[None]:
+class cpu_threads:
     """Within the context, on this thread: fp8core's CPU calls use at most ``n`` threads (>= 1), BLAS one per
     GEMM span. ``None``: the default (the pool sized from the machine, BLAS's own threads). Nests; the innermost
     counts. The torch front-end enters it with ``torch.get_num_threads()`` around every CPU call, so
-    ``torch.set_num_threads`` is the one setting of a torch program."""
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"n: expected an int >= 1 or None, got {n!r}")
-    previous = getattr(_local, "budget", None)
-    _local.budget = n
-    try:
-        yield
-    finally:
-        _local.budget = previous
+    ``torch.set_num_threads`` is the one setting of a torch program. A class, not a generator context: it is
+    entered on every torch op, and contextlib's generator costs a 16-element call several microseconds."""
+
+    __slots__ = ("n", "_previous")
+
+    def __init__(self, n: Optional[int]) -> None:
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"n: expected an int >= 1 or None, got {n!r}")
+        self.n = n
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_local, "budget", None)
+        _local.budget = self.n
+
+    def __exit__(self, *exc: object) -> None:
+        _local.budget = self._previous
 
 
 def thread_budget() -> Optional[int]:

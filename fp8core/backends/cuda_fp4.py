@@ -38,10 +38,12 @@ def _operand_shape(x: Tensor, columnwise: bool) -> tuple[int, int]:
 
 
 def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool, seed: int, offset: int,
-                   global_amax: Any | None, columnwise: bool) -> tuple[Any, Any, Any]:
+                   rng_state: Tensor | None, global_amax: Any | None, columnwise: bool) -> tuple[Any, Any, Any]:
     """x [M, K] -> (data uint8 [R, C/2], scale uint8 (E4M3) [R, C/16] or [ceil(R/16), C/16], global amax float32
     [1]) for the operand [R, C] (x, or x^T when columnwise); global_amax: the caller's fp32 G on x's device, or
-    None (then G is taken on the device, after the transform)."""
+    None (then G is taken on the device, after the transform). rng_state: None (seed and offset by value) or the
+    caller's state on x's device, whose pointer the kernel reads (its seed, its offset + ``offset``): never read
+    here."""
     rows, cols = x.shape
     r_op, c_op = _operand_shape(x, columnwise)
     device = x.device[1]
@@ -57,12 +59,13 @@ def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool,
             _runtime.memsetAsync(g.data.ptr, 0, 4, stream)  # the amax of an empty operand is 0
             if x.size:
                 NVFP4_QUANTIZE.launch(device, (x.dtype,), r_op * (c_op // NVFP4_BLOCK), stream, **args,
-                                      amax_out=g.data.ptr, tiles=0)
+                                      amax_out=g.data.ptr, tiles=0, rng_state=0)
         else:
             _runtime.memcpyAsync(g.data.ptr, global_amax.data.ptr, 4, _DEVICE_TO_DEVICE, stream)
         if x.size:
             items = (-(-r_op // NVFP4_BLOCK) * NVFP4_BLOCK if weight_2d else r_op) * (c_op // NVFP4_BLOCK)
-            NVFP4_QUANTIZE.launch(device, (x.dtype,), items, stream, **args, amax_out=0, tiles=int(weight_2d))
+            NVFP4_QUANTIZE.launch(device, (x.dtype,), items, stream, **args, amax_out=0, tiles=int(weight_2d),
+                                  rng_state=rng_state.data.data.ptr if stochastic and rng_state is not None else 0)
         return data, scale, g
 
 

@@ -25,6 +25,11 @@ TIE_CODES = (0x7, 0x0, 0x2, 0x2, 0x4, 0x4, 0x6, 0x6, 0x8, 0xA, 0xA, 0xC, 0xC, 0x
 PHILOX_ZERO = (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
 NVFP4_OPTIONS = ({}, {"weight_2d": True}, {"hadamard": True}, {"rounding": "stochastic", "seed": 3, "offset": 5},
                  {"hadamard": True, "rounding": "stochastic", "seed": 2 ** 40}, {"global_amax": 1000.0})
+# stochastic rounding's (seed, offset) held in the target's memory, as fp8core.torch (int64 [2]) and fp8core.jax
+# (uint32 [4]) hold it; + 1 carries into the offset's high word
+RNG_SEED, RNG_OFFSET = 2 ** 63 + 9, 2 ** 32 - 1
+RNG_STATES = (np.array([RNG_SEED, RNG_OFFSET], np.uint64).view(np.int64),
+              np.array([RNG_SEED & 0xFFFFFFFF, RNG_SEED >> 32, RNG_OFFSET & 0xFFFFFFFF, RNG_OFFSET >> 32], np.uint32))
 
 
 def _backend(t: Target) -> Any:
@@ -46,7 +51,8 @@ def _equal_parts(r: Recorder, name: str, ref: tuple, got: tuple, x: np.ndarray) 
         r.equal(f"{name} ({part})", a, b, x if part == "data" else None)
 
 
-@check("fp4: NVFP4 quantize (rowwise, columnwise, 16x16 tiles, Hadamard, stochastic) and dequantize",
+@check("fp4: NVFP4 quantize (rowwise, columnwise, 16x16 tiles, Hadamard, stochastic by value and from memory) and "
+       "dequantize",
        covers=("fp4.quantize_nvfp4", "fp4.dequantize_nvfp4"))
 def _nvfp4(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
     from fp8core import fp4
@@ -70,6 +76,14 @@ def _nvfp4(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> Non
                     with t.dut():
                         y = fp4.dequantize_nvfp4(got, out)
                     r.equal(f"{name} dequantized to {out}", y_ref, y)
+        with t.ref():
+            ref = fp4.quantize_nvfp4(x, hadamard=True, rounding="stochastic", seed=RNG_SEED, offset=RNG_OFFSET + 1)
+        for state in RNG_STATES:
+            with t.dut():  # on a GPU the kernel reads the state from device memory
+                got = fp4.quantize_nvfp4(t.put(x), hadamard=True, rounding="stochastic", rng_state=t.put(state),
+                                         offset=1)
+            _equal_parts(r, f"{label} stochastic, (seed, offset) read from {state.dtype} [{state.size}] in memory",
+                         ref, got, x)
 
 
 @check("fp4: MXFP4 quantize (rceil, floor, rowwise and columnwise) and dequantize",

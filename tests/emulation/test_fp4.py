@@ -1,7 +1,8 @@
 """FP4 on the emulated device against the CPU reference, by bits: NVFP4 (rowwise, columnwise, 16x16 tiles, the
 Hadamard transform, nearest and stochastic rounding, the global amax taken on the device or given), MXFP4 (rceil,
 floor, both layouts), their dequantization to every output dtype, and the scale layout the GEMM reads; on sm_80,
-sm_90 and sm_100, with the grids the backend computes (and two launch shapes for stochastic rounding)."""
+sm_90 and sm_100, with the grids the backend computes (and two launch shapes for stochastic rounding, its seed and
+offset by value and read by the kernel from device memory)."""
 
 import numpy as np
 import pytest
@@ -128,6 +129,72 @@ def test_stochastic_rounding_is_the_same_for_two_launch_shapes(fp4_dev, rng, mon
         _same(got, ref, "stochastic")
     other = fp8core.quantize_nvfp4(upload(x), **{**opts, "offset": 100})
     assert not np.array_equal(bits(other.data), bits(ref.data))  # the offset does choose the bytes
+
+
+def _rng_state(seed: int, offset: int, form: str) -> np.ndarray:
+    """(seed, offset) as fp8core.torch's int64 [2] or fp8core.jax's uint32 [4] (lo, hi words)."""
+    if form == "int64":
+        return np.array([seed, offset], np.uint64).view(np.int64)
+    return np.array([seed & 0xFFFFFFFF, seed >> 32, offset & 0xFFFFFFFF, offset >> 32], np.uint32)
+
+
+# (seed, the state's offset, the offset added to it): plain; the add carrying into the high word; wrapping past 2^64
+STATES = [(12345, 99, 0), (2 ** 63 + 5, 2 ** 32 - 1, 1), (7, 2 ** 64 - 1, 2)]
+SR_OPTIONS = [{}, {"columnwise": True, "hadamard": True}, {"weight_2d": True}]
+
+
+@pytest.mark.parametrize("form, misaligned", [("int64", 0), ("uint32", 0), ("uint32", 1)],
+                         ids=["int64", "uint32", "uint32+4B"])
+def test_stochastic_rounding_reads_its_state_from_device_memory_as_by_value(fp4_dev, rng, monkeypatch, form,
+                                                                            misaligned):
+    """rng_state on the device: the kernel reads (seed, offset) from it (never the host) and gives the bytes of the
+    same numbers passed by value, and the CPU's, for the backend's grid and one CTA striding over every block; the
+    added offset carries into the state's high word and wraps past 2^64; a uint32 state 4 bytes past an 8-byte
+    boundary reads the same. The state is left as it was."""
+    x = data(rng, (48, 64), np.float32, specials=False)
+    launches = []
+    kernel = _kernels.NVFP4_QUANTIZE
+    launch, default_rule = _kernels.Kernel.launch, kernel.rule
+
+    def recording(self, device_id, targs, work, stream, /, **kw):
+        if self is kernel and not kw["amax_out"]:
+            launches.append((kw["rng_state"], kw["seed"], kw["offset"]))
+        return launch(self, device_id, targs, work, stream, **kw)
+
+    monkeypatch.setattr(_kernels.Kernel, "launch", recording)
+    for seed, offset, stream in STATES:
+        host_state = _rng_state(seed, offset, form)
+        state = upload(host_state, misaligned)
+        key = {"seed": seed, "offset": (offset + stream) % 2 ** 64}
+        for rule in (default_rule, lambda max_blocks, work: 1):
+            monkeypatch.setattr(kernel, "rule", rule)
+            for opts in SR_OPTIONS:
+                label = f"{form}+{misaligned} {(seed, offset, stream)} {opts} one_cta={rule is not default_rule}"
+                ref = fp8core.quantize_nvfp4(x, rounding="stochastic", **key, **opts)
+                del launches[:]
+                by_value = fp8core.quantize_nvfp4(upload(x), rounding="stochastic", **key, **opts)
+                by_pointer = fp8core.quantize_nvfp4(upload(x), rounding="stochastic", rng_state=state, offset=stream,
+                                                    **opts)
+                _same(by_value, ref, label + " by value")
+                _same(by_pointer, ref, label + " by pointer")
+                assert launches == [(0, seed, (offset + stream) % 2 ** 64), (state.data.ptr, 0, stream)], label
+        np.testing.assert_array_equal(bits(state), bits(host_state))
+
+
+def test_a_host_state_beside_a_device_x_goes_by_value_and_a_state_elsewhere_is_refused(fp4_dev, rng, monkeypatch):
+    """A state in host memory is read there (no device involved) and passed by value: the bytes of the same
+    numbers; one on another device is refused by name, before any launch."""
+    x = data(rng, (32, 64), np.float32, specials=False)
+    state = _rng_state(2 ** 40 + 3, 5, "uint32")
+    got = fp8core.quantize_nvfp4(upload(x), rounding="stochastic", rng_state=state, offset=1)
+    _same(got, fp8core.quantize_nvfp4(x, rounding="stochastic", seed=2 ** 40 + 3, offset=6), "host state")
+    with device._DeviceObj((fp4_dev + 1) % 3):
+        elsewhere = upload(state)
+    with pytest.raises(ValueError, match=rf"^rng_state: is on cuda:{(fp4_dev + 1) % 3} but x is on cuda:{fp4_dev}; "
+                                         r"put it on x's device \(read there\) or in host memory \(read by value\)"):
+        fp8core.quantize_nvfp4(upload(x), rounding="stochastic", rng_state=elsewhere)
+    with pytest.raises(ValueError, match=rf"^rng_state: is on cuda:{fp4_dev} but x is on cpu"):
+        fp8core.quantize_nvfp4(x, rounding="stochastic", rng_state=upload(state))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

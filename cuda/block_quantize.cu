@@ -11,8 +11,6 @@ static constexpr int MX = 32;          // MXFP8 block: 32 elements of a row or o
 static constexpr int MX_TILE_R = 32;   // one CTA: a 32 x 256 tile, one row block (32 elements) per thread
 static constexpr int MX_TILE_C = 256;
 
-__device__ __forceinline__ i64 tile_index() { return blockIdx.x + (i64)blockIdx.y * gridDim.x; }
-
 // ---- MXFP8 quantize ---------------------------------------------------------------------------------------
 // The bits of one element (fp32's, or the 16 of bf16/f16), for the scalar loads of a partial block.
 __device__ __forceinline__ u32 raw_bits(const float* p) { return __float_as_uint(*p); }
@@ -85,8 +83,11 @@ __device__ __forceinline__ void columns_to_codes(const u32* v, const float* fact
 // half stages the tile's bits in shared memory, where each thread takes the 32 rows of one column (fp32) or 16 rows
 // of two (bf16, f16: the two halves meet in shared memory), and its codes go back through shared memory so that
 // each thread stores 32 consecutive bytes of one qc row, as the rowwise half stores q.
+// Blocks an SM asked for: ptxas left to itself aims at 64 registers on sm_100 and spills the forced software
+// conversion there (issue 40). The software conversion (sm_80, or forced) needs up to 80 registers (three blocks),
+// 128 (two) for fp32 input; the hardware one fits in 64 (four).
 template <typename T, int FMT, bool RCEIL>
-__global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
+__global__ void __launch_bounds__(BLOCK_THREADS, HwCvt<FMT>::value ? 4 : sizeof(T) == 4 ? 2 : 3) mx_quantize_kernel(
     const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ s, u8* __restrict__ qc, u8* __restrict__ sc,
     i64 rows, i64 cols, float inv_max, int emax) {
   constexpr int V = 2 * sizeof(T);                       // 16-byte vectors in a row block
@@ -97,10 +98,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
   __shared__ __align__(16) u32 xs[MX_TILE_R * Staged<T>::ROW_WORDS];
   __shared__ __align__(16) u8 codes[MX_TILE_R][MX_TILE_C];
   __shared__ u32 part[2][MX_TILE_C / 2];
-  const i64 tiles_c = (cols + MX_TILE_C - 1) / MX_TILE_C;
-  const i64 id = tile_index();
-  if (id >= tiles_c * ((rows + MX_TILE_R - 1) / MX_TILE_R)) return;  // the whole CTA, before any barrier
-  const i64 r0 = id / tiles_c * MX_TILE_R, c0 = id % tiles_c * MX_TILE_C;
+  i64 r0, c0;
+  if (!tile_origin<MX_TILE_R, MX_TILE_C>(rows, cols, r0, c0)) return;  // the whole CTA, before any barrier
   const u32 t = threadIdx.x, r = t >> 3, cb = t & 7;  // unsigned: no sign fix-ups in the index arithmetic
   const i64 row = r0 + r, col = c0 + MX * cb;
   const bool in = row < rows && col < cols;
@@ -299,7 +298,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_128x128_kernel(
     const T* __restrict__ x, u8* __restrict__ q, float* __restrict__ scale_inv, i64 rows, i64 cols,
     float fp8_max, int power_of_2, float epsilon) {
   const i64 tiles_c = (cols + 127) / 128;
-  const i64 id = tile_index();
+  const i64 id = blockIdx.x + (i64)blockIdx.y * gridDim.x;
   if (id >= tiles_c * ((rows + 127) / 128)) return;
   const i64 r0 = id / tiles_c * 128, c0 = id % tiles_c * 128;
   const int t = threadIdx.x;

@@ -79,16 +79,16 @@ __device__ __forceinline__ void convert_rows<Passthrough, 0>(const Passthrough* 
 }
 
 // q (optional) = quantize(x); q_t = transpose(q). x is [rows, cols] row-major; one block per 128x128 tile.
+// Four blocks an SM asked for (64 registers): left to itself, ptxas aims at 48 on sm_120, where the NaN fix-up path
+// then spills (issue 40).
 template <typename T, int FMT, bool WRITE_Q>
-__global__ void __launch_bounds__(THREADS) cast_transpose_kernel(
+__global__ void __launch_bounds__(THREADS, 4) cast_transpose_kernel(
     const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ q_t, const float* __restrict__ scale_p,
     u32* __restrict__ amax_out, i64 rows, i64 cols) {
   __shared__ __align__(16) u32 tile[TILE * TILE_WORDS];
   u8* const tile_bytes = reinterpret_cast<u8*>(tile);
-  const i64 tiles_c = (cols + TILE - 1) / TILE;
-  const i64 tile_id = blockIdx.x + (i64)blockIdx.y * gridDim.x;
-  if (tile_id >= tiles_c * ((rows + TILE - 1) / TILE)) return;
-  const i64 r0 = tile_id / tiles_c * TILE, c0 = tile_id % tiles_c * TILE;
+  i64 r0, c0;
+  if (!tile_origin<TILE, TILE>(rows, cols, r0, c0)) return;
   const float scale = scale_p != nullptr ? *scale_p : 1.f;
   const int t = threadIdx.x;
   u32 m = 0;

@@ -453,6 +453,22 @@ __device__ __forceinline__ void store16(u8* p, uint4 v) {
 
 __device__ __forceinline__ bool aligned(const void* p, int bytes) { return ((u64)p & (u64)(bytes - 1)) == 0; }
 
+// The origin (r0, c0) of the TR x TC tile of a rows x cols tensor this block takes, or false for a spare block of
+// the last row of blocks. Blocks are numbered over (x, y) as fp8core._kernels._tiles lays them out, at most 65535 x
+// 65535, so a live block's index is below 2^32 and the division is 32-bit: ptxas's 64-bit division is a subroutine
+// call whose register convention made the conversion code after it spill to local memory (issue 40).
+template <int TR, int TC>
+__device__ __forceinline__ bool tile_origin(i64 rows, i64 cols, i64& r0, i64& c0) {
+  const u64 id = blockIdx.x + (u64)blockIdx.y * gridDim.x;
+  const u64 tiles_c = (u64)(cols + TC - 1) / TC;
+  if (id >= tiles_c * (u64)((rows + TR - 1) / TR)) return false;
+  // tiles_c > id: the first row of tiles, where tiles_c itself need not fit in 32 bits
+  const u32 tr = tiles_c > id ? 0u : (u32)id / (u32)tiles_c;
+  r0 = (i64)tr * TR;
+  c0 = (i64)((u32)id - tr * (u32)tiles_c) * TC;
+  return true;
+}
+
 // How a flat loop over n elements splits for 8-wide vectors: [0, head) and [head + 8 * nv, n) one by one,
 // 8 * nv elements between as vectors. The head peels x up to 16 bytes, so a misaligned view still runs its
 // body vectorised when the other operand (XE-byte input, YE-byte output, Y_ALIGN-byte vector) lines up too.

@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 from . import args, blocks, formats, fp4, ops, rowwise, scaling
-from ._tensor import wrap
 from .declare import Arg, Primitive, Spec, declare
 from .args import as_format
 from .gemm import check_shapes, gemm

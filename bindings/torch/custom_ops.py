@@ -129,7 +129,7 @@ def custom_op(p: Primitive, name: str | None = None, without: tuple[str, ...] = 
             if i < len(values) and values[i] is not None:
                 torch.autograd.graph.increment_version(values[i])
         rest = keyset & _AFTER_AUTOGRAD
-        if p.returns and torch.is_grad_enabled() and torch._C._any_requires_grad(*values):
+        if p.returns and torch.is_grad_enabled() and _any_requires_grad(*values):
             return _NoFormula.apply(name, lambda: redispatch(rest, *values), *values)
         if rest.raw_repr() in _PLAIN:
             # Real tensors of one device, no mode, no tracing, no gradient: the dispatcher would call the body
@@ -146,6 +146,14 @@ def custom_op(p: Primitive, name: str | None = None, without: tuple[str, ...] = 
 
 
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _any_requires_grad_py(*values: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+
+
+# torch's C helper (2.8 on) costs a 16-element call less; torch 2.7, the declared minimum, lacks it.
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_py)
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 # The keys left below Autograd for real CPU or CUDA tensors outside any mode or tracer (a fake tensor, a dispatch
 # mode or torch.compile's tracing adds Python, the meta device Meta): the body's own keys.

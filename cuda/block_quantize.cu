@@ -77,17 +77,24 @@ __device__ __forceinline__ void columns_to_codes(const u32* v, const float* fact
   }
 }
 
+// The blocks per SM mx_quantize_kernel's launch bounds ask for, so that ptxas gives it the registers it needs: left
+// to itself it aims at 64 and spills (issue 40). The hardware conversion of bf16/f16 fits in 64 registers (four
+// blocks); fp32 input holds twice the words and spills 8 bytes at 64 on sm_120, so it gets 80 (three). The software
+// conversion (sm_80, or forced) needs up to 80 (three), 128 (two) for fp32. A named constant: the launch bounds are
+// read by fp8core._signatures, which reads no parentheses there.
+template <typename T, int FMT>
+struct MxBlocks {
+  static constexpr int value = sizeof(T) == 4 ? (HwCvt<FMT>::value ? 3 : 2) : (HwCvt<FMT>::value ? 4 : 3);
+};
+
 // x [rows, cols] -> rowwise (q, s [rows, ceil(cols/32)]) and/or columnwise (qc, sc [ceil(rows/32), cols]);
 // a null q or qc skips that half. One CTA per 32 x 256 tile: thread t holds the row block (row t/8, columns
 // 32 (t%8) .. +31) in registers (2 or 4 16-byte loads; its amax and scale need no other thread). The columnwise
 // half stages the tile's bits in shared memory, where each thread takes the 32 rows of one column (fp32) or 16 rows
 // of two (bf16, f16: the two halves meet in shared memory), and its codes go back through shared memory so that
 // each thread stores 32 consecutive bytes of one qc row, as the rowwise half stores q.
-// Blocks an SM asked for: ptxas left to itself aims at 64 registers on sm_100 and spills the forced software
-// conversion there (issue 40). The software conversion (sm_80, or forced) needs up to 80 registers (three blocks),
-// 128 (two) for fp32 input; the hardware one fits in 64 (four).
 template <typename T, int FMT, bool RCEIL>
-__global__ void __launch_bounds__(BLOCK_THREADS, HwCvt<FMT>::value ? 4 : sizeof(T) == 4 ? 2 : 3) mx_quantize_kernel(
+__global__ void __launch_bounds__(BLOCK_THREADS, MxBlocks<T, FMT>::value) mx_quantize_kernel(
     const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ s, u8* __restrict__ qc, u8* __restrict__ sc,
     i64 rows, i64 cols, float inv_max, int emax) {
   constexpr int V = 2 * sizeof(T);                       // 16-byte vectors in a row block

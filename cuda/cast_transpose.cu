@@ -78,11 +78,19 @@ __device__ __forceinline__ void convert_rows<Passthrough, 0>(const Passthrough* 
   }
 }
 
+// The blocks per SM cast_transpose_kernel's launch bounds ask for, so that ptxas gives it the registers it needs
+// (issue 40): left to itself it aims at 48 on sm_120 and spills the NaN fix-up path. 16-bit input and the fp8
+// transpose fit in 64 registers (four blocks); fp32 input holds twice the words (sixteen 16-byte loads a thread in
+// flight) and spills at 64 on every target, so it gets 128 (two). A named constant: the launch bounds are read by
+// fp8core._signatures, which reads no parentheses there.
+template <typename T>
+struct CtBlocks {
+  static constexpr int value = sizeof(T) == 4 ? 2 : 4;
+};
+
 // q (optional) = quantize(x); q_t = transpose(q). x is [rows, cols] row-major; one block per 128x128 tile.
-// Four blocks an SM asked for (64 registers): left to itself, ptxas aims at 48 on sm_120, where the NaN fix-up path
-// then spills (issue 40).
 template <typename T, int FMT, bool WRITE_Q>
-__global__ void __launch_bounds__(THREADS, 4) cast_transpose_kernel(
+__global__ void __launch_bounds__(THREADS, CtBlocks<T>::value) cast_transpose_kernel(
     const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ q_t, const float* __restrict__ scale_p,
     u32* __restrict__ amax_out, i64 rows, i64 cols) {
   __shared__ __align__(16) u32 tile[TILE * TILE_WORDS];

@@ -7,89 +7,200 @@
 namespace fp8core {
 
 static constexpr int BLOCK_THREADS = 256;
-static constexpr int MX = 32;         // MXFP8 block: 32 elements of a row or of a column
-static constexpr int MX_TILE_R = 32;  // one CTA: a 32 x 64 tile, 8 elements per thread
-static constexpr int MX_TILE_C = 64;
-
-__device__ __forceinline__ i64 tile_index() { return blockIdx.x + (i64)blockIdx.y * gridDim.x; }
+static constexpr int MX = 32;          // MXFP8 block: 32 elements of a row or of a column
+static constexpr int MX_TILE_R = 32;   // one CTA: a 32 x 256 tile, one row block (32 elements) per thread
+static constexpr int MX_TILE_C = 256;
 
 // ---- MXFP8 quantize ---------------------------------------------------------------------------------------
-// x [rows, cols] -> rowwise (q, s [rows, ceil(cols/32)]) and/or columnwise (qc, sc [ceil(rows/32), cols]);
-// a null q or qc skips that half. One CTA per 32 x 64 tile: thread t holds 8 consecutive elements of row t/8
-// in registers (one 16- or 32-byte load), the row blocks reduce across 4 lanes, the column blocks through
-// shared memory.
-template <typename T, int FMT, bool RCEIL>
-__global__ void __launch_bounds__(BLOCK_THREADS) mx_quantize_kernel(
-    const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ s, u8* __restrict__ qc, u8* __restrict__ sc,
-    i64 rows, i64 cols, float inv_max, int emax) {
-  __shared__ __align__(16) float tile[MX_TILE_R][MX_TILE_C];  // float4 stores
-  __shared__ u32 part[4][MX_TILE_C];
-  const i64 tiles_c = (cols + MX_TILE_C - 1) / MX_TILE_C;
-  const i64 id = tile_index();
-  if (id >= tiles_c * ((rows + MX_TILE_R - 1) / MX_TILE_R)) return;  // the whole CTA, before any barrier
-  const i64 r0 = id / tiles_c * MX_TILE_R, c0 = id % tiles_c * MX_TILE_C;
-  const int t = threadIdx.x, r = t >> 3, g = t & 7;
-  const i64 row = r0 + r, col = c0 + 8 * g;
-  const bool in = row < rows && col < cols;
-  // cols % 8 == 0 and col % 8 == 0: the 8 elements are whole, and 16-byte aligned when x is
-  const bool vec = cols % 8 == 0 && aligned(x, 16);
-  float f[8];
-  if (in && vec) {
-    load8(x + row * cols + col, f);
+// The bits of one element (fp32's, or the 16 of bf16/f16), for the scalar loads of a partial block.
+__device__ __forceinline__ u32 raw_bits(const float* p) { return __float_as_uint(*p); }
+template <typename T>
+__device__ __forceinline__ u32 raw_bits(const T* p) { return p->bits; }
+
+// A word of the elements' own bits with the signs cleared, and its values as fp32 (1 for fp32, 2 for bf16/f16).
+__device__ __forceinline__ u32 word_abs(u32 w, float*) { return w & 0x7fffffffu; }
+template <typename T>
+__device__ __forceinline__ u32 word_abs(u32 w, T*) { return w & 0x7fff7fffu; }
+__device__ __forceinline__ void unpack_word(u32 w, float* f, float*) { f[0] = __uint_as_float(w); }
+template <typename T>
+__device__ __forceinline__ void unpack_word(u32 w, float* f, T*) {
+  T lo, hi;
+  lo.bits = (u16)(w & 0xffffu);
+  hi.bits = (u16)(w >> 16);
+  f[0] = to_f32(lo);
+  f[1] = to_f32(hi);
+}
+
+// The staged tile pads each row block (32 elements) with one 16-byte chunk: the 8 threads of a quarter warp (the 8
+// row blocks of one row) then store their k-th chunks to 8 different bank groups, a thread's chunks stay at fixed
+// offsets from one address, and a warp's loads of 32 consecutive words of one row hit 32 banks (fp32: one block)
+// or all but 4 once (bf16, f16: two blocks 80 bytes apart).
+template <typename T>
+struct Staged {
+  static constexpr int BLOCK_WORDS = 8 * sizeof(T) + 4;         // a row block's words, padding included
+  static constexpr int ROW_WORDS = 8 * BLOCK_WORDS;              // a staged row: the tile's 8 row blocks
+  __device__ static u32 word(u32 wc) { return wc / (8 * sizeof(T)) * BLOCK_WORDS + wc % (8 * sizeof(T)); }
+};
+
+// 32 codes of one row block (8 words) to p: 16-byte stores where VEC, else store16's widest; a partial block
+// (n < 32 elements) byte by byte, one per row.
+__device__ __forceinline__ void store_block(u8* p, const u32* c, int n, bool vec) {
+  if (n == MX) {
+    const uint4 a = make_uint4(c[0], c[1], c[2], c[3]), b = make_uint4(c[4], c[5], c[6], c[7]);
+    if (vec) {
+      reinterpret_cast<uint4*>(p)[0] = a;
+      reinterpret_cast<uint4*>(p)[1] = b;
+    } else {
+      store16(p, a);
+      store16(p + 16, b);
+    }
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) f[j] = in && col + j < cols ? to_f32(x[row * cols + col + j]) : 0.f;  // 0: no amax
+    for (int j = 0; j < MX; ++j) {  // unrolled, so that c stays in registers
+      if (j < n) p[j] = (u8)(c[j >> 2] >> (8 * (j & 3)));
+    }
+  }
+}
+
+// RPT rows of one staged word (EW columns, each with its own factor) into codes at crow, rows MX_TILE_C bytes apart.
+template <typename T, int FMT, bool MAY_NAN, int RPT, int EW>
+__device__ __forceinline__ void columns_to_codes(const u32* v, const float* factor, u8* crow) {
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    float f[EW];
+    unpack_word(v[i], f, (T*)nullptr);
+    if constexpr (EW == 2) {
+      *reinterpret_cast<u16*>(crow + i * MX_TILE_C) = (u16)quant_pair2<FMT, MAY_NAN>(f[0], f[1], factor[0], factor[1]);
+    } else {
+      crow[i * MX_TILE_C] = (u8)(quant_pair<FMT, MAY_NAN>(f[0], 0.f, factor[0]) & 0xffu);
+    }
+  }
+}
+
+// The blocks per SM mx_quantize_kernel's launch bounds ask for, so that ptxas gives it the registers it needs: left
+// to itself it aims at 64 and spills (issue 40). The hardware conversion of bf16/f16 fits in 64 registers (four
+// blocks); fp32 input holds twice the words and spills 8 bytes at 64 on sm_120, so it gets 80 (three). The software
+// conversion (sm_80, or forced) needs up to 80 (three), 128 (two) for fp32. A named constant: the launch bounds are
+// read by fp8core._signatures, which reads no parentheses there.
+template <typename T, int FMT>
+struct MxBlocks {
+  static constexpr int value = sizeof(T) == 4 ? (HwCvt<FMT>::value ? 3 : 2) : (HwCvt<FMT>::value ? 4 : 3);
+};
+
+// x [rows, cols] -> rowwise (q, s [rows, ceil(cols/32)]) and/or columnwise (qc, sc [ceil(rows/32), cols]);
+// a null q or qc skips that half. One CTA per 32 x 256 tile: thread t holds the row block (row t/8, columns
+// 32 (t%8) .. +31) in registers (2 or 4 16-byte loads; its amax and scale need no other thread). The columnwise
+// half stages the tile's bits in shared memory, where each thread takes the 32 rows of one column (fp32) or 16 rows
+// of two (bf16, f16: the two halves meet in shared memory), and its codes go back through shared memory so that
+// each thread stores 32 consecutive bytes of one qc row, as the rowwise half stores q.
+template <typename T, int FMT, bool RCEIL>
+__global__ void __launch_bounds__(BLOCK_THREADS, MxBlocks<T, FMT>::value) mx_quantize_kernel(
+    const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ s, u8* __restrict__ qc, u8* __restrict__ sc,
+    i64 rows, i64 cols, float inv_max, int emax) {
+  constexpr int V = 2 * sizeof(T);                       // 16-byte vectors in a row block
+  constexpr int W = 4 * V;                                // words in a row block
+  constexpr int EW = 4 / sizeof(T);                       // elements per word
+  constexpr int ROW_WORDS = MX_TILE_C / EW;               // words per staged row
+  constexpr int RPT = MX_TILE_R * ROW_WORDS / BLOCK_THREADS;  // rows per thread in the columnwise half
+  __shared__ __align__(16) u32 xs[MX_TILE_R * Staged<T>::ROW_WORDS];
+  __shared__ __align__(16) u8 codes[MX_TILE_R][MX_TILE_C];
+  __shared__ u32 part[2][MX_TILE_C / 2];
+  i64 r0, c0;
+  if (!tile_origin<MX_TILE_R, MX_TILE_C>(rows, cols, r0, c0)) return;  // the whole CTA, before any barrier
+  const u32 t = threadIdx.x, r = t >> 3, cb = t & 7;  // unsigned: no sign fix-ups in the index arithmetic
+  const i64 row = r0 + r, col = c0 + MX * cb;
+  const bool in = row < rows && col < cols;
+  const int n = in ? (int)(cols - col < MX ? cols - col : MX) : 0;  // elements of this row block
+  // cols % 8 == 0: every row starts 16-byte aligned when x does
+  const bool whole = n == MX && cols % 8 == 0 && aligned(x, 16);
+  u32 w[W];
+  if (whole) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const uint4 a = reinterpret_cast<const uint4*>(x + row * cols + col)[k];
+      w[4 * k] = a.x; w[4 * k + 1] = a.y; w[4 * k + 2] = a.z; w[4 * k + 3] = a.w;
+    }
+  } else {  // zeros past the end: no amax, no code stored
+#pragma unroll
+    for (int k = 0; k < W; ++k) w[k] = 0u;
+#pragma unroll
+    for (int j = 0; j < MX; ++j) {  // unrolled, so that w stays in registers
+      if (j < n) w[j / EW] |= raw_bits(x + row * cols + col + j) << (32 / EW * (j % EW));
+    }
   }
 
   if (q != nullptr) {
-    u32 m = 0;
+    u32 packed = 0u;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m = umax(m, abs_raw(f[j]));
-    m = umax(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the 4 lanes g&~3 .. g|3 hold one 32-element block
-    m = nan_canonical(umax(m, __shfl_xor_sync(0xffffffffu, m, 2)));
+    for (int k = 0; k < W; ++k) packed = vec_max(packed, word_abs(w[k], (T*)nullptr), (T*)nullptr);
+    const u32 m = nan_canonical(widen_abs_max(packed, (T*)nullptr));
     const u32 e = e8m0<RCEIL>(m, inv_max, emax);
     const float factor = e8m0_quant_factor(e);
     if (in) {
-      if (vec && aligned(q, 8)) {
-        *reinterpret_cast<uint2*>(q + row * cols + col) = quant8_checked<FMT>(f, factor, m);
+      float f[MX];
+#pragma unroll
+      for (int k = 0; k < W; ++k) unpack_word(w[k], f + EW * k, (T*)nullptr);
+      u32 c[8];
+      if (!HwCvt<FMT>::value || e8m0_nan_free(m)) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) c[k] = quant4<FMT, false>(f + 4 * k, factor);
       } else {
-        for (int j = 0; j < 8 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[j], factor);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) c[k] = quant4<FMT, true>(f + 4 * k, factor);
       }
-      if ((g & 3) == 0) s[row * ((cols + MX - 1) / MX) + col / MX] = (u8)e;
+      store_block(q + row * cols + col, c, n, cols % 16 == 0 && aligned(q, 16));
+      s[row * ((cols + MX - 1) >> 5) + (col >> 5)] = (u8)e;  // rows of ceil(cols / 32) scales
     }
   }
 
   if (qc != nullptr) {
-    *reinterpret_cast<float4*>(&tile[r][8 * g]) = make_float4(f[0], f[1], f[2], f[3]);
-    *reinterpret_cast<float4*>(&tile[r][8 * g + 4]) = make_float4(f[4], f[5], f[6], f[7]);
-    __syncthreads();
-    const int c = t & (MX_TILE_C - 1), h = t >> 6;  // column c, rows 8h .. 8h+7 of the tile
-    float v[8];
-    u32 m = 0;
+    uint4* const block = reinterpret_cast<uint4*>(xs + r * Staged<T>::ROW_WORDS + cb * Staged<T>::BLOCK_WORDS);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[i] = tile[8 * h + i][c];
-      m = umax(m, abs_raw(v[i]));
+    for (int k = 0; k < V; ++k) block[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+    __syncthreads();
+    // Word wc of rows h RPT .. h RPT + RPT-1: one address, rows apart by fixed offsets.
+    const u32 wc = t % ROW_WORDS, h = t / ROW_WORDS;
+    const u32* const cp = xs + h * RPT * Staged<T>::ROW_WORDS + Staged<T>::word(wc);
+    u32 v[RPT];
+    u32 packed = 0u;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      v[i] = cp[i * Staged<T>::ROW_WORDS];
+      packed = vec_max(packed, word_abs(v[i], (T*)nullptr), (T*)nullptr);
     }
-    part[h][c] = m;
-    __syncthreads();
-    m = nan_canonical(umax(umax(part[0][c], part[1][c]), umax(part[2][c], part[3][c])));
-    const u32 e = e8m0<RCEIL>(m, inv_max, emax);
-    const float factor = e8m0_quant_factor(e);
-    // The codes go through shared memory so that each thread then stores 8 consecutive bytes of one qc row,
-    // as the rowwise half stores q, instead of 8 bounds-checked byte stores down a column.
-    __shared__ __align__(16) u8 qtile[MX_TILE_R][MX_TILE_C];
-    const uint2 w = quant8_checked<FMT>(v, factor, m);
+    if constexpr (EW == 2) {
+      part[h][wc] = packed;
+      __syncthreads();
+      packed = __vmaxu2(part[0][wc], part[1][wc]);
+    }
+    u32 m[EW], e[EW];
+    float factor[EW];
+    bool clean = true;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) qtile[8 * h + i][c] = (u8)(((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xffu);
-    if (h == 0 && c0 + c < cols) sc[(r0 / MX) * cols + c0 + c] = (u8)e;
+    for (int k = 0; k < EW; ++k) {
+      m[k] = nan_canonical(widen_abs_max(EW == 1 ? packed : (packed >> (16 * k)) & 0xffffu, (T*)nullptr));
+      e[k] = e8m0<RCEIL>(m[k], inv_max, emax);
+      factor[k] = e8m0_quant_factor(e[k]);
+      clean = clean && e8m0_nan_free(m[k]);
+    }
+    u8* const crow = &codes[h * RPT][EW * wc];
+    if (!HwCvt<FMT>::value || clean) {
+      columns_to_codes<T, FMT, false, RPT, EW>(v, factor, crow);
+    } else {
+      columns_to_codes<T, FMT, true, RPT, EW>(v, factor, crow);
+    }
+    if (h == 0) {
+#pragma unroll
+      for (int k = 0; k < EW; ++k) {
+        if (c0 + EW * wc + k < cols) sc[(r0 >> 5) * cols + c0 + EW * wc + k] = (u8)e[k];  // scale row r0 / 32
+      }
+    }
     __syncthreads();
     if (in) {
-      if (vec && aligned(qc, 8)) {
-        *reinterpret_cast<uint2*>(qc + row * cols + col) = *reinterpret_cast<const uint2*>(&qtile[r][8 * g]);
-      } else {
-        for (int j = 0; j < 8 && col + j < cols; ++j) qc[row * cols + col + j] = qtile[r][8 * g + j];
-      }
+      const uint4* const src = reinterpret_cast<const uint4*>(&codes[r][MX * cb]);
+      const uint4 a = src[0], b = src[1];
+      const u32 c[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      store_block(qc + row * cols + col, c, n, cols % 16 == 0 && aligned(qc, 16));
     }
   }
 }
@@ -194,7 +305,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_128x128_kernel(
     const T* __restrict__ x, u8* __restrict__ q, float* __restrict__ scale_inv, i64 rows, i64 cols,
     float fp8_max, int power_of_2, float epsilon) {
   const i64 tiles_c = (cols + 127) / 128;
-  const i64 id = tile_index();
+  const i64 id = blockIdx.x + (i64)blockIdx.y * gridDim.x;
   if (id >= tiles_c * ((rows + 127) / 128)) return;
   const i64 r0 = id / tiles_c * 128, c0 = id % tiles_c * 128;
   const int t = threadIdx.x;

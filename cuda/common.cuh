@@ -156,20 +156,32 @@ template <> __device__ __forceinline__ u16 cvt_pair<E5M2>(float lo, float hi) {
 }
 #endif
 
-// Quantize two values already widened to fp32; returns lo in bits 0-7, hi in bits 8-15. A NaN gets the
-// encoding's NaN code whatever the hardware writes for it (which NaN code the silicon's conversion writes is not
-// settled): unless MAY_NAN is false, where the caller knows no product is NaN (nan_free), and the fix-up, two
-// compares and selects per pair, costs nothing. The software conversion writes the NaN code itself.
+// Whether cvt_pair<FMT> is the hardware conversion on this target, whose NaN code quant_pair fixes up; the
+// software conversion writes the encoding's NaN code itself.
+template <int FMT> struct HwCvt { static constexpr bool value = false; };
+#if FP8CORE_HW_FP8
+template <> struct HwCvt<E4M3> { static constexpr bool value = true; };
+template <> struct HwCvt<E5M2> { static constexpr bool value = true; };
+#endif
+
+// Quantize two values already widened to fp32, each with its own scale (quant_pair: one for both); returns lo in
+// bits 0-7, hi in bits 8-15. A NaN gets the encoding's NaN code whatever the hardware writes for it (which NaN code
+// the silicon's conversion writes is not settled): unless MAY_NAN is false, where the caller knows no product is
+// NaN (nan_free), and the fix-up, two compares and selects per pair, costs nothing, or the conversion is software's.
 template <int FMT, bool MAY_NAN = true>
-__device__ __forceinline__ u32 quant_pair(float lo, float hi, float scale) {
+__device__ __forceinline__ u32 quant_pair2(float lo, float hi, float scale_lo, float scale_hi) {
   constexpr u32 NAN_CODE = Encoding<FMT>::NAN_CAST;
-  float a = mul_rn(lo, scale), b = mul_rn(hi, scale);
+  float a = mul_rn(lo, scale_lo), b = mul_rn(hi, scale_hi);
   u32 r = cvt_pair<FMT>(a, b);
-  if (MAY_NAN) {
+  if (MAY_NAN && HwCvt<FMT>::value) {
     if (is_nan(a)) r = (r & 0xff00u) | NAN_CODE;
     if (is_nan(b)) r = (r & 0x00ffu) | (NAN_CODE << 8);
   }
   return r;
+}
+template <int FMT, bool MAY_NAN = true>
+__device__ __forceinline__ u32 quant_pair(float lo, float hi, float scale) {
+  return quant_pair2<FMT, MAY_NAN>(lo, hi, scale, scale);
 }
 template <int FMT>
 __device__ __forceinline__ u8 quant_one(float x, float scale) { return (u8)(quant_pair<FMT>(x, 0.f, scale) & 0xffu); }
@@ -184,12 +196,18 @@ __device__ __forceinline__ bool nan_free(u32 m, float scale) {
 // Four pairs (8 values) into two words, with the NaN fix-up only where nan_free(m, scale) is false.
 template <int FMT>
 __device__ __forceinline__ uint2 quant8_checked(const float* f, float scale, u32 m) {
-  if (nan_free(m, scale)) {
+  if (!HwCvt<FMT>::value || nan_free(m, scale)) {
     return make_uint2(quant_pair<FMT, false>(f[0], f[1], scale) | (quant_pair<FMT, false>(f[2], f[3], scale) << 16),
                       quant_pair<FMT, false>(f[4], f[5], scale) | (quant_pair<FMT, false>(f[6], f[7], scale) << 16));
   }
   return make_uint2(quant_pair<FMT>(f[0], f[1], scale) | (quant_pair<FMT>(f[2], f[3], scale) << 16),
                     quant_pair<FMT>(f[4], f[5], scale) | (quant_pair<FMT>(f[6], f[7], scale) << 16));
+}
+
+// Four values into one word of four codes, value i in byte i.
+template <int FMT, bool MAY_NAN>
+__device__ __forceinline__ u32 quant4(const float* f, float scale) {
+  return quant_pair<FMT, MAY_NAN>(f[0], f[1], scale) | (quant_pair<FMT, MAY_NAN>(f[2], f[3], scale) << 16);
 }
 
 // ---- fp8 -> fp32, exact, by bit manipulation ------------------------------------------------------------
@@ -359,7 +377,97 @@ __device__ __forceinline__ void load8(const T* p, float* f) {  // bf16, f16: one
   }
 }
 
+// ---- the amax of 16-byte vectors, in the elements' own bits ------------------------------------------------
+// vec_abs_max: the magnitudes of one vector's elements, maxed; vec_max: two such, maxed; widen_abs_max: the result
+// as abs_raw of the fp32 values (NaN payload kept, so nan_canonical applies). fp32: one mask and max per element.
+// bf16 and f16: a mask per two elements and a packed 16-bit max (__vmaxu2): their magnitudes' bits order as their
+// values, NaN above inf, as fp32's do; the two halves meet once, in widen_abs_max.
+__device__ __forceinline__ u32 vec_abs_max(uint4 a, float*) {
+  return umax(umax(a.x & 0x7fffffffu, a.y & 0x7fffffffu), umax(a.z & 0x7fffffffu, a.w & 0x7fffffffu));
+}
+__device__ __forceinline__ u32 vec_max(u32 a, u32 b, float*) { return umax(a, b); }
+__device__ __forceinline__ u32 widen_abs_max(u32 m, float*) { return m; }
+template <typename T>
+__device__ __forceinline__ u32 vec_abs_max(uint4 a, T*) {
+  return __vmaxu2(__vmaxu2(a.x & 0x7fff7fffu, a.y & 0x7fff7fffu), __vmaxu2(a.z & 0x7fff7fffu, a.w & 0x7fff7fffu));
+}
+template <typename T>
+__device__ __forceinline__ u32 vec_max(u32 a, u32 b, T*) { return __vmaxu2(a, b); }
+__device__ __forceinline__ u32 widen_abs_max(u32 m, bf16*) { return umax(m >> 16, m & 0xffffu) << 16; }
+__device__ __forceinline__ u32 widen_abs_max(u32 m, f16*) {
+  f16 h;
+  h.bits = (u16)umax(m >> 16, m & 0xffffu);
+  return abs_raw(to_f32(h));  // exact and monotonic: the widened max is the max of the widened
+}
+
+// One 16-byte vector of T as fp32 values (4 for fp32, 8 for bf16 and f16).
+__device__ __forceinline__ void unpack16(uint4 a, float* f, float*) {
+  f[0] = __uint_as_float(a.x); f[1] = __uint_as_float(a.y); f[2] = __uint_as_float(a.z); f[3] = __uint_as_float(a.w);
+}
+template <typename T>
+__device__ __forceinline__ void unpack16(uint4 a, float* f, T*) {
+  const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    T lo, hi;
+    lo.bits = (u16)(w[i] & 0xffffu);
+    hi.bits = (u16)(w[i] >> 16);
+    f[2 * i] = to_f32(lo);
+    f[2 * i + 1] = to_f32(hi);
+  }
+}
+
+// ---- a store of 16 bytes at any address ---------------------------------------------------------------------
+// v's 16 bytes (byte i is byte i % 4 of word i / 4) to p with the widest stores p's alignment allows: one 16-byte
+// store where p is 16-byte aligned; 8- or 4-byte stores where it is 8- or 4-byte aligned; otherwise the 1-3 bytes up
+// to the next 4-byte boundary (a byte and/or a 16-bit store), three aligned words, each funnel-shifted from two, and
+// the 3-1 bytes left: at most 6 stores where bytes took 16.
+__device__ __forceinline__ void store16(u8* p, uint4 v) {
+  const u32 a = (u32)(u64)p;
+  if ((a & 15u) == 0u) {
+    *reinterpret_cast<uint4*>(p) = v;
+    return;
+  }
+  if ((a & 7u) == 0u) {
+    reinterpret_cast<uint2*>(p)[0] = make_uint2(v.x, v.y);
+    reinterpret_cast<uint2*>(p)[1] = make_uint2(v.z, v.w);
+    return;
+  }
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+  if ((a & 3u) == 0u) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) reinterpret_cast<u32*>(p)[k] = w[k];
+    return;
+  }
+  const u32 h = 4u - (a & 3u);  // bytes before the next 4-byte boundary: 1, 2 or 3
+  if (h & 1u) p[0] = (u8)w[0];
+  if (h & 2u) *reinterpret_cast<u16*>(p + (h & 1u)) = (u16)(w[0] >> (8u * (h & 1u)));
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    *reinterpret_cast<u32*>(p + h + 4 * k) = (u32)((((u64)w[k + 1] << 32) | w[k]) >> (8u * h));
+  }
+  const u32 rest = 4u - h, last = w[3] >> (8u * h);
+  if (rest & 2u) *reinterpret_cast<u16*>(p + h + 12) = (u16)last;
+  if (rest & 1u) p[15] = (u8)(last >> (8u * (rest & 2u)));
+}
+
 __device__ __forceinline__ bool aligned(const void* p, int bytes) { return ((u64)p & (u64)(bytes - 1)) == 0; }
+
+// The origin (r0, c0) of the TR x TC tile of a rows x cols tensor this block takes, or false for a spare block of
+// the last row of blocks. Blocks are numbered over (x, y) as fp8core._kernels._tiles lays them out, at most 65535 x
+// 65535, so a live block's index is below 2^32 and the division is 32-bit: ptxas's 64-bit division is a subroutine
+// call whose register convention made the conversion code after it spill to local memory (issue 40).
+template <int TR, int TC>
+__device__ __forceinline__ bool tile_origin(i64 rows, i64 cols, i64& r0, i64& c0) {
+  const u64 id = blockIdx.x + (u64)blockIdx.y * gridDim.x;
+  const u64 tiles_c = (u64)(cols + TC - 1) / TC;
+  if (id >= tiles_c * (u64)((rows + TR - 1) / TR)) return false;
+  // tiles_c > id: the first row of tiles, where tiles_c itself need not fit in 32 bits
+  const u32 tr = tiles_c > id ? 0u : (u32)id / (u32)tiles_c;
+  r0 = (i64)tr * TR;
+  c0 = (i64)((u32)id - tr * (u32)tiles_c) * TC;
+  return true;
+}
 
 // How a flat loop over n elements splits for 8-wide vectors: [0, head) and [head + 8 * nv, n) one by one,
 // 8 * nv elements between as vectors. The head peels x up to 16 bytes, so a misaligned view still runs its

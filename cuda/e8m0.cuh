@@ -61,6 +61,10 @@ __device__ __forceinline__ u32 e8m0(u32 amax_bits, float inv_max, int emax) {
 __device__ __forceinline__ float e8m0_quant_factor(u32 e) {
   return e == E8M0_NAN ? __uint_as_float(F32_NAN) : pow2_exact(127 - (int)e);
 }
+// Whether no value of a block with amax bits m (abs_bits) gives a NaN when multiplied by its e8m0_quant_factor: the
+// factor is a finite, non-zero power of two unless the block holds a NaN, so only a NaN value can (one compare per
+// block where nan_free takes four).
+__device__ __forceinline__ bool e8m0_nan_free(u32 m) { return m <= F32_INF; }
 // 2^(e - 127), what dequantize multiplies by.
 __device__ __forceinline__ float e8m0_value(u32 e) {
   return e == E8M0_NAN ? __uint_as_float(F32_NAN) : pow2_exact((int)e - 127);

@@ -257,6 +257,10 @@ class _Source:
         # not match, or would split into pieces that are not "type name", and be refused below.
         found = re.findall(rf"__global__\s+void\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?{kernel}\s*\(([^()]*)\)",
                            self.text)
+        if not found and re.search(rf"__global__\s+void\s+__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*"
+                                   rf"{kernel}\s*\(", self.text):
+            raise ValueError(f"{where}: its __launch_bounds__ holds parentheses, which the signature reader does not "
+                             "read: name the expression (a constexpr constant or a template's static member)")
         if len(found) != 1:
             raise ValueError(f"{where}: {'no' if not found else 'more than one'} '__global__ void {kernel}(' in the "
                              "source")

@@ -45,7 +45,7 @@ def test_records_are_the_loaders_table():
     assert _kernels.FILL.expr() == "fp8core::fill_kernel"
 
 
-@pytest.mark.parametrize("kernel, tile", [(_kernels.CAST_TRANSPOSE, 64), (_kernels.QUANTIZE_128X128, 128)])
+@pytest.mark.parametrize("kernel, tile", [(_kernels.CAST_TRANSPOSE, 128), (_kernels.QUANTIZE_128X128, 128)])
 def test_tiles_stay_within_grid_limits(kernel, tile):
     assert kernel.rule(1056, (tile, tile)) == (1, 1)
     assert kernel.rule(1056, (tile + 1, 1)) == (2, 1)
@@ -58,7 +58,7 @@ def test_tiles_stay_within_grid_limits(kernel, tile):
                                65535 * 65535])
 def test_tiles_leave_no_row_of_idle_blocks(n):
     """Fewer idle blocks than rows of the grid (a first row filled to 65535 idled up to 65534 at the end)."""
-    gx, gy = _kernels.CAST_TRANSPOSE.rule(1056, (64, 64 * n))
+    gx, gy = _kernels.CAST_TRANSPOSE.rule(1056, (128, 128 * n))
     assert gx <= 65535 and gy <= 65535 and 0 <= gx * gy - n < gy, (gx, gy)
 
 

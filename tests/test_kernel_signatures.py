@@ -177,6 +177,8 @@ WHERE = r"^k \(cuda/k.cu\): "
     ("__global__ void k(int a, float a) {}", WHERE + r"two parameters named a"),
     ("__global__ void k(Pair<int, int> p) {}", WHERE + r"parameter 'Pair<int' is not 'type name'"),
     ("__global__ void j(int a) {}", WHERE + r"no '__global__ void k\(' in the source"),
+    ("template <typename T> __global__ void __launch_bounds__(256, sizeof(T) == 4 ? 2 : 3) k(int a) {}",
+     WHERE + r"its __launch_bounds__ holds parentheses, which the signature reader does not read"),
     ("constexpr int N = 1;\nconstexpr int N = 2;\nstruct S { int v[N]; };\n__global__ void k(S s) {}",
      r"^cuda/k.cu: more than one constexpr named N"),
 ])

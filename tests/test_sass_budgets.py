@@ -6,7 +6,8 @@ Figures per element of the input (bf16 in, E4M3 out): instructions and integer-A
 spills, and bytes of loads in flight per SM (the fast path's loads before their first use, times the threads the
 cubin's registers and shared memory keep resident). A kernel that misses a budget today is held by a ratchet: its
 measured figures (RATCHET) may not get worse, and a figure that improves must be written down in their place, so
-the ratchet only tightens; each failure names the budget still to reach.
+the ratchet only tightens; each failure names the budget still to reach. Registers are held through the bytes in
+flight per SM (the residency they cost is what those measure) and written down whenever they change.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ OTHER_NVRTC = 0.10
 
 
 class Ratchet(NamedTuple):
-    """The figures measured when the ratchet was last tightened (NVRTC 13.5, 2026-11-27)."""
+    """The figures measured when the ratchet was last tightened (NVRTC 13.5, 2026-11-27: after issue 40's third
+    round, bench/sass.py counting VIMNMX3)."""
 
     instructions: float  # per element
     int_alu: float       # per element
@@ -41,19 +43,32 @@ class Ratchet(NamedTuple):
     in_flight: int       # bytes per SM
 
 
+# Issue 40's third round re-measured every entry. Two changes move figures without changing the work:
+# - VIMNMX3 (a three-input integer min/max that ptxas makes of two on sm_90 and sm_100) now counts as an integer-ALU
+#   op: +0.19 to +0.50 per element on sm_90/100 (quantize, nvfp4 and mxfp4 rose by exactly that, bits and code
+#   unchanged).
+# - cast_transpose and the MXFP8 quantize find their tile by a 32-bit division (common.cuh's tile_origin), inline,
+#   where the route through the 64-bit division took its CALL.REL.NOINC as one instruction (the subroutine is not
+#   counted; seen in cast_transpose's sm_80 route at a8bfecf): the inline division is counted now, and integer-ALU
+#   ops rose by up to 0.61 per element beyond VIMNMX3's share (cast_transpose sm_80) while instructions fell.
+# Their launch bounds ask for four blocks a SM (64 registers) against ptxas's spills on sm_120 and forced software
+# FP8, which costs cast_transpose on sm_100 its fifth block (at 48 registers it spills 8 bytes now): 163840 ->
+# 135168 bytes in flight per SM, four times BUDGET_IN_FLIGHT. Was (a8bfecf, VIMNMX3 not counted):
+# cast_transpose 14.86/9.23/48/102400, 7.20/3.69/63/131072, 7.44/3.61/48/163840; mxfp8_rowwise 15.59/9.94/80,
+# 8.06/4.25/64, 8.59/3.75/63; mxfp8_both 30.34/18.78/80, 15.44/7.59/64, 10.94/4.31/63 (sm_80/90/100).
 RATCHET = {
-    ("quantize", "80"): Ratchet(14.00, 9.00, 36, 49152),
-    ("quantize", "90"): Ratchet(7.56, 4.75, 32, 65536),
-    ("quantize", "100"): Ratchet(7.50, 4.19, 48, 40960),
-    ("cast_transpose", "80"): Ratchet(23.38, 13.50, 32, 32768),
-    ("cast_transpose", "90"): Ratchet(18.00, 9.88, 32, 32768),
-    ("cast_transpose", "100"): Ratchet(17.69, 9.19, 32, 40960),
-    ("mxfp8_rowwise", "80"): Ratchet(27.12, 14.00, 32, 32768),
-    ("mxfp8_rowwise", "90"): Ratchet(20.25, 10.38, 32, 32768),
-    ("mxfp8_rowwise", "100"): Ratchet(20.75, 9.62, 32, 32768),
-    ("mxfp8_both", "80"): Ratchet(49.50, 27.38, 32, 32768),
-    ("mxfp8_both", "90"): Ratchet(36.62, 18.38, 32, 32768),
-    ("mxfp8_both", "100"): Ratchet(37.25, 16.88, 32, 32768),
+    ("quantize", "80"): Ratchet(13.38, 8.88, 37, 49152),
+    ("quantize", "90"): Ratchet(7.56, 5.12, 32, 65536),
+    ("quantize", "100"): Ratchet(7.50, 4.62, 48, 40960),
+    ("cast_transpose", "80"): Ratchet(14.69, 9.84, 63, 135168),
+    ("cast_transpose", "90"): Ratchet(6.94, 4.30, 64, 135168),
+    ("cast_transpose", "100"): Ratchet(6.83, 4.02, 64, 135168),
+    ("mxfp8_rowwise", "80"): Ratchet(15.38, 10.09, 76, 49152),
+    ("mxfp8_rowwise", "90"): Ratchet(7.62, 4.53, 63, 65536),
+    ("mxfp8_rowwise", "100"): Ratchet(7.72, 3.69, 64, 65536),
+    ("mxfp8_both", "80"): Ratchet(30.22, 19.03, 76, 49152),
+    ("mxfp8_both", "90"): Ratchet(15.09, 8.25, 63, 65536),
+    ("mxfp8_both", "100"): Ratchet(10.25, 4.41, 64, 65536),
     # nvfp4 and mxfp4 since the plain path (issue 40: rowwise, round to nearest; one block per thread, branch-free
     # E2M1, the hardware's on sm_100f, measured there as the loader compiles it on a B200; was nvfp4 19.19/11.00,
     # 18.50/10.06, 19.81/9.44 and mxfp4 14.53/9.75, 14.06/8.75, 13.84/7.41 on sm_80/90/100, each the cheapest side of
@@ -110,11 +125,13 @@ def test_budget_or_ratchet(name, arch, measured):
                      v > getattr(held, k) * (1 + OTHER_NVRTC) + SLACK)]
         assert not worse, f"worse than the ratchet {held} by over {OTHER_NVRTC:.0%} in {worse} (NVRTC {nvrtc}): {where}"
         return
+    # Registers cost only through the residency they take, which in_flight measures (and holds): they are written
+    # down when they change, and may rise where the bytes in flight per SM do not fall (more elements per thread).
     worse = [k for k in ("instructions", "int_alu") if getattr(got, k) > getattr(held, k) + SLACK]
-    worse += ["registers"] * (got.registers > held.registers) + ["in_flight"] * (got.in_flight < held.in_flight)
+    worse += ["in_flight"] * (got.in_flight < held.in_flight)
     assert not worse, f"worse than the ratchet {held} in {worse}: {where}"
     better = [k for k in ("instructions", "int_alu") if getattr(got, k) < getattr(held, k) - SLACK]
-    better += ["registers"] * (got.registers < held.registers) + ["in_flight"] * (got.in_flight > held.in_flight)
+    better += ["registers"] * (got.registers != held.registers) + ["in_flight"] * (got.in_flight > held.in_flight)
     assert not better, f"better than the ratchet in {better}: write {got} into RATCHET[{(name, arch)}]; {where}"
 
 

@@ -119,6 +119,12 @@ inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
   for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
   return r;
 }
+// Per 16-bit half, the unsigned max.
+inline unsigned int __vmaxu2(unsigned int a, unsigned int b) {
+  const unsigned lo = (a & 0xffffu) > (b & 0xffffu) ? (a & 0xffffu) : (b & 0xffffu);
+  const unsigned hi = (a >> 16) > (b >> 16) ? (a >> 16) : (b >> 16);
+  return (hi << 16) | lo;
+}
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 

@@ -33,10 +33,10 @@ def _window(first, last):
 
 
 def test_transpose_beyond_one_grid_row(dev, rng):
-    rows, tiles = 64, 65536 + 3  # tile t covers columns [64 t, 64 t + 64): grid (32770, 2), one block idle
-    q = device.empty((rows, 64 * tiles), np.uint8)
-    c0 = 64 * (65535 - 2)
-    region = rng.integers(0, 256, (rows, 64 * (tiles - 65533)), dtype=np.uint8)
+    rows, tiles = 128, 65536 + 3  # tile t covers columns [128 t, 128 t + 128): grid (32770, 2), one block idle
+    q = device.empty((rows, 128 * tiles), np.uint8)
+    c0 = 128 * (65535 - 2)
+    region = rng.integers(0, 256, (rows, 128 * (tiles - 65533)), dtype=np.uint8)
     q[:, c0:] = device.asarray(region)
     _window(65535 - 2, 65535 + 8)  # tiles numbered past 65535 (blockIdx.y 1) and the idle block after the last
     qt = fp8core.transpose(q, fmt="e4m3")
@@ -45,10 +45,10 @@ def test_transpose_beyond_one_grid_row(dev, rng):
 
 
 def test_cast_transpose_beyond_one_grid_row(dev, rng):
-    rows, tiles = 64, 65536 + 1
-    x = device.empty((rows, 64 * tiles), np.float32)
-    c0 = 64 * (65535 - 1)
-    region = data(rng, (rows, 64 * 3), np.float32)
+    rows, tiles = 128, 65536 + 1  # 128 x 128 tiles
+    x = device.empty((rows, 128 * tiles), np.float32)
+    c0 = 128 * (65535 - 1)
+    region = data(rng, (rows, 128 * 3), np.float32)
     x[:, c0:] = device.asarray(region)
     scale = device.asarray(np.array([0.5], np.float32))  # a device array: no fill launch to take the window
     _window(65535 - 1, 65535 + 4)
@@ -59,10 +59,10 @@ def test_cast_transpose_beyond_one_grid_row(dev, rng):
 
 
 def test_mxfp8_beyond_one_grid_row(dev, rng):
-    rows, tiles = 32, 65536 + 1  # 32 x 64 tiles
-    x = device.empty((rows, 64 * tiles), np.float32)
-    c0 = 64 * (65535 - 1)
-    region = data(rng, (rows, 64 * 3), np.float32)
+    rows, tiles = 32, 65536 + 1  # 32 x 256 tiles
+    x = device.empty((rows, 256 * tiles), np.float32)
+    c0 = 256 * (65535 - 1)
+    region = data(rng, (rows, 256 * 3), np.float32)
     x[:, c0:] = device.asarray(region)
     _window(65535 - 1, 65535 + 4)
     got = fp8core.quantize_mxfp8_both(x, "e4m3")

@@ -8,10 +8,11 @@ import device
 import fp8core
 from arrays import DTYPES, bits, data, upload
 
-# Full tiles with every pairing of the stores' vector conditions: (72, 64) stores q by 16 bytes and q_t byte by
-# byte, (64, 72) the other way round; (64, 64) both vectorised, (100, 200) neither.
+# Full 128 x 128 tiles with every pairing of the stores' vector conditions: (136, 128) stores q by 16 bytes and q_t
+# by 8 (its rows 8-byte aligned), (128, 136) the other way round; (128, 128) both vectorised, (200, 200) neither;
+# (131, 133) and (130, 129) the stores at odd and 2-byte-aligned addresses (store16's funnel-shifted words).
 SHAPES = [(1, 1), (1, 70), (70, 1), (64, 64), (48, 80), (65, 63), (128, 256), (100, 200), (129, 67), (0, 5),
-          (72, 64), (64, 72)]
+          (136, 128), (128, 136), (128, 128), (200, 200), (131, 133), (130, 129)]
 
 
 def f32(*v):

@@ -208,11 +208,6 @@ def _amax(x: Tensor) -> np.ndarray:
     return np.array([bits], np.uint32).view(np.float32)
 
 
-def allocate(shape: tuple, dtype: np.dtype, like: Tensor) -> np.ndarray:
-    """A result the core allocates from its declaration: like's caller's memory."""
-    return like.caller.empty(shape, dtype, like.device)
-
-
 @ieee
 def amax(x: Tensor) -> np.ndarray:
     return _amax(x)

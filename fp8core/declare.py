@@ -127,12 +127,14 @@ class Primitive:
 
     def specs(self, **inputs: Any) -> tuple[Spec, ...]:
         """The outputs' specs from the inputs (arrays or Specs, dtypes in any spelling; slots left out), by the
-        rule; remembered like :meth:`results` (by the arrays' shapes and dtypes, the other values as given)."""
+        rule; remembered like :meth:`results` (by the arrays' shapes and dtypes, the other values with their
+        types: ``1 == True`` in a key would let an int pass where the rule refuses a non-bool)."""
         def rule() -> tuple[Spec, ...]:
             return self.outputs(**{name: _abstract(self.arg(name), v) for name, v in inputs.items()
                                    if self.arg(name).slot is None})
         try:
-            key = ("specs", *((k, (tuple(v.shape), v.dtype) if _is_array(v) else v) for k, v in inputs.items()))
+            key = ("specs", *((k, (tuple(v.shape), v.dtype)) if _is_array(v) else (k, type(v), v)
+                              for k, v in inputs.items()))
             found = self._memo.get(key)
         except TypeError:  # an unhashable value: the rule names what is wrong with it
             return rule()

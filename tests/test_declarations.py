@@ -129,6 +129,17 @@ def test_a_declared_default_reaches_the_call():
     assert op(x.to("meta")).shape == (3, 5)
 
 
+def test_a_remembered_answer_lets_no_refused_value_through():
+    """specs remembers answers by their inputs; 1 == True in Python, so a key without the values' types would
+    answer power_of_2=1 from power_of_2=True's entry instead of refusing it, as fp8core.jax's checks did."""
+    p = PRIMITIVES["quantize_dynamic"]
+    x = np.ones((4, 16), np.float32)
+    for good, bad in ((True, 1), (False, 0), (True, 1.0)):
+        p.specs(x=x, fmt="e4m3", power_of_2=good)
+        with pytest.raises(TypeError, match="power_of_2: expected a bool"):
+            p.specs(x=x, fmt="e4m3", power_of_2=bad)
+
+
 def test_the_gradient_check_of_torch_2_7_answers_as_torchs_own():
     """torch 2.7, the declared minimum, lacks torch._C._any_requires_grad: the autograd kernel's Python check
     answers there, and must say what torch's helper says (a wrong False drops the gradient, a wrong True sends a

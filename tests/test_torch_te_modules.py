@@ -272,3 +272,12 @@ def test_model_init_refuses_what_fp8core_does_not_do():
                                         "MXFP8BlockScaling scales blocks"):
         with te.autocast(enabled=True, recipe=te.recipe.MXFP8BlockScaling()):
             kept(inputs())
+    with te.fp8_model_init(recipe=RECIPE):
+        kept = te.Linear(64, 32)  # a layer keeps the recipe of its first autocast: a new one for NVFP4
+    rng = None
+    for _ in range(2):  # the first call takes the recipe (and makes the layer's random state), the second reuses it
+        with pytest.raises(TypeError, match="weight: kept in fp8 as .*NVFP4BlockScaling scales blocks"):
+            with te.autocast(enabled=True, recipe=te.recipe.NVFP4BlockScaling()):
+                kept(inputs())
+        assert rng is None or torch.equal(kept.fp4_rng, rng)  # refused before the random state moved
+        rng = kept.fp4_rng.clone()

@@ -34,7 +34,7 @@ from . import ops
 from .block_linear import BLOCK_RECIPES
 from .fp4_ops import advance_rng
 from .fp4_linear import STREAMS, initial_rng
-from .linear_function import LinearFunction
+from .linear_function import HIGH_PRECISION as _HIGH, LinearFunction
 from .rowwise_linear import is_rowwise
 from .fsdp import Float8AllGatherWeight, plain_weight, wrap_weight
 from .scaling import (SLOTS, STATE, SharedScaling, autocast_disabled, calibrating_context, check_recipe,
@@ -63,7 +63,6 @@ try:
     _record = torch.compiler.disable(_record_eagerly, reason=_RECORDING)
 except TypeError:  # torch before 2.8 takes no reason
     _record = torch.compiler.disable(_record_eagerly)
-_HIGH = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Float8Linear(torch.nn.Linear):
@@ -227,6 +226,7 @@ class Float8Linear(torch.nn.Linear):
         # torch (2.11 refuses importlib's find_spec). The first op refuses a CUDA tensor without CuPy, by name.
         if x.numel() == 0:
             return self._high_precision(x)
+        weight_scale_inv = self._fp8_weight_scale_inv()  # refuses a bad weight before any state moves
         state, group = (), None
         if isinstance(self.recipe, NVFP4BlockScaling):
             rng, after = advance_rng(self.fp4_rng, STREAMS)
@@ -243,8 +243,8 @@ class Float8Linear(torch.nn.Linear):
             else:
                 ctx.ran[self._fp8_group] = None
             state = (self._fp8_history, self._fp8_scale, self._fp8_scale_inv)
-        y = LinearFunction.apply(x, self.weight, self.bias, self._fp8_plan, self.in_out, group,
-                                 self._fp8_weight_scale_inv(), *state)
+        y = LinearFunction.apply(x, self.weight, self.bias, self._fp8_plan, self.in_out, group, weight_scale_inv,
+                                 *state)
         if self._fp8_recording:
             _record(self, x, y)
         return y

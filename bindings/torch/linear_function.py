@@ -45,7 +45,7 @@ OPS = {"tensor": LinearOps(tensor_linear.quantize, tensor_linear.gemm, tensor_li
                            tensor_linear.fuses_bias),
        "mx": _BLOCK, "blocks": _BLOCK, "axiswise": LinearOps(rowwise_linear.quantize, rowwise_linear.gemm),
        "nvfp4": LinearOps(fp4_linear.quantize, fp4_linear.gemm)}
-_HIGH = (torch.float32, torch.bfloat16, torch.float16)
+HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes a Linear computes in
 
 
 def padded(x2: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
@@ -64,7 +64,7 @@ def _high_precision_weight(weight: torch.Tensor, in_out: bool) -> torch.Tensor:
     """The weight as [out, in] in high precision, for a GEMM the plan keeps out of fp8."""
     if isinstance(weight, Float8AllGatherWeight):
         weight = weight.high_precision
-    if isinstance(weight, Float8GatheredWeight) or weight.dtype not in _HIGH:
+    if isinstance(weight, Float8GatheredWeight) or weight.dtype not in HIGH_PRECISION:
         raise TypeError("recipe: override_linear_precision runs a GEMM on the high-precision weight, but this "
                         "layer's weight is held in fp8 (fp8_model_init or FSDP2's fp8 all-gather); override no "
                         "GEMM there")

@@ -5,10 +5,11 @@ fp8core._kernels' records), with ``cpu_blocks``/``cuda_blocks`` for block scalin
 Both modules of a pair implement :class:`Backend` (:class:`BlockBackend`) with the same signatures, over
 :class:`fp8core._views.Tensor` views of the caller's arrays; the API layer picks one by the input's device. Arrays
 a backend takes and returns besides Tensors are its own: NumPy arrays in the logical dtype on the CPU, CuPy
-arrays in storage dtype on a GPU. Results come from the tensor's caller's allocator, launches go on its stream;
-``allocate`` is that allocator for the results the core allocates from their declared shapes (fp8core.ops).
-The CUDA backend adds ``device_f32`` (host values as a device array on the caller's stream) and ``step_counter``
-(the update's device-side interval counter), which the CPU has no need of.
+arrays in storage dtype on a GPU. Results come from the tensor's caller's allocator, launches go on its stream.
+The CUDA backend adds ``allocate`` (that allocator under the device guard, for the results the core allocates
+from their declared shapes: fp8core.args.result, which on the CPU calls the caller's allocator itself),
+``device_f32`` (host values as a device array on the caller's stream) and ``step_counter`` (the update's
+device-side interval counter), which the CPU has no need of.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ class Backend(Protocol):
     name: str
     xp: ModuleType  # numpy or cupy
 
-    def allocate(self, shape: tuple, dtype: Any, like: Tensor) -> Any: ...
     def amax(self, x: Tensor) -> Any: ...
     def multi_amax(self, xs: list[Tensor], out: Any) -> None: ...
     def quantize(self, x: Tensor, scale: Any, fmt: Encoding, amax_out: Any | None, *, out: Any | None = None
@@ -60,7 +60,6 @@ class BlockBackend(Protocol):
     columns, 1x128 and 128x128 float32 scale inverses. The quantizers write ``out``, allocated by the core from
     the declarations (E8M0 scales as uint8 storage on a GPU)."""
 
-    def allocate(self, shape: tuple, dtype: Any, like: Tensor) -> Any: ...
     def quantize_mxfp8(self, x: Tensor, fmt: Encoding, scale_mode: str, layout: Layout, out: tuple[Any, Any]
                        ) -> tuple[Any, Any]: ...
     def quantize_mxfp8_both(self, x: Tensor, fmt: Encoding, scale_mode: str, out: tuple[Any, ...]

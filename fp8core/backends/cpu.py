@@ -208,11 +208,6 @@ def _amax(x: Tensor) -> np.ndarray:
     return np.array([bits], np.uint32).view(np.float32)
 
 
-def allocate(shape: tuple, dtype: np.dtype, like: Tensor) -> np.ndarray:
-    """A result the core allocates from its declaration: like's caller's memory."""
-    return like.caller.empty(shape, dtype, like.device)
-
-
 @ieee
 def amax(x: Tensor) -> np.ndarray:
     return _amax(x)
@@ -358,7 +353,7 @@ def _table_for(dtype: str, scale: np.float32, fmt: Encoding, n: int) -> np.ndarr
     return quantize_table(*key)
 
 
-def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, out: np.ndarray | None = None
+def _quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, *, out: np.ndarray | None = None
               ) -> np.ndarray:
     s = _scale_0d(scale)
     data = x.data
@@ -424,7 +419,7 @@ def quantize_dynamic(x: Tensor, fmt: Encoding, margin: int, power_of_2: bool, ep
     if s_inv_out is not None:
         s_inv_out[...] = scale_inv
         scale_inv = s_inv_out
-    return _quantize(x, scale, fmt, None, q_out), scale_inv, a
+    return _quantize(x, scale, fmt, None, out=q_out), scale_inv, a
 
 
 @ieee
@@ -432,7 +427,7 @@ def multi_quantize(xs: list[Tensor], scales: list[np.ndarray], fmts: list[Encodi
                    amax_outs: list[np.ndarray | None], *, outs: list[np.ndarray | None] | None = None
                    ) -> list[np.ndarray]:
     outs = outs if outs is not None else [None] * len(xs)
-    return [_quantize(x, s, f, a, o) for x, s, f, a, o in zip(xs, scales, fmts, amax_outs, outs)]
+    return [_quantize(x, s, f, a, out=o) for x, s, f, a, o in zip(xs, scales, fmts, amax_outs, outs)]
 
 
 # ---- dequantize -------------------------------------------------------------------------------------------
@@ -514,7 +509,7 @@ def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
 @ieee
 def cast_transpose(x: Tensor, scale: Any, fmt: Encoding, amax_out: np.ndarray | None, *,
                    out: tuple = (None, None)) -> tuple[np.ndarray, np.ndarray]:
-    q = _quantize(x, scale, fmt, amax_out, out[0])
+    q = _quantize(x, scale, fmt, amax_out, out=out[0])
     return q, transpose(Tensor(q, fmt.dtype_name, x.device, x.origin), out=out[1])
 
 
@@ -747,7 +742,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
             if not fp8_out:
                 dst[:, n0:n1] = d32  # NumPy's / ml_dtypes' RTNE cast
                 return 0
-            codes = _quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt.encoding, None, None)
+            codes = _quantize(Tensor(d32, "float32", a.device, "numpy"), out_scale, spec.out_fmt.encoding, None)
             dst[:, n0:n1] = codes.view(dtype)
             return _amax_bits(d32.reshape(-1)) if out_amax is not None else 0
 

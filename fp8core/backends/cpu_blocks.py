@@ -22,7 +22,6 @@ from .._views import Tensor, logical_numpy_dtype
 from ..formats import Encoding
 from ..layouts import Layout
 from .cpu import CANONICAL_NAN, canonical_nan_fp8, map_chunks, quantize_table, to_f32, scale_rule
-from .cpu import allocate  # noqa: F401 - the core allocates the quantizers' results through it
 
 SCALE = formats.E8M0  # MXFP8's scale encoding
 E8M0 = SCALE.numpy_dtype

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from .harness import Target
 
 # Functions of a backend module that are plumbing, not primitives.
-_NOT_PRIMITIVES = {"launch_stream", "scale_value", "pow2_floor", "roll", "allocate"}
+_NOT_PRIMITIVES = {"launch_stream", "scale_value", "pow2_floor", "roll"}
 
 
 def backend_pairs() -> list[tuple[str, Any, Any]]:

@@ -99,6 +99,8 @@ MISALIGNED_STORES = {
     "quantize_kernel": 16,
     "quantize_dynamic_kernel": 16,
     "multi_quantize_kernel": 16,
+    "quantize_1x128_kernel": 16,     # a row's last 1-3 codes, store4's head and tail (twice on sm_100)
+    "quantize_128x128_kernel": 128,  # 8 rows a thread, each with its last 1-7 codes and store8's head and tail
 }
 
 

@@ -253,11 +253,14 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_1x128_kernel(
     float sc = 1.f, sc_inv = 1.f;
     if (lane == 0) block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
     sc = __shfl_sync(0xffffffffu, sc, 0);
-    if (vec && col < cols) {
-      *reinterpret_cast<u32*>(q + row * cols + col) =
-          nan_free(m, sc) ? quant_pair<FMT, false>(f[0], f[1], sc) | (quant_pair<FMT, false>(f[2], f[3], sc) << 16)
-                          : quant_pair<FMT>(f[0], f[1], sc) | (quant_pair<FMT>(f[2], f[3], sc) << 16);
-    } else {
+    if (col + 4 <= cols) {  // every lane's word where vec; else store4's widest at q's own alignment
+      const u32 c = nan_free(m, sc) ? quant4<FMT, false>(f, sc) : quant4<FMT, true>(f, sc);
+      if (vec) {
+        *reinterpret_cast<u32*>(q + row * cols + col) = c;
+      } else {
+        store4(q + row * cols + col, c);
+      }
+    } else {  // the row's last 1-3 codes
       for (int j = 0; j < 4 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[j], sc);
     }
     if (lane == 0) scale_inv[b] = sc_inv;
@@ -343,7 +346,9 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_128x128_kernel(
     if (row >= rows || col >= cols) continue;
     if (vec && aligned(q, 8)) {
       *reinterpret_cast<uint2*>(q + row * cols + col) = quant8_checked<FMT>(f[i], sc, mine);
-    } else {
+    } else if (col + 8 <= cols) {  // store8's widest at the address's own alignment
+      store8(q + row * cols + col, quant8_checked<FMT>(f[i], sc, mine));
+    } else {  // the row's last 1-7 codes
       for (int j = 0; j < 8 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[i][j], sc);
     }
   }

@@ -417,11 +417,26 @@ __device__ __forceinline__ void unpack16(uint4 a, float* f, T*) {
   }
 }
 
-// ---- a store of 16 bytes at any address ---------------------------------------------------------------------
-// v's 16 bytes (byte i is byte i % 4 of word i / 4) to p with the widest stores p's alignment allows: one 16-byte
-// store where p is 16-byte aligned; 8- or 4-byte stores where it is 8- or 4-byte aligned; otherwise the 1-3 bytes up
-// to the next 4-byte boundary (a byte and/or a 16-bit store), three aligned words, each funnel-shifted from two, and
-// the 3-1 bytes left: at most 6 stores where bytes took 16.
+// ---- stores of 4, 8 or 16 bytes at any address ---------------------------------------------------------------
+// NW words (byte i is byte i % 4 of word i / 4) to a p that is not 4-byte aligned: the 1-3 bytes up to the next
+// 4-byte boundary (a byte and/or a 16-bit store), NW - 1 aligned words, each funnel-shifted from two, and the 3-1
+// bytes left: at most NW + 3 stores where bytes took 4 NW.
+template <int NW>
+__device__ __forceinline__ void store_words_unaligned(u8* p, const u32* w) {
+  const u32 h = 4u - ((u32)(u64)p & 3u);  // bytes before the next 4-byte boundary: 1, 2 or 3
+  if (h & 1u) p[0] = (u8)w[0];
+  if (h & 2u) *reinterpret_cast<u16*>(p + (h & 1u)) = (u16)(w[0] >> (8u * (h & 1u)));
+#pragma unroll
+  for (int k = 0; k + 1 < NW; ++k) {
+    *reinterpret_cast<u32*>(p + h + 4 * k) = (u32)((((u64)w[k + 1] << 32) | w[k]) >> (8u * h));
+  }
+  const u32 rest = 4u - h, last = w[NW - 1] >> (8u * h);
+  if (rest & 2u) *reinterpret_cast<u16*>(p + h + 4 * (NW - 1)) = (u16)last;
+  if (rest & 1u) p[4 * NW - 1] = (u8)(last >> (8u * (rest & 2u)));
+}
+
+// v's 16 bytes to p with the widest stores p's alignment allows: one 16-byte store where p is 16-byte aligned; 8- or
+// 4-byte stores where it is 8- or 4-byte aligned; otherwise store_words_unaligned's (at most 6 stores).
 __device__ __forceinline__ void store16(u8* p, uint4 v) {
   const u32 a = (u32)(u64)p;
   if ((a & 15u) == 0u) {
@@ -439,16 +454,36 @@ __device__ __forceinline__ void store16(u8* p, uint4 v) {
     for (int k = 0; k < 4; ++k) reinterpret_cast<u32*>(p)[k] = w[k];
     return;
   }
-  const u32 h = 4u - (a & 3u);  // bytes before the next 4-byte boundary: 1, 2 or 3
-  if (h & 1u) p[0] = (u8)w[0];
-  if (h & 2u) *reinterpret_cast<u16*>(p + (h & 1u)) = (u16)(w[0] >> (8u * (h & 1u)));
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    *reinterpret_cast<u32*>(p + h + 4 * k) = (u32)((((u64)w[k + 1] << 32) | w[k]) >> (8u * h));
+  store_words_unaligned<4>(p, w);
+}
+
+// v's 8 bytes to a p that is not 8-byte aligned: two 4-byte stores, or store_words_unaligned's (at most 4 stores).
+__device__ __forceinline__ void store8_misaligned(u8* p, uint2 v) {
+  if (((u32)(u64)p & 3u) == 0u) {
+    reinterpret_cast<u32*>(p)[0] = v.x;
+    reinterpret_cast<u32*>(p)[1] = v.y;
+    return;
   }
-  const u32 rest = 4u - h, last = w[3] >> (8u * h);
-  if (rest & 2u) *reinterpret_cast<u16*>(p + h + 12) = (u16)last;
-  if (rest & 1u) p[15] = (u8)(last >> (8u * (rest & 2u)));
+  const u32 w[2] = {v.x, v.y};
+  store_words_unaligned<2>(p, w);
+}
+
+// v's 8 bytes to p likewise: one 8-byte store where p is 8-byte aligned, else store8_misaligned's.
+__device__ __forceinline__ void store8(u8* p, uint2 v) {
+  if (((u32)(u64)p & 7u) == 0u) {
+    *reinterpret_cast<uint2*>(p) = v;
+    return;
+  }
+  store8_misaligned(p, v);
+}
+
+// v's 4 bytes to p likewise: one 4-byte store, two 16-bit ones, or a byte, a 16-bit store and a byte.
+__device__ __forceinline__ void store4(u8* p, u32 v) {
+  if (((u32)(u64)p & 3u) == 0u) {
+    *reinterpret_cast<u32*>(p) = v;
+    return;
+  }
+  store_words_unaligned<1>(p, &v);
 }
 
 __device__ __forceinline__ bool aligned(const void* p, int bytes) { return ((u64)p & (u64)(bytes - 1)) == 0; }

@@ -14,18 +14,9 @@ __device__ __forceinline__ uint2 quant8(const float* f, float scale, u32& m) {
 }
 
 // Quantize x[i] for i = start, start + stride, ... (in vectors of 8 after a peeled head, two vectors in flight
-// per thread). REVERSE walks this thread's vectors last first: quantize_dynamic's second pass then
-// starts on what its first pass read last, still in L2. Returns the amax bits of the elements read.
-// 8 quantized bytes to q: one 8-byte store, or byte stores where a misaligned view of x left q off 8 bytes.
-__device__ __forceinline__ void store8(u8* q, uint2 w, bool vec) {
-  if (vec) {
-    *reinterpret_cast<uint2*>(q) = w;
-  } else {
-#pragma unroll
-    for (int b = 0; b < 8; ++b) q[b] = (u8)(((b < 4 ? w.x : w.y) >> (8 * (b & 3))) & 0xffu);
-  }
-}
-
+// per thread where q's vectors are 8-byte aligned, else one, stored by store8_misaligned). REVERSE walks this
+// thread's vectors last first: quantize_dynamic's second pass then starts on what its first pass read last, still
+// in L2. Returns the amax bits of the elements read.
 template <typename T, int FMT, bool REVERSE>
 __device__ __forceinline__ u32 quantize_range(const T* __restrict__ x, u8* __restrict__ q, i64 n, float scale,
                                               i64 start, i64 stride) {
@@ -33,21 +24,30 @@ __device__ __forceinline__ u32 quantize_range(const T* __restrict__ x, u8* __res
   const Split sp = split8<sizeof(T), 1, 1>(x, nullptr, n);  // x peeled to 16 bytes: its loads stay vectors
   const T* __restrict__ xb = x + sp.head;
   u8* __restrict__ qb = q + sp.head;
-  const bool q_vec = aligned(qb, 8);
   const i64 cnt = stride_count(start, stride, sp.nv);
-  for (i64 k = 0; k + 1 < cnt; k += 2) {
-    const i64 v0 = start + (REVERSE ? cnt - 1 - k : k) * stride, v1 = REVERSE ? v0 - stride : v0 + stride;
-    float f0[8], f1[8];
-    load8(xb + v0 * 8, f0);
-    load8(xb + v1 * 8, f1);
-    store8(qb + v0 * 8, quant8<FMT>(f0, scale, m), q_vec);
-    store8(qb + v1 * 8, quant8<FMT>(f1, scale, m), q_vec);
-  }
-  if (cnt & 1) {
-    const i64 v = start + (REVERSE ? 0 : cnt - 1) * stride;
-    float f[8];
-    load8(xb + v * 8, f);
-    store8(qb + v * 8, quant8<FMT>(f, scale, m), q_vec);
+  if (aligned(qb, 8)) {
+    for (i64 k = 0; k + 1 < cnt; k += 2) {
+      const i64 v0 = start + (REVERSE ? cnt - 1 - k : k) * stride, v1 = REVERSE ? v0 - stride : v0 + stride;
+      float f0[8], f1[8];
+      load8(xb + v0 * 8, f0);
+      load8(xb + v1 * 8, f1);
+      *reinterpret_cast<uint2*>(qb + v0 * 8) = quant8<FMT>(f0, scale, m);
+      *reinterpret_cast<uint2*>(qb + v1 * 8) = quant8<FMT>(f1, scale, m);
+    }
+    if (cnt & 1) {
+      const i64 v = start + (REVERSE ? 0 : cnt - 1) * stride;
+      float f[8];
+      load8(xb + v * 8, f);
+      *reinterpret_cast<uint2*>(qb + v * 8) = quant8<FMT>(f, scale, m);
+    }
+  } else {  // a misaligned view of x left q off 8 bytes (every vector of it): one vector at a time, so that the
+            // stores' branches add no registers
+    for (i64 k = 0; k < cnt; ++k) {
+      const i64 v = start + (REVERSE ? cnt - 1 - k : k) * stride;
+      float f[8];
+      load8(xb + v * 8, f);
+      store8_misaligned(qb + v * 8, quant8<FMT>(f, scale, m));
+    }
   }
   for (i64 i = start; i < sp.head; i += stride) {
     const float f = to_f32(x[i]);

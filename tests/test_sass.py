@@ -91,6 +91,19 @@ VECTOR = {
 }
 
 
+# Kernels whose codes go out with store4/store8/store16 (cuda/common.cuh) where the destination is not aligned to
+# the vector: 16-bit and 32-bit global stores must be there, and byte stores only in the short heads and tails
+# (at most this many in the whole kernel; byte-at-a-time vectors held 26-34 in quantize). A route that falls back to
+# one byte at a time loses its 16-bit stores or goes over the count.
+MISALIGNED_STORES = {
+    "quantize_kernel": 16,
+    "quantize_dynamic_kernel": 16,
+    "multi_quantize_kernel": 16,
+    "quantize_1x128_kernel": 16,     # a row's last 1-3 codes, store4's head and tail (twice on sm_100)
+    "quantize_128x128_kernel": 128,  # 8 rows a thread, each with its last 1-7 codes and store8's head and tail
+}
+
+
 def vector_patterns(expr: str) -> list[str]:
     """VECTOR's patterns; a 1x128 block is one warp, 4 elements a lane: 16 bytes of fp32 or 8 of bf16/fp16 in."""
     if kind(expr) == "quantize_1x128_kernel":
@@ -192,6 +205,13 @@ def check_sass(filename, expr, arch, soft, tmp_path_factory):
     # The vectorised fast path is there.
     for pattern in vector_patterns(expr):
         assert re.search(rf"\b{pattern}\b", sass), f"{expr}: no {pattern} on sm_{arch}"
+
+    # Misaligned destinations take the widest stores their alignment allows, not bytes.
+    if kind(expr) in MISALIGNED_STORES:
+        byte_stores = len(re.findall(r"\bSTG\.E\.U8\b", sass))
+        assert re.search(r"\bSTG\.E\.U16\b", sass) and re.search(r"\bSTG\.E\s", sass), \
+            f"{expr}: no 16- and 32-bit stores for a misaligned destination on sm_{arch}"
+        assert byte_stores <= MISALIGNED_STORES[kind(expr)], f"{expr}: {byte_stores} byte stores on sm_{arch}"
 
     # cast_transpose's vector path transposes through shared memory in 32-bit words (byte permutes, a quad
     # shuffle); byte-wide shared loads are left only in the edge path.

@@ -53,6 +53,27 @@ def test_per_tensor_kernels(dev, dtype, offset, rng):
 
 @pytest.mark.parametrize("offset", OFFSETS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_into_q_off_x(dev, dtype, offset, rng):
+    """quantize, quantize_dynamic and multi_quantize from an aligned x into q ``offset`` bytes in: q's vectors then sit
+    at every alignment against x's, each stored by store8's widest stores (byte, 16-bit, 32-bit, 64-bit)."""
+    x = data(rng, (203,), dtype)
+    xd = upload(x)
+    for fmt in ("e4m3", "e5m2"):
+        q = fp8core.quantize(xd, device.asarray(np.float32([0.37])), fmt, out=_out((203,), np.uint8, offset))
+        np.testing.assert_array_equal(bits(q), bits(fp8core.quantize(x, np.float32([0.37]), fmt)), err_msg=fmt)
+        got = fp8core.quantize_dynamic(xd, fmt, out=(_out((203,), np.uint8, offset), None, None))
+        for g, r in zip(got, fp8core.quantize_dynamic(x, fmt)):
+            np.testing.assert_array_equal(bits(g), bits(r), err_msg=fmt)
+    xs = [x, x[:77], x[:9]]
+    scales = np.float32([0.5, 2.0, 7.0])
+    got = fp8core.multi_quantize([upload(v) for v in xs], device.asarray(scales), "e4m3",
+                                 out=[_out(v.shape, np.uint8, offset) for v in xs])
+    for g, r in zip(got, fp8core.multi_quantize(xs, scales, "e4m3")):
+        np.testing.assert_array_equal(bits(g), bits(r))
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cast_transpose(dev, dtype, offset, rng):
     """Full 64 x 64 tiles (the tiled path, each stream vectorised where its alignment allows) and an edge."""
     x = data(rng, (128, 144), dtype)

@@ -357,24 +357,11 @@ __device__ __forceinline__ bool scale_from_amax_f32(u32 amax_bits, float fp8_max
   return true;
 }
 
-// ---- vector loads of 8 elements as fp32 -------------------------------------------------------------------
+// ---- vector loads of 8 elements as fp32 (bf16 and f16: load8 after unpack16, below) -------------------------
 __device__ __forceinline__ void load8(const float* p, float* f) {
   const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
   f[0] = __uint_as_float(a.x); f[1] = __uint_as_float(a.y); f[2] = __uint_as_float(a.z); f[3] = __uint_as_float(a.w);
   f[4] = __uint_as_float(b.x); f[5] = __uint_as_float(b.y); f[6] = __uint_as_float(b.z); f[7] = __uint_as_float(b.w);
-}
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float* f) {  // bf16, f16: one 16-byte load
-  const uint4 a = *reinterpret_cast<const uint4*>(p);
-  const u32 w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    T lo, hi;
-    lo.bits = (u16)(w[i] & 0xffffu);
-    hi.bits = (u16)(w[i] >> 16);
-    f[2 * i] = to_f32(lo);
-    f[2 * i + 1] = to_f32(hi);
-  }
 }
 
 // ---- the amax of 16-byte vectors, in the elements' own bits ------------------------------------------------
@@ -415,6 +402,10 @@ __device__ __forceinline__ void unpack16(uint4 a, float* f, T*) {
     f[2 * i] = to_f32(lo);
     f[2 * i + 1] = to_f32(hi);
   }
+}
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* f) {  // bf16, f16: one 16-byte load
+  unpack16(*reinterpret_cast<const uint4*>(p), f, static_cast<T*>(nullptr));
 }
 
 // ---- stores of 4, 8 or 16 bytes at any address ---------------------------------------------------------------

@@ -389,11 +389,9 @@ def _rht(src: np.ndarray, dst: np.ndarray, scratch: np.ndarray) -> None:
         np.add(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 0])
         np.subtract(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
         v, w = w, v
-    if dst.itemsize == 4:
-        np.multiply(v, _QUARTER, out=dst)
-    else:
-        v *= _QUARTER
-        np.copyto(dst, v, casting="unsafe")  # RTNE to the dtype
+    # one call: the fp32 product, rounded to dst's dtype (RTNE) by the ufunc's own output cast (a separate
+    # multiply and copyto wrote and read the fp32 products once more)
+    np.multiply(v, _QUARTER, out=dst, casting="unsafe")
 
 
 def _transformed(x: np.ndarray, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -236,6 +236,28 @@ def test_mxfp4_does_not_depend_on_how_the_work_is_split(rng, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("span", [1, 1 << 16], ids=["16x64-tiles", "one-tile"])
+def test_columnwise_operand_is_the_rowwise_one_of_the_transpose(rng, monkeypatch, span):
+    """The columnwise operand's codes are packed 16 a column into 8-byte words, then the words transposed: over
+    several words a column and several tiles, from x one element into its buffer (misaligned), its bytes are the
+    rowwise bytes of x^T (the same operand, packed along its rows), for every NVFP4 option and MXFP4."""
+    monkeypatch.setattr(cpu_fp4, "SPAN", span)
+    x = np.empty(96 * 128 + 1, ml_dtypes.bfloat16)[1:].reshape(96, 128)
+    x[...] = _specials(rng, (96, 128), ml_dtypes.bfloat16)
+    nan = x.copy()
+    nan[17:33, 5] = np.nan  # two NaN blocks in operand row 5, one in each of two 16-row words
+    for x in (x, nan):
+        xt = np.ascontiguousarray(x.T)
+        pairs = [(quantize_nvfp4(x, columnwise=True, **kw), quantize_nvfp4(xt, **kw))
+                 for kw in (dict(), dict(hadamard=True), dict(weight_2d=True),
+                            dict(rounding="stochastic", seed=5, offset=9))]
+        pairs.append((quantize_mxfp4(x, columnwise=True), quantize_mxfp4(xt)))
+        for col, row in pairs:
+            assert col.data.shape == (128, 48)
+            for a, b in zip(col, row):
+                np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
 # ---- NVFP4 against the reference --------------------------------------------------------------------------
 
 OPTIONS = [dict(weight_2d=w, hadamard=h, stochastic=s, columnwise=c)

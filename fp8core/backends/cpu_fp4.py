@@ -22,7 +22,7 @@ from .. import formats
 from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
-from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast, transpose
+from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast
 from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
 
 E2M1 = formats.E2M1
@@ -161,7 +161,7 @@ def state_seed_offset(words: np.ndarray, offset: int) -> tuple[int, int]:
 # elements of a row of x, a columnwise one 16 (32) consecutive elements of a column of x. Viewed as [A, b, B], the
 # b positions of every block are the middle axis: rowwise [M * K / b, b, 1], columnwise [M / b, b, K]. Reductions
 # and the transform then run over b slices of [A, B] (contiguous rows of K columnwise), never a short last axis;
-# only the finished bytes of a columnwise operand are transposed (one byte per two elements).
+# only the finished bytes of a columnwise operand are transposed, as 8-byte words (16 elements a word).
 
 def _positions(t: np.ndarray, b: int, columnwise: bool) -> np.ndarray:
     """t [s, K] (s a multiple of b columnwise) as [A, b, B]: the b elements of each block along axis 1."""
@@ -272,12 +272,23 @@ def _pack_rows(codes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def _pack_columns(codes: np.ndarray, out: np.ndarray) -> None:
-    """out [s/2, K] = codes [s, K] (s even) packed down the columns: row 2j in the low nibble (the transposed
-    operand's packing, before its transpose), written in place."""
-    pairs = codes.reshape(codes.shape[0] // 2, 2, codes.shape[1])
-    lo, hi = (pairs[:, 0], pairs[:, 1]) if E2M1.low_nibble_first else (pairs[:, 1], pairs[:, 0])
-    np.left_shift(hi, 4, out=out, dtype=np.uint8)
-    np.bitwise_or(out, lo, out=out)
+    """out [s/16, K, 8] = codes [s, K] (s a multiple of 16) packed down the columns, row 2j in the low nibble:
+    out[t, k] holds rows 16t .. 16t+15 of column k, the 8 bytes of the transposed operand's row k from byte 8t
+    on. Written in place. Byte j of each 8 lands 8 bytes from the next column's, so the transposition left to
+    do moves 8-byte words (:func:`_words_transposed`): a byte transpose of the packed operand took as long as
+    the packing and the E2M1 lookup together."""
+    s, k = codes.shape
+    pairs = codes.reshape(s // NVFP4_BLOCK, NVFP4_BLOCK // 2, 2, k)
+    lo, hi = (pairs[:, :, 0], pairs[:, :, 1]) if E2M1.low_nibble_first else (pairs[:, :, 1], pairs[:, :, 0])
+    np.bitwise_or(np.left_shift(hi, 4, dtype=np.uint8), lo, out=out.transpose(0, 2, 1))
+
+
+def _words_transposed(packed: np.ndarray) -> np.ndarray:
+    """The transposed operand [K, s/2] (uint8) of :func:`_pack_columns`' bytes [s/16, K, 8], by moving 8-byte
+    words ([s/16, K] -> [K, s/16]); none to move when s is 16 (NVFP4's position-major Hadamard blocks)."""
+    t, k, _ = packed.shape
+    words = packed.view(np.uint64).reshape(t, k)
+    return np.ascontiguousarray(words.T).view(np.uint8).reshape(k, 8 * t)
 
 
 def _random_bytes(tile: tuple[int, int, int, int], shape: tuple[int, int], columnwise: bool, seed: int,
@@ -316,7 +327,7 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
     m, k = x.shape
     grid = (-(-m // b), k // b) if tiles else ((m // b, k) if columnwise else (m, k // b))
     stored = np.empty(grid, np.uint8) if known is None else known[0]
-    packed = np.empty((m // 2, k) if columnwise else (m, k // 2), np.uint8)
+    packed = np.empty((m // NVFP4_BLOCK, k, 8) if columnwise else (m, k // 2), np.uint8)
     step = b if columnwise or tiles else 1
     todo = _tiles(m, k, step, columnwise)
 
@@ -334,14 +345,14 @@ def _quantize(x: np.ndarray, b: int, columnwise: bool, tiles: bool, rule: Callab
                 q = _codes(y) if sr is None else \
                     e2m1_stochastic(y, _random_bytes((m0, m1, k0, k1), (m, k), columnwise, *sr))
                 if columnwise:
-                    _pack_columns(q, packed[m0 // 2:m1 // 2, k0:k1])
+                    _pack_columns(q, packed[m0 // NVFP4_BLOCK:m1 // NVFP4_BLOCK, k0:k1])
                 else:
                     _pack_rows(q, packed[m0:m1])
 
     map_spans(len(todo), 1, work)
     if not columnwise:
         return packed, stored
-    return transpose(Tensor(packed, "uint8", ("cpu", 0), "numpy")), np.ascontiguousarray(stored.T)
+    return _words_transposed(packed), np.ascontiguousarray(stored.T)
 
 
 # ---- the random Hadamard transform ------------------------------------------------------------------------
@@ -389,11 +400,9 @@ def _rht(src: np.ndarray, dst: np.ndarray, scratch: np.ndarray) -> None:
         np.add(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 0])
         np.subtract(pairs[:, :, 0], pairs[:, :, 1], out=into[:, :, 1])
         v, w = w, v
-    if dst.itemsize == 4:
-        np.multiply(v, _QUARTER, out=dst)
-    else:
-        v *= _QUARTER
-        np.copyto(dst, v, casting="unsafe")  # RTNE to the dtype
+    # one call: the fp32 product, rounded to dst's dtype (RTNE) by the ufunc's own output cast (a separate
+    # multiply and copyto wrote and read the fp32 products once more)
+    np.multiply(v, _QUARTER, out=dst, casting="unsafe")
 
 
 def _transformed(x: np.ndarray, columnwise: bool) -> tuple[np.ndarray, np.ndarray]:

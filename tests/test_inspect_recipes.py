@@ -522,3 +522,57 @@ def test_fp4_recipes_in_strips_of_columns_give_the_whole_tensors_bytes(monkeypat
     assert np.array_equal(np.asarray(nv.global_amax), whole.global_amax, equal_nan=True)
     mx, whole = numerics_recipes.RECIPES["mxfp4"].quantize(x), fp8core.quantize_mxfp4(x)
     assert np.array_equal(mx.data, whole.data) and np.array_equal(mx.scale.view(np.uint8), whole.scale.view(np.uint8))
+
+
+@pytest.mark.skipif(fp8core.backends.cpu._THREADS < 2, reason="side by side needs a CPU pool of two threads or more")
+def test_a_tensors_recipes_run_side_by_side_with_each_recipes_own_figures(rng):
+    """inspect measures a tensor's recipes one per thread of the CPU pool, each on its thread alone (a budget of one
+    thread): two run at once (a barrier the first two must both reach), and the rows and the --blocks statistics
+    are those of measure() and block_stats() called one after another, in the order asked."""
+    import threading
+    from dataclasses import replace
+
+    from fp8core.backends.cpu_threads import thread_budget
+    from fp8core.cli import inspect as module
+    from fp8core.cli.recipes import RECIPES, measure
+    from fp8core.numerics_blocks import block_stats
+    from fp8core.numerics_stats import strict_json
+
+    x = sample(rng)
+    x[9, 40], x[11, 70] = np.inf, np.nan
+    x[20, :40] *= 1e-39  # float32 subnormals
+    together = threading.Barrier(2, timeout=60)
+    seen: dict[str, tuple[int, int | None]] = {}
+    lock = threading.Lock()
+
+    def spied(recipe):
+        def quantize(a):
+            with lock:
+                first_two = len(seen) < 2
+                seen[recipe.name] = (threading.get_ident(), thread_budget())
+            if first_two:
+                together.wait()  # BrokenBarrierError where a single thread measures the recipes one by one
+            return recipe.quantize(a)
+        return replace(recipe, quantize=quantize)
+
+    order = ALL[::-1]  # not the dearest-first order the threads take them in
+    row: dict = {}
+    module._with_recipes(row, x, "e4m3", [spied(RECIPES[n]) for n in order], blocks=True)
+    assert list(row["recipes"]) == order and list(row["blocks"]) == [n for n in order if n in BLOCK]
+    want = {n: measure(x, RECIPES[n]) for n in order}
+    assert json.dumps(strict_json(row["recipes"])) == json.dumps(strict_json(want))
+    blocks = {n: block_stats(x, RECIPES[n]) for n in order if n in BLOCK}
+    assert json.dumps(strict_json(row["blocks"])) == json.dumps(strict_json(blocks))
+    assert sorted(seen) == sorted(ALL) and {b for _, b in seen.values()} == {1}
+    assert len({t for t, _ in seen.values()}) == 2
+
+
+def test_an_exact_round_trip_has_a_largest_relative_error_of_plus_zero():
+    """Every value representable: every quotient (y - x) / x is -0 (x negative); the figure is 0.0, not -0.0
+    (JSON would print the sign), in every recipe whose scales keep these values (NVFP4's global scale does not)."""
+    from fp8core.cli.recipes import RECIPES, measure
+
+    x = -np.tile(np.array([0.5, 1.0, 2.0, 4.0], np.float32), (32, 8))  # exact in E4M3, E5M2 and E2M1
+    for name in [n for n in ALL if not n.startswith("nvfp4")]:
+        got = measure(x, RECIPES[name])["max_rel_error"]
+        assert got == 0.0 and math.copysign(1.0, got) == 1.0, (name, got)

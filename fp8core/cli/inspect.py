@@ -317,13 +317,18 @@ def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe],
     # A recipe per thread of fp8core's CPU pool, each on its thread alone: a recipe's serial steps (its amax and
     # scales, the block quantizers' tile loop, nvfp4_rht's transpose) then leave no core idle, and no chunk is
     # handed between threads. The figures are a single thread's whatever thread measures a recipe.
-    def one(i: int, _: int) -> tuple[dict, dict | None]:
-        r = recipes[order[i]]
-        with cpu_threads(1):
-            stats = measure(data, r, shared)
-            return stats, block_stats(data, r) if blocks and r.block_scales is not None else None
+    held = [data]  # emptied once measured: a pool task cancelled unstarted keeps `one` until a thread drops it
 
-    got = dict(zip(order, map_spans(len(recipes), 1, one)))
+    def one(i: int, _: int) -> tuple[dict, dict | None]:
+        r, x = recipes[order[i]], held[0]
+        with cpu_threads(1):
+            stats = measure(x, r, shared)
+            return stats, block_stats(x, r) if blocks and r.block_scales is not None else None
+
+    try:
+        got = dict(zip(order, map_spans(len(recipes), 1, one)))
+    finally:
+        held.clear()
     row["recipes"] = {r.name: got[i][0] for i, r in enumerate(recipes)}
     row["winner"] = winner(row["recipes"])
     if blocks:

@@ -81,8 +81,10 @@ def inspect(path: Path, tree: str | None = None) -> tuple[dict, int]:
     """``fp8core inspect PATH --recipes all --json`` in a child process (fp8core from the source tree ``tree``
     when given): (its tensors' rows, its peak RSS in bytes)."""
     env = None if tree is None else dict(os.environ, PYTHONPATH=tree)
-    run = subprocess.run([sys.executable, "-c", _CHILD, "inspect", str(path), "--recipes", "all", "--json"],
-                         capture_output=True, text=True, env=env)
+    # run in the tree: "python -c" puts the working directory first on sys.path, before PYTHONPATH, so from a
+    # checkout's root every tree's run would import that checkout's fp8core
+    run = subprocess.run([sys.executable, "-c", _CHILD, "inspect", str(Path(path).resolve()), "--recipes", "all",
+                          "--json"], capture_output=True, text=True, env=env, cwd=tree)
     assert run.returncode == 0, run.stderr
     peak = [line.split()[1] for line in run.stderr.splitlines() if line.startswith("VmHWM")]
     return json.loads(run.stdout)["tensors"], int(peak[-1]) * 1024

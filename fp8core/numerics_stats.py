@@ -93,9 +93,10 @@ def _chunk_stats(x: np.ndarray, y32: np.ndarray, codes: np.ndarray, max_code: in
         counts = [v.size, nonzero, nonzero - np.count_nonzero(np.not_equal(y32, 0, out=flags)), clipped, at.size,
                   0]
         with np.errstate(divide="ignore", invalid="ignore"):
-            d /= v  # 0/0 where x is 0: NaN, which fmax passes over
-        np.abs(d, out=d)
-        max_rel = float(np.fmax.reduce(d)) if d.size else 0.0
+            d /= v  # 0/0 where x is 0: NaN, which fmax and fmin pass over
+        # the largest |d| from two read-only reductions, not an abs pass that writes d back first; abs() makes
+        # a -0.0 (every quotient a zero) the 0.0 that |d| gives
+        max_rel = abs(float(np.fmax(np.fmax.reduce(d), -np.fmin.reduce(d)))) if d.size else 0.0
         return counts, signal, noise, 0.0 if math.isnan(max_rel) else max_rel, (signal, nonzero)
     top = (codes & magnitude) == max_code
     v, y = x.astype(np.float64), y32.astype(np.float64)

@@ -289,9 +289,15 @@ def test_safetensors_tensors_are_read_one_at_a_time(tmp_path, monkeypatch):
 
     from fp8core.cli.files import iter_tensors
 
-    save_file({f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, str(tmp_path / "m.safetensors"))
-    real = safetensors.safe_open
+    from fp8core.cli import files
+
+    # w1 in a dtype NumPy has no type for: read through torch (get_tensor), the others from the file's map
+    tensors = {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}
+    tensors["w1"] = tensors["w1"].to(torch.float8_e8m0fnu)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    real, mapped = safetensors.safe_open, files._mapped_tensor
     reads: list[str] = []
+    names = {(64 * 64 * 4 * i, (64, 64)): f"w{i}" for i in range(4)}  # the F32 tensors' byte offsets in the data
 
     class Counting:
         def __init__(self, *a, **k):
@@ -311,10 +317,52 @@ def test_safetensors_tensors_are_read_one_at_a_time(tmp_path, monkeypatch):
             reads.append(k)
             return self.f.get_tensor(k)
 
+    def from_map(m, offset, dtype, shape):
+        x = mapped(m, offset, dtype, shape)
+        reads.append(next(n for n in tensors if tensors[n].dtype == torch.float32
+                          and float(tensors[n][0, 0]) == float(x[0, 0])))
+        return x
+
     monkeypatch.setattr(safetensors, "safe_open", Counting)
+    monkeypatch.setattr(files, "_mapped_tensor", from_map)
     for i, (name, x) in enumerate(iter_tensors(str(tmp_path / "m.safetensors"))):
         assert reads == [f"w{j}" for j in range(i + 1)], reads  # nothing read ahead
-        assert float(x[0, 0]) == i
+        assert name == f"w{i}" and (x.dtype.kind == "V" if i == 1 else float(x[0, 0]) == i)
+
+
+def test_safetensors_of_numpy_dtypes_are_read_without_torch(tmp_path):
+    """bf16, fp8 and the other dtypes NumPy holds come straight from the file's map: torch is never imported (its
+    import was most of inspect's start), and the figures are those of the same tensors in an .npz."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("safetensors")
+
+    x = (np.random.default_rng(0).standard_normal((48, 64)) * 3)
+    tensors = {"bf16": x.astype(ml_dtypes.bfloat16), "e4m3": x.astype(ml_dtypes.float8_e4m3fn),
+               "f16": x.astype(np.float16), "i8": x.astype(np.int8), "empty": np.zeros((0, 5), np.float32)}
+    kinds = {"bf16": "BF16", "e4m3": "F8_E4M3", "f16": "F16", "i8": "I8", "empty": "F32"}
+    header, data = {}, b""
+    for k, v in tensors.items():  # the format: a JSON header of dtype, shape, data_offsets; the data after it
+        header[k] = {"dtype": kinds[k], "shape": list(v.shape), "data_offsets": [len(data), len(data) + v.nbytes]}
+        data += v.tobytes()
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (tmp_path / "m.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data)
+    np.savez(tmp_path / "m.npz", **tensors)
+    code = ("import sys, json\nfrom fp8core.cli import main\n"
+            "assert main(['inspect', sys.argv[1], '--recipes', 'all', '--json']) == 0\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
+    got = {}
+    for suffix in ("safetensors", "npz"):
+        run = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"m.{suffix}")], capture_output=True,
+                             text=True, env={**os.environ, "COLUMNS": "200"})
+        assert run.returncode == 0, run.stderr
+        got[suffix] = json.loads(run.stdout)["tensors"]
+        if suffix == "safetensors":
+            assert "no torch" in run.stderr, run.stderr
+    assert sorted(got["safetensors"]) == sorted(tensors)
+    assert got["safetensors"] == got["npz"]
 
 
 def _mapped_resident(path) -> int:
@@ -522,3 +570,57 @@ def test_fp4_recipes_in_strips_of_columns_give_the_whole_tensors_bytes(monkeypat
     assert np.array_equal(np.asarray(nv.global_amax), whole.global_amax, equal_nan=True)
     mx, whole = numerics_recipes.RECIPES["mxfp4"].quantize(x), fp8core.quantize_mxfp4(x)
     assert np.array_equal(mx.data, whole.data) and np.array_equal(mx.scale.view(np.uint8), whole.scale.view(np.uint8))
+
+
+@pytest.mark.skipif(fp8core.backends.cpu._THREADS < 2, reason="side by side needs a CPU pool of two threads or more")
+def test_a_tensors_recipes_run_side_by_side_with_each_recipes_own_figures(rng):
+    """inspect measures a tensor's recipes one per thread of the CPU pool, each on its thread alone (a budget of one
+    thread): two run at once (a barrier the first two must both reach), and the rows and the --blocks statistics
+    are those of measure() and block_stats() called one after another, in the order asked."""
+    import threading
+    from dataclasses import replace
+
+    from fp8core.backends.cpu_threads import thread_budget
+    from fp8core.cli import inspect as module
+    from fp8core.cli.recipes import RECIPES, measure
+    from fp8core.numerics_blocks import block_stats
+    from fp8core.numerics_stats import strict_json
+
+    x = sample(rng)
+    x[9, 40], x[11, 70] = np.inf, np.nan
+    x[20, :40] *= 1e-39  # float32 subnormals
+    together = threading.Barrier(2, timeout=60)
+    seen: dict[str, tuple[int, int | None]] = {}
+    lock = threading.Lock()
+
+    def spied(recipe):
+        def quantize(a):
+            with lock:
+                first_two = len(seen) < 2
+                seen[recipe.name] = (threading.get_ident(), thread_budget())
+            if first_two:
+                together.wait()  # BrokenBarrierError where a single thread measures the recipes one by one
+            return recipe.quantize(a)
+        return replace(recipe, quantize=quantize)
+
+    order = ALL[::-1]  # not the dearest-first order the threads take them in
+    row: dict = {}
+    module._with_recipes(row, x, "e4m3", [spied(RECIPES[n]) for n in order], blocks=True)
+    assert list(row["recipes"]) == order and list(row["blocks"]) == [n for n in order if n in BLOCK]
+    want = {n: measure(x, RECIPES[n]) for n in order}
+    assert json.dumps(strict_json(row["recipes"])) == json.dumps(strict_json(want))
+    blocks = {n: block_stats(x, RECIPES[n]) for n in order if n in BLOCK}
+    assert json.dumps(strict_json(row["blocks"])) == json.dumps(strict_json(blocks))
+    assert sorted(seen) == sorted(ALL) and {b for _, b in seen.values()} == {1}
+    assert len({t for t, _ in seen.values()}) == 2
+
+
+def test_an_exact_round_trip_has_a_largest_relative_error_of_plus_zero():
+    """Every value representable: every quotient (y - x) / x is -0 (x negative); the figure is 0.0, not -0.0
+    (JSON would print the sign), in every recipe whose scales keep these values (NVFP4's global scale does not)."""
+    from fp8core.cli.recipes import RECIPES, measure
+
+    x = -np.tile(np.array([0.5, 1.0, 2.0, 4.0], np.float32), (32, 8))  # exact in E4M3, E5M2 and E2M1
+    for name in [n for n in ALL if not n.startswith("nvfp4")]:
+        got = measure(x, RECIPES[name])["max_rel_error"]
+        assert got == 0.0 and math.copysign(1.0, got) == 1.0, (name, got)

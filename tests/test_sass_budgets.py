@@ -58,22 +58,35 @@ class Ratchet(NamedTuple):
 # 135168 bytes in flight per SM, four times BUDGET_IN_FLIGHT. Was (a8bfecf, VIMNMX3 not counted):
 # cast_transpose 14.86/9.23/48/102400, 7.20/3.69/63/131072, 7.44/3.61/48/163840; mxfp8_rowwise 15.59/9.94/80,
 # 8.06/4.25/64, 8.59/3.75/63; mxfp8_both 30.34/18.78/80, 15.44/7.59/64, 10.94/4.31/63 (sm_80/90/100).
+# Issue 40's fourth round (h-kern5) re-measured the entries the software FP8 conversion and the E8M0 factor touch.
+# - Every sm_80 FP8 entry was the route through soft_cvt's NaN branch (`if (a > F32_INF) return NAN_CAST`, the
+#   cheapest side of a per-element branch, which only a NaN takes): a lower bound no finite data reaches. soft_cvt is
+#   now branch-free (one FMA rounds, common.cuh), so its figure is what every element costs, and higher than that
+#   bound; against the old code's finite path it is a gain (mxfp8_rowwise sm_80, the old soft_cvt with its NaN test
+#   as a select and its subnormal branch cut away: 26.53 / 24.25 per element; now 16.59 / 13.16). Was: quantize
+#   13.12/8.75/36/49152, cast_transpose 14.69/9.84/63/135168, mxfp8_rowwise 15.38/10.09/76/49152, mxfp8_both
+#   30.22/19.03/76/49152 (sm_80).
+# - e8m0_quant_factor is one multiply-add and a max (e8m0.cuh), no longer pow2_exact's branch or predicated shift:
+#   MXFP8 and MXFP4 fell on sm_80/90/100 (was mxfp8_rowwise 7.62/4.53/63, 7.72/3.69/64; mxfp8_both 15.09/8.25/63,
+#   10.25/4.41/64 on sm_90/100; mxfp4 11.00/3.44, 11.16/3.59 on sm_80/90), except mxfp4's integer-ALU ops on sm_100
+#   (2.16 -> 2.25): its route took the NaN block's side of pow2_exact's branch (the factor's NaN select and a BRA),
+#   where the select's four instructions now run for every block (instructions 4.75 -> 4.72).
 # quantize (issue 40, h-tails): its aligned loop stores with no per-vector select (the misaligned q goes to a loop of
 # its own with store8_misaligned instead of byte stores): was 13.38/8.88/37/49152, 7.56/5.12/32/65536,
 # 7.50/4.62/48/40960 (sm_80/90/100).
 RATCHET = {
-    ("quantize", "80"): Ratchet(13.12, 8.75, 36, 49152),
+    ("quantize", "80"): Ratchet(15.31, 12.44, 32, 65536),
     ("quantize", "90"): Ratchet(7.31, 4.94, 32, 65536),
     ("quantize", "100"): Ratchet(7.00, 4.44, 40, 49152),
-    ("cast_transpose", "80"): Ratchet(14.69, 9.84, 63, 135168),
+    ("cast_transpose", "80"): Ratchet(15.89, 12.98, 64, 135168),
     ("cast_transpose", "90"): Ratchet(6.94, 4.30, 64, 135168),
     ("cast_transpose", "100"): Ratchet(6.83, 4.02, 64, 135168),
-    ("mxfp8_rowwise", "80"): Ratchet(15.38, 10.09, 76, 49152),
-    ("mxfp8_rowwise", "90"): Ratchet(7.62, 4.53, 63, 65536),
-    ("mxfp8_rowwise", "100"): Ratchet(7.72, 3.69, 64, 65536),
-    ("mxfp8_both", "80"): Ratchet(30.22, 19.03, 76, 49152),
-    ("mxfp8_both", "90"): Ratchet(15.09, 8.25, 63, 65536),
-    ("mxfp8_both", "100"): Ratchet(10.25, 4.41, 64, 65536),
+    ("mxfp8_rowwise", "80"): Ratchet(16.59, 13.16, 80, 49152),
+    ("mxfp8_rowwise", "90"): Ratchet(7.53, 4.41, 64, 65536),
+    ("mxfp8_rowwise", "100"): Ratchet(7.59, 3.53, 64, 65536),
+    ("mxfp8_both", "80"): Ratchet(32.84, 25.34, 80, 49152),
+    ("mxfp8_both", "90"): Ratchet(14.78, 7.84, 64, 65536),
+    ("mxfp8_both", "100"): Ratchet(9.97, 4.06, 64, 65536),
     # nvfp4 and mxfp4 since the plain path (issue 40: rowwise, round to nearest; one block per thread, branch-free
     # E2M1, the hardware's on sm_100f, measured there as the loader compiles it on a B200; was nvfp4 19.19/11.00,
     # 18.50/10.06, 19.81/9.44 and mxfp4 14.53/9.75, 14.06/8.75, 13.84/7.41 on sm_80/90/100, each the cheapest side of
@@ -83,14 +96,15 @@ RATCHET = {
     ("nvfp4", "80"): Ratchet(11.50, 3.50, 40, 49152),
     ("nvfp4", "90"): Ratchet(11.69, 3.62, 40, 49152),
     ("nvfp4", "100"): Ratchet(5.81, 2.75, 40, 49152),
-    ("mxfp4", "80"): Ratchet(11.00, 3.44, 64, 65536),
-    ("mxfp4", "90"): Ratchet(11.16, 3.59, 64, 65536),
-    ("mxfp4", "100"): Ratchet(4.75, 2.16, 64, 65536),
+    ("mxfp4", "80"): Ratchet(10.91, 3.31, 64, 65536),
+    ("mxfp4", "90"): Ratchet(10.84, 3.25, 64, 65536),
+    ("mxfp4", "100"): Ratchet(4.72, 2.25, 64, 65536),
 }
 
 # The cases whose RATCHET figures are still over their target's budget, and in what: a case that reaches its budget
 # leaves this (test_the_cases_over_budget_are_named).
-OVER_BUDGET = {("mxfp8_both", "80"): ("int_alu",)}
+OVER_BUDGET = {("quantize", "80"): ("int_alu",), ("mxfp8_rowwise", "80"): ("int_alu",),
+               ("mxfp8_both", "80"): ("instructions", "int_alu")}
 
 CASES = [pytest.param(name, arch, id=f"{name}-sm{arch}") for name in KERNELS for arch in ARCHS]
 

@@ -9,7 +9,7 @@ the resident threads the cubin's registers and shared memory allow, over the DRA
 the least of the four over the memory's. Each device runs the code of its own target (sm_80 on A100: the software FP8
 conversion), and each target's budgets hold it memory-bound on the devices that run it, and only on those
 (sass.budget). Every assumption is printed with the tables; the GPU issue compares these with measured figures.
-Usage: python bench/bench_static.py [--json out.json] [--txt out.txt]
+Usage: python bench/bench_static.py [--json out.json] [--txt out.txt] [--note "what changed" ...]
 """
 
 from __future__ import annotations
@@ -100,10 +100,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the rows and assumptions here")
     p.add_argument("--txt", help="write the printed report here")
+    p.add_argument("--note", action="append", default=[],
+                   help="a line printed under the header, e.g. what changed since the previous results (repeatable)")
     args = p.parse_args()
     rows = run()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = "\n".join([f"static roofline (SASS from NVRTC, no GPU), {when}",
+    text = "\n".join([f"static roofline (SASS from NVRTC, no GPU), {when}", *args.note,
                       "assumptions:", *("  " + a for a in assumptions()), "",
                       "budgets per target (instructions / integer-ALU ops per element):", budgets(), "", table(rows)])
     print(text)
@@ -112,8 +114,8 @@ def main() -> None:
             f.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": f"{platform.machine()}, {platform.node()}", "assumptions": assumptions(),
-                       "rows": rows}, f, indent=1)
+            json.dump({"machine": f"{platform.machine()}, {platform.node()}", "notes": args.note,
+                       "assumptions": assumptions(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

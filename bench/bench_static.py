@@ -1,14 +1,15 @@
-"""The static roofline: the share of HBM bandwidth each conversion kernel can reach on H100, H200, B200 and RTX 5090,
-from its SASS alone (NVRTC cubins, no GPU), by bench/sass.py's model.
+"""The static roofline: the share of HBM bandwidth each conversion kernel can reach on A100, H100, H200, B200 and
+RTX 5090, from its SASS alone (NVRTC cubins, no GPU), by bench/sass.py's model.
 
 Per kernel and device, elements per clock per SM under four limits: the memory's (bandwidth over SMs and clock,
 over the bytes the kernel moves per element), the issue rate's (128 thread-instructions a clock over the fast
 path's instructions per element), the integer ALU's (64 a clock over its integer-ALU ops per element), and
 Little's law's (the bytes of loads one SM holds in flight, from the fast path's loads before their first use times
 the resident threads the cubin's registers and shared memory allow, over the DRAM latency). The expected share is
-the least of the four over the memory's. Every assumption is printed with the table; the GPU issue compares these
-with measured figures.
-Usage: python bench/bench_static.py [--json out.json] [--txt out.txt]
+the least of the four over the memory's. Each device runs the code of its own target (sm_80 on A100: the software FP8
+conversion), and each target's budgets hold it memory-bound on the devices that run it, and only on those
+(sass.budget). Every assumption is printed with the tables; the GPU issue compares these with measured figures.
+Usage: python bench/bench_static.py [--json out.json] [--txt out.txt] [--note "what changed" ...]
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ def assumptions() -> list[str]:
             "one of them",
             "fast path: the cheapest route through the SASS holding the kernel's vector loads and stores (one turn "
             "of a grid-stride loop, or entry to EXIT of a tile kernel); bf16 in, E4M3 out",
-            f"budgets: instructions and integer-ALU ops per element that keep the kernel memory-bound with "
-            f"{sass.HEADROOM:.1f}x headroom on {' and '.join(sass.BUDGET_DEVICES)}; >= "
-            f"{sass.BUDGET_IN_FLIGHT // 1024} KiB of loads in flight per SM",
+            f"budgets per target: instructions and integer-ALU ops per element that keep the kernel memory-bound with "
+            f"{sass.HEADROOM:.1f}x headroom on every device running that target's code, and on no other (a target's "
+            "SASS runs only on its devices): "
+            + "; ".join(f"sm_{arch} on {' and '.join(d.name for d in sass.devices_of(arch))}"
+                        for arch in sorted({d.arch for d in sass.DEVICES}, key=int))
+            + f"; >= {sass.BUDGET_IN_FLIGHT // 1024} KiB of loads in flight per SM",
             "writes are not in Little's law (a store does not wait); L2 and DRAM efficiency are taken as 100%"]
     return out
 
@@ -47,8 +51,8 @@ def run() -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         measured: dict[tuple[str, str], sass.Figures] = {}
         for kernel in sass.KERNELS:
-            ins, alu = sass.budget(kernel)
             for device in sass.DEVICES:
+                ins, alu = sass.budget(kernel, device.arch)
                 key = (kernel.name, device.arch)
                 if key not in measured:
                     measured[key] = sass.measure(kernel, device.arch, tmp)
@@ -79,23 +83,39 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def budgets() -> str:
+    """The budgets per kernel and target (instructions / integer-ALU ops per element), and the devices setting them."""
+    archs = sorted({d.arch for d in sass.DEVICES}, key=int)
+    head = f"{'kernel':15s} " + " ".join(f"{'sm_' + a:>12s}" for a in archs)
+    lines = [head, "-" * len(head)]
+    for kernel in sass.KERNELS:
+        cells = [sass.budget(kernel, a) for a in archs]
+        lines.append(f"{kernel.name:15s} " + " ".join(f"{f'{i:.1f}/{b:.1f}':>12s}" for i, b in cells))
+    lines.append("set by: " + "; ".join(
+        f"sm_{a} " + max(sass.devices_of(a), key=lambda d: d.bandwidth / d.sms / d.clock).name for a in archs))
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the rows and assumptions here")
     p.add_argument("--txt", help="write the printed report here")
+    p.add_argument("--note", action="append", default=[],
+                   help="a line printed under the header, e.g. what changed since the previous results (repeatable)")
     args = p.parse_args()
     rows = run()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = "\n".join([f"static roofline (SASS from NVRTC, no GPU), {when}",
-                      "assumptions:", *("  " + a for a in assumptions()), "", table(rows)])
+    text = "\n".join([f"static roofline (SASS from NVRTC, no GPU), {when}", *args.note,
+                      "assumptions:", *("  " + a for a in assumptions()), "",
+                      "budgets per target (instructions / integer-ALU ops per element):", budgets(), "", table(rows)])
     print(text)
     if args.txt:
         with open(args.txt, "w") as f:
             f.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": f"{platform.machine()}, {platform.node()}", "assumptions": assumptions(),
-                       "rows": rows}, f, indent=1)
+            json.dump({"machine": f"{platform.machine()}, {platform.node()}", "notes": args.note,
+                       "assumptions": assumptions(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

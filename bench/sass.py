@@ -352,12 +352,13 @@ class Device:
     clock: float
 
 
-DEVICES = (Device("H100 SXM", "90", 132, 3.35e12, 1.98e9), Device("H200", "90", 132, 4.8e12, 1.98e9),
-           Device("B200", "100", 148, 8.0e12, 1.965e9), Device("RTX 5090", "120", 170, 1.792e12, 2.407e9))
+# A100 is the software-conversion target's device (sm_80: no FP8 hardware); its lanes are SMS["80"]'s.
+DEVICES = (Device("A100 SXM", "80", 108, 2.039e12, 1.41e9), Device("H100 SXM", "90", 132, 3.35e12, 1.98e9),
+           Device("H200", "90", 132, 4.8e12, 1.98e9), Device("B200", "100", 148, 8.0e12, 1.965e9),
+           Device("RTX 5090", "120", 170, 1.792e12, 2.407e9))
 DRAM_LATENCY = 700e-9  # seconds from a load's issue to its data under load (HBM3/HBM3e, loaded; GDDR7 alike)
 HEADROOM = 1.2          # a budget keeps the kernel's instruction and ALU rates this far above the memory's
 
-BUDGET_DEVICES = ("H100 SXM", "B200")  # the budgets keep every kernel memory-bound on both
 BUDGET_IN_FLIGHT = 32 * 1024  # bytes of loads in flight per SM: Little's law for ~8 TB/s over 148 SMs at 700 ns
 
 
@@ -390,9 +391,22 @@ def _memory_rate(kernel: Measured, device: Device) -> float:
     return device.bandwidth / device.sms / device.clock / kernel.moved
 
 
-def budget(kernel: Measured) -> tuple[float, float]:
-    """(instructions, integer-ALU ops) per element that keep ``kernel`` memory-bound with HEADROOM on every device
-    of BUDGET_DEVICES: the issue and ALU rates over HEADROOM times the elements per clock the memory feeds."""
-    devices = [d for d in DEVICES if d.name in BUDGET_DEVICES]
+def devices_of(arch: str) -> tuple[Device, ...]:
+    """The devices of DEVICES that run sm_``arch`` code: the loader compiles each device's own target, so a
+    target's SASS runs only on its devices (sm_90's on H100 and H200, never on B200)."""
+    found = tuple(d for d in DEVICES if d.arch == arch)
+    if not found:
+        raise ValueError(f"arch: no device of DEVICES runs sm_{arch} code (targets with one: "
+                         f"{sorted({d.arch for d in DEVICES}, key=int)})")
+    return found
+
+
+def budget(kernel: Measured, arch: str) -> tuple[float, float]:
+    """(instructions, integer-ALU ops) per element that keep ``kernel``'s sm_``arch`` code memory-bound with
+    HEADROOM on every device that runs it (devices_of): the issue and ALU rates of that device's SMs over HEADROOM
+    times the elements per clock its memory feeds, the least over those devices. Per target, because a target's
+    SASS only runs on its own devices: holding sm_90 code to B200's memory rate, or sm_80's software conversion to
+    H100's, would budget for a machine that never runs the code."""
+    devices = devices_of(arch)
     return (min(SMS[d.arch].issue_lanes / (HEADROOM * _memory_rate(kernel, d)) for d in devices),
             min(SMS[d.arch].int_alu_lanes / (HEADROOM * _memory_rate(kernel, d)) for d in devices))

@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, MxBlocks<T, FMT>::value) mx_qua
 #pragma unroll
       for (int k = 0; k < W; ++k) unpack_word(w[k], f + EW * k, (T*)nullptr);
       u32 c[8];
-      if (!HwCvt<FMT>::value || e8m0_nan_free(m)) {
+      if (e8m0_nan_free(m)) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) c[k] = quant4<FMT, false>(f + 4 * k, factor);
       } else {
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, MxBlocks<T, FMT>::value) mx_qua
       clean = clean && e8m0_nan_free(m[k]);
     }
     u8* const crow = &codes[h * RPT][EW * wc];
-    if (!HwCvt<FMT>::value || clean) {
+    if (clean) {
       columns_to_codes<T, FMT, false, RPT, EW>(v, factor, crow);
     } else {
       columns_to_codes<T, FMT, true, RPT, EW>(v, factor, crow);

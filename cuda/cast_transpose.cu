@@ -62,7 +62,7 @@ __device__ __forceinline__ void convert_rows(const T* x, i64 stride, float scale
   }
   const u32 raw = widen_abs_max(packed, (T*)nullptr);
   m = umax(m, nan_canonical(raw));
-  if (!HwCvt<FMT>::value || nan_free(raw, scale)) {
+  if (nan_free(raw, scale)) {
     quant_rows<T, FMT, false>(v, scale, w);
   } else {
     quant_rows<T, FMT, true>(v, scale, w);

@@ -83,6 +83,17 @@ __device__ __forceinline__ float sub_rn(float a, float b) {
   asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
+// One fused multiply-add (one rounding, RTNE) and |x|, never flushed.
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+__device__ __forceinline__ float abs_f32(float a) {
+  float r;
+  asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
 __device__ __forceinline__ double f2d(float x) {
   double r;
   asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x));
@@ -109,40 +120,47 @@ __device__ __forceinline__ float div_rn(float a, float b) {
 #define FP8CORE_HW_FP8 0
 #endif
 
-// RTNE into the format with saturation to +-max, on bit patterns (no float arithmetic, so -ftz cannot touch
-// it). A NaN input gives the encoding's NaN code (0x7F); the sign of a result that rounds to zero is kept.
+// RTNE into the format with saturation to +-max, branch-free (a branch per element costs the SM more than the
+// arithmetic, and a route through SASS takes only its cheaper side). With E = 2^e, e the exponent of |f| clamped
+// below at the format's smallest normal exponent 1 - BIAS, z = |f| * 2^-(23-MB) + E rounds once (one FMA, the FPU's
+// RTNE) at E's ulp 2^(e-23), which is |f| rounded to a multiple of 2^(e-MB): the format's spacing in e's binade, or
+// in its subnormals where e was clamped. bits(z) - bits(E) counts those steps (2^MB and up for a normal, the code
+// itself for a subnormal, a carry moving on as it should), and (e + BIAS - 1) << MB adds the exponent field; beyond
+// the format's range the code exceeds MAX_CODE and saturates (inf too: z = E = inf). fp32 subnormals are exact in
+// the FMA, and -ftz cannot touch it (fma.rn/abs without .ftz). A NaN gives the encoding's NaN code unless MAY_NAN
+// is false, where the caller knows f is not NaN; the sign of a result that rounds to zero is kept.
 template <int FMT>
+__device__ __forceinline__ u32 soft_magnitude(float f) {  // the code of |f|; f not NaN
+  constexpr int MB = Encoding<FMT>::MB, BIAS = Encoding<FMT>::BIAS;
+  constexpr u32 MIN_E = (u32)(128 - BIAS) << 23;        // bits of 2^(1-BIAS)
+  constexpr u32 E_CODE = (u32)(128 - BIAS) << MB;       // (E's biased exponent << MB) - E_CODE: the exponent field
+  constexpr float STEP = 1.f / (float)(1u << (23 - MB));  // 2^-(23-MB)
+  const u32 e = umax(__float_as_uint(f) & 0x7f800000u, MIN_E);
+  const u32 z = __float_as_uint(fma_rn(abs_f32(f), STEP, __uint_as_float(e)));
+  const u32 r = z - e + (e >> (23 - MB)) - E_CODE;
+  return r < Encoding<FMT>::MAX_CODE ? r : Encoding<FMT>::MAX_CODE;
+}
+template <int FMT, bool MAY_NAN = true>
 __device__ __forceinline__ u32 soft_cvt(float f) {
-  constexpr int MB = Encoding<FMT>::MB, BIAS = Encoding<FMT>::BIAS, SIGN_BIT = Encoding<FMT>::EB + MB;
-  constexpr u32 MAX_BITS = Encoding<FMT>::MAX_CODE;
-  const u32 b = __float_as_uint(f), sign = (b >> (31 - SIGN_BIT)) & (1u << SIGN_BIT), a = b & 0x7fffffffu;
-  if (a > F32_INF) return Encoding<FMT>::NAN_CAST;
-  const int e = (int)(a >> 23) - 127;
-  u32 r;
-  if (e >= 1 - BIAS) {  // a normal of the format, or beyond it: keep MB mantissa bits
-    constexpr int SHIFT = 23 - MB;
-    const u32 mant = a & 0x7fffffu, rem = mant & ((1u << SHIFT) - 1u), half = 1u << (SHIFT - 1);
-    r = ((u32)(e + BIAS) << MB) | (mant >> SHIFT);
-    if (rem > half || (rem == half && (r & 1u))) ++r;  // a carry moves into the exponent, as it should
-    if (r > MAX_BITS) r = MAX_BITS;
-  } else {  // a subnormal of the format: m24 * 2^(e-23) in units of 2^(1-BIAS-MB)
-    const int s = 24 - BIAS - MB - e;  // > 0 here
-    if (s >= 25 || (a >> 23) == 0u) {
-      r = 0u;  // below half the smallest subnormal (fp32 subnormals included)
-    } else {
-      const u32 m24 = (a & 0x7fffffu) | 0x800000u, rem = m24 & ((1u << s) - 1u), half = 1u << (s - 1);
-      r = m24 >> s;
-      if (rem > half || (rem == half && (r & 1u))) ++r;  // may become the smallest normal: same bits
-    }
-  }
-  return r | sign;
+  constexpr int SIGN_BIT = Encoding<FMT>::EB + Encoding<FMT>::MB;
+  const u32 b = __float_as_uint(f), sign = (b >> (31 - SIGN_BIT)) & (1u << SIGN_BIT);
+  const u32 r = soft_magnitude<FMT>(f);
+  return MAY_NAN && (b & 0x7fffffffu) > F32_INF ? Encoding<FMT>::NAN_CAST : r | sign;  // a NaN of either sign
 }
 
 // Two codes, lo in bits 0-7 and hi in bits 8-15: in software for every encoding, in hardware (below) for those
 // the PTX ISA converts on this target. An encoding's hardware conversion is its own code, in its own lines.
-template <int FMT> __device__ __forceinline__ u16 cvt_pair(float lo, float hi) {
-  return (u16)(soft_cvt<FMT>(lo) | (soft_cvt<FMT>(hi) << 8));
+// With no NaN and the sign in bit 7 (E4M3, E5M2), the two signs are the top bits of the values' byte 3, moved in
+// one byte permute rather than a shift and a mask each.
+template <int FMT, bool MAY_NAN = true> __device__ __forceinline__ u16 soft_pair(float lo, float hi) {
+  if constexpr (!MAY_NAN && Encoding<FMT>::EB + Encoding<FMT>::MB == 7) {
+    const u32 signs = __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x73u) & 0x8080u;
+    return (u16)(soft_magnitude<FMT>(lo) | (soft_magnitude<FMT>(hi) << 8) | signs);
+  } else {
+    return (u16)(soft_cvt<FMT, MAY_NAN>(lo) | (soft_cvt<FMT, MAY_NAN>(hi) << 8));
+  }
 }
+template <int FMT> __device__ __forceinline__ u16 cvt_pair(float lo, float hi) { return soft_pair<FMT>(lo, hi); }
 #if FP8CORE_HW_FP8
 template <> __device__ __forceinline__ u16 cvt_pair<E4M3>(float lo, float hi) {
   u16 r;
@@ -157,7 +175,7 @@ template <> __device__ __forceinline__ u16 cvt_pair<E5M2>(float lo, float hi) {
 #endif
 
 // Whether cvt_pair<FMT> is the hardware conversion on this target, whose NaN code quant_pair fixes up; the
-// software conversion writes the encoding's NaN code itself.
+// software conversion writes the encoding's NaN code itself (and skips that test where MAY_NAN is false).
 template <int FMT> struct HwCvt { static constexpr bool value = false; };
 #if FP8CORE_HW_FP8
 template <> struct HwCvt<E4M3> { static constexpr bool value = true; };
@@ -167,12 +185,13 @@ template <> struct HwCvt<E5M2> { static constexpr bool value = true; };
 // Quantize two values already widened to fp32, each with its own scale (quant_pair: one for both); returns lo in
 // bits 0-7, hi in bits 8-15. A NaN gets the encoding's NaN code whatever the hardware writes for it (which NaN code
 // the silicon's conversion writes is not settled): unless MAY_NAN is false, where the caller knows no product is
-// NaN (nan_free), and the fix-up, two compares and selects per pair, costs nothing, or the conversion is software's.
+// NaN (nan_free), and the fix-up, two compares and selects per pair (the software conversion's NaN test likewise),
+// costs nothing.
 template <int FMT, bool MAY_NAN = true>
 __device__ __forceinline__ u32 quant_pair2(float lo, float hi, float scale_lo, float scale_hi) {
   constexpr u32 NAN_CODE = Encoding<FMT>::NAN_CAST;
   float a = mul_rn(lo, scale_lo), b = mul_rn(hi, scale_hi);
-  u32 r = cvt_pair<FMT>(a, b);
+  u32 r = HwCvt<FMT>::value ? cvt_pair<FMT>(a, b) : soft_pair<FMT, MAY_NAN>(a, b);
   if (MAY_NAN && HwCvt<FMT>::value) {
     if (is_nan(a)) r = (r & 0xff00u) | NAN_CODE;
     if (is_nan(b)) r = (r & 0x00ffu) | (NAN_CODE << 8);
@@ -196,7 +215,7 @@ __device__ __forceinline__ bool nan_free(u32 m, float scale) {
 // Four pairs (8 values) into two words, with the NaN fix-up only where nan_free(m, scale) is false.
 template <int FMT>
 __device__ __forceinline__ uint2 quant8_checked(const float* f, float scale, u32 m) {
-  if (!HwCvt<FMT>::value || nan_free(m, scale)) {
+  if (nan_free(m, scale)) {
     return make_uint2(quant_pair<FMT, false>(f[0], f[1], scale) | (quant_pair<FMT, false>(f[2], f[3], scale) << 16),
                       quant_pair<FMT, false>(f[4], f[5], scale) | (quant_pair<FMT, false>(f[6], f[7], scale) << 16));
   }

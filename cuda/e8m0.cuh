@@ -57,9 +57,11 @@ __device__ __forceinline__ u32 e8m0(u32 amax_bits, float inv_max, int emax) {
   return RCEIL ? e8m0_rceil(amax_bits, inv_max) : e8m0_floor(amax_bits, emax);
 }
 
-// 2^(127 - e), what a block is quantized with; the NaN byte gives NaN (every element then becomes 0x7F).
+// 2^(127 - e), what a block is quantized with; the NaN byte gives NaN (every element then becomes 0x7F). Its bits
+// are (254 - e) << 23 for e <= 253, a normal; e = 254 gives 0 there, and 2^-127 (a subnormal, 0x00400000) is the
+// larger: one multiply-add and one max, without the branch or the predicated shift of pow2_exact.
 __device__ __forceinline__ float e8m0_quant_factor(u32 e) {
-  return e == E8M0_NAN ? __uint_as_float(F32_NAN) : pow2_exact(127 - (int)e);
+  return e == E8M0_NAN ? __uint_as_float(F32_NAN) : __uint_as_float(umax(0x7f000000u - (e << 23), 0x00400000u));
 }
 // Whether no value of a block with amax bits m (abs_bits) gives a NaN when multiplied by its e8m0_quant_factor: the
 // factor is a finite, non-zero power of two unless the block holds a NaN, so only a NaN value can (one compare per

@@ -79,17 +79,8 @@ __device__ __forceinline__ u32 e2m1_stochastic(float y, u32 r) {
 #define FP8CORE_HW_E2M1 0
 #endif
 
-// IEEE fp32 operations that -ftz=true must not flush (written as PTX without .ftz, as mul_rn).
-__device__ __forceinline__ float fma_rn(float a, float b, float c) {
-  float r;
-  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-  return r;
-}
-__device__ __forceinline__ float abs_f32(float a) {
-  float r;
-  asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
-  return r;
-}
+// IEEE fp32 operations that -ftz=true must not flush (written as PTX without .ftz, as mul_rn; fma_rn and abs_f32
+// are common.cuh's).
 __device__ __forceinline__ float min_f32(float a, float b) {
   float r;
   asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));

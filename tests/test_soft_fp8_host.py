@@ -1,8 +1,9 @@
 """The software fp8 conversion of cuda/common.cuh (the sm_80/86 path), compiled for the host with the system's
 C++ compiler and checked bit for bit against the CPU reference, without a GPU.
 
-soft_cvt and fp8_to_f32 use only integer operations and bit casts, so the same source means the same bits on
-the host; they are cut out of common.cuh as they are, with shims for the CUDA intrinsics they call.
+soft_cvt and fp8_to_f32 use integer operations, bit casts and one IEEE fused multiply-add (correctly rounded on the
+host as on the GPU), so the same source means the same bits on the host; they are cut out of common.cuh as they
+are, with shims for the CUDA intrinsics and the PTX helpers they call.
 """
 
 import shutil
@@ -21,6 +22,7 @@ CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no host C++ compiler (c++, g++ or clang++) on PATH")
 
 SHIMS = r"""
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -33,9 +35,20 @@ static constexpr u32 F32_INF = 0x7f800000u;
 static inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline int __clz(u32 x) { return x ? __builtin_clz(x) : 32; }
+static inline u32 umax(u32 a, u32 b) { return a > b ? a : b; }
+static inline float fma_rn(float a, float b, float c) { return std::fma(a, b, c); }
+static inline float abs_f32(float a) { return __uint_as_float(__float_as_uint(a) & 0x7fffffffu); }
+static inline u32 __byte_perm(u32 x, u32 y, u32 s) {  // selectors 0-7 only, as soft_pair uses
+  const unsigned long long v = ((unsigned long long)y << 32) | x;
+  u32 r = 0;
+  for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+}
 """
 
-# Per input, one code of each encoding; then every code's value in each encoding.
+# Per input, one code of each encoding, then each again as the caller that knows the input is no NaN converts
+# (MAY_NAN false), then the pair (x, -x) as soft_pair converts it for such a caller (lo and hi bytes); then every
+# code's value in each encoding.
 MAIN = r"""
 int main() {
   std::vector<u32> in;
@@ -51,7 +64,10 @@ int main() {
   }
   return 0;
 }
-""".replace("CODES", ", ".join(f"(u8)soft_cvt<{r.name}>(__uint_as_float(x))" for r in KERNEL_ROWS)).replace(
+""".replace("CODES", ", ".join([f"(u8)soft_cvt<{r.name}>(__uint_as_float(x))" for r in KERNEL_ROWS] + [
+    f"(u8)soft_cvt<{r.name}, false>(__uint_as_float(x))" for r in KERNEL_ROWS] + [
+    f"(u8)(soft_pair<{r.name}, false>(__uint_as_float(x), -__uint_as_float(x)) >> {8 * h})"
+    for r in KERNEL_ROWS for h in (0, 1)])).replace(
     "VALUES", ", ".join(f"fp8_to_f32<{r.name}>(c)" for r in KERNEL_ROWS))
 
 
@@ -63,7 +79,8 @@ def _cut(source: str, start: str, end: str) -> str:
 def harness(tmp_path_factory):
     src = (_kernels.cuda_dir() / "common.cuh").read_text()
     code = SHIMS + _cut(src, "#ifndef FP8CORE_ENCODINGS", "static constexpr u32 F32_NAN") + \
-        _cut(src, "template <int FMT>\n__device__ __forceinline__ u32 soft_cvt", "// Two codes, lo in bits") + \
+        _cut(src, "template <int FMT>\n__device__ __forceinline__ u32 soft_magnitude",
+             "template <int FMT> __device__ __forceinline__ u16 cvt_pair") + \
         _cut(src, "template <int FMT>\n__device__ __forceinline__ float fp8_to_f32", "// Two fp8 codes") + MAIN
     d = tmp_path_factory.mktemp("soft")
     (d / "soft.cpp").write_text(code)
@@ -97,14 +114,24 @@ def test_soft_conversion_matches_the_contract(harness):
     bits = inputs()
     out = subprocess.run([str(harness)], input=bits.tobytes(), check=True, capture_output=True).stdout
     n = len(KERNEL_ROWS)
-    q = np.frombuffer(out[:n * bits.size], np.uint8).reshape(-1, n)
+    q = np.frombuffer(out[:4 * n * bits.size], np.uint8).reshape(-1, 4 * n)
     x = bits.view(np.float32)
+    number = ~np.isnan(x)
+    assert number.sum() < x.size  # NaN inputs are among them
     for k, row in enumerate(KERNEL_ROWS):
         ref = fp8core.quantize(x, 1.0, row.dtype_name).view(np.uint8)
         bad = np.nonzero(q[:, k] != ref)[0]
         assert bad.size == 0, (f"{row}: {bad.size} differ, e.g. x bits {bits[bad[:5]]}: {q[bad[:5], k]} vs "
                                f"{ref[bad[:5]]}")
-    dec = np.frombuffer(out[n * bits.size:], np.float32).reshape(256, n)
+        bad = np.nonzero(number & (q[:, n + k] != ref))[0]
+        assert bad.size == 0, (f"{row}, no NaN: {bad.size} differ, e.g. x bits {bits[bad[:5]]}: "
+                               f"{q[bad[:5], n + k]} vs {ref[bad[:5]]}")
+        neg = fp8core.quantize(-x, 1.0, row.dtype_name).view(np.uint8)
+        pair = q[:, 2 * n + 2 * k], q[:, 2 * n + 2 * k + 1]
+        bad = np.nonzero(number & ((pair[0] != ref) | (pair[1] != neg)))[0]
+        assert bad.size == 0, (f"{row}, soft_pair(x, -x): {bad.size} differ, e.g. x bits {bits[bad[:5]]}: "
+                               f"{pair[0][bad[:5]]}, {pair[1][bad[:5]]} vs {ref[bad[:5]]}, {neg[bad[:5]]}")
+    dec = np.frombuffer(out[4 * n * bits.size:], np.float32).reshape(256, n)
     for k, row in enumerate(KERNEL_ROWS):
         codes = np.arange(256, dtype=np.uint8).view(row.numpy_dtype)
         ref = fp8core.dequantize(codes, 1.0, "float32")

@@ -43,7 +43,8 @@ struct Staged {
 };
 
 // 32 codes of one row block (8 words) to p: 16-byte stores where VEC, else store16's widest; a partial block
-// (n < 32 elements) byte by byte, one per row.
+// (n < 32 elements) byte by byte, one per row. (By store_partial8 instead, ptxas moved this kernel's address
+// arithmetic: +7 instructions on sm_90's fast path, issue 40's fourth round; left until the kernel's own redesign.)
 __device__ __forceinline__ void store_block(u8* p, const u32* c, int n, bool vec) {
   if (n == MX) {
     const uint4 a = make_uint4(c[0], c[1], c[2], c[3]), b = make_uint4(c[4], c[5], c[6], c[7]);
@@ -253,15 +254,15 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_1x128_kernel(
     float sc = 1.f, sc_inv = 1.f;
     if (lane == 0) block_scale(m, fp8_max, power_of_2, epsilon, &sc, &sc_inv);
     sc = __shfl_sync(0xffffffffu, sc, 0);
-    if (col + 4 <= cols) {  // every lane's word where vec; else store4's widest at q's own alignment
+    if (col < cols) {  // every lane's word where vec; else store4's widest at q's own alignment
       const u32 c = nan_free(m, sc) ? quant4<FMT, false>(f, sc) : quant4<FMT, true>(f, sc);
       if (vec) {
         *reinterpret_cast<u32*>(q + row * cols + col) = c;
-      } else {
+      } else if (col + 4 <= cols) {
         store4(q + row * cols + col, c);
+      } else {  // the row's last 1-3 codes (of zeros past the row, not stored)
+        store_partial8(q + row * cols + col, make_uint2(c, 0u), (int)(cols - col));
       }
-    } else {  // the row's last 1-3 codes
-      for (int j = 0; j < 4 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[j], sc);
     }
     if (lane == 0) scale_inv[b] = sc_inv;
   }
@@ -348,8 +349,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS) quantize_128x128_kernel(
       *reinterpret_cast<uint2*>(q + row * cols + col) = quant8_checked<FMT>(f[i], sc, mine);
     } else if (col + 8 <= cols) {  // store8's widest at the address's own alignment
       store8(q + row * cols + col, quant8_checked<FMT>(f[i], sc, mine));
-    } else {  // the row's last 1-7 codes
-      for (int j = 0; j < 8 && col + j < cols; ++j) q[row * cols + col + j] = quant_one<FMT>(f[i][j], sc);
+    } else {  // the row's last 1-7 codes (of zeros past the row, not stored)
+      store_partial8(q + row * cols + col, quant8_checked<FMT>(f[i], sc, mine), (int)(cols - col));
     }
   }
 }

@@ -496,6 +496,41 @@ __device__ __forceinline__ void store4(u8* p, u32 v) {
   store_words_unaligned<1>(p, &v);
 }
 
+// v's first n bytes (0 <= n <= 8; byte i is byte i % 4 of word i / 4) to p, at any alignment: the bytes up to p's
+// next 2-, 4- and 8-byte boundaries as one store each (while n lasts), then what is left as 8-, 4-, 2- and 1-byte
+// stores, each aligned to its width; at most 4 stores (n = 7 or 8 at an odd p) where bytes took n. For the 1-7
+// codes at either end of a range whose middle goes by vectors, and rows shorter than a vector.
+__device__ __forceinline__ void store_partial8(u8* p, uint2 v, int n) {
+  u64 w = ((u64)v.y << 32) | v.x;
+  if (((u64)p & 1u) && n >= 1) {
+    *p = (u8)w;
+    p += 1; w >>= 8; n -= 1;
+  }
+  if (((u64)p & 2u) && n >= 2) {
+    *reinterpret_cast<u16*>(p) = (u16)w;
+    p += 2; w >>= 16; n -= 2;
+  }
+  if (((u64)p & 4u) && n >= 4) {
+    *reinterpret_cast<u32*>(p) = (u32)w;
+    p += 4; w >>= 32; n -= 4;
+  }
+  // Each step above cleared its bit of p unless fewer bytes than its width were left, so every store below is
+  // aligned to its width.
+  if (n == 8) {
+    *reinterpret_cast<uint2*>(p) = v;
+    return;
+  }
+  if (n & 4) {
+    *reinterpret_cast<u32*>(p) = (u32)w;
+    p += 4; w >>= 32;
+  }
+  if (n & 2) {
+    *reinterpret_cast<u16*>(p) = (u16)w;
+    p += 2; w >>= 16;
+  }
+  if (n & 1) *p = (u8)w;
+}
+
 __device__ __forceinline__ bool aligned(const void* p, int bytes) { return ((u64)p & (u64)(bytes - 1)) == 0; }
 
 // The origin (r0, c0) of the TR x TC tile of a rows x cols tensor this block takes, or false for a spare block of

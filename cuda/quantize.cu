@@ -3,20 +3,39 @@
 
 namespace fp8core {
 
-// Amax bits of 8 values and their quantized bytes as two words.
+// Amax bits of 8 values and their quantized bytes as two words. clean_below: F32_INF where no value times scale can
+// be NaN unless the value is (nan_free(0, scale)), else 0: each vector's NaN test is then one compare of its amax.
 template <int FMT>
-__device__ __forceinline__ uint2 quant8(const float* f, float scale, u32& m) {
+__device__ __forceinline__ uint2 quant8(const float* f, float scale, u32 clean_below, u32& m) {
   u32 m8 = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) m8 = umax(m8, abs_raw(f[j]));
   m = umax(m, nan_canonical(m8));
-  return quant8_checked<FMT>(f, scale, m8);
+  if (m8 < clean_below) {
+    return make_uint2(quant4<FMT, false>(f, scale), quant4<FMT, false>(f + 4, scale));
+  }
+  return make_uint2(quant4<FMT, true>(f, scale), quant4<FMT, true>(f + 4, scale));
+}
+
+// x[0, cnt) (cnt <= 8) into q[0, cnt), their amax into m: read one element at a time (at most one vector's worth),
+// stored as two words by store_partial8 (a few stores at q's alignment, not cnt byte stores). Each code is
+// quant_one's, NaN fix-up included; the codes past cnt are made from zeros and never stored.
+template <typename T, int FMT>
+__device__ __forceinline__ void quantize_short(const T* __restrict__ x, u8* __restrict__ q, int cnt, float scale,
+                                               u32& m) {
+  float f[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    f[j] = j < cnt ? to_f32(x[j]) : 0.f;
+    m = umax(m, abs_bits(f[j]));
+  }
+  store_partial8(q, make_uint2(quant4<FMT, true>(f, scale), quant4<FMT, true>(f + 4, scale)), cnt);
 }
 
 // Quantize x[i] for i = start, start + stride, ... (in vectors of 8 after a peeled head, two vectors in flight
-// per thread where q's vectors are 8-byte aligned, else one, stored by store8_misaligned). REVERSE walks this
-// thread's vectors last first: quantize_dynamic's second pass then starts on what its first pass read last, still
-// in L2. Returns the amax bits of the elements read.
+// per thread where q's vectors are 8-byte aligned, else one, stored by store8_misaligned; the head and the tail
+// in pieces by quantize_short). REVERSE walks this thread's vectors last first: quantize_dynamic's second pass
+// then starts on what its first pass read last, still in L2. Returns the amax bits of the elements read.
 template <typename T, int FMT, bool REVERSE>
 __device__ __forceinline__ u32 quantize_range(const T* __restrict__ x, u8* __restrict__ q, i64 n, float scale,
                                               i64 start, i64 stride) {
@@ -25,20 +44,21 @@ __device__ __forceinline__ u32 quantize_range(const T* __restrict__ x, u8* __res
   const T* __restrict__ xb = x + sp.head;
   u8* __restrict__ qb = q + sp.head;
   const i64 cnt = stride_count(start, stride, sp.nv);
+  const u32 clean_below = nan_free(0u, scale) ? F32_INF : 0u;
   if (aligned(qb, 8)) {
     for (i64 k = 0; k + 1 < cnt; k += 2) {
       const i64 v0 = start + (REVERSE ? cnt - 1 - k : k) * stride, v1 = REVERSE ? v0 - stride : v0 + stride;
       float f0[8], f1[8];
       load8(xb + v0 * 8, f0);
       load8(xb + v1 * 8, f1);
-      *reinterpret_cast<uint2*>(qb + v0 * 8) = quant8<FMT>(f0, scale, m);
-      *reinterpret_cast<uint2*>(qb + v1 * 8) = quant8<FMT>(f1, scale, m);
+      *reinterpret_cast<uint2*>(qb + v0 * 8) = quant8<FMT>(f0, scale, clean_below, m);
+      *reinterpret_cast<uint2*>(qb + v1 * 8) = quant8<FMT>(f1, scale, clean_below, m);
     }
     if (cnt & 1) {
       const i64 v = start + (REVERSE ? 0 : cnt - 1) * stride;
       float f[8];
       load8(xb + v * 8, f);
-      *reinterpret_cast<uint2*>(qb + v * 8) = quant8<FMT>(f, scale, m);
+      *reinterpret_cast<uint2*>(qb + v * 8) = quant8<FMT>(f, scale, clean_below, m);
     }
   } else {  // a misaligned view of x left q off 8 bytes (every vector of it): one vector at a time, so that the
             // stores' branches add no registers
@@ -46,18 +66,20 @@ __device__ __forceinline__ u32 quantize_range(const T* __restrict__ x, u8* __res
       const i64 v = start + (REVERSE ? cnt - 1 - k : k) * stride;
       float f[8];
       load8(xb + v * 8, f);
-      store8_misaligned(qb + v * 8, quant8<FMT>(f, scale, m));
+      store8_misaligned(qb + v * 8, quant8<FMT>(f, scale, clean_below, m));
     }
   }
-  for (i64 i = start; i < sp.head; i += stride) {
-    const float f = to_f32(x[i]);
-    m = umax(m, abs_bits(f));
-    q[i] = quant_one<FMT>(f, scale);
-  }
-  for (i64 i = sp.head + sp.nv * 8 + start; i < n; i += stride) {
-    const float f = to_f32(x[i]);
-    m = umax(m, abs_bits(f));
-    q[i] = quant_one<FMT>(f, scale);
+  // The head and the tail, under 8 elements each where the body is vectors (else the head is the whole range: x
+  // shorter than its head, or not aligned to its own elements), by the first thread in pieces of 8, one piece at
+  // a time: a loop the vector loops' registers and schedule do not feel (unrolled, or shared out over the threads,
+  // it cost the fast path up to 4 instructions or 8 registers on one target or another).
+  if (start == 0) {
+    const i64 tail = sp.head + sp.nv * 8;
+#pragma unroll 1
+    for (i64 at = sp.head > 0 ? 0 : tail; at < n; at = at + 8 < sp.head ? at + 8 : (at < tail ? tail : at + 8)) {
+      const i64 end = at < sp.head ? sp.head : n;
+      quantize_short<T, FMT>(x + at, q + at, end - at < 8 ? (int)(end - at) : 8, scale, m);
+    }
   }
   return m;
 }

@@ -95,13 +95,32 @@ VECTOR = {
 # the vector: 16-bit and 32-bit global stores must be there, and byte stores only in the short heads and tails
 # (at most this many in the whole kernel; byte-at-a-time vectors held 26-34 in quantize). A route that falls back to
 # one byte at a time loses its 16-bit stores or goes over the count.
+# The 1-7 codes at either end of a range, or a row's last, go by store_partial8 (byte stores only at an odd
+# address): 2 byte stores each, where the byte loops they replaced held 4-12 (quantize, whose loops
+# byte_store_loops finds), 6-14 (1x128) and 80 (128x128).
 MISALIGNED_STORES = {
-    "quantize_kernel": 16,
-    "quantize_dynamic_kernel": 16,
-    "multi_quantize_kernel": 16,
-    "quantize_1x128_kernel": 16,     # a row's last 1-3 codes, store4's head and tail (twice on sm_100)
-    "quantize_128x128_kernel": 128,  # 8 rows a thread, each with its last 1-7 codes and store8's head and tail
+    "quantize_kernel": 4,          # store8_misaligned's head and tail, and store_partial8's
+    "quantize_dynamic_kernel": 4,
+    "multi_quantize_kernel": 4,
+    "quantize_1x128_kernel": 4,    # store4's head and tail, and store_partial8's (a row's last 1-3 codes)
+    "quantize_128x128_kernel": 32,  # 8 rows a thread, each with store8's head and tail and store_partial8's
 }
+
+
+def byte_store_loops(sass: str) -> list[str]:
+    """The loops (a backward branch's target up to the branch) whose global stores are all byte stores: a byte-at-a-
+    time loop, which store_partial8 and store8 replace by the widest stores each address allows."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    found = []
+    for address, text in lines:
+        branch = re.search(r"\bBRA(?:\.\w+)*\s+(?:`\()?0x([0-9a-f]+)", text)
+        if branch is None or int(branch.group(1), 16) >= address:
+            continue
+        body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
+        stores = [re.search(r"\bSTG\.E(\.\w+)?", t).group(1) or "" for t in body if re.search(r"\bSTG\.E", t)]
+        if stores and all(w == ".U8" for w in stores):
+            found.append(f"{int(branch.group(1), 16):#x}..{address:#x}")
+    return found
 
 
 def vector_patterns(expr: str) -> list[str]:
@@ -212,6 +231,8 @@ def check_sass(filename, expr, arch, soft, tmp_path_factory):
         assert re.search(r"\bSTG\.E\.U16\b", sass) and re.search(r"\bSTG\.E\s", sass), \
             f"{expr}: no 16- and 32-bit stores for a misaligned destination on sm_{arch}"
         assert byte_stores <= MISALIGNED_STORES[kind(expr)], f"{expr}: {byte_stores} byte stores on sm_{arch}"
+        loops = byte_store_loops(sass)
+        assert not loops, f"{expr}: loops storing byte by byte on sm_{arch} at {loops}"
 
     # cast_transpose's vector path transposes through shared memory in 32-bit words (byte permutes, a quad
     # shuffle); byte-wide shared loads are left only in the edge path.

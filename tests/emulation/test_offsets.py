@@ -107,3 +107,44 @@ def test_block_kernels(block_dev, dtype, offset, rng):
         moved = type(ref)(upload(ref.data, offset), upload(ref.scale_inv))
         np.testing.assert_array_equal(bits(fp8core.dequantize_blockwise(moved, "bfloat16")),
                                       bits(fp8core.dequantize_blockwise(ref, "bfloat16")), err_msg=block)
+
+
+LENGTHS = range(1, 41)
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_heads_and_tails(dev, dtype, offset, rng):
+    """quantize of every length 1-40 from x ``offset`` elements in, into q at every byte offset in turn (the length's
+    own, so that each offset meets each head and tail): the 0-7 elements before x's first 16-byte vector and after
+    its last go in pieces of up to 8 codes stored by store_partial8 (a byte, 16-, 32- or 64-bit store at q's
+    alignment), and a range too short for a vector is one or two such pieces; quantize_dynamic (the same loop walked
+    in reverse) likewise. Specials included; the amax slot too."""
+    x = data(rng, (40,), dtype)
+    for n in LENGTHS:
+        q_offset = (offset + 5 * n) % 16
+        slot = device.asarray(np.float32([-0.0]))
+        got = fp8core.quantize(upload(x[:n], offset), device.asarray(np.float32([0.37])), "e4m3", amax_out=slot,
+                               out=_out((n,), np.uint8, q_offset))
+        ref_slot = np.float32([-0.0])
+        ref = fp8core.quantize(x[:n], np.float32([0.37]), "e4m3", amax_out=ref_slot)
+        label = f"n={n} x+{offset} q+{q_offset}"
+        np.testing.assert_array_equal(bits(got), bits(ref), err_msg=label)
+        np.testing.assert_array_equal(bits(slot), bits(ref_slot), err_msg=label)
+        got = fp8core.quantize_dynamic(upload(x[:n], offset), "e5m2", out=(_out((n,), np.uint8, q_offset), None, None))
+        for g, r in zip(got, fp8core.quantize_dynamic(x[:n], "e5m2")):
+            np.testing.assert_array_equal(bits(g), bits(r), err_msg=f"dynamic {label}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_blockwise_row_tails(block_dev, dtype, rng):
+    """1x128 and 128x128 over rows of every length 1-40 (3 rows, so that each row starts at its own alignment in q),
+    x ``cols % 16`` elements in: a row's last 1-7 codes go by store_partial8 at their address's alignment."""
+    for cols in LENGTHS:
+        x = data(rng, (3, cols), dtype)
+        xd = upload(x, cols % 16)
+        for block in ("1x128", "128x128"):
+            got = fp8core.quantize_blockwise(xd, "e4m3", block=block)
+            ref = fp8core.quantize_blockwise(x, "e4m3", block=block)
+            np.testing.assert_array_equal(bits(got.data), bits(ref.data), err_msg=f"{block} cols={cols}")
+            np.testing.assert_array_equal(bits(got.scale_inv), bits(ref.scale_inv), err_msg=f"{block} cols={cols}")

@@ -84,6 +84,11 @@ def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> l
     return map_spans(n, min(CHUNK, max(_MIN_SHARE, -(-n // (2 * threads)))), fn)
 
 
+def pool_threads() -> int:
+    """The threads a call on this thread may use: fp8core's pool's size, or fewer inside cpu_threads(n)."""
+    return _threads()
+
+
 def _threads() -> int:
     """The threads a call may use: the pool's size, or fewer inside cpu_threads(n) (cpu_threads.py)."""
     budget = thread_budget()

@@ -91,6 +91,55 @@ def test_map_spans_raises_only_once_every_begun_span_has_finished(monkeypatch):
         cpu._pool.shutdown(wait=True)
 
 
+def test_map_spans_raises_what_one_thread_would(monkeypatch):
+    """Spans that fail at once on several threads: the error raised is the first failing span's in order (what
+    one thread running them in order raises), though it fails last; an interrupt goes before any error."""
+    monkeypatch.setattr(cpu, "_THREADS", 4)
+    monkeypatch.setattr(cpu, "_pool", None)
+    try:
+        for fail, want in (({1: RuntimeError, 2: ValueError, 3: RuntimeError}, "span 1"),
+                           ({2: ValueError, 3: KeyboardInterrupt}, "span 3")):
+            for _ in range(12):
+                started = threading.Barrier(4, timeout=30)
+
+                def fn(a, b, started=started, fail=fail):
+                    started.wait()
+                    if a in fail:
+                        if a == min(fail):
+                            threading.Event().wait(0.05)  # the first failing span in order fails last
+                        raise fail[a](f"span {a}")
+
+                with pytest.raises(BaseException, match=want) as e:
+                    cpu.map_spans(4, 1, fn)
+                assert type(e.value) is fail[int(want[-1])]
+    finally:
+        cpu._pool.shutdown(wait=True)
+
+
+def test_a_failed_span_starts_no_other(monkeypatch):
+    """Once a span fails no thread starts another (an interrupted inspect stops at the recipes already begun);
+    the spans already running finish first."""
+    monkeypatch.setattr(cpu, "_THREADS", 2)
+    monkeypatch.setattr(cpu, "_pool", None)
+    try:
+        for _ in range(6):
+            begun, lock = [], threading.Lock()
+
+            def fn(a, b, begun=begun):
+                with lock:
+                    begun.append(a)
+                    first = len(begun) == 1
+                if first:
+                    raise RuntimeError(f"span {a}")
+                threading.Event().wait(0.02)
+
+            with pytest.raises(RuntimeError):
+                cpu.map_spans(16, 1, fn)
+            assert len(begun) <= 2, begun  # the failing span and the one the other thread had begun
+    finally:
+        cpu._pool.shutdown(wait=True)
+
+
 def test_a_pooled_chunk_that_maps_again_does_not_deadlock(pool_always):
     """A chunk running on a pool thread may itself call map_chunks (the pool's queue holds only that thread's
     tasks): the inner caller drains the queue itself and cancels the tasks no thread has started."""

@@ -540,3 +540,68 @@ def test_the_recipe_chart_shows_every_name_whole_inside_the_figure(underflow):
         assert [t.get_text() for t in legend.get_texts()] == ["e4m3", "a\\$b\\$"]
     finally:
         plt.close(fig)
+
+
+def _safetensors_file(path, tensors: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path))
+
+
+def test_safetensors_replaced_while_checked_is_refused(tmp_path, monkeypatch):
+    """A file renamed into the path between the open and safetensors' check of the header (a writer's `latest`)
+    is refused by name: the header read and the maps are the opened file's, which is not the one checked."""
+    safetensors = pytest.importorskip("safetensors")
+    p, other = tmp_path / "m.safetensors", tmp_path / "other.safetensors"
+    _safetensors_file(p, {"w": np.ones((4, 4), np.float32)})
+    _safetensors_file(other, {"w": np.full((8, 8), 2, np.float32)})
+    real = safetensors.safe_open
+
+    def swapping(*a, **k):
+        f = real(*a, **k)
+        if other.exists():
+            os.replace(other, p)
+        return f
+
+    monkeypatch.setattr(safetensors, "safe_open", swapping)
+    with pytest.raises(cli.CliError, match="changed while it was being read"):
+        list(files.iter_tensors(str(p)))
+
+
+def test_safetensors_replaced_mid_read_reads_on_from_the_opened_file(tmp_path, monkeypatch):
+    """Replaced after the check, between two tensors and across a new map: every tensor is still the opened
+    file's (its maps are of the open descriptor, not of the path)."""
+    pytest.importorskip("safetensors")
+    monkeypatch.setattr(files, "_MAPPED_BYTES", 1)  # a new map for every tensor
+    p, other = tmp_path / "m.safetensors", tmp_path / "other.safetensors"
+    _safetensors_file(p, {f"w{i}": np.full((4, 4), i, np.float32) for i in range(3)})
+    _safetensors_file(other, {f"w{i}": np.full((4, 4), 10 + i, np.float32) for i in range(3)})
+    got = {}
+    for name, x in files.iter_tensors(str(p)):
+        got[name] = float(x[0, 0])
+        if other.exists():
+            os.replace(other, p)
+    assert got == {"w0": 0.0, "w1": 1.0, "w2": 2.0}
+
+
+def test_a_safetensors_extent_that_does_not_hold_its_tensor_is_refused(tmp_path):
+    """Each tensor's data_offsets are checked against its dtype and shape and the file's data as it is read (the
+    check safetensors made of the same file, made again where the map is cut): an error naming the tensor."""
+    import mmap
+
+    data = np.arange(4, dtype=np.float32).tobytes()
+    with open(tmp_path / "d", "wb") as f:
+        f.write(data)
+    with open(tmp_path / "d", "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        f32 = np.dtype("<f4")
+        ok = files._mapped_tensor(m, tmp_path / "d", "w", {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+                                  f32, 0, 16)
+        assert ok.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+        for entry in ({"dtype": "F32", "shape": [4], "data_offsets": [0, 4]},     # too short for its shape
+                      {"dtype": "F32", "shape": [4], "data_offsets": [4, 20]},    # past the data
+                      {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}):   # before it
+            with pytest.raises(cli.CliError, match="tensor 'w': its data_offsets"):
+                files._mapped_tensor(m, tmp_path / "d", "w", entry, f32, 0, 16)
+        del ok
+        m.close()

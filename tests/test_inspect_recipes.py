@@ -317,8 +317,8 @@ def test_safetensors_tensors_are_read_one_at_a_time(tmp_path, monkeypatch):
             reads.append(k)
             return self.f.get_tensor(k)
 
-    def from_map(m, offset, dtype, shape):
-        x = mapped(m, offset, dtype, shape)
+    def from_map(*args):
+        x = mapped(*args)
         reads.append(next(n for n in tensors if tensors[n].dtype == torch.float32
                           and float(tensors[n][0, 0]) == float(x[0, 0])))
         return x
@@ -611,8 +611,49 @@ def test_a_tensors_recipes_run_side_by_side_with_each_recipes_own_figures(rng):
     assert json.dumps(strict_json(row["recipes"])) == json.dumps(strict_json(want))
     blocks = {n: block_stats(x, RECIPES[n]) for n in order if n in BLOCK}
     assert json.dumps(strict_json(row["blocks"])) == json.dumps(strict_json(blocks))
-    assert sorted(seen) == sorted(ALL) and {b for _, b in seen.values()} == {1}
+    pool = fp8core.backends.cpu._THREADS
+    assert sorted(seen) == sorted(ALL) and {b for _, b in seen.values()} == {max(1, pool // min(2, pool))}
     assert len({t for t, _ in seen.values()}) == 2
+
+
+def test_two_recipes_at_most_run_at_once_each_on_half_the_pool(rng, monkeypatch):
+    """On a pool of 8 threads: two recipes at a time (each holds its own copies of x: the peak memory stays about
+    twice one recipe's), each with a budget of 4 threads for its own chunks; the figures unchanged."""
+    import threading
+    from dataclasses import replace
+
+    from fp8core.backends import cpu
+    from fp8core.backends.cpu_threads import thread_budget
+    from fp8core.cli import inspect as module
+    from fp8core.cli.recipes import RECIPES, measure
+    from fp8core.numerics_stats import strict_json
+
+    monkeypatch.setattr(cpu, "_THREADS", 8)
+    monkeypatch.setattr(cpu, "_pool", None)
+    x = sample(rng)
+    lock, state, budgets = threading.Lock(), {"now": 0, "most": 0}, set()
+
+    def spied(recipe):
+        def quantize(a):
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+                budgets.add(thread_budget())
+            try:
+                threading.Event().wait(0.02)
+                return recipe.quantize(a)
+            finally:
+                with lock:
+                    state["now"] -= 1
+        return replace(recipe, quantize=quantize)
+
+    try:
+        row: dict = {}
+        module._with_recipes(row, x, "e4m3", [spied(RECIPES[n]) for n in ALL])
+    finally:
+        cpu._pool.shutdown(wait=True)
+    assert state["most"] == 2 and budgets == {4}
+    assert json.dumps(strict_json(row["recipes"])) == json.dumps(strict_json({n: measure(x, RECIPES[n]) for n in ALL}))
 
 
 def test_an_exact_round_trip_has_a_largest_relative_error_of_plus_zero():

@@ -10,7 +10,7 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable
 
 import numpy as np
@@ -60,10 +60,17 @@ def _get_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any]) -> None:
-    # tasks: one list iterator shared by all threads (its next() is atomic under the GIL)
+def _drain(fn: Callable[[int, int], Any], tasks: Any, results: list[Any], failed: list[tuple[int, BaseException]]
+           ) -> None:
+    # tasks: one list iterator shared by all threads (its next() is atomic under the GIL). A failed span empties
+    # it, so no thread starts another, and is kept with its index for map_spans to raise.
     for i, a, b in tasks:
-        results[i] = fn(a, b)
+        try:
+            results[i] = fn(a, b)
+        except BaseException as e:  # KeyboardInterrupt in the caller's span included: nothing new starts
+            failed.append((i, e))
+            deque(tasks, maxlen=0)
+            return
 
 
 def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> list[Any]:
@@ -75,6 +82,11 @@ def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> l
     if n < _POOL_MIN[kind] or threads == 1:
         return [fn(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
     return map_spans(n, min(CHUNK, max(_MIN_SHARE, -(-n // (2 * threads)))), fn)
+
+
+def pool_threads() -> int:
+    """The threads a call on this thread may use: fp8core's pool's size, or fewer inside cpu_threads(n)."""
+    return _threads()
 
 
 def _threads() -> int:
@@ -95,19 +107,20 @@ def map_spans(n: int, size: int, fn: Callable[[int, int], Any]) -> list[Any]:
     tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
     threads = _threads()
     if threads == 1 or len(starts) < 2:
-        _drain(fn, tasks, results)
-        return results
+        return [fn(a, b) for _, a, b in tasks]
     pool = _pool or _get_pool()
-    futures = [pool.submit(_drain, fn, tasks, results) for _ in range(min(threads - 1, len(starts) - 1))]
+    failed: list[tuple[int, BaseException]] = []
+    futures = [pool.submit(_drain, fn, tasks, results, failed) for _ in range(min(threads - 1, len(starts) - 1))]
     try:
-        _drain(fn, tasks, results)
+        _drain(fn, tasks, results, failed)
     finally:
         # A span still running writes into the caller's arrays (and reads its scratch): every one begun is waited
-        # for before anything is raised, a failed one's error included
-        begun = [f for f in futures if not f.cancel()]
-        wait(begun)
-        for f in begun:
-            f.result()
+        # for before anything is raised
+        deque(tasks, maxlen=0)
+        wait([f for f in futures if not f.cancel()])
+    if failed:
+        # what one thread would have raised: the first failing span in order, an interrupt before any error
+        raise min(failed, key=lambda f: (isinstance(f[1], Exception), f[0]))[1]
     return results
 
 

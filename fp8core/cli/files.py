@@ -7,9 +7,11 @@ before it is inflated, a header's shape against the bytes really there, and tens
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import math
 import mmap
+import os
 import pickle
 import re
 import sys
@@ -211,38 +213,74 @@ def _read_safetensors(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray
         import safetensors
     except ImportError:
         raise CliError(f"{p}: reading .safetensors needs the safetensors package (pip install safetensors)") from None
-    # safetensors checks the header (its JSON, every tensor's offsets within the data and its size against its
-    # dtype and shape) as it opens the file; the offsets are then read from the header it checked.
-    with safetensors.safe_open(str(p), framework="np") as f:
-        keys = list(f.keys())
+    # One open file for the whole read: safetensors checks the header (its JSON, every tensor's offsets within the
+    # data and its size against its dtype and shape) as it opens the path, and the header and maps used here are
+    # then that same file's, even where another is renamed into its path meanwhile (a writer's `latest`): its
+    # identity is compared before and after the check, and each tensor's extent checked again as it is read.
     with open(p, "rb") as raw:
+        opened = _identity(os.fstat(raw.fileno()))
+        with safetensors.safe_open(str(p), framework="np") as f:
+            keys = list(f.keys())
+        _same_file(p, opened)
         size = int.from_bytes(raw.read(8), "little")
         header = json.loads(raw.read(size))
-    start = 8 + size
-    through_torch = None
-    # The file is memory-mapped, and every page a read touches stays resident while its map lives: one map for
-    # the whole checkpoint would hold all of it by the end. A new map is made once _MAPPED_BYTES of tensors have
-    # been read through one; a map goes (with its pages) once the tensors read through it (views of it) are
-    # freed. The resident pages stay near _MAPPED_BYTES plus one tensor whatever the file's size.
-    at = 0
-    while at < len(keys):
-        with open(p, "rb") as raw:
-            mapped = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) if start < p.stat().st_size else None
-        read = 0
-        while at < len(keys) and read < _MAPPED_BYTES:
-            k = keys[at]
-            entry = header[k]
-            dtype = _safetensors_dtype(entry["dtype"])
-            if dtype is None:
-                if through_torch is None:
-                    through_torch = safetensors.safe_open(str(p), framework="pt")
-                t = _as_numpy(through_torch.get_tensor(k))
-            else:
-                t = _mapped_tensor(mapped, start + entry["data_offsets"][0], dtype, entry["shape"])
-            at, read = at + 1, read + t.nbytes
-            yield k, t
-            del t  # held by the caller alone, which frees it before the next is read
-        del mapped
+        start, length = 8 + size, opened[2]
+        with contextlib.ExitStack() as stack:
+            through_torch = None
+            # Every page a read touches stays resident while its map lives: one map for the whole checkpoint
+            # would hold all of it by the end. A new map is made once _MAPPED_BYTES of tensors have been read
+            # through one; a map goes (with its pages) once the tensors read through it (views of it) are freed.
+            # The resident pages stay near _MAPPED_BYTES plus one tensor whatever the file's size.
+            at = 0
+            while at < len(keys):
+                mapped = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) if start < length else None
+                read = 0
+                while at < len(keys) and read < _MAPPED_BYTES:
+                    k = keys[at]
+                    entry = header[k]
+                    dtype = _safetensors_dtype(entry["dtype"])
+                    if dtype is None:
+                        if through_torch is None:
+                            through_torch = stack.enter_context(_torch_reader(safetensors, p, opened))
+                        t = _as_numpy(through_torch.get_tensor(k))
+                    else:
+                        t = _mapped_tensor(mapped, p, k, entry, dtype, start, length)
+                    at, read = at + 1, read + t.nbytes
+                    yield k, t
+                    del t  # held by the caller alone, which frees it before the next is read
+                del mapped
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _same_file(p: Path, opened: tuple[int, int, int, int]) -> None:
+    if _identity(os.stat(p)) != opened:
+        raise CliError(f"{p}: the file changed while it was being read (replaced or written to); read it again")
+
+
+@contextlib.contextmanager
+def _torch_reader(safetensors: Any, p: Path, opened: tuple[int, int, int, int]) -> Iterator[Any]:
+    """safetensors' torch reader of ``p`` (for the dtypes NumPy has no type for), checked to be the file opened."""
+    if not installed_version("torch"):
+        raise CliError(f"{p}: has tensors of a dtype only torch reads (E8M0, complex, ...): pip install torch")
+    with safetensors.safe_open(str(p), framework="pt") as f:
+        _same_file(p, opened)
+        yield f
+
+
+def _mapped_tensor(mapped: mmap.mmap | None, p: Path, name: str, entry: dict, dtype: np.dtype, start: int,
+                   length: int) -> np.ndarray:
+    """The tensor ``name`` of the header ``entry`` in a file's map: a read-only view of it, no copy; its extent
+    checked against its shape and dtype and the file's length first."""
+    shape = [int(d) for d in entry["shape"]]
+    begin, end = (int(o) for o in entry["data_offsets"])
+    count = math.prod(shape)
+    if end - begin != count * dtype.itemsize or begin < 0 or start + end > length:
+        raise CliError(f"{p}: tensor {name!r}: its data_offsets [{begin}, {end}] do not hold {entry['dtype']} "
+                       f"{shape} within the file's {length - start} bytes of data")
+    return (np.frombuffer(mapped, dtype, count, start + begin) if count else np.empty(0, dtype)).reshape(shape)
 
 
 def _tensors_in(obj: Any, prefix: str, skipped: dict[str, int]) -> Iterator[tuple[str, Any]]:

@@ -16,7 +16,7 @@ import numpy as np
 
 import fp8core
 from fp8core import Format
-from fp8core.backends.cpu import map_spans
+from fp8core.backends.cpu import map_spans, pool_threads
 from fp8core.backends.cpu_threads import cpu_threads
 from fp8core.extras import install_hint
 from fp8core.formats import E2M1, ENCODINGS, FP8_DTYPES, HIGH_PRECISION_DTYPES
@@ -299,6 +299,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         raise CliError(printable(one_line(e, kind=False))) from None
 
 
+SIDE_BY_SIDE = 2  # recipes of a tensor measured at once (memory: each holds its own copies of x)
+
+
 def _cost_rank(recipe: Recipe) -> int:
     """Which recipes go to the threads first: the dearest (a transformed operand, then FP4, then the block
     recipes; one scale per tensor last), so the cheap ones fill the gaps at the end of a tensor."""
@@ -314,19 +317,23 @@ def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe],
     shared: dict = {}  # x's own statistics, computed once for all its recipes (the same values whoever computes them)
     order = sorted(range(len(recipes)), key=lambda i: _cost_rank(recipes[i]))
 
-    # A recipe per thread of fp8core's CPU pool, each on its thread alone: a recipe's serial steps (its amax and
-    # scales, the block quantizers' tile loop, nvfp4_rht's transpose) then leave no core idle, and no chunk is
-    # handed between threads. The figures are a single thread's whatever thread measures a recipe.
+    # Two recipes at a time, each on half of fp8core's CPU pool (on 2 cores: each on a thread alone): a recipe's
+    # serial steps (its amax and scales, the block quantizers' tile loop, nvfp4_rht's transpose) then leave no core
+    # idle. Two, not one a thread: each recipe holds its own float32 copy, codes and operand of x, so the peak
+    # memory is about twice one recipe's whatever the cores. The figures are the same whoever measures a recipe.
     held = [data]  # emptied once measured: a pool task cancelled unstarted keeps `one` until a thread drops it
+    side = min(SIDE_BY_SIDE, pool_threads())
+    each = max(1, pool_threads() // side)
 
     def one(i: int, _: int) -> tuple[dict, dict | None]:
         r, x = recipes[order[i]], held[0]
-        with cpu_threads(1):
+        with cpu_threads(each):
             stats = measure(x, r, shared)
             return stats, block_stats(x, r) if blocks and r.block_scales is not None else None
 
     try:
-        got = dict(zip(order, map_spans(len(recipes), 1, one)))
+        with cpu_threads(side):
+            got = dict(zip(order, map_spans(len(recipes), 1, one)))
     finally:
         held.clear()
     row["recipes"] = {r.name: got[i][0] for i, r in enumerate(recipes)}

@@ -83,9 +83,16 @@ __device__ __forceinline__ void convert_rows<Passthrough, 0>(const Passthrough* 
 // transpose fit in 64 registers (four blocks); fp32 input holds twice the words (sixteen 16-byte loads a thread in
 // flight) and spills at 64 on every target, so it gets 128 (two). A named constant: the launch bounds are read by
 // fp8core._signatures, which reads no parentheses there.
+// FP8CORE_FORCE_SOFT_FP8 (the software conversion forced on a target with hardware FP8, a debugging build) compiles
+// both software variants, the NaN-free one and the NaN-checked one, into one kernel, and on sm_90 spills at 64: three
+// blocks there.
 template <typename T>
 struct CtBlocks {
+#ifdef FP8CORE_FORCE_SOFT_FP8
+  static constexpr int value = sizeof(T) == 4 ? 2 : 3;
+#else
   static constexpr int value = sizeof(T) == 4 ? 2 : 4;
+#endif
 };
 
 // q (optional) = quantize(x); q_t = transpose(q). x is [rows, cols] row-major; one block per 128x128 tile.

@@ -152,17 +152,9 @@ class Float8Linear(torch.nn.Linear):
 
     # ---- the state: read where it is now, carried by every transform -----------------------------------
 
-    @property
-    def fp8_amax_history(self) -> torch.Tensor:
-        return self._fp8_history
-
-    @property
-    def fp8_scale(self) -> torch.Tensor:
-        return self._fp8_scale
-
-    @property
-    def fp8_scale_inv(self) -> torch.Tensor:
-        return self._fp8_scale_inv
+    fp8_amax_history = property(lambda self: self._fp8_history)
+    fp8_scale = property(lambda self: self._fp8_scale)
+    fp8_scale_inv = property(lambda self: self._fp8_scale_inv)
 
     @property
     def fp8_steps(self) -> torch.Tensor:

@@ -62,8 +62,8 @@ def steps(x: np.ndarray, columnwise: bool) -> dict[str, float]:
                 x[m0:m1].astype(np.float32).reshape(-1, B).T)[None])
             dst, top = data[None, :, m0 * per:m1 * per], maxima[:, m0 * per:m1 * per]
         timed("rht: flip, widen, butterfly, *0.25, round", lambda: c._rht(src, dst, scratch))
-        top[...] = timed("block maxima", lambda: c._f32_bits(c._fold(np.bitwise_and(dst.view(uint), low), False),
-                                                              x.dtype))
+        top[...] = timed("block maxima", lambda: c.f32_bits(c._fold(np.bitwise_and(dst.view(uint), low), False),
+                                                             x.dtype))
     s_enc, s_dec = c.global_scales(np.array([maxima.max()], np.uint32).view(np.float32))
     _, mult = timed("block scales", lambda: c.nvfp4_block_scales(maxima, s_enc, s_dec))
     # quantize pass: the operand's blocks down the columns of ``data`` (rowwise: x's blocks, one a column)

@@ -209,10 +209,7 @@ class BlockScaledTensor(ScaledTensor):
 
     _fields = ("data", "scale_inv")
     _kind = "blocks"
-
-    @property
-    def scale_inv(self) -> Any:
-        return self[1]
+    scale_inv = ScaledTensor.scale
 
 
 class RowwiseTensor(ScaledTensor):
@@ -223,10 +220,7 @@ class RowwiseTensor(ScaledTensor):
 
     _fields = ("data", "scale_inv")
     _kind = "axiswise"
-
-    @property
-    def scale_inv(self) -> Any:
-        return self[1]
+    scale_inv = ScaledTensor.scale
 
 
 class NVFP4Tensor(ScaledTensor):

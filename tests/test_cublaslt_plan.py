@@ -345,8 +345,7 @@ class _FP4Call:
         self.log, self.FakeArray, self.next = [], FakeArray, 0x100000
         monkeypatch.setattr(cublaslt, "compute_capability", lambda device: cc)
         monkeypatch.setattr(cublaslt, "lt_bindings", lambda: type("Lt", (), {"get_version": lambda: 130100}))
-        monkeypatch.setattr(cuda_fp4, "On", lambda device: _Guard(self.log, device))
-        monkeypatch.setattr(cuda_fp4, "stream_of", lambda t: 77)
+        monkeypatch.setattr(cuda_fp4, "Launch", lambda t: _Guard(self.log, t.device[1], (t.device[1], 77)))
         monkeypatch.setattr(cuda_fp4, "capture_outlives", lambda t, stream: capturing)
         monkeypatch.setattr(cuda_fp4, "empty", self.empty)
         monkeypatch.setattr(_kernels.Kernel, "launch", lambda kernel, *args, **kwargs: self.launch(kernel, *args,
@@ -374,11 +373,12 @@ class _FP4Call:
 
 
 class _Guard:
-    def __init__(self, log, device):
-        self.log, self.device = log, device
+    def __init__(self, log, device, entered=None):
+        self.log, self.device, self.entered = log, device, entered
 
     def __enter__(self):
         self.log.append(("device", self.device))
+        return self.entered
 
     def __exit__(self, *exc):
         return False

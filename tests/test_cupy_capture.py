@@ -117,6 +117,7 @@ def dev(monkeypatch):
     monkeypatch.setattr(cuda_call, "_runtime", runtime)
     for module in (cuda, cuda_blocks):
         monkeypatch.setattr(module, "On", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(module, "Launch", lambda t: contextlib.nullcontext((t.device[1], STREAM)))
         monkeypatch.setattr(module, "stream_of", lambda t: STREAM)
         monkeypatch.setattr(module, "empty", empty)
     monkeypatch.setattr(_kernels.Kernel, "launch", launch)

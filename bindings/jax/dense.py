@@ -65,17 +65,15 @@ def dense(x: jax.Array, w: jax.Array, state: dict[str, jax.Array] | None, recipe
     NVFP4BlockScaling (fp8core.jax.fp4): K and N multiples of 32, the token count padded to 32; ``state`` is
     ``init_state(recipe, seed)``, and the new state (the offset advanced) is the next step's: no next_state.
     """
-    if isinstance(recipe, NVFP4BlockScaling):
-        _args.high_precision(x, "x", matrix=True)
-        _args.high_precision(w, "w")
-        if len(w.shape) != 2:
-            raise ValueError(f"w: expected a 2-D [N, K] array, got shape {tuple(w.shape)}")
-        return nvfp4_dense(x, w, state, recipe, bias)
-    _args.dense_recipe(recipe)
+    nvfp4 = isinstance(recipe, NVFP4BlockScaling)
+    if not nvfp4:
+        _args.dense_recipe(recipe)
     _args.high_precision(x, "x", matrix=True)
     _args.high_precision(w, "w")
     if len(w.shape) != 2:
         raise ValueError(f"w: expected a 2-D [N, K] array, got shape {tuple(w.shape)}")
+    if nvfp4:
+        return nvfp4_dense(x, w, state, recipe, bias)
     _args.layer_state(state, recipe)
     k, n = x.shape[-1], w.shape[0]
     if bias is not None and tuple(_args.array(bias, "bias").shape) != (n,):

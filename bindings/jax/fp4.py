@@ -36,7 +36,6 @@ __all__ = ["quantize_nvfp4", "quantize_mxfp4", "dequantize_nvfp4", "dequantize_m
 
 Array = jax.Array
 STREAMS = 2  # offsets a step takes: grad_output rowwise (offset), columnwise (offset + 1); fp8core.torch's too
-_U32 = np.uint64(0xFFFFFFFF)
 
 
 def rng_state(seed: int, offset: int = 0) -> Array:

@@ -293,12 +293,10 @@ def _batched_layout(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any
         if len(set(b + c)) != len(b + c):
             raise ValueError(f"dimension_numbers: {arg}'s batch dims {b} and contracting dims {c} repeat a "
                              f"dimension (shape {tuple(x.shape)})")
-    if len(lb) != len(rb) or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lb, rb)):
-        raise ValueError(f"dimension_numbers: batch dims {lb} of lhs {tuple(lhs.shape)} and {rb} of rhs "
-                         f"{tuple(rhs.shape)} do not match")
-    if len(lc) != len(rc) or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(lc, rc)):
-        raise ValueError(f"dimension_numbers: contracting dims {lc} of lhs {tuple(lhs.shape)} and {rc} of rhs "
-                         f"{tuple(rhs.shape)} do not match")
+    for what, ld, rd in (("batch", lb, rb), ("contracting", lc, rc)):
+        if len(ld) != len(rd) or any(lhs.shape[a] != rhs.shape[b] for a, b in zip(ld, rd)):
+            raise ValueError(f"dimension_numbers: {what} dims {ld} of lhs {tuple(lhs.shape)} and {rd} of rhs "
+                             f"{tuple(rhs.shape)} do not match")
     lfree = tuple(d for d in range(lhs.ndim) if d not in lb + lc)
     rfree = tuple(d for d in range(rhs.ndim) if d not in rb + rc)
 

@@ -108,13 +108,11 @@ class Fp8DotGeneral(nnx.Module):
 
     def _tie(self) -> tuple[jax.Array, ...]:
         """Tie the state for one differentiated step (see fp8core.jax.tying); returns the values it replaced."""
-        keys = self._keys()
-        values = tuple(self._state()[k] for k in keys)
-        for k, v in zip(keys, tie(values, Tie(self.recipe, self.axis_name))):
-            getattr(self, k).set_value(v)
+        values = tuple(self._state()[k] for k in self._keys())
+        self._set_state(tie(values, Tie(self.recipe, self.axis_name)))
         return values
 
-    def _restore(self, values: tuple[jax.Array, ...]) -> None:
+    def _set_state(self, values: tuple[jax.Array, ...]) -> None:
         for k, v in zip(self._keys(), values):
             getattr(self, k).set_value(v)
 
@@ -176,7 +174,7 @@ def value_and_grad(f: Callable[..., Any], argnums: int | nnx.DiffState = 0, *,
             return f(*args)
         finally:  # the step's outputs carry the state as it was; its next value comes back as its gradient
             for layer, values in zip(layers, saved):
-                layer._restore(values)
+                layer._set_state(values)
 
     inner = nnx.value_and_grad(tied, argnums=nnx.DiffState(diff.argnum, nnx.Any(diff.filter, Fp8State)),
                                has_aux=has_aux)

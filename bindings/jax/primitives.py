@@ -252,11 +252,9 @@ def gemm(a: Array, b: Array, a_scale_inv: Array | float, b_scale_inv: Array | fl
     per element, on XLA's stream on a GPU)."""
     _args.out_dtype(out_dtype)
     _args.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
-    if len(a.shape) > 2 or len(b.shape) > 2:
-        return _batched_gemm(a, b, _scale_arg(a_scale_inv, "a_scale_inv"), _scale_arg(b_scale_inv, "b_scale_inv"),
-                             bias, out_dtype=out_dtype)
-    return _gemm(a, b, _scale_arg(a_scale_inv, "a_scale_inv"), _scale_arg(b_scale_inv, "b_scale_inv"), bias,
-                 out_dtype=out_dtype)
+    run = _batched_gemm if len(a.shape) > 2 or len(b.shape) > 2 else _gemm
+    return run(a, b, _scale_arg(a_scale_inv, "a_scale_inv"), _scale_arg(b_scale_inv, "b_scale_inv"), bias,
+               out_dtype=out_dtype)
 
 
 @jitted("out_dtype")

@@ -16,9 +16,8 @@ import torch
 
 from fp8core import declarations
 from fp8core.declare import Spec
-from fp8core.gemm import check_shapes
 
-__all__ = ["refuse_meta", "matrix", "gemm_shape"]
+__all__ = ["refuse_meta", "matrix"]
 
 
 def refuse_meta(*named: tuple[str, Optional[torch.Tensor]]) -> None:
@@ -34,9 +33,3 @@ def refuse_meta(*named: tuple[str, Optional[torch.Tensor]]) -> None:
 def matrix(t: torch.Tensor, arg: str) -> tuple[int, int]:
     """[rows, cols]: the 2-D view [prod(leading), last] the core folds t to (at least 1 dimension)."""
     return declarations.matrix(Spec.of(t), arg)
-
-
-def gemm_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
-    """(M, N) of fp8core.gemm(a [M, K], b [N, K]) by the core's shape rules (fp8core.gemm)."""
-    m, _, n = check_shapes(tuple(a.shape), tuple(b.shape))
-    return m, n

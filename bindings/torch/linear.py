@@ -101,9 +101,7 @@ class Float8Linear(torch.nn.Linear):
                  recipe: DelayedScaling | Float8CurrentScaling | MXFP8BlockScaling | Float8BlockScaling
                  | NVFP4BlockScaling | None = None,
                  shared: SharedScaling | None = None, autocast_only: bool = True) -> None:
-        _check_features(in_features, out_features, check_recipe(recipe) if shared is None else shared.recipe)
-        if not isinstance(autocast_only, bool):
-            raise TypeError(f"autocast_only: expected a bool, got {type(autocast_only).__name__}")
+        _check_features(in_features, out_features, recipe, shared, autocast_only)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if not autocast_only:
             self.autocast_only = False
@@ -143,9 +141,7 @@ class Float8Linear(torch.nn.Linear):
     @classmethod
     def _sharing(cls, layer: torch.nn.Module, in_features: int, out_features: int, recipe: Any,
                  shared: SharedScaling | None, autocast_only: bool) -> "Float8Linear":
-        _check_features(in_features, out_features, check_recipe(recipe) if shared is None else shared.recipe)
-        if not isinstance(autocast_only, bool):
-            raise TypeError(f"autocast_only: expected a bool, got {type(autocast_only).__name__}")
+        _check_features(in_features, out_features, recipe, shared, autocast_only)
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.in_features, new.out_features = in_features, out_features
@@ -156,17 +152,9 @@ class Float8Linear(torch.nn.Linear):
 
     # ---- the state: read where it is now, carried by every transform -----------------------------------
 
-    @property
-    def fp8_amax_history(self) -> torch.Tensor:
-        return self._fp8_history
-
-    @property
-    def fp8_scale(self) -> torch.Tensor:
-        return self._fp8_scale
-
-    @property
-    def fp8_scale_inv(self) -> torch.Tensor:
-        return self._fp8_scale_inv
+    fp8_amax_history = property(lambda self: self._fp8_history)
+    fp8_scale = property(lambda self: self._fp8_scale)
+    fp8_scale_inv = property(lambda self: self._fp8_scale_inv)
 
     @property
     def fp8_steps(self) -> torch.Tensor:
@@ -396,20 +384,19 @@ class Float8Conv1D(Float8Linear):
                f"format={self.recipe.fp8_format.name}"
 
 
-def _feature_multiple(recipe: Any) -> tuple[int, str]:
-    """(what in_features and out_features must be multiples of under ``recipe``, and why)."""
+def _check_features(in_features: int, out_features: int, recipe: Any, shared: SharedScaling | None,
+                    autocast_only: bool) -> None:
+    """The layer's features (multiples of what the recipe's plan takes) and ``autocast_only``."""
+    recipe = check_recipe(recipe) if shared is None else shared.recipe
     plan = linear_plan(recipe)
-    return plan.multiple, plan.why
-
-
-def _check_features(in_features: int, out_features: int, recipe: Any) -> None:
-    multiple, why = _feature_multiple(recipe)
     for name, v in (("in_features", in_features), ("out_features", out_features)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
-        if v <= 0 or v % multiple:
-            raise ValueError(f"{name}: {v} is not a positive multiple of {multiple} under {type(recipe).__name__} "
-                             f"({why})")
+        if v <= 0 or v % plan.multiple:
+            raise ValueError(f"{name}: {v} is not a positive multiple of {plan.multiple} under "
+                             f"{type(recipe).__name__} ({plan.why})")
+    if not isinstance(autocast_only, bool):
+        raise TypeError(f"autocast_only: expected a bool, got {type(autocast_only).__name__}")
 
 
 def _checked_state(module: Float8Linear, state_dict: Any, prefix: str) -> Optional[tuple]:
@@ -586,7 +573,8 @@ def convert_to_float8(module: torch.nn.Module, recipe: Any = None,
         raise TypeError(f"module_filter_fn: expected a callable (module, fqn) -> bool, got "
                         f"{type(module_filter_fn).__name__}")
     recipe = check_recipe(recipe)
-    multiple, why = _feature_multiple(recipe)
+    plan = linear_plan(recipe)
+    multiple, why = plan.multiple, plan.why
     conv1d = _conv1d_type()
     chosen, skipped, own, declined = [], [], [], []
     for fqn, child in module.named_modules():

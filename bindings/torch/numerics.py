@@ -152,9 +152,7 @@ def _cell(v: Optional[float], width: int) -> str:
 
 def _best(entry: dict[str, Any], name: str, width: int) -> str:
     """One recipe's least SQNR in a :func:`per_operand` entry, starred when it is the winner."""
-    f = entry["recipes"][name]
-    mark = "*" if name == entry["winner"] else " "
-    return (f"{'n/a':>{width}}" if f.get("sqnr_db") is None else f"{f['sqnr_db']:>{width}.2f}") + mark
+    return _cell(entry["recipes"][name].get("sqnr_db"), width) + ("*" if name == entry["winner"] else " ")
 
 
 def _given_scale(fmt: Format, scale: np.ndarray, scale_inv: np.ndarray) -> Recipe:
@@ -206,32 +204,30 @@ class _Recorder:
         the cast reads them (the forward's tensors: the backward reads those), or (None, None) for current."""
         t = t.detach().contiguous()  # a gradient may come expanded (the backward of a sum): stride 0
         amax = ops.amax(t)
-        if isinstance(module.recipe, Float8RowwiseScaling) or state == "blocks":
+        x = t.to(torch.float32).cpu().numpy()  # exact from bfloat16/float16: the cast sees the same values
+        r = module.recipe
+        if isinstance(r, Float8RowwiseScaling) or state == "blocks":
             # one scale per row, or per block: the layer's own cast of the operand, no per-tensor scale to show
-            r = module.recipe
-            x = t.to(torch.float32).cpu().numpy()
             own = (rowwise_recipe(r.power_of_2, r.epsilon, type(r).__name__) if isinstance(r, Float8RowwiseScaling)
                    else layer_recipe(r, operand))
-            row: dict[str, Any] = {"module": name, "step": step, "operand": operand, "recipe": type(r).__name__,
-                                   "format": own.fmt.name, "amax": float(amax[0]), "scale": None, "scale_inv": None}
-            row.update(measure(x, own))
-            row.pop("padded", None)
-            self._compare(row, x)
-            return
-        slot = OPERANDS.index(operand)
-        scale, scale_inv = state
-        if scale is None:
-            r = module.recipe
-            scale, scale_inv = ops.compute_scale(amax, fmt.value, r.margin, r.power_of_2, float(r.amax_epsilon))
+            fmt, s, s_inv = own.fmt, None, None
         else:
-            scale, scale_inv = scale[slot:slot + 1], scale_inv[slot:slot + 1]
-        s = scale.detach().cpu().numpy().copy()
-        s_inv = scale_inv.detach().cpu().numpy().copy()
-        x = t.to(torch.float32).cpu().numpy()  # exact from bfloat16/float16: the cast sees the same values
-        row = {"module": name, "step": step, "operand": operand,
-               "recipe": type(module.recipe).__name__, "format": fmt.name,
-               "amax": float(amax[0]), "scale": float(s[0]), "scale_inv": float(s_inv[0])}
-        row.update(measure(x, _given_scale(fmt, s, s_inv)))
+            scale, scale_inv = state
+            if scale is None:
+                scale, scale_inv = ops.compute_scale(amax, fmt.value, r.margin, r.power_of_2, float(r.amax_epsilon))
+            else:
+                slot = OPERANDS.index(operand)
+                scale, scale_inv = scale[slot:slot + 1], scale_inv[slot:slot + 1]
+            s = scale.detach().cpu().numpy().copy()
+            s_inv = scale_inv.detach().cpu().numpy().copy()
+            own = _given_scale(fmt, s, s_inv)
+        row: dict[str, Any] = {"module": name, "step": step, "operand": operand, "recipe": type(r).__name__,
+                               "format": fmt.name, "amax": float(amax[0]),
+                               "scale": None if s is None else float(s[0]),
+                               "scale_inv": None if s_inv is None else float(s_inv[0])}
+        row.update(measure(x, own))
+        if s is None:
+            row.pop("padded", None)
         self._compare(row, x)
 
     def _compare(self, row: dict[str, Any], x: np.ndarray) -> None:

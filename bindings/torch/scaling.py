@@ -235,11 +235,6 @@ def calibrating_context() -> Optional[_Context]:
     return stack[-1] if stack and stack[-1].calibrating else None
 
 
-def fp8_enabled() -> bool:
-    """True only inside an enabled :func:`autocast`."""
-    return current_context() is not None
-
-
 @contextlib.contextmanager
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Any] = None,
              amax_reduction_group: Any = None) -> Iterator[None]:

@@ -36,6 +36,7 @@ _THREADS = max(1, min(os.cpu_count() or 1, 8))
 _POOL_MIN = {"cast": 1 << 18, "lookup": 1 << 17}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_slot_lock = threading.Lock()  # see _accumulate
 
 F32_NAN_BITS = np.uint32(0x7FFFFFFF)
 FLT_MAX = np.float32(3.4028235e38)
@@ -43,10 +44,12 @@ FLT_MAX = np.float32(3.4028235e38)
 
 def _forget_pool() -> None:
     """In a forked child: the parent's worker threads do not exist here, and an executor that believes it has
-    idle workers would queue work that nobody runs (a hang). The child makes its own pool when it needs one."""
-    global _pool, _pool_lock
+    idle workers would queue work that nobody runs (a hang). The child makes its own pool when it needs one.
+    The locks are new too: the child inherits them as they were, maybe held by a thread now gone."""
+    global _pool, _pool_lock, _slot_lock
     _pool = None
     _pool_lock = threading.Lock()
+    _slot_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool)
@@ -78,19 +81,15 @@ def map_chunks(n: int, fn: Callable[[int, int], Any], kind: str = "lookup") -> l
 
     From ``_POOL_MIN[kind]`` elements up the chunks go to the pool (:func:`map_spans`).
     """
-    threads = _threads()
+    threads = pool_threads()
     if n < _POOL_MIN[kind] or threads == 1:
         return [fn(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
     return map_spans(n, min(CHUNK, max(_MIN_SHARE, -(-n // (2 * threads)))), fn)
 
 
 def pool_threads() -> int:
-    """The threads a call on this thread may use: fp8core's pool's size, or fewer inside cpu_threads(n)."""
-    return _threads()
-
-
-def _threads() -> int:
-    """The threads a call may use: the pool's size, or fewer inside cpu_threads(n) (cpu_threads.py)."""
+    """The threads a call on this thread may use: fp8core's pool's size, or fewer inside cpu_threads(n)
+    (cpu_threads.py)."""
     budget = thread_budget()
     return _THREADS if budget is None else min(_THREADS, budget)
 
@@ -105,7 +104,7 @@ def map_spans(n: int, size: int, fn: Callable[[int, int], Any]) -> list[Any]:
     starts = range(0, n, size)
     results: list[Any] = [None] * len(starts)
     tasks = iter([(i, a, min(a + size, n)) for i, a in enumerate(starts)])
-    threads = _threads()
+    threads = pool_threads()
     if threads == 1 or len(starts) < 2:
         return [fn(a, b) for _, a, b in tasks]
     pool = _pool or _get_pool()
@@ -189,18 +188,6 @@ def _bits_to_f32(bits: Any) -> np.float32:
     return np.array([bits], np.uint32).view(np.float32)[0]
 
 
-_slot_lock = threading.Lock()
-
-
-def _new_slot_lock() -> None:
-    global _slot_lock
-    _slot_lock = threading.Lock()  # a fork child inherits the lock as it was, maybe held by a thread now gone
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_slot_lock)
-
-
 def _accumulate(amax_out: np.ndarray, bits: Any) -> None:
     """amax_out = max(amax_out, value), compared as SIGNED int32 bit patterns, like the GPU's atomicMax.
 
@@ -217,13 +204,10 @@ def _accumulate(amax_out: np.ndarray, bits: Any) -> None:
 def _amax(x: Tensor) -> np.ndarray:
     # On the calling thread, whole: reductions make no temporaries, so chunks only add calls, and a second
     # thread does not pay (the two reductions run at memory speed; see _POOL_MIN)
-    bits = _amax_bits(_flat(x))
-    return np.array([bits], np.uint32).view(np.float32)
+    return np.array([_amax_bits(_flat(x))], np.uint32).view(np.float32)
 
 
-@ieee
-def amax(x: Tensor) -> np.ndarray:
-    return _amax(x)
+amax = ieee(_amax)
 
 
 @ieee
@@ -515,7 +499,7 @@ def transpose(q: Tensor, *, out: np.ndarray | None = None) -> np.ndarray:
     if rows * cols < _TRANSPOSE_POOL_MIN:
         strips(0, rows)
     else:  # spans of whole strips: disjoint columns of out
-        map_spans(rows, -(-rows // (2 * _threads() * strip)) * strip, strips)
+        map_spans(rows, -(-rows // (2 * pool_threads() * strip)) * strip, strips)
     return out
 
 
@@ -761,7 +745,7 @@ def gemm(spec: Any, a: Tensor, b: Tensor, a_scale_inv: Any, b_scale_inv: Any, bi
 
     budget = thread_budget()
     with blas_on_one_thread() if budget is not None else contextlib.nullcontext():
-        threads = _threads()
+        threads = pool_threads()
         if m * n * k >= (_GEMM_POOL_MIN if budget is None else _GEMM_SPLIT_MIN) and threads > 1:
             bits = map_spans(n, -(-n // (16 * threads)) * 16, columns)
         else:

@@ -87,18 +87,28 @@ def _tile_amax_bits(t: np.ndarray, br: int, bc: int) -> np.ndarray:
     inf); NaN is made canonical per block, after the max, which picks a NaN over anything else. bf16 and fp16
     block maxima are widened once per block: no fp32 copy of the tile.
     """
-    if t.dtype == np.float32:
-        m = _blocks(np.bitwise_and(t.view(np.uint32), np.uint32(0x7FFFFFFF)), br, bc).max(axis=(1, 3))
+    return f32_bits(_blocks(magnitudes(t), br, bc).max(axis=(1, 3)), t.dtype)
+
+
+def magnitudes(t: np.ndarray) -> np.ndarray:
+    """|x| bit patterns (uint32 for fp32, uint16 for bf16/fp16): unsigned order is float order, NaN above inf."""
+    if t.itemsize == 4:
+        return np.bitwise_and(t.view(np.uint32), np.uint32(0x7FFFFFFF))
+    return np.bitwise_and(t.view(np.uint16), np.uint16(0x7FFF))
+
+
+def f32_bits(m: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Block maxima of |x| patterns (of ``dtype``) as fp32 bits, NaN canonical (0x7FFFFFFF)."""
+    if m.dtype == np.uint32:
         m[m > _F32_INF] = _F32_NAN
         return m
-    m16 = _blocks(np.bitwise_and(t.view(np.uint16), np.uint16(0x7FFF)), br, bc).max(axis=(1, 3))
-    if t.dtype == np.float16:
-        m = m16.view(np.float16).astype(np.float32).view(np.uint32)
-        m[m16 > 0x7C00] = _F32_NAN
-        return m
-    m = np.left_shift(m16.astype(np.uint32), 16)  # bfloat16
-    m[m16 > 0x7F80] = _F32_NAN
-    return m
+    if dtype == np.float16:
+        out = m.view(np.float16).astype(np.float32).view(np.uint32)
+        out[m > 0x7C00] = _F32_NAN
+        return out
+    out = np.left_shift(m.astype(np.uint32), 16)  # bfloat16
+    out[m > 0x7F80] = _F32_NAN
+    return out
 
 
 def _highest_bit(m: np.ndarray) -> np.ndarray:

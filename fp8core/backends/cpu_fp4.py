@@ -23,7 +23,7 @@ from .._caches import cached
 from .._fpenv import ieee
 from .._views import Tensor, logical_numpy_dtype
 from .cpu import CANONICAL_NAN, FLT_MAX, amax, map_spans, satfinite_cast
-from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, gemm_scale as mx_gemm_scale
+from .cpu_blocks import e8m0_factor, e8m0_floor, e8m0_rceil, f32_bits, gemm_scale as mx_gemm_scale, magnitudes
 
 E2M1 = formats.E2M1
 E4M3 = formats.E4M3  # NVFP4's block scales
@@ -195,40 +195,19 @@ def _max_over_positions(v: np.ndarray) -> np.ndarray:
     return _fold(np.ascontiguousarray(m.T).reshape(1, per, a), False).reshape(a, 1)
 
 
-def _magnitudes(t: np.ndarray) -> np.ndarray:
-    """|x| bit patterns (uint32 for fp32, uint16 for bf16/fp16): unsigned order is float order, NaN above inf."""
-    if t.itemsize == 4:
-        return np.bitwise_and(t.view(np.uint32), np.uint32(0x7FFFFFFF))
-    return np.bitwise_and(t.view(np.uint16), np.uint16(0x7FFF))
-
-
-def _f32_bits(m: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Block maxima of |x| patterns (of ``dtype``) as fp32 bits, NaN canonical (0x7FFFFFFF)."""
-    if m.dtype == np.uint32:
-        m[m > _F32_INF] = _F32_NAN
-        return m
-    if dtype == np.float16:
-        out = m.view(np.float16).astype(np.float32).view(np.uint32)
-        out[m > 0x7C00] = _F32_NAN
-        return out
-    out = np.left_shift(m.astype(np.uint32), 16)  # bfloat16
-    out[m > 0x7F80] = _F32_NAN
-    return out
-
-
 def block_amax_bits(t: np.ndarray, b: int, columnwise: bool, tiles: bool) -> np.ndarray:
     """The amax of every block of t [s, K] (x's layout) as fp32 bits, in x's block grid: [s, K/b] (rowwise),
     [s/b, K] (columnwise), or [ceil(s/16), K/16] for 16x16 tiles (the last one partial when s % 16)."""
-    mag = _magnitudes(t)
+    mag = magnitudes(t)
     s, k = t.shape
     if not tiles:
         m = _max_over_positions(_positions(mag, b, columnwise))
-        return _f32_bits(m if columnwise else m.reshape(s, k // b), t.dtype)
+        return f32_bits(m if columnwise else m.reshape(s, k // b), t.dtype)
     whole = s // b * b
     rows = mag[:whole].reshape(whole // b, b, k).max(axis=1)  # a tile's 16 rows: reduced over contiguous rows
     if whole < s:
         rows = np.concatenate([rows, mag[whole:].max(axis=0, keepdims=True)])
-    return _f32_bits(_max_over_positions(_positions(rows, b, False)).reshape(rows.shape[0], k // b), t.dtype)
+    return f32_bits(_max_over_positions(_positions(rows, b, False)).reshape(rows.shape[0], k // b), t.dtype)
 
 
 def _scaled(t: np.ndarray, e: np.ndarray, b: int, columnwise: bool, tiles: bool) -> np.ndarray:
@@ -435,7 +414,7 @@ def _transformed(x: np.ndarray, columnwise: bool) -> tuple[np.ndarray, np.ndarra
                 uint = _UINT[x.itemsize]  # |x'| patterns into the scratch, folded there: the block maxima
                 mag = np.bitwise_and(dst.view(uint), _LOW[x.itemsize],
                                      out=scratch[:src.size].view(uint)[:src.size].reshape(src.shape))
-                top[...] = _f32_bits(_fold(mag, False), x.dtype)
+                top[...] = f32_bits(_fold(mag, False), x.dtype)
 
     map_spans(len(todo), 1, work)
     return out, maxima

@@ -36,7 +36,7 @@ from .._views import Tensor, storage_dtype
 from ..formats import Encoding
 from . import cublaslt
 from .cuda_call import allocate  # noqa: F401 - the core allocates its declared results through it
-from .cuda_call import On, capture_outlives, empty, merge_amax, ptr, stream_of
+from .cuda_call import Launch, On, capture_outlives, empty, merge_amax, ptr, stream_of
 from .cuda_call import launch_stream  # noqa: F401 - the front-ends' name
 
 name = "cuda"
@@ -57,9 +57,7 @@ def device_f32(values: Any, like: Tensor, arg: str | None = None) -> Any:
     """
     with np.errstate(over="ignore"):
         host = np.asarray(values, dtype=np.float32).reshape(-1)
-    device = like.device[1]
-    with On(device):
-        stream = stream_of(like)
+    with Launch(like) as (device, stream):
         if arg is not None and capture_outlives(like, stream):
             # No owner could keep it alive as long as the graph (a cache keyed by value would grow without
             # bound), and the caller can make the array once and keep it: so refuse.
@@ -85,9 +83,7 @@ def _amax_into(x: Tensor, out: Any, device: int, stream: int) -> None:
 
 
 def amax(x: Tensor) -> Any:
-    device = x.device[1]
-    with On(device):
-        stream = stream_of(x)
+    with Launch(x) as (device, stream):
         out = empty((1,), np.float32, x)
         _amax_into(x, out, device, stream)
         return out
@@ -104,8 +100,7 @@ def _quantize(x: Tensor, q: Any, scale: Any, fmt: Encoding, amax_out: Any | None
 
 
 def quantize(x: Tensor, scale: Any, fmt: Encoding, amax_out: Any | None, *, out: Any | None = None) -> Any:
-    with On(x.device[1]):
-        stream = stream_of(x)
+    with Launch(x) as (_, stream):
         q = empty(x.shape, np.uint8, x) if out is None else out
         _quantize(x, q, scale, fmt, amax_out, None, None, 0, False, 0.0, stream)
         return q
@@ -133,10 +128,8 @@ def _dynamic_two_launch(x: Tensor, q: Any, a: Any, s_inv: Any, fmt: Encoding, ma
 
 def quantize_dynamic(x: Tensor, fmt: Encoding, margin: int, power_of_2: bool, epsilon: float,
                      reduce: Callable | None, *, out: tuple = (None, None, None)) -> tuple[Any, Any, Any]:
-    device = x.device[1]
     q_out, s_inv_out, a_out = out
-    with On(device):
-        stream = stream_of(x)
+    with Launch(x) as (device, stream):
         q = empty(x.shape, np.uint8, x) if q_out is None else q_out
         # The cooperative kernel's workspace (below) is also the storage of the amax and scale_inv it returns, so
         # the caller holds it, unless both are given as out=: then, inside a capture that outlives temporaries, it
@@ -207,9 +200,7 @@ def _multi_launch(kernel: Any, device: int, targs: tuple, entries: list[tuple[in
 
 def multi_amax(xs: list[Tensor], out: Any) -> None:
     t0 = xs[0]
-    device = t0.device[1]
-    with On(device):
-        stream = stream_of(t0)
+    with Launch(t0) as (device, stream):
         base = out.data.ptr
         groups: dict[str, list[tuple[int, int, int, int, int]]] = {}
         for i, x in enumerate(xs):
@@ -221,10 +212,8 @@ def multi_amax(xs: list[Tensor], out: Any) -> None:
 def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Encoding],
                    amax_outs: list[Any | None], *, outs: list[Any | None] | None = None) -> list[Any]:
     t0 = xs[0]
-    device = t0.device[1]
     outs = outs if outs is not None else [None] * len(xs)
-    with On(device):
-        stream = stream_of(t0)
+    with Launch(t0) as (device, stream):
         qs = [empty(x.shape, np.uint8, t0) if o is None else o for x, o in zip(xs, outs)]
         groups: dict[tuple[str, int], list[tuple[int, int, int, int, int]]] = {}
         for i, x in enumerate(xs):
@@ -239,9 +228,7 @@ def multi_quantize(xs: list[Tensor], scales: list[Any], fmts: list[Encoding],
 # ---- dequantize, transpose, cast_transpose ----------------------------------------------------------------
 
 def dequantize(q: Tensor, fmt: Encoding, scale_inv: Any, out_dtype: str, *, out: Any | None = None) -> Any:
-    device = q.device[1]
-    with On(device):
-        stream = stream_of(q)
+    with Launch(q) as (device, stream):
         y = empty(q.shape, storage_dtype(out_dtype), q) if out is None else out
         if q.size:
             DEQUANTIZE.launch(device, (fmt.index, out_dtype), q.size, stream, q=q.data.data.ptr, y=y.data.ptr,
@@ -251,9 +238,7 @@ def dequantize(q: Tensor, fmt: Encoding, scale_inv: Any, out_dtype: str, *, out:
 
 def transpose(q: Tensor, *, out: Any | None = None) -> Any:
     rows, cols = q.shape
-    device = q.device[1]
-    with On(device):
-        stream = stream_of(q)
+    with Launch(q) as (device, stream):
         out = empty((cols, rows), np.uint8, q) if out is None else out
         if q.size:
             CAST_TRANSPOSE.launch(device, ("fp8core::Passthrough", 0, False), (rows, cols), stream,
@@ -265,9 +250,7 @@ def transpose(q: Tensor, *, out: Any | None = None) -> Any:
 def cast_transpose(x: Tensor, scale: Any, fmt: Encoding, amax_out: Any | None, *,
                    out: tuple = (None, None)) -> tuple[Any, Any]:
     rows, cols = x.shape
-    device = x.device[1]
-    with On(device):
-        stream = stream_of(x)
+    with Launch(x) as (device, stream):
         q = empty((rows, cols), np.uint8, x) if out[0] is None else out[0]
         qt = empty((cols, rows), np.uint8, x) if out[1] is None else out[1]
         if x.size:
@@ -339,8 +322,7 @@ def step_counter(step: int, like: Any) -> Any:
     like: the state's buffer as a Tensor (a torch buffer's counter then comes from torch, so it can be made inside
     torch.cuda.graph's capture), or a CuPy array. The caller keeps the counter as long as the state."""
     t = _array_tensor(like)
-    with On(t.device[1]):
-        stream = stream_of(t)
+    with Launch(t) as (_, stream):
         if _runtime.streamIsCapturing(stream):
             # The fills below would become graph nodes (torch's capture or CuPy's alike): every replay would reset
             # the counter and the interval would never advance. Asked only when a counter is made (rarely).

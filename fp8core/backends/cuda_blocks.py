@@ -20,7 +20,7 @@ from ..formats import E8M0, Encoding
 from ..layouts import Layout
 from .cpu_blocks import cdiv, inv_fp8_max
 from .cuda_call import allocate  # noqa: F401 - the core allocates the quantizers' results through it
-from .cuda_call import On, capture_outlives, cupy, empty, ptr, stream_of
+from .cuda_call import Launch, On, capture_outlives, cupy, empty, ptr, stream_of
 
 
 # ---- MXFP8 ------------------------------------------------------------------------------------------------
@@ -28,9 +28,7 @@ from .cuda_call import On, capture_outlives, cupy, empty, ptr, stream_of
 def _mx_launch(x: Tensor, fmt: Encoding, mode: str, q: Any, s: Any, qc: Any, sc: Any) -> tuple[Any, ...]:
     """Writes the rowwise (q, s) and/or the columnwise (qc, sc) outputs given (None: not made)."""
     rows, cols = x.shape
-    device = x.device[1]
-    with On(device):
-        stream = stream_of(x)
+    with Launch(x) as (device, stream):
         if x.size:
             MX_QUANTIZE.launch(device, (x.dtype, fmt.index, mode == "rceil"), (rows, cols), stream,
                                x=x.data.data.ptr, q=ptr(q), s=ptr(s), qc=ptr(qc), sc=ptr(sc), rows=rows, cols=cols,
@@ -54,9 +52,7 @@ def quantize_mxfp8_both(x: Tensor, fmt: Encoding, scale_mode: str, out: tuple[An
 def dequantize_blocks(q: Tensor, scale: Tensor, fmt: Encoding, layout: Layout, out_dtype: str) -> Any:
     rows, cols = q.shape
     br, bc = layout.block_for(rows, cols)
-    device = q.device[1]
-    with On(device):
-        stream = stream_of(q)
+    with Launch(q) as (device, stream):
         y = empty((rows, cols), storage_dtype(out_dtype), q)
         if q.size:
             BLOCK_DEQUANTIZE.launch(device, (fmt.index, out_dtype, layout.scale is E8M0), q.size, stream,
@@ -70,10 +66,8 @@ def dequantize_blocks(q: Tensor, scale: Tensor, fmt: Encoding, layout: Layout, o
 def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: bool, epsilon: float,
                        out: tuple[Any, Any]) -> tuple[Any, Any]:
     rows, cols = x.shape
-    device = x.device[1]
     q, s_inv = out
-    with On(device):
-        stream = stream_of(x)
+    with Launch(x) as (device, stream):
         if not x.size and s_inv.size:  # rows (columns) of no elements: amax 0, scale 1
             with cupy.cuda.ExternalStream(stream, device):
                 s_inv.fill(1.0)
@@ -93,10 +87,8 @@ def quantize_blockwise(x: Tensor, fmt: Encoding, layout: Layout, power_of_2: boo
 
 def transpose_scale(scale: Tensor) -> Any:
     """A block-scale array [a, b] as a contiguous [b, a] on the caller's stream, values unchanged."""
-    device = scale.device[1]
     rows, cols = scale.shape
-    with On(device):
-        stream = stream_of(scale)
+    with Launch(scale) as (device, stream):
         out = empty((cols, rows), scale.data.dtype, scale)
         if out.size:
             with cupy.cuda.ExternalStream(stream, device):

@@ -54,6 +54,25 @@ class On:
             _runtime.setDevice(self.previous)
 
 
+class Launch(On):
+    """The device guard of a call on ``t``: ``with Launch(t) as (device, stream):`` t's device current inside,
+    ``stream`` the raw handle of the stream it launches on (:func:`stream_of`, read inside the guard)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: Tensor) -> None:
+        self.device, self.tensor = t.device[1], t
+
+    def __enter__(self) -> tuple[int, int]:  # type: ignore[override]
+        self.previous = _runtime.getDevice()  # On's, written out: no frame more on every launch
+        _runtime.setDevice(self.device)
+        try:
+            return self.device, stream_of(self.tensor)
+        except BaseException:  # no __exit__ follows a failed __enter__: the caller's device back here
+            self.__exit__()
+            raise
+
+
 def stream_of(t: Tensor) -> int:
     """The raw handle of the stream this call launches on (read once per call, inside the device guard)."""
     override = _stream_override.get()

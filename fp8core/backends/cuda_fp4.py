@@ -22,7 +22,7 @@ from .._views import Tensor, storage_dtype
 from . import cublaslt
 from .cpu_fp4 import MXFP4_BLOCK, NVFP4_BLOCK
 from .cuda_blocks import mx_swizzled_size
-from .cuda_call import On, capture_outlives, empty, ptr, stream_of
+from .cuda_call import Launch, capture_outlives, empty, ptr
 
 try:
     from cupy_backends.cuda.api import runtime as _runtime
@@ -46,9 +46,7 @@ def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool,
     here."""
     rows, cols = x.shape
     r_op, c_op = _operand_shape(x, columnwise)
-    device = x.device[1]
-    with On(device):
-        stream = stream_of(x)
+    with Launch(x) as (device, stream):
         data = empty((r_op, c_op // 2), np.uint8, x)
         scale = empty((-(-r_op // NVFP4_BLOCK) if weight_2d else r_op, c_op // NVFP4_BLOCK), np.uint8, x)
         g = empty((1,), np.float32, x)
@@ -74,9 +72,7 @@ def quantize_mxfp4(x: Tensor, mode: str, columnwise: bool) -> tuple[Any, Any]:
     "floor"."""
     rows, cols = x.shape
     r_op, c_op = _operand_shape(x, columnwise)
-    device = x.device[1]
-    with On(device):
-        stream = stream_of(x)
+    with Launch(x) as (device, stream):
         data = empty((r_op, c_op // 2), np.uint8, x)
         scale = empty((r_op, c_op // MXFP4_BLOCK), np.uint8, x)
         if x.size:
@@ -88,10 +84,8 @@ def quantize_mxfp4(x: Tensor, mode: str, columnwise: bool) -> tuple[Any, Any]:
 
 def _dequantize(data: Tensor, scale: Tensor, global_amax: Any | None, out_dtype: str) -> Any:
     rows, cols = data.shape[0], 2 * data.shape[1]
-    device = data.device[1]
     nvfp4 = global_amax is not None
-    with On(device):
-        stream = stream_of(data)
+    with Launch(data) as (device, stream):
         y = empty((rows, cols), storage_dtype(out_dtype), data)
         if y.size:
             FP4_DEQUANTIZE.launch(device, (out_dtype, nvfp4), data.size, stream, data=data.data.data.ptr,
@@ -115,9 +109,7 @@ def gemm_scale(scale: Tensor, rows: int) -> Any:
     """An FP4 operand's scale bytes ([rows or 16-row tiles, K-blocks]) in cuBLASLt's 128x4 tiles, flat uint8 on
     the scale's device: 16x16 tiles expanded to their rows as they are laid out."""
     tiles, kgroups = scale.shape
-    device = scale.device[1]
-    with On(device):
-        stream = stream_of(scale)
+    with Launch(scale) as (device, stream):
         out = empty((mx_swizzled_size(rows, kgroups),), np.uint8, scale)
         if out.size:
             MX_SCALE_SWIZZLE.launch(device, (), out.size, stream, s=scale.data.data.ptr, out=out.data.ptr, rows=rows,
@@ -128,9 +120,7 @@ def gemm_scale(scale: Tensor, rows: int) -> Any:
 def gemm_alpha(amax_a: Tensor, amax_b: Tensor) -> Any:
     """float32 [2] on the amaxes' device: (alpha, beta) = (S_dec_a *rn S_dec_b, 0) from the two global amaxes
     (float32, 1 element each), as cuBLASLt's device pointer mode reads them; computed there, no host sync."""
-    device = amax_a.device[1]
-    with On(device):
-        stream = stream_of(amax_a)
+    with Launch(amax_a) as (device, stream):
         out = empty((2,), np.float32, amax_a)
         NVFP4_GEMM_ALPHA.launch(device, (), 1, stream, amax_a=amax_a.data.data.ptr, amax_b=amax_b.data.data.ptr,
                                 alpha_beta=out.data.ptr)
@@ -143,10 +133,8 @@ def gemm(spec: Any, a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     b [N, K/2] E2M1 packed (TN, blocks along K), their scales as quantized ([rows or 16-row tiles, K/block]);
     global_amaxes: NVFP4's two (alpha computed on the device) or None (MXFP4). The device is checked before any
     launch; the scale layouts and alpha are temporaries of the caller's allocator, so a CuPy capture is refused."""
-    device = a.device[1]
-    cublaslt.check_fp4_device(device)
-    with On(device):
-        stream = stream_of(a)
+    cublaslt.check_fp4_device(a.device[1])
+    with Launch(a) as (_, stream):
         if capture_outlives(a, stream):
             raise ValueError("a, b: an FP4 GEMM lays its block scales out for cuBLASLt (and computes NVFP4's alpha) "
                              "in device temporaries that a graph captured with CuPy would read after they are freed; "

@@ -202,41 +202,19 @@ def _dequantize_blocks(t: Target, r: Recorder, quick: bool, rng: np.random.Gener
                     r.equal(name, ref, got, codes)
 
 
-@check("block scaling: 1x128 and 128x128 blocks with fp32 scales", covers=("blocks.quantize_blockwise",))
-def _blockwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
-    from fp8core import blocks
-
+def _fp32_scaled(t: Target, r: Recorder, quick: bool, rng: np.random.Generator, quantize: Any, layouts: Any,
+                 options: tuple[tuple[bool, float], ...]) -> None:
+    """quantize(x, fmt, layout_arg, power_of_2, epsilon) for each (layout_arg, layout) of ``layouts``: the
+    reference against the oracle and the target against the reference."""
     for label, x in _block_inputs(rng, quick):
         for offset in (0, 1):
             xd = t.put(x, offset)
-            for block in (fp8core.Layout.BLOCK_1X128, fp8core.Layout.BLOCK_128X128):
+            for arg, layout in layouts:
                 for fmt in FORMATS:
-                    for pow2, eps in ((True, 0.0), (False, 0.0), (False, 1e-30)):
-                        name = f"{label} +{offset} {block} {fmt.name} pow2 {pow2} eps {eps:g}"
-                        with t.ref():
-                            ref = blocks.quantize_blockwise(x, fmt, block=block, power_of_2=pow2, epsilon=eps)
-                        if offset == 0 and x.size <= _oracle_max(quick):
-                            rule = lambda amax: _oracle.scale_rule(amax, fmt.max, 0, pow2, eps)[1::-1]  # noqa: E731
-                            q_or, s_or = block_oracle(x, fmt, block, rule)
-                            r.equal(f"{name} vs oracle (data)", q_or, ref.data, x)
-                            r.equal(f"{name} vs oracle (scale_inv)", s_or, ref.scale_inv)
-                        with t.dut():
-                            got = blocks.quantize_blockwise(xd, fmt, block=block, power_of_2=pow2, epsilon=eps)
-                        r.equal(f"{name} (data)", ref.data, got.data, x)
-                        r.equal(f"{name} (scale_inv)", ref.scale_inv, got.scale_inv)
-
-
-@check("rowwise scaling: one fp32 scale per row and per column", covers=("blocks.quantize_blockwise",))
-def _rowwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
-    for label, x in _block_inputs(rng, quick):
-        for offset in (0, 1):
-            xd = t.put(x, offset)
-            for axis, layout in ((-1, fp8core.Layout.ROWWISE), (0, fp8core.Layout.COLUMNWISE)):
-                for fmt in FORMATS:
-                    for pow2, eps in ((True, 0.0), (False, 1e-30)):
+                    for pow2, eps in options:
                         name = f"{label} +{offset} {layout} {fmt.name} pow2 {pow2} eps {eps:g}"
                         with t.ref():
-                            ref = fp8core.quantize_rowwise(x, fmt, axis=axis, power_of_2=pow2, epsilon=eps)
+                            ref = quantize(x, fmt, arg, pow2, eps)
                         if offset == 0 and x.size <= _oracle_max(quick):
                             rule = lambda amax: _oracle.scale_rule(amax, fmt.max, 0, pow2, eps)[1::-1]  # noqa: E731
                             q_or, s_or = block_oracle(x, fmt, layout, rule)
@@ -245,9 +223,26 @@ def _rowwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> N
                             r.equal(f"{name} vs oracle (data)", q_or, ref.data, x)
                             r.equal(f"{name} vs oracle (scale_inv)", s_or, ref.scale_inv)
                         with t.dut():
-                            got = fp8core.quantize_rowwise(xd, fmt, axis=axis, power_of_2=pow2, epsilon=eps)
+                            got = quantize(xd, fmt, arg, pow2, eps)
                         r.equal(f"{name} (data)", ref.data, got.data, x)
                         r.equal(f"{name} (scale_inv)", ref.scale_inv, got.scale_inv)
+
+
+@check("block scaling: 1x128 and 128x128 blocks with fp32 scales", covers=("blocks.quantize_blockwise",))
+def _blockwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
+    from fp8core import blocks
+
+    _fp32_scaled(t, r, quick, rng, lambda x, fmt, block, pow2, eps: blocks.quantize_blockwise(
+        x, fmt, block=block, power_of_2=pow2, epsilon=eps),
+        [(b, b) for b in (fp8core.Layout.BLOCK_1X128, fp8core.Layout.BLOCK_128X128)],
+        ((True, 0.0), (False, 0.0), (False, 1e-30)))
+
+
+@check("rowwise scaling: one fp32 scale per row and per column", covers=("blocks.quantize_blockwise",))
+def _rowwise(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> None:
+    _fp32_scaled(t, r, quick, rng, lambda x, fmt, axis, pow2, eps: fp8core.quantize_rowwise(
+        x, fmt, axis=axis, power_of_2=pow2, epsilon=eps),
+        ((-1, fp8core.Layout.ROWWISE), (0, fp8core.Layout.COLUMNWISE)), ((True, 0.0), (False, 1e-30)))
 
 
 @check("block scaling: transpose_blocks (MXFP8 both ways, 128x128 tiles)",

@@ -51,6 +51,22 @@ def _equal_parts(r: Recorder, name: str, ref: tuple, got: tuple, x: np.ndarray) 
         r.equal(f"{name} ({part})", a, b, x if part == "data" else None)
 
 
+def _equal_quantized(t: Target, r: Recorder, name: str, quantize: Any, dequantize: Any, x: np.ndarray,
+                     offset: int) -> None:
+    """quantize(x) on the target against the reference by parts, then dequantize of each to every output dtype."""
+    with t.ref():
+        ref = quantize(x)
+    with t.dut():
+        got = quantize(t.put(x, offset))
+    _equal_parts(r, name, ref, got, x)
+    for out in ("float32", "bfloat16", "float16"):
+        with t.ref():
+            y_ref = dequantize(ref, out)
+        with t.dut():
+            y = dequantize(got, out)
+        r.equal(f"{name} dequantized to {out}", y_ref, y)
+
+
 @check("fp4: NVFP4 quantize (rowwise, columnwise, 16x16 tiles, Hadamard, stochastic by value and from memory) and "
        "dequantize",
        covers=("fp4.quantize_nvfp4", "fp4.dequantize_nvfp4"))
@@ -65,17 +81,8 @@ def _nvfp4(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> Non
             for columnwise in (False, True) if x.shape[0] % 16 == 0 else (False,):
                 offset = 0 if columnwise else 1  # +1: a misaligned view takes the rowwise element-wise loads
                 name = f"{label} {opts} {'columnwise' if columnwise else 'rowwise'} +{offset}"
-                with t.ref():
-                    ref = fp4.quantize_nvfp4(x, columnwise=columnwise, **opts)
-                with t.dut():
-                    got = fp4.quantize_nvfp4(t.put(x, offset), columnwise=columnwise, **opts)
-                _equal_parts(r, name, ref, got, x)
-                for out in ("float32", "bfloat16", "float16"):
-                    with t.ref():
-                        y_ref = fp4.dequantize_nvfp4(ref, out)
-                    with t.dut():
-                        y = fp4.dequantize_nvfp4(got, out)
-                    r.equal(f"{name} dequantized to {out}", y_ref, y)
+                _equal_quantized(t, r, name, lambda v: fp4.quantize_nvfp4(v, columnwise=columnwise, **opts),
+                                 fp4.dequantize_nvfp4, x, offset)
         with t.ref():
             ref = fp4.quantize_nvfp4(x, hadamard=True, rounding="stochastic", seed=RNG_SEED, offset=RNG_OFFSET + 1)
         for state in RNG_STATES:
@@ -101,17 +108,8 @@ def _mxfp4(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> Non
             for columnwise in (False, True) if x.shape[0] % 32 == 0 else (False,):
                 offset = 0 if columnwise else 1
                 name = f"{label} {mode} {'columnwise' if columnwise else 'rowwise'} +{offset}"
-                with t.ref():
-                    ref = fp4.quantize_mxfp4(x, rounding=mode, columnwise=columnwise)
-                with t.dut():
-                    got = fp4.quantize_mxfp4(t.put(x, offset), rounding=mode, columnwise=columnwise)
-                _equal_parts(r, name, ref, got, x)
-                for out in ("float32", "bfloat16", "float16"):
-                    with t.ref():
-                        y_ref = fp4.dequantize_mxfp4(ref, out)
-                    with t.dut():
-                        y = fp4.dequantize_mxfp4(got, out)
-                    r.equal(f"{name} dequantized to {out}", y_ref, y)
+                _equal_quantized(t, r, name, lambda v: fp4.quantize_mxfp4(v, rounding=mode, columnwise=columnwise),
+                                 fp4.dequantize_mxfp4, x, offset)
 
 
 @check("fp4: Philox4x32-10's known answer (stochastic rounding's random bytes)")

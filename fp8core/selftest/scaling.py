@@ -47,23 +47,22 @@ def _dynamic(t: Target, r: Recorder, quick: bool, rng: np.random.Generator) -> N
                 x[:] = 0
             else:
                 x[7] = fill
-            with t.ref():
-                ref = fp8core.quantize_dynamic(x, Format.E4M3)
-            with t.dut():
-                got = fp8core.quantize_dynamic(t.put(x), Format.E4M3)
-            for part, e, g in zip(("q", "scale_inv", "amax"), ref, got):
-                r.equal(f"{name_of(dtype)} with {fill} ({part})", e, g)
+            _dynamic_parts(t, r, f"{name_of(dtype)} with {fill}", x, Format.E4M3)
 
         def double(a: Any) -> None:
             a *= 2
 
         x = sample(rng, (4099,), dtype, specials=False)
-        with t.ref():
-            ref = fp8core.quantize_dynamic(x, Format.E5M2, margin=1, reduce=double)
-        with t.dut():
-            got = fp8core.quantize_dynamic(t.put(x), Format.E5M2, margin=1, reduce=double)
-        for part, e, g in zip(("q", "scale_inv", "amax"), ref, got):
-            r.equal(f"{name_of(dtype)} with reduce ({part})", e, g)
+        _dynamic_parts(t, r, f"{name_of(dtype)} with reduce", x, Format.E5M2, margin=1, reduce=double)
+
+
+def _dynamic_parts(t: Target, r: Recorder, label: str, x: np.ndarray, fmt: Format, **kw: Any) -> None:
+    with t.ref():
+        ref = fp8core.quantize_dynamic(x, fmt, **kw)
+    with t.dut():
+        got = fp8core.quantize_dynamic(t.put(x), fmt, **kw)
+    for part, e, g in zip(("q", "scale_inv", "amax"), ref, got):
+        r.equal(f"{label} ({part})", e, g)
 
 
 _AMAX_VALUES = np.array([0.0, -0.0, 1e-45, 1e-40, 2.0 ** -126, 1e-6, 0.5, 1.0, 3.0, 448.0, 57344.0, 1e30, 3e38,

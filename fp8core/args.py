@@ -318,11 +318,32 @@ def new_f32(values: Any, like: Tensor, arg: str | None = None) -> Any:
 # ---- arrays -----------------------------------------------------------------------------------------------
 
 def contiguous(t: Tensor, arg: str) -> Tensor:
+    """t, whose array is row-major and starts at an address aligned to its elements (every array argument and
+    out= slot of the primitives passes here). A GPU's 2-, 4- and 8-byte loads and stores fault at any other
+    address, so a view at an odd byte offset is refused by name before a launch; on the CPU too, where NumPy
+    would cope: one rule and one error on both backends."""
     data = t.data
-    if not data.flags.c_contiguous and data.size > 1:
+    if type(data) is np.ndarray:
+        flags = data.flags  # one flags object for both tests: NumPy makes a new one at each access
+        if flags.c_contiguous and flags.aligned:
+            return t
+        row_major, aligned = flags.c_contiguous, flags.aligned
+    else:  # CuPy (its flags know no alignment); dtype.alignment is NumPy's rule for the same dtype
+        row_major, aligned = data.flags.c_contiguous, not data.data.ptr % data.dtype.alignment
+    if not row_major and data.size > 1:
         raise ValueError(f"{arg}: expected a contiguous (row-major) array, got strides {data.strides} for "
                          f"shape {data.shape}; make it contiguous first")
+    if not aligned and data.size:
+        _misaligned(data, t.dtype, arg)
     return t
+
+
+def _misaligned(data: Any, dtype: str, arg: str) -> None:
+    size = data.dtype.alignment
+    where = (data.__array_interface__["data"][0] if isinstance(data, np.ndarray) else data.data.ptr) % size
+    raise ValueError(f"{arg}: its data pointer must be aligned to its {size}-byte {dtype} elements (a GPU's loads "
+                     f"fault otherwise; refused on every backend), got an address {where} byte"
+                     f"{'s' if where > 1 else ''} past a {size}-byte boundary; pass a fresh copy")
 
 
 def same_device(t: Tensor, x: Tensor, arg: str, xarg: str = "x") -> None:
@@ -395,7 +416,7 @@ def scalar(obj: Any, x: Tensor, arg: str, xarg: str = "x") -> Any:
         if (_F32_MIN_NORMAL <= abs(obj) <= F32_EPSILON_MAX or obj == 0) and x.device[0] == "cpu":
             return np.array([obj], np.float32)
         return new_f32([real(obj, arg)], x, arg)
-    if tp is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu":
+    if tp is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu" and obj.flags.aligned:
         return obj if obj.ndim == 1 else obj.reshape(-1)  # a native fp32 element: nothing the checks would refuse
     data = f32_vector(obj, x, arg, xarg).data
     if data.size != 1:
@@ -431,9 +452,10 @@ def amax_slot(obj: Any, x: Tensor) -> Any:
     """``amax_out=`` of a quantize: None, or 1 writable float32 element on x's device."""
     if obj is None:
         return None
-    if type(obj) is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu" \
-            and obj.flags.writeable:
-        return obj if obj.ndim == 1 else obj.reshape(-1)  # nothing the checks would refuse
+    if type(obj) is np.ndarray and obj.dtype is _F32 and obj.size == 1 and x.device[0] == "cpu":
+        flags = obj.flags
+        if flags.writeable and flags.aligned:
+            return obj if obj.ndim == 1 else obj.reshape(-1)  # nothing the checks would refuse
     return f32_slots(obj, x, "amax_out", hint=" (JAX arrays are immutable: fp8core.jax returns amax instead)")
 
 

@@ -2,6 +2,7 @@
 name, before anything is written. The same table runs on each backend ("cuda" rows need a GPU: torch CUDA
 tensors there; cases about host memory, like NumPy's byte order, hold on both since the check comes first)."""
 
+import importlib
 import math
 
 import ml_dtypes
@@ -187,3 +188,101 @@ def test_scalar_rules_pass_valid_values_through():
     assert args.fmt("E5M2") is fp8core.Format.E5M2 and args.fmt(torch.float8_e4m3fn) is fp8core.Format.E4M3
     assert args.block((128, 128)) is fp8core.Layout.BLOCK_128X128 and args.scale_mode("floor") == "floor"
     assert args.cdiv(0, 32) == 0 and args.cdiv(33, 32) == 2
+
+
+# ---- arrays not aligned to their own elements ------------------------------------------------------------------
+
+def misaligned(values, dtype, by=1):
+    """``values`` as a NumPy array of ``dtype`` whose data starts ``by`` bytes past a multiple of its element size
+    (an ndarray over a byte buffer, as a file's map or a packed record gives): NumPy reads it, a GPU would fault."""
+    a = np.asarray(values, dtype)
+    buf = np.zeros(a.nbytes + 2 * a.itemsize, np.uint8)
+    start = (by - buf.ctypes.data) % a.itemsize
+    out = np.ndarray(a.shape, a.dtype, buf, offset=start)
+    out[...] = a
+    assert out.ctypes.data % a.itemsize == by and not out.flags.aligned
+    return out
+
+
+BF16, E4 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
+X = np.linspace(-3, 3, 64, dtype=F32).reshape(2, 32)
+# (id, call, argument, its element size, its dtype's name, bytes past the boundary): every kind of array argument
+MISALIGNED = [
+    ("amax x bf16", lambda: fp8core.amax(misaligned(X, BF16)), "x", 2, "bfloat16", 1),
+    ("quantize x f32", lambda: fp8core.quantize(misaligned(X, F32, 2), 1.0), "x", 4, "float32", 2),
+    ("quantize x f16", lambda: fp8core.quantize(misaligned(X, np.float16), 1.0, "e5m2"), "x", 2, "float16", 1),
+    ("quantize scale", lambda: fp8core.quantize(X, misaligned([2.0], F32, 3)), "scale", 4, "float32", 3),
+    ("quantize amax_out", lambda: fp8core.quantize(X, 1.0, amax_out=misaligned([0.0], F32)), "amax_out", 4,
+     "float32", 1),
+    ("quantize_dynamic x", lambda: fp8core.quantize_dynamic(misaligned(X, BF16)), "x", 2, "bfloat16", 1),
+    ("quantize_dynamic out[1]", lambda: fp8core.quantize_dynamic(X, out=(None, misaligned([0.0], F32), None)),
+     "out[1]", 4, "float32", 1),
+    ("dequantize scale_inv", lambda: fp8core.dequantize(X.astype(E4), misaligned([1.0], F32, 2)), "scale_inv", 4,
+     "float32", 2),
+    ("dequantize out", lambda: fp8core.dequantize(X.astype(E4), 1.0, "bfloat16", out=misaligned(X, BF16)), "out", 2,
+     "bfloat16", 1),
+    ("cast_transpose x", lambda: fp8core.cast_transpose(misaligned(X, F32, 1), 1.0), "x", 4, "float32", 1),
+    ("compute_scale amax", lambda: fp8core.compute_scale(misaligned([3.0], F32), "e4m3"), "amax", 4, "float32", 1),
+    ("multi_amax xs[1]", lambda: fp8core.multi_amax([X, misaligned(X, BF16)]), "xs[1]", 2, "bfloat16", 1),
+    ("quantize_mxfp8 x", lambda: fp8core.quantize_mxfp8(misaligned(X, BF16)), "x", 2, "bfloat16", 1),
+    ("quantize_blockwise x", lambda: fp8core.quantize_blockwise(misaligned(X, F32, 2)), "x", 4, "float32", 2),
+    ("quantize_rowwise x", lambda: fp8core.quantize_rowwise(misaligned(X, np.float16)), "x", 2, "float16", 1),
+    ("dequantize_blockwise scale_inv", lambda: fp8core.dequantize_blockwise(fp8core.BlockScaledTensor(
+        X.astype(E4), misaligned([[1.0]] * 2, F32))), "t.scale_inv", 4, "float32", 1),
+    ("quantize_nvfp4 x", lambda: fp8core.quantize_nvfp4(misaligned(X, BF16)), "x", 2, "bfloat16", 1),
+    ("quantize_nvfp4 rng_state", lambda: fp8core.quantize_nvfp4(X, rounding="stochastic", rng_state=misaligned(
+        [5, 6], np.int64, 4)), "rng_state", 8, "int64", 4),
+    ("quantize_mxfp4 x", lambda: fp8core.quantize_mxfp4(misaligned(X, F32, 3)), "x", 4, "float32", 3),
+    ("dequantize_nvfp4 global_amax", lambda: fp8core.dequantize_nvfp4(fp8core.NVFP4Tensor(
+        np.zeros((2, 16), np.uint8), np.ones((2, 2), E4), misaligned([6.0], F32))), "t.global_amax", 4, "float32", 1),
+    ("gemm bias", lambda: fp8core.gemm(np.ones((16, 32), E4), np.ones((16, 32), E4), 1.0, 1.0,
+                                       bias=misaligned(np.ones(16), BF16)), "bias", 2, "bfloat16", 1),
+    ("update history", lambda: fp8core.scaling.update_in_place(misaligned(np.ones((2, 2)), F32), np.ones(2, F32),
+                                                                np.ones(2, F32), np.full(2, 448, F32),
+                                                                np.zeros(2, bool), 0, "max", False, 0.0, True),
+     "history", 4, "float32", 1),
+]
+
+
+@pytest.mark.parametrize("case,call,arg,size,dtype,by", MISALIGNED, ids=[c[0] for c in MISALIGNED])
+def test_an_array_not_aligned_to_its_elements_is_refused_by_name(case, call, arg, size, dtype, by):
+    """A GPU's 2-, 4- and 8-byte loads fault on an address that is not a multiple of the element size: such an array
+    is refused by name on the CPU too (one rule, one error: tests/emulation/test_quantize.py has the CUDA path's),
+    naming the argument, its element size and how far past the boundary it starts."""
+    with pytest.raises(ValueError) as info:
+        call()
+    assert str(info.value) == (
+        f"{arg}: its data pointer must be aligned to its {size}-byte {dtype} elements (a GPU's loads fault "
+        f"otherwise; refused on every backend), got an address {by} byte{'s' if by > 1 else ''} past a {size}-byte "
+        "boundary; pass a fresh copy")
+
+
+def test_a_torch_tensor_not_aligned_to_its_elements_is_refused_as_numpys():
+    """torch.frombuffer makes a bf16 CPU tensor at an odd address (torch's own .view(dtype) refuses to); it is
+    refused as the NumPy array over the same bytes is, and a copy of it passes."""
+    raw = bytearray(2 * 64 + 2)
+    t = torch.frombuffer(raw, dtype=torch.bfloat16, offset=1, count=64)
+    assert t.data_ptr() % 2 == 1
+    with pytest.raises(ValueError, match=r"^x: its data pointer must be aligned to its 2-byte bfloat16 elements "
+                                         r".* got an address 1 byte past a 2-byte boundary"):
+        fp8core.quantize(t, 1.0)
+    with pytest.raises(ValueError, match=r"^out: its data pointer .* 4-byte float32 elements"):
+        fp8core.dequantize(torch.zeros(4, dtype=torch.float8_e4m3fn), 1.0, "float32",
+                           out=torch.frombuffer(raw, dtype=torch.float32, offset=2, count=4))
+    importlib.import_module("fp8core.torch")  # registers the custom ops: the same error through them
+    with pytest.raises(ValueError, match=r"^x: its data pointer must be aligned to its 2-byte bfloat16 elements"):
+        torch.ops.fp8core.quantize(t, torch.ones(1), "e4m3")
+    assert torch.equal(fp8core.quantize(t.clone(), 1.0).view(torch.uint8),
+                       fp8core.quantize(t.float(), 1.0).view(torch.uint8))
+
+
+def test_arrays_aligned_to_their_elements_but_not_to_16_bytes_still_pass():
+    """Only the element's own alignment is asked: views 1-7 elements into a buffer quantize as a copy does (the
+    kernels take their scalar paths there), and 1-byte fp8 data is aligned at every address."""
+    base = np.linspace(-5, 5, 80, dtype=F32)
+    for k in range(1, 8):
+        x = base.astype(BF16)[k:k + 64]
+        np.testing.assert_array_equal(fp8core.quantize(x, 2.0).view(np.uint8),
+                                      fp8core.quantize(x.copy(), 2.0).view(np.uint8))
+        q = fp8core.quantize(base, 1.0)[k:k + 64]
+        np.testing.assert_array_equal(fp8core.dequantize(q, 1.0), fp8core.dequantize(q.copy(), 1.0))

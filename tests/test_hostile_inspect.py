@@ -605,3 +605,31 @@ def test_a_safetensors_extent_that_does_not_hold_its_tensor_is_refused(tmp_path)
                 files._mapped_tensor(m, tmp_path / "d", "w", entry, f32, 0, 16)
         del ok
         m.close()
+
+
+def _misaligned_safetensors(path, x: np.ndarray) -> None:
+    """A .safetensors holding one byte (U8 "pad") and then x (BF16) at data offset 1: the format allows any offset,
+    so x lies one byte past a 2-byte boundary of the file's map (safetensors' own writer would order them)."""
+    header = {"pad": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+              "x": {"dtype": "BF16", "shape": list(x.shape), "data_offsets": [1, 1 + x.nbytes]}}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"\x07" + x.tobytes())
+
+
+def test_a_safetensors_tensor_at_an_offset_not_a_multiple_of_its_element_size_is_measured(tmp_path, capsys):
+    """fp8core's primitives refuse an array not aligned to its elements (a GPU would fault on it); inspect reads such
+    a tensor from a file's map as a copy, and its figures are those of the same tensor from an .npy."""
+    pytest.importorskip("safetensors")
+    import ml_dtypes
+
+    x = (np.random.default_rng(3).standard_normal((48, 64)) * 10).astype(ml_dtypes.bfloat16)
+    _misaligned_safetensors(tmp_path / "m.safetensors", x)
+    got = dict(files.iter_tensors(str(tmp_path / "m.safetensors")))
+    assert got["x"].flags.aligned and got["x"].tobytes() == x.tobytes()
+    np.save(tmp_path / "x.npy", x)
+    rows = []
+    for path in (tmp_path / "m.safetensors", tmp_path / "x.npy"):
+        assert cli.main(["inspect", str(path), "--recipes", "all", "--json"]) == 0
+        rows.append(strict(capsys.readouterr().out)["tensors"]["x"])
+    assert rows[0] == rows[1]

@@ -656,6 +656,39 @@ def test_two_recipes_at_most_run_at_once_each_on_half_the_pool(rng, monkeypatch)
     assert json.dumps(strict_json(row["recipes"])) == json.dumps(strict_json({n: measure(x, RECIPES[n]) for n in ALL}))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_of_two_failing_recipes_the_error_is_the_first_asked(tmp_path, capsys, monkeypatch, threads):
+    """`--recipes rowwise,e4m3,nvfp4,mxfp8_rceil` with e4m3 and nvfp4 failing: the threads take nvfp4 (dearest)
+    first, but the error is e4m3's, the first failure in the order asked, as one thread measuring them in that order
+    would raise. On one thread: after nvfp4 fails, mxfp8_rceil (asked after it) is not started, rowwise and e4m3
+    (asked before it) still are."""
+    from fp8core.backends import cpu
+    from fp8core.cli import inspect as module
+
+    monkeypatch.setattr(cpu, "_THREADS", threads)
+    monkeypatch.setattr(cpu, "_pool", None)
+    real, measured = module.measure, []
+
+    def measure(x, recipe, shared=None):
+        measured.append(recipe.name)
+        if recipe.name in ("e4m3", "nvfp4"):
+            raise ValueError(f"{recipe.name} planted failure")
+        return real(x, recipe, shared)
+
+    monkeypatch.setattr(module, "measure", measure)
+    np.save(tmp_path / "x.npy", np.ones((4, 32), np.float32))
+    try:
+        code, out, err = inspect(capsys, tmp_path / "x.npy", "--recipes", "rowwise,e4m3,nvfp4,mxfp8_rceil")
+    finally:
+        if cpu._pool is not None:
+            cpu._pool.shutdown(wait=True)
+    assert code != 0 and out == ""
+    assert "e4m3 planted failure" in err and "nvfp4" not in err, err
+    assert measured[0] == "nvfp4" and "e4m3" in measured
+    if threads == 1:
+        assert measured == ["nvfp4", "rowwise", "e4m3"]
+
+
 def test_an_exact_round_trip_has_a_largest_relative_error_of_plus_zero():
     """Every value representable: every quotient (y - x) / x is -0 (x negative); the figure is 0.0, not -0.0
     (JSON would print the sign), in every recipe whose scales keep these values (NVFP4's global scale does not)."""

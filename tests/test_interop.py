@@ -146,15 +146,20 @@ def test_bad_inputs(case, call, exc, message, monkeypatch):
 
 
 class _FakeCupy:
-    """Stands in for a CuPy view where the machine has no GPU; only shape metadata is ever read."""
+    """Stands in for a CuPy view where the machine has no GPU; only its metadata is ever read (shape, dtype, its
+    address for the alignment check)."""
 
     def __init__(self, view):
         self.shape, self.size = view.shape, int(np.prod(view.shape))
+        self.dtype = np.dtype(view.dtype)
 
         class _Flags:
             c_contiguous = True
 
-        self.flags = _Flags()
+        class _Pointer:
+            ptr = view.ptr
+
+        self.flags, self.data = _Flags(), _Pointer()
 
     def reshape(self, *a):
         return self

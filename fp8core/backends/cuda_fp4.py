@@ -37,6 +37,19 @@ def _operand_shape(x: Tensor, columnwise: bool) -> tuple[int, int]:
     return (cols, rows) if columnwise else (rows, cols)
 
 
+def _codes(shape: tuple[int, int], x: Tensor, kernel: Any) -> Any:
+    """The operand's packed codes, uint8 ``shape``: always this launcher's own allocation (the quantizers take no
+    caller memory for them), because ``kernel`` stores codes by 8- and 16-byte words only (DATA_ALIGNMENT in
+    cuda/fp4_quantize.cu). An allocator that gave a less aligned address is refused before any launch."""
+    data = empty(shape, np.uint8, x)
+    align = kernel.constant("DATA_ALIGNMENT")
+    if data.data.ptr % align:
+        raise RuntimeError(f"data: {x.origin}'s allocator gave an address {data.data.ptr % align} bytes past a "
+                           f"{align}-byte boundary; the FP4 quantizers store their codes by {align}-byte-aligned "
+                           "words")
+    return data
+
+
 def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool, seed: int, offset: int,
                    rng_state: Tensor | None, global_amax: Any | None, columnwise: bool) -> tuple[Any, Any, Any]:
     """x [M, K] -> (data uint8 [R, C/2], scale uint8 (E4M3) [R, C/16] or [ceil(R/16), C/16], global amax float32
@@ -47,7 +60,7 @@ def quantize_nvfp4(x: Tensor, weight_2d: bool, hadamard: bool, stochastic: bool,
     rows, cols = x.shape
     r_op, c_op = _operand_shape(x, columnwise)
     with Launch(x) as (device, stream):
-        data = empty((r_op, c_op // 2), np.uint8, x)
+        data = _codes((r_op, c_op // 2), x, NVFP4_QUANTIZE)
         scale = empty((-(-r_op // NVFP4_BLOCK) if weight_2d else r_op, c_op // NVFP4_BLOCK), np.uint8, x)
         g = empty((1,), np.float32, x)
         args = {"x": x.data.data.ptr, "data": data.data.ptr, "scale": scale.data.ptr, "global_amax": g.data.ptr,
@@ -73,7 +86,7 @@ def quantize_mxfp4(x: Tensor, mode: str, columnwise: bool) -> tuple[Any, Any]:
     rows, cols = x.shape
     r_op, c_op = _operand_shape(x, columnwise)
     with Launch(x) as (device, stream):
-        data = empty((r_op, c_op // 2), np.uint8, x)
+        data = _codes((r_op, c_op // 2), x, MXFP4_QUANTIZE)
         scale = empty((r_op, c_op // MXFP4_BLOCK), np.uint8, x)
         if x.size:
             MXFP4_QUANTIZE.launch(device, (x.dtype, mode == "rceil"), r_op * (c_op // MXFP4_BLOCK), stream,

@@ -202,12 +202,6 @@ def _safetensors_dtype(name: str) -> np.dtype | None:
     return np.dtype(getattr(ml_dtypes, code)).newbyteorder("<")
 
 
-def _mapped_tensor(mapped: mmap.mmap | None, offset: int, dtype: np.dtype, shape: list[int]) -> np.ndarray:
-    """A tensor of ``shape`` at byte ``offset`` of a file's map: a read-only view of it, no copy."""
-    count = math.prod(shape)
-    return (np.frombuffer(mapped, dtype, count, offset) if count else np.empty(0, dtype)).reshape(shape)
-
-
 def _read_safetensors(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
     try:
         import safetensors
@@ -272,15 +266,19 @@ def _torch_reader(safetensors: Any, p: Path, opened: tuple[int, int, int, int]) 
 
 def _mapped_tensor(mapped: mmap.mmap | None, p: Path, name: str, entry: dict, dtype: np.dtype, start: int,
                    length: int) -> np.ndarray:
-    """The tensor ``name`` of the header ``entry`` in a file's map: a read-only view of it, no copy; its extent
-    checked against its shape and dtype and the file's length first."""
+    """The tensor ``name`` of the header ``entry`` in a file's map: a read-only view of it, no copy, unless it lies
+    at an offset that is not a multiple of its element size (the format allows it; fp8core's primitives refuse such
+    an array): then a copy. Its extent is checked against its shape and dtype and the file's length first."""
     shape = [int(d) for d in entry["shape"]]
     begin, end = (int(o) for o in entry["data_offsets"])
     count = math.prod(shape)
     if end - begin != count * dtype.itemsize or begin < 0 or start + end > length:
         raise CliError(f"{p}: tensor {name!r}: its data_offsets [{begin}, {end}] do not hold {entry['dtype']} "
                        f"{shape} within the file's {length - start} bytes of data")
-    return (np.frombuffer(mapped, dtype, count, start + begin) if count else np.empty(0, dtype)).reshape(shape)
+    if not count:
+        return np.empty(shape, dtype)
+    t = np.frombuffer(mapped, dtype, count, start + begin).reshape(shape)
+    return t if t.flags.aligned else t.copy()
 
 
 def _tensors_in(obj: Any, prefix: str, skipped: dict[str, int]) -> Iterator[tuple[str, Any]]:

@@ -324,18 +324,31 @@ def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe],
     held = [data]  # emptied once measured: a pool task cancelled unstarted keeps `one` until a thread drops it
     side = min(SIDE_BY_SIDE, pool_threads())
     each = max(1, pool_threads() // side)
+    # The error raised is the one a run in the order asked would raise: the first failing recipe in that order. The
+    # threads take them dearest first, so a failure is kept rather than raised (an interrupt still stops everything):
+    # the recipes asked before it still run, those asked after it no longer start.
+    failed: list[tuple[int, Exception]] = []  # (position asked, error); list.append is atomic under the GIL
 
-    def one(i: int, _: int) -> tuple[dict, dict | None]:
-        r, x = recipes[order[i]], held[0]
-        with cpu_threads(each):
-            stats = measure(x, r, shared)
-            return stats, block_stats(x, r) if blocks and r.block_scales is not None else None
+    def one(i: int, _: int) -> tuple[dict, dict | None] | None:
+        asked = order[i]
+        if any(k < asked for k, _ in failed):
+            return None
+        r, x = recipes[asked], held[0]
+        try:
+            with cpu_threads(each):
+                stats = measure(x, r, shared)
+                return stats, block_stats(x, r) if blocks and r.block_scales is not None else None
+        except Exception as e:
+            failed.append((asked, e))
+            return None
 
     try:
         with cpu_threads(side):
             got = dict(zip(order, map_spans(len(recipes), 1, one)))
     finally:
         held.clear()
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
     row["recipes"] = {r.name: got[i][0] for i, r in enumerate(recipes)}
     row["winner"] = winner(row["recipes"])
     if blocks:

@@ -22,6 +22,24 @@ def upload(x: np.ndarray, offset: int = 0):
     return Tensor(view, name, ("cuda", device.current()), "cupy") if storage != x.dtype else view
 
 
+def misaligned(x: np.ndarray, by: int, host: bool = False):
+    """x (logical dtype) starting ``by`` bytes past a multiple of its element size (0: aligned), as a view of a byte
+    buffer: on the current emulated device (as :func:`upload` gives it), or in host memory with ``host``. A GPU's
+    loads of its elements would fault."""
+    name = dtype_name(x.dtype)
+    size = x.dtype.itemsize
+    raw = np.zeros(x.nbytes + 2 * size, np.uint8) if host else device.empty(x.nbytes + 2 * size, np.uint8)
+    start = (by - (raw.ctypes.data if host else raw.data.ptr)) % size
+    if host:
+        view = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+        view[...] = x
+        return view
+    storage = storage_dtype(name)
+    view = raw[start:start + x.nbytes].view(storage).reshape(x.shape)
+    view.set(np.ascontiguousarray(x).view(storage))
+    return Tensor(view, name, ("cuda", device.current()), "cupy") if storage != x.dtype else view
+
+
 def bits(a) -> np.ndarray:
     if isinstance(a, Tensor):
         a = a.data

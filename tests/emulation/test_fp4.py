@@ -261,3 +261,54 @@ def test_nvfp4_gemm_alpha(fp4_dev):
             ref = cpu_fp4.gemm_alpha(wrap(a), wrap(b))
             np.testing.assert_array_equal(bits(got), bits(ref), err_msg=f"amaxes {ga!r}, {gb!r}")
     assert bits(ref)[1] == 0  # beta
+
+
+def test_every_quantize_path_packs_its_codes_into_an_aligned_allocation_of_its_own(fp4_dev, rng, monkeypatch):
+    """The FP4 quantizers store codes by 8- and 16-byte words only (cuda/fp4_quantize.cu has no byte stores, its
+    DATA_ALIGNMENT): every public path that launches them takes no caller memory for the codes (no out=) and gives the
+    kernel a data pointer 16-byte aligned, the result's own allocation, whatever x's alignment; an allocator that gave
+    a less aligned address is refused by name before any launch."""
+    import inspect
+
+    for f in (fp8core.quantize_nvfp4, fp8core.quantize_nvfp4_both, fp8core.quantize_mxfp4, fp8core.quantize_mxfp4_both):
+        assert not {"out", "data"} & set(inspect.signature(f).parameters), f.__name__
+    x = _special_blocks(data(rng, (32, 64), np.float32))
+    kernels = (_kernels.NVFP4_QUANTIZE, _kernels.MXFP4_QUANTIZE)
+    launched = []
+    launch = _kernels.Kernel.launch
+
+    def recording(self, device_id, targs, work, stream, /, **kw):
+        if self in kernels:
+            launched.append(kw["data"])
+        return launch(self, device_id, targs, work, stream, **kw)
+
+    monkeypatch.setattr(_kernels.Kernel, "launch", recording)
+    paths = [lambda u, o=o, cw=cw: [fp8core.quantize_nvfp4(u, columnwise=cw, **o)]
+             for o in NVFP4_OPTIONS for cw in (False, True)]
+    paths += [lambda u, o=o: list(fp8core.quantize_nvfp4_both(u, **o)) for o in NVFP4_OPTIONS[:-1]]
+    paths += [lambda u, m=m, cw=cw: [fp8core.quantize_mxfp4(u, rounding=m, columnwise=cw)]
+              for m in ("rceil", "floor") for cw in (False, True)]
+    paths += [lambda u, m=m: list(fp8core.quantize_mxfp4_both(u, rounding=m)) for m in ("rceil", "floor")]
+    for i, path in enumerate(paths):
+        for offset in (0, 1, 3):
+            del launched[:]
+            results = path(upload(x, offset))
+            own = {t.data.data.ptr for t in results}
+            assert launched and all(p % 16 == 0 and p in own for p in launched), (i, offset, launched, own)
+
+    real = cuda_fp4.empty
+
+    def shifted(shape, dtype, like):  # an allocator 8 bytes off a 16-byte boundary for the packed codes
+        if np.dtype(dtype) != np.uint8 or len(shape) != 2:
+            return real(shape, dtype, like)
+        flat = real((int(np.prod(shape)) + 24,), dtype, like)
+        start = (8 - flat.data.ptr % 16) % 16
+        return flat[start:start + int(np.prod(shape))].reshape(shape)
+
+    monkeypatch.setattr(cuda_fp4, "empty", shifted)
+    for quantize in (fp8core.quantize_nvfp4, fp8core.quantize_mxfp4):
+        before = len(device.state.launches)
+        with pytest.raises(RuntimeError, match=r"^data: cupy's allocator gave an address 8 bytes past a 16-byte "
+                                               r"boundary; the FP4 quantizers store their codes by"):
+            quantize(upload(x))
+        assert len(device.state.launches) == before

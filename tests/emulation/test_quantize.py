@@ -125,3 +125,46 @@ def test_compute_scale(dev):
         ref = fp8core.compute_scale(amax, "e4m3", previous=prev, **kw)
         for g, r in zip(got, ref):
             np.testing.assert_array_equal(bits(g), bits(r), err_msg=str(kw))
+
+
+def test_an_array_not_aligned_to_its_elements_is_refused_as_on_the_cpu_before_any_launch(dev, rng):
+    """A device array whose data starts past a multiple of its element size (a view at an odd byte offset) would
+    fault in the kernels' 2-, 4- and 8-byte accesses: every kind of array argument is refused by name, with the
+    CPU backend's own message for the same call on host arrays (tests/test_bad_input.py), before any launch (scales
+    are given as arrays: a Python number becomes a device array by a launch of its own, before the later arguments
+    are read)."""
+    import ml_dtypes
+
+    from arrays import misaligned
+
+    x = data(rng, (4, 64), np.float32, specials=False)
+    bf16, one = x.astype(ml_dtypes.bfloat16), np.ones(1, np.float32)
+    q, f16 = x.astype(ml_dtypes.float8_e4m3fn), data(rng, (4, 64), np.float16, specials=False)
+    cases = [  # (argument, call(m)) with m(array, bytes past the boundary) making the call's arrays
+        ("x", lambda m: fp8core.amax(m(bf16, 1))),
+        ("x", lambda m: fp8core.quantize(m(x, 2), m(one, 0))),
+        ("scale", lambda m: fp8core.quantize(m(x, 0), m(one, 3))),
+        ("amax_out", lambda m: fp8core.quantize(m(x, 0), m(one, 0), amax_out=m(one, 1))),
+        ("x", lambda m: fp8core.quantize_dynamic(m(f16, 1))),
+        ("out", lambda m: fp8core.dequantize(m(q, 0), m(one, 0), "bfloat16", out=m(bf16, 1))),
+        ("scale_inv", lambda m: fp8core.dequantize(m(q, 0), m(one, 2))),
+        ("x", lambda m: fp8core.cast_transpose(m(x, 1), 1.0)),
+        ("xs[1]", lambda m: fp8core.multi_amax([m(x, 0), m(bf16, 1)])),
+        ("x", lambda m: fp8core.quantize_mxfp8(m(bf16, 1))),
+        ("x", lambda m: fp8core.quantize_blockwise(m(x, 2))),
+        ("x", lambda m: fp8core.quantize_nvfp4(m(bf16, 1))),
+        ("rng_state", lambda m: fp8core.quantize_nvfp4(m(x, 0), rounding="stochastic",
+                                                       rng_state=m(np.array([5, 6], np.int64), 4))),
+        ("history", lambda m: fp8core.scaling.update_in_place(
+            m(np.ones((2, 2), np.float32), 1), *(m(np.ones(2, np.float32), 0) for _ in range(2)),
+            m(np.full(2, 448, np.float32), 0), m(np.zeros(2, bool), 0), 0, "max", False, 0.0, True)),
+    ]
+    for arg, call in cases:
+        with pytest.raises(ValueError) as on_cpu:
+            call(lambda a, by: misaligned(a, by, host=True))
+        before = len(device.state.launches)
+        with pytest.raises(ValueError) as on_device:
+            call(misaligned)
+        assert str(on_device.value) == str(on_cpu.value), arg
+        assert str(on_device.value).startswith(f"{arg}: its data pointer must be aligned to its "), arg
+        assert len(device.state.launches) == before, arg

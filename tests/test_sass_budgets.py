@@ -257,3 +257,23 @@ def test_occupancy_from_registers_and_shared_memory():
     assert sass.blocks_per_sm(sm, 256, 64, 0) == 4          # registers: 65536 / (64 x 256)
     assert sass.blocks_per_sm(sm, 256, 33, 0) == 6          # 33 registers allocate as 40 per thread
     assert sass.blocks_per_sm(sm, 256, 32, 100 * 1024) == 2  # shared memory: 228 KiB / (100 + 1) KiB
+
+
+def test_the_fp32_to_f16_pack_and_the_packed_min_count_as_integer_alu():
+    """sm_80's software conversion converts fp32 to f16 (F2FP.PACK_AB, on the integer pipe there) and clamps by a
+    packed min (HMNMX2): both count as integer-ALU ops, as do the bf16 forms; the hardware FP8 conversion's F2FP
+    (its E4M3/E5M2 forms) does not, as before."""
+    sass_text = """
+        /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0010*/                   F2FP.PACK_AB R8, R5, R4 ;
+        /*0020*/                   HMNMX2 R8, R8, 1.75, 1.75, PT ;
+        /*0030*/                   HMNMX2.BF16_V2.NAN R9, R6, R7, !PT ;
+        /*0040*/                   F2FP.BF16.F32.PACK_AB R10, R7, R6 ;
+        /*0050*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R11, R5, R4, RZ ;
+        /*0060*/                   F2FP.SATFINITE.E5M2.F32.PACK_AB_MERGE_C R12, R5, R4, RZ ;
+        /*0070*/                   HFMA2.BF16_V2 R13, -RZ.H0_H0, RZ.H0_H0, |R4| ;
+        /*0080*/                   STG.E.64 desc[UR4][R2.64], R8 ;
+        /*0090*/                   EXIT ;
+    """
+    f = sass.figures(sass_text, {"REG": 16}, {r"LDG\.E\.128.*": 1, r"STG\.E\.64.*": 1}, 2)
+    assert (f.elements, f.instructions, f.int_alu) == (8, 10 / 8, 4 / 8)

@@ -17,10 +17,7 @@ __device__ __forceinline__ u32 raw_bits(const float* p) { return __float_as_uint
 template <typename T>
 __device__ __forceinline__ u32 raw_bits(const T* p) { return p->bits; }
 
-// A word of the elements' own bits with the signs cleared, and its values as fp32 (1 for fp32, 2 for bf16/f16).
-__device__ __forceinline__ u32 word_abs(u32 w, float*) { return w & 0x7fffffffu; }
-template <typename T>
-__device__ __forceinline__ u32 word_abs(u32 w, T*) { return w & 0x7fff7fffu; }
+// A word of the elements' own bits as fp32 values (1 for fp32, 2 for bf16/f16).
 __device__ __forceinline__ void unpack_word(u32 w, float* f, float*) { f[0] = __uint_as_float(w); }
 template <typename T>
 __device__ __forceinline__ void unpack_word(u32 w, float* f, T*) {
@@ -29,6 +26,18 @@ __device__ __forceinline__ void unpack_word(u32 w, float* f, T*) {
   hi.bits = (u16)(w >> 16);
   f[0] = to_f32(lo);
   f[1] = to_f32(hi);
+}
+
+// The codes of the four values in two words of bf16 or f16 bits (values 0, 1 in w0, 2, 3 in w1), value j times
+// factor f[j % 2], value j's code in byte j; by the software conversion (soft_quad_signed), which takes the signs
+// from the words themselves: a factor is positive, or NaN and every code NaN's.
+template <typename T, int FMT, bool MAY_NAN>
+__device__ __forceinline__ u32 soft_quad_words(u32 w0, u32 w1, float f0, float f1) {
+  float x[4];
+  unpack_word(w0, x, (T*)nullptr);
+  unpack_word(w1, x + 2, (T*)nullptr);
+  return soft_quad_signed<FMT, MAY_NAN>(mul_rn(x[0], f0), mul_rn(x[1], f1), mul_rn(x[2], f0), mul_rn(x[3], f1),
+                                        __byte_perm(w0, w1, 0x7531u));
 }
 
 // The staged tile pads each row block (32 elements) with one 16-byte chunk: the 8 threads of a quarter warp (the 8
@@ -64,16 +73,43 @@ __device__ __forceinline__ void store_block(u8* p, const u32* c, int n, bool vec
 }
 
 // RPT rows of one staged word (EW columns, each with its own factor) into codes at crow, rows MX_TILE_C bytes apart.
+// The software conversion takes four values at a time (soft_quad): the words of 4 / EW rows.
 template <typename T, int FMT, bool MAY_NAN, int RPT, int EW>
 __device__ __forceinline__ void columns_to_codes(const u32* v, const float* factor, u8* crow) {
+  if constexpr (HwCvt<FMT>::value) {
 #pragma unroll
-  for (int i = 0; i < RPT; ++i) {
-    float f[EW];
-    unpack_word(v[i], f, (T*)nullptr);
-    if constexpr (EW == 2) {
-      *reinterpret_cast<u16*>(crow + i * MX_TILE_C) = (u16)quant_pair2<FMT, MAY_NAN>(f[0], f[1], factor[0], factor[1]);
-    } else {
-      crow[i * MX_TILE_C] = (u8)(quant_pair<FMT, MAY_NAN>(f[0], 0.f, factor[0]) & 0xffu);
+    for (int i = 0; i < RPT; ++i) {
+      float f[EW];
+      unpack_word(v[i], f, (T*)nullptr);
+      if constexpr (EW == 2) {
+        *reinterpret_cast<u16*>(crow + i * MX_TILE_C) =
+            (u16)quant_pair2<FMT, MAY_NAN>(f[0], f[1], factor[0], factor[1]);
+      } else {
+        crow[i * MX_TILE_C] = (u8)(quant_pair<FMT, MAY_NAN>(f[0], 0.f, factor[0]) & 0xffu);
+      }
+    }
+  } else {
+    constexpr int ROWS = 4 / EW;  // rows of one soft_quad
+    static_assert(RPT % ROWS == 0, "columns_to_codes: whole quads");
+#pragma unroll
+    for (int i = 0; i < RPT; i += ROWS) {
+      u32 c;
+      if constexpr (EW == 2) {
+        c = soft_quad_words<T, FMT, MAY_NAN>(v[i], v[i + 1], factor[0], factor[1]);
+      } else {
+        float a[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[j] = mul_rn(__uint_as_float(v[i + j]), factor[0]);
+        c = soft_quad<FMT, MAY_NAN>(a[0], a[1], a[2], a[3]);
+      }
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        if constexpr (EW == 2) {
+          *reinterpret_cast<u16*>(crow + (i + j) * MX_TILE_C) = (u16)(c >> (16 * j));
+        } else {
+          crow[(i + j) * MX_TILE_C] = (u8)(c >> (8 * j));
+        }
+      }
     }
   }
 }
@@ -133,7 +169,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, MxBlocks<T, FMT>::value) mx_qua
   if (q != nullptr) {
     u32 packed = 0u;
 #pragma unroll
-    for (int k = 0; k < W; ++k) packed = vec_max(packed, word_abs(w[k], (T*)nullptr), (T*)nullptr);
+    for (int k = 0; k < W; ++k) packed = max_abs16x2(packed, w[k], (T*)nullptr);
     const u32 m = nan_canonical(widen_abs_max(packed, (T*)nullptr));
     const u32 e = e8m0<RCEIL>(m, inv_max, emax);
     const float factor = e8m0_quant_factor(e);
@@ -142,7 +178,15 @@ __global__ void __launch_bounds__(BLOCK_THREADS, MxBlocks<T, FMT>::value) mx_qua
 #pragma unroll
       for (int k = 0; k < W; ++k) unpack_word(w[k], f + EW * k, (T*)nullptr);
       u32 c[8];
-      if (e8m0_nan_free(m)) {
+      if constexpr (EW == 2 && !HwCvt<FMT>::value) {
+        if (e8m0_nan_free(m)) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) c[k] = soft_quad_words<T, FMT, false>(w[2 * k], w[2 * k + 1], factor, factor);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) c[k] = soft_quad_words<T, FMT, true>(w[2 * k], w[2 * k + 1], factor, factor);
+        }
+      } else if (e8m0_nan_free(m)) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) c[k] = quant4<FMT, false>(f + 4 * k, factor);
       } else {
@@ -167,12 +211,12 @@ __global__ void __launch_bounds__(BLOCK_THREADS, MxBlocks<T, FMT>::value) mx_qua
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       v[i] = cp[i * Staged<T>::ROW_WORDS];
-      packed = vec_max(packed, word_abs(v[i], (T*)nullptr), (T*)nullptr);
+      packed = max_abs16x2(packed, v[i], (T*)nullptr);
     }
     if constexpr (EW == 2) {
       part[h][wc] = packed;
       __syncthreads();
-      packed = __vmaxu2(part[0][wc], part[1][wc]);
+      packed = vec_max(part[0][wc], part[1][wc], (T*)nullptr);
     }
     u32 m[EW], e[EW];
     float factor[EW];

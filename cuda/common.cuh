@@ -94,6 +94,18 @@ __device__ __forceinline__ float abs_f32(float a) {
   asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
   return r;
 }
+// Two fp32 values to f16 (lo in bits 0-15, hi in 16-31), round-to-nearest-even, subnormals kept; and the min of
+// two such pairs half by half (a NaN operand gives the other), subnormals kept.
+__device__ __forceinline__ u32 f16x2_rn(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ u32 f16x2_min(u32 a, u32 b) {
+  u32 r;
+  asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
 __device__ __forceinline__ double f2d(float x) {
   double r;
   asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x));
@@ -160,6 +172,62 @@ template <int FMT, bool MAY_NAN = true> __device__ __forceinline__ u16 soft_pair
     return (u16)(soft_cvt<FMT, MAY_NAN>(lo) | (soft_cvt<FMT, MAY_NAN>(hi) << 8));
   }
 }
+
+// Four codes, value i in byte i, by way of f16 (E4M3 and E5M2: an encoding with the sign in bit 7 whose every value
+// times 2^(BIAS-15) is an f16 whose bits are the code's magnitude << (10-MB), subnormals included). soft_grid
+// rounds |f| as soft_magnitude does (E clamped, one FMA at E's ulp); z - E is that rounded value times STEP,
+// exactly (a multiple of E's ulp below 2^4 E), and the multiply by 2^(BIAS-15+23-MB) is exact too, so the fp32
+// -> f16 conversion (one instruction for two values, no rounding left to do) and a packed min against the +max's
+// f16 bits, which also takes the values past +max, inf (z - E = inf - inf = NaN; a min with one NaN operand is the
+// other) and f16's overflow to +max, give each code's magnitude as a field of a half: the two halves of the values
+// 0 and 2, shifted down, and of 1 and 3, shifted up, fill the four bytes without a mask. The integer work of an
+// element falls from soft_magnitude's five ops to the exponent's two (the conversion and the min count as integer
+// ops too: on sm_80 the fp32 -> f16 conversion runs on the integer pipe).
+template <int FMT>
+struct F16Grid {
+  static constexpr bool value = Encoding<FMT>::EB + Encoding<FMT>::MB == 7 && Encoding<FMT>::EB <= 5 &&
+                                Encoding<FMT>::BIAS <= 15 && Encoding<FMT>::MB >= 2 && Encoding<FMT>::MB <= 3;
+};
+template <int FMT>
+__device__ __forceinline__ float soft_grid(float f) {  // |f| rounded into the format, times 2^(BIAS-15); f not NaN
+  constexpr int MB = Encoding<FMT>::MB, BIAS = Encoding<FMT>::BIAS;
+  constexpr u32 MIN_E = (u32)(128 - BIAS) << 23;
+  constexpr float STEP = 1.f / (float)(1u << (23 - MB));
+  constexpr float TO_F16 = (float)(1u << (BIAS - 15 + 23 - MB));
+  const float e = __uint_as_float(umax(__float_as_uint(f) & 0x7f800000u, MIN_E));
+  return mul_rn(sub_rn(fma_rn(abs_f32(f), STEP, e), e), TO_F16);
+}
+// signs: bit 7 of byte i is the sign of a_i (the other bits are ignored), from the caller where its values' own
+// words hold them in place (MXFP8's bf16 and f16 pairs: one byte permute for four values), else soft_quad's.
+template <int FMT, bool MAY_NAN = true>
+__device__ __forceinline__ u32 soft_quad_signed(float a0, float a1, float a2, float a3, u32 signs) {
+  if constexpr (F16Grid<FMT>::value) {
+    constexpr int SHIFT = 10 - Encoding<FMT>::MB;
+    constexpr u32 MAX2 = (Encoding<FMT>::MAX_CODE << SHIFT) * 0x10001u;
+    const u32 h02 = f16x2_min(f16x2_rn(soft_grid<FMT>(a0), soft_grid<FMT>(a2)), MAX2);
+    const u32 h13 = f16x2_min(f16x2_rn(soft_grid<FMT>(a1), soft_grid<FMT>(a3)), MAX2);
+    // the two fields' bits do not meet: the sum is their union, one shift-and-add
+    u32 r = ((h13 << (8 - SHIFT)) + (h02 >> SHIFT)) | (signs & 0x80808080u);
+    if (MAY_NAN) {
+      const float a[4] = {a0, a1, a2, a3};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool nan = (__float_as_uint(a[i]) & 0x7fffffffu) > F32_INF;  // is_nan(a[i]), as soft_cvt tests it
+        if (nan) r = (r & ~(0xffu << (8 * i))) | (Encoding<FMT>::NAN_CAST << (8 * i));
+      }
+    }
+    return r;
+  } else {
+    return soft_pair<FMT, MAY_NAN>(a0, a1) | ((u32)soft_pair<FMT, MAY_NAN>(a2, a3) << 16);
+  }
+}
+template <int FMT, bool MAY_NAN = true>
+__device__ __forceinline__ u32 soft_quad(float a0, float a1, float a2, float a3) {
+  const u32 b0 = __float_as_uint(a0), b1 = __float_as_uint(a1), b2 = __float_as_uint(a2), b3 = __float_as_uint(a3);
+  return soft_quad_signed<FMT, MAY_NAN>(a0, a1, a2, a3,
+                                        __byte_perm(__byte_perm(b0, b1, 0x73u), __byte_perm(b2, b3, 0x73u), 0x5410u));
+}
+
 template <int FMT> __device__ __forceinline__ u16 cvt_pair(float lo, float hi) { return soft_pair<FMT>(lo, hi); }
 #if FP8CORE_HW_FP8
 template <> __device__ __forceinline__ u16 cvt_pair<E4M3>(float lo, float hi) {
@@ -226,6 +294,9 @@ __device__ __forceinline__ uint2 quant8_checked(const float* f, float scale, u32
 // Four values into one word of four codes, value i in byte i.
 template <int FMT, bool MAY_NAN>
 __device__ __forceinline__ u32 quant4(const float* f, float scale) {
+  if constexpr (!HwCvt<FMT>::value) {
+    return soft_quad<FMT, MAY_NAN>(mul_rn(f[0], scale), mul_rn(f[1], scale), mul_rn(f[2], scale), mul_rn(f[3], scale));
+  }
   return quant_pair<FMT, MAY_NAN>(f[0], f[1], scale) | (quant_pair<FMT, MAY_NAN>(f[2], f[3], scale) << 16);
 }
 
@@ -386,19 +457,53 @@ __device__ __forceinline__ void load8(const float* p, float* f) {
 // ---- the amax of 16-byte vectors, in the elements' own bits ------------------------------------------------
 // vec_abs_max: the magnitudes of one vector's elements, maxed; vec_max: two such, maxed; widen_abs_max: the result
 // as abs_raw of the fp32 values (NaN payload kept, so nan_canonical applies). fp32: one mask and max per element.
-// bf16 and f16: a mask per two elements and a packed 16-bit max (__vmaxu2): their magnitudes' bits order as their
+// bf16 and f16: a mask per two elements and a packed 16-bit max (max16x2): their magnitudes' bits order as their
 // values, NaN above inf, as fp32's do; the two halves meet once, in widen_abs_max.
 __device__ __forceinline__ u32 vec_abs_max(uint4 a, float*) {
   return umax(umax(a.x & 0x7fffffffu, a.y & 0x7fffffffu), umax(a.z & 0x7fffffffu, a.w & 0x7fffffffu));
 }
 __device__ __forceinline__ u32 vec_max(u32 a, u32 b, float*) { return umax(a, b); }
 __device__ __forceinline__ u32 widen_abs_max(u32 m, float*) { return m; }
+// Before sm_90 there is no 16-bit integer max (__vmaxu2 takes five instructions on sm_80): the packed float max
+// with NaN propagation (one instruction) orders magnitudes as the integer max does and gives the same bits where
+// no half is NaN, and a NaN (0x7FFF, above inf) where one is, which nan_canonical takes as it takes any NaN.
+// max_abs16x2(m, w): m and the magnitudes of w's two values, maxed; there the packed abs (ptxas makes it a packed
+// FMA with |w|, on the FP16 pipe) takes the place of the mask. fp32 (one value a word): umax of the masked bits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+__device__ __forceinline__ u32 max16x2(u32 a, u32 b, bf16*) {
+  u32 r;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ u32 max16x2(u32 a, u32 b, f16*) {
+  u32 r;
+  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ u32 max_abs16x2(u32 m, u32 w, bf16*) {
+  u32 r;
+  asm("{ .reg .b32 t; abs.bf16x2 t, %2; max.NaN.bf16x2 %0, %1, t; }" : "=r"(r) : "r"(m), "r"(w));
+  return r;
+}
+__device__ __forceinline__ u32 max_abs16x2(u32 m, u32 w, f16*) {
+  u32 r;
+  asm("{ .reg .b32 t; abs.f16x2 t, %2; max.NaN.f16x2 %0, %1, t; }" : "=r"(r) : "r"(m), "r"(w));
+  return r;
+}
+#else
+template <typename T>
+__device__ __forceinline__ u32 max16x2(u32 a, u32 b, T*) { return __vmaxu2(a, b); }
+template <typename T>
+__device__ __forceinline__ u32 max_abs16x2(u32 m, u32 w, T*) { return __vmaxu2(m, w & 0x7fff7fffu); }
+#endif
+__device__ __forceinline__ u32 max_abs16x2(u32 m, u32 w, float*) { return umax(m, w & 0x7fffffffu); }
 template <typename T>
 __device__ __forceinline__ u32 vec_abs_max(uint4 a, T*) {
-  return __vmaxu2(__vmaxu2(a.x & 0x7fff7fffu, a.y & 0x7fff7fffu), __vmaxu2(a.z & 0x7fff7fffu, a.w & 0x7fff7fffu));
+  T* const t = nullptr;
+  return max16x2(max16x2(a.x & 0x7fff7fffu, a.y & 0x7fff7fffu, t), max16x2(a.z & 0x7fff7fffu, a.w & 0x7fff7fffu, t), t);
 }
 template <typename T>
-__device__ __forceinline__ u32 vec_max(u32 a, u32 b, T*) { return __vmaxu2(a, b); }
+__device__ __forceinline__ u32 vec_max(u32 a, u32 b, T*) { return max16x2(a, b, (T*)nullptr); }
 __device__ __forceinline__ u32 widen_abs_max(u32 m, bf16*) { return umax(m >> 16, m & 0xffffu) << 16; }
 __device__ __forceinline__ u32 widen_abs_max(u32 m, f16*) {
   f16 h;

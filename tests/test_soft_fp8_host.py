@@ -1,9 +1,10 @@
 """The software fp8 conversion of cuda/common.cuh (the sm_80/86 path), compiled for the host with the system's
 C++ compiler and checked bit for bit against the CPU reference, without a GPU.
 
-soft_cvt and fp8_to_f32 use integer operations, bit casts and one IEEE fused multiply-add (correctly rounded on the
-host as on the GPU), so the same source means the same bits on the host; they are cut out of common.cuh as they
-are, with shims for the CUDA intrinsics and the PTX helpers they call.
+soft_cvt, soft_quad and fp8_to_f32 use integer operations, bit casts, IEEE fp32 arithmetic (correctly rounded on
+the host as on the GPU) and, in soft_quad, the fp32 -> f16 conversion and the f16 min (shims as the PTX ISA defines
+them), so the same source means the same bits on the host; they are cut out of common.cuh as they are, with shims
+for the CUDA intrinsics and the PTX helpers they call.
 """
 
 import shutil
@@ -38,6 +39,25 @@ static inline int __clz(u32 x) { return x ? __builtin_clz(x) : 32; }
 static inline u32 umax(u32 a, u32 b) { return a > b ? a : b; }
 static inline float fma_rn(float a, float b, float c) { return std::fma(a, b, c); }
 static inline float abs_f32(float a) { return __uint_as_float(__float_as_uint(a) & 0x7fffffffu); }
+static inline float mul_rn(float a, float b) { return a * b; }  // ISO C++: not contracted
+static inline float sub_rn(float a, float b) { return a - b; }
+static inline u16 f16_bits(float x) {  // cvt.rn.f16.f32: RNE, subnormals kept; a NaN as the canonical 0x7FFF
+  if (std::isnan(x)) return 0x7fff;
+  const _Float16 h = (_Float16)x;
+  u16 b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+static inline u32 f16x2_rn(float lo, float hi) { return ((u32)f16_bits(hi) << 16) | f16_bits(lo); }
+static inline u16 f16_min(u16 a, u16 b) {  // min.f16x2's half: a NaN operand gives the other
+  const bool na = (a & 0x7fffu) > 0x7c00u, nb = (b & 0x7fffu) > 0x7c00u;
+  if (na || nb) return na && nb ? 0x7fff : na ? b : a;
+  _Float16 x, y;
+  std::memcpy(&x, &a, 2);
+  std::memcpy(&y, &b, 2);
+  return x < y || (x == y && (a & 0x8000u)) ? a : b;
+}
+static inline u32 f16x2_min(u32 a, u32 b) { return ((u32)f16_min(a >> 16, b >> 16) << 16) | f16_min(a, b); }
 static inline u32 __byte_perm(u32 x, u32 y, u32 s) {  // selectors 0-7 only, as soft_pair uses
   const unsigned long long v = ((unsigned long long)y << 32) | x;
   u32 r = 0;
@@ -47,8 +67,8 @@ static inline u32 __byte_perm(u32 x, u32 y, u32 s) {  // selectors 0-7 only, as 
 """
 
 # Per input, one code of each encoding, then each again as the caller that knows the input is no NaN converts
-# (MAY_NAN false), then the pair (x, -x) as soft_pair converts it for such a caller (lo and hi bytes); then every
-# code's value in each encoding.
+# (MAY_NAN false), then the pair (x, -x) as soft_pair converts it for such a caller (lo and hi bytes), then the four
+# codes of soft_quad (x, -x, -x, x), with and without its NaN test; then every code's value in each encoding.
 MAIN = r"""
 int main() {
   std::vector<u32> in;
@@ -67,7 +87,9 @@ int main() {
 """.replace("CODES", ", ".join([f"(u8)soft_cvt<{r.name}>(__uint_as_float(x))" for r in KERNEL_ROWS] + [
     f"(u8)soft_cvt<{r.name}, false>(__uint_as_float(x))" for r in KERNEL_ROWS] + [
     f"(u8)(soft_pair<{r.name}, false>(__uint_as_float(x), -__uint_as_float(x)) >> {8 * h})"
-    for r in KERNEL_ROWS for h in (0, 1)])).replace(
+    for r in KERNEL_ROWS for h in (0, 1)] + [
+    f"(u8)(soft_quad<{r.name}, {nan}>(__uint_as_float(x), -__uint_as_float(x), -__uint_as_float(x), "
+    f"__uint_as_float(x)) >> {8 * h})" for r in KERNEL_ROWS for nan in ("true", "false") for h in range(4)])).replace(
     "VALUES", ", ".join(f"fp8_to_f32<{r.name}>(c)" for r in KERNEL_ROWS))
 
 
@@ -114,7 +136,7 @@ def test_soft_conversion_matches_the_contract(harness):
     bits = inputs()
     out = subprocess.run([str(harness)], input=bits.tobytes(), check=True, capture_output=True).stdout
     n = len(KERNEL_ROWS)
-    q = np.frombuffer(out[:4 * n * bits.size], np.uint8).reshape(-1, 4 * n)
+    q = np.frombuffer(out[:12 * n * bits.size], np.uint8).reshape(-1, 12 * n)
     x = bits.view(np.float32)
     number = ~np.isnan(x)
     assert number.sum() < x.size  # NaN inputs are among them
@@ -131,7 +153,14 @@ def test_soft_conversion_matches_the_contract(harness):
         bad = np.nonzero(number & ((pair[0] != ref) | (pair[1] != neg)))[0]
         assert bad.size == 0, (f"{row}, soft_pair(x, -x): {bad.size} differ, e.g. x bits {bits[bad[:5]]}: "
                                f"{pair[0][bad[:5]]}, {pair[1][bad[:5]]} vs {ref[bad[:5]]}, {neg[bad[:5]]}")
-    dec = np.frombuffer(out[4 * n * bits.size:], np.float32).reshape(256, n)
+        for j, may_nan in enumerate((True, False)):  # soft_quad: bytes x, -x, -x, x
+            quad = q[:, 4 * n + 8 * k + 4 * j: 4 * n + 8 * k + 4 * j + 4]
+            want = np.stack([ref, neg, neg, ref], axis=1)
+            rows = np.ones_like(number) if may_nan else number
+            bad = np.nonzero(rows & (quad != want).any(axis=1))[0]
+            assert bad.size == 0, (f"{row}, soft_quad (MAY_NAN {may_nan}): {bad.size} differ, e.g. x bits "
+                                   f"{bits[bad[:5]]}: {quad[bad[:5]]} vs {want[bad[:5]]}")
+    dec = np.frombuffer(out[12 * n * bits.size:], np.float32).reshape(256, n)
     for k, row in enumerate(KERNEL_ROWS):
         codes = np.arange(256, dtype=np.uint8).view(row.numpy_dtype)
         ref = fp8core.dequantize(codes, 1.0, "float32")

@@ -13,7 +13,8 @@
 //   0x7F: the input's sign, and 0x7D for E5M2; what the silicon writes is unconfirmed, see fp8_rn_satfinite);
 //   the sign of a result that rounds to zero is the input's. For x2 forms, a goes to the upper 8 bits, b lower.
 // - ue8m0 (.rp.satfinite): the least 2^(e-127) >= a, e in 0..254; NaN gives 0xFF.
-// - f16 and bf16 conversions round to nearest even with subnormals (no .ftz), NaN -> canonical 0x7FFF.
+// - f16 and bf16 conversions round to nearest even with subnormals (no .ftz), NaN -> canonical 0x7FFF; min.f16x2
+//   compares the halves as values, a NaN operand giving the other.
 #pragma once
 
 #include <cmath>
@@ -202,6 +203,52 @@ FP8EMU_PTX("cvt.rn.bf16.f32 %0, %1;") {
 };
 FP8EMU_PTX("cvt.rn.f16.f32 %0, %1;") {
   template <typename H> static void run(H& d, float a) { d = (H)f16_from_f32(a); }
+};
+FP8EMU_PTX("cvt.rn.f16x2.f32 %0, %1, %2;") {
+  // a to the upper half, b to the lower (the ISA's order for the x2 forms)
+  static void run(uint32_t& d, float a, float b) { d = ((uint32_t)f16_from_f32(a) << 16) | f16_from_f32(b); }
+};
+// min.f16x2 without .NaN: per half, one NaN operand gives the other, two the canonical NaN; -0.0 is below +0.0.
+inline uint16_t f16_min(uint16_t a, uint16_t b) {
+  const bool na = (a & 0x7fffu) > 0x7c00u, nb = (b & 0x7fffu) > 0x7c00u;
+  if (na && nb) return 0x7fff;
+  if (na) return b;
+  if (nb) return a;
+  const float x = f32_from_f16(a), y = f32_from_f16(b);
+  if (x == y) return (a & 0x8000u) ? a : b;
+  return x < y ? a : b;
+}
+FP8EMU_PTX("min.f16x2 %0, %1, %2;") {
+  static void run(uint32_t& d, uint32_t a, uint32_t b) {
+    d = ((uint32_t)f16_min((uint16_t)(a >> 16), (uint16_t)(b >> 16)) << 16) | f16_min((uint16_t)a, (uint16_t)b);
+  }
+};
+// max.NaN.bf16x2 / max.NaN.f16x2: per half, a NaN operand gives the canonical NaN 0x7FFF; +0.0 is above -0.0.
+template <bool BF16>
+inline uint16_t half_max_nan(uint16_t a, uint16_t b) {
+  const float x = BF16 ? f32((uint32_t)a << 16) : f32_from_f16(a), y = BF16 ? f32((uint32_t)b << 16) : f32_from_f16(b);
+  if (std::isnan(x) || std::isnan(y)) return 0x7fff;
+  if (x == y) return (a & 0x8000u) ? b : a;
+  return x > y ? a : b;
+}
+FP8EMU_PTX("max.NaN.bf16x2 %0, %1, %2;") {
+  static void run(uint32_t& d, uint32_t a, uint32_t b) {
+    d = ((uint32_t)half_max_nan<true>((uint16_t)(a >> 16), (uint16_t)(b >> 16)) << 16) |
+        half_max_nan<true>((uint16_t)a, (uint16_t)b);
+  }
+};
+FP8EMU_PTX("max.NaN.f16x2 %0, %1, %2;") {
+  static void run(uint32_t& d, uint32_t a, uint32_t b) {
+    d = ((uint32_t)half_max_nan<false>((uint16_t)(a >> 16), (uint16_t)(b >> 16)) << 16) |
+        half_max_nan<false>((uint16_t)a, (uint16_t)b);
+  }
+};
+// abs.bf16x2 / abs.f16x2 then the max: abs clears each half's sign bit (a NaN stays a NaN).
+FP8EMU_PTX("{ .reg .b32 t; abs.bf16x2 t, %2; max.NaN.bf16x2 %0, %1, t; }") {
+  static void run(uint32_t& d, uint32_t m, uint32_t w) { Ptx<op("max.NaN.bf16x2 %0, %1, %2;")>::run(d, m, w & 0x7fff7fffu); }
+};
+FP8EMU_PTX("{ .reg .b32 t; abs.f16x2 t, %2; max.NaN.f16x2 %0, %1, t; }") {
+  static void run(uint32_t& d, uint32_t m, uint32_t w) { Ptx<op("max.NaN.f16x2 %0, %1, %2;")>::run(d, m, w & 0x7fff7fffu); }
 };
 FP8EMU_PTX("cvt.rp.satfinite.ue8m0x2.f32 %0, %1, %2;") {
   template <typename H> static void run(H& d, float a, float b) {

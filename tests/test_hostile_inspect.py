@@ -633,3 +633,28 @@ def test_a_safetensors_tensor_at_an_offset_not_a_multiple_of_its_element_size_is
         assert cli.main(["inspect", str(path), "--recipes", "all", "--json"]) == 0
         rows.append(strict(capsys.readouterr().out)["tensors"]["x"])
     assert rows[0] == rows[1]
+
+
+def _misaligned_npy(path, x: np.ndarray) -> None:
+    """An .npy whose data starts at an odd byte: a v1 header padded to 129 bytes (NumPy's writer pads to 64, but
+    NumPy's reader accepts any length)."""
+    head = repr({"descr": np.lib.format.dtype_to_descr(x.dtype), "fortran_order": False, "shape": x.shape})
+    body = (head + " " * (129 - 10 - len(head) - 1) + "\n").encode("latin1")
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body + x.tobytes())
+
+
+def test_an_npy_whose_data_starts_off_its_element_size_is_measured(tmp_path, capsys):
+    """An .npy from a writer that does not pad its header keeps its data at an odd offset: inspect copies it (the
+    primitives refuse an unaligned array), and its figures are those of the same tensor from NumPy's own .npy."""
+    x = (np.random.default_rng(4).standard_normal((40, 64)) * 10).astype(np.float32)
+    _misaligned_npy(tmp_path / "odd.npy", x)
+    assert np.array_equal(np.load(tmp_path / "odd.npy"), x)
+    assert not np.load(tmp_path / "odd.npy", mmap_mode="r").flags.aligned
+    got = dict(files.iter_tensors(str(tmp_path / "odd.npy")))
+    assert got["odd"].flags.aligned and got["odd"].tobytes() == x.tobytes()
+    np.save(tmp_path / "even.npy", x)
+    rows = []
+    for path in (tmp_path / "odd.npy", tmp_path / "even.npy"):
+        assert cli.main(["inspect", str(path), "--recipes", "all", "--json"]) == 0
+        rows.append(next(iter(strict(capsys.readouterr().out)["tensors"].values())))
+    assert rows[0] == rows[1]

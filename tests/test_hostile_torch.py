@@ -592,7 +592,7 @@ def test_a_te_linear_without_a_load_still_starts_fresh_under_its_first_recipe():
 def test_te_linear_params_dtype_is_checked_at_construction(dtype):
     """float64 was accepted (the forward then blamed x); float8 raised torch's check_uniform_bounds error."""
     with pytest.raises(TypeError, match="params_dtype: expected torch.float32, torch.bfloat16 or torch.float16 "
-                                        f"\(what the fp8 casts take, as in TE\), got {dtype}"):
+                                        rf"\(what the fp8 casts take, as in TE\), got {dtype}"):
         te.Linear(32, 32, params_dtype=dtype)
 
 

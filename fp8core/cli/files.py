@@ -136,7 +136,10 @@ def _read_npy(p: Path, max_bytes: int) -> Iterator[tuple[str, np.ndarray]]:
     if nbytes == 0:
         yield p.stem, np.empty(shape, dtype)
         return
-    yield p.stem, np.memmap(p, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+    t = np.memmap(p, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+    # NumPy pads its headers so the data is aligned; another writer's may not be, and fp8core's primitives refuse an
+    # array not aligned to its element size: such a file's data is copied.
+    yield p.stem, t if t.flags.aligned else np.array(t, order="K")
 
 
 def _npy_member(f: Any, name: str, declared: int) -> np.ndarray:

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -326,12 +327,14 @@ def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe],
     each = max(1, pool_threads() // side)
     # The error raised is the one a run in the order asked would raise: the first failing recipe in that order. The
     # threads take them dearest first, so a failure is kept rather than raised (an interrupt still stops everything):
-    # the recipes asked before it still run, those asked after it no longer start.
-    failed: list[tuple[int, Exception]] = []  # (position asked, error); list.append is atomic under the GIL
+    # the recipes asked before it still run, those asked after it no longer start. Only the earliest-asked failure is
+    # kept: each error's traceback holds its recipe's copies of x.
+    first: list[tuple[int, Exception] | None] = [None]  # (position asked, error)
+    lock = threading.Lock()
 
     def one(i: int, _: int) -> tuple[dict, dict | None] | None:
-        asked = order[i]
-        if any(k < asked for k, _ in failed):
+        asked, failed = order[i], first[0]
+        if failed is not None and failed[0] < asked:
             return None
         r, x = recipes[asked], held[0]
         try:
@@ -339,7 +342,9 @@ def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe],
                 stats = measure(x, r, shared)
                 return stats, block_stats(x, r) if blocks and r.block_scales is not None else None
         except Exception as e:
-            failed.append((asked, e))
+            with lock:
+                if first[0] is None or asked < first[0][0]:
+                    first[0] = (asked, e)
             return None
 
     try:
@@ -347,8 +352,8 @@ def _with_recipes(row: dict, x: np.ndarray, raw_fp8: str, recipes: list[Recipe],
             got = dict(zip(order, map_spans(len(recipes), 1, one)))
     finally:
         held.clear()
-    if failed:
-        raise min(failed, key=lambda f: f[0])[1]
+    if first[0] is not None:
+        raise first[0][1]
     row["recipes"] = {r.name: got[i][0] for i, r in enumerate(recipes)}
     row["winner"] = winner(row["recipes"])
     if blocks:

@@ -110,6 +110,7 @@ def test_block_kernels(block_dev, dtype, offset, rng):
 
 
 LENGTHS = range(1, 41)
+MX_BLOCK = 32
 
 
 @pytest.mark.parametrize("offset", OFFSETS)
@@ -148,3 +149,24 @@ def test_blockwise_row_tails(block_dev, dtype, rng):
             ref = fp8core.quantize_blockwise(x, "e4m3", block=block)
             np.testing.assert_array_equal(bits(got.data), bits(ref.data), err_msg=f"{block} cols={cols}")
             np.testing.assert_array_equal(bits(got.scale_inv), bits(ref.scale_inv), err_msg=f"{block} cols={cols}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mxfp8_row_tails(block_dev, dtype, rng):
+    """MXFP8 rowwise and both over rows whose last block holds every length 1-31 (cols n and 32 + n, 16 rows: a row
+    starts at r cols bytes into q and qc, so an odd cols puts the partial block at each of the 16 alignments in
+    turn, an even one at its own few), x ``cols % 16`` elements in: each code of the partial block stored once and
+    none past the row, whatever its address's alignment (the guard for a word-stored partial block: a variant that
+    stored its last piece as 8 bytes wrote past the row and ASan caught it here)."""
+    for n in range(1, MX_BLOCK):
+        for cols in (n, MX_BLOCK + n):
+            x = data(rng, (16, cols), dtype)
+            xd = upload(x, cols % 16)
+            label = f"n={n} cols={cols}"
+            got = fp8core.quantize_mxfp8(xd, "e4m3")
+            ref = fp8core.quantize_mxfp8(x, "e4m3")
+            np.testing.assert_array_equal(bits(got.data), bits(ref.data), err_msg=label)
+            np.testing.assert_array_equal(bits(got.scale), bits(ref.scale), err_msg=label)
+            for g, r in zip(fp8core.quantize_mxfp8_both(xd, "e5m2"), fp8core.quantize_mxfp8_both(x, "e5m2")):
+                np.testing.assert_array_equal(bits(g.data), bits(r.data), err_msg=f"both {label}")
+                np.testing.assert_array_equal(bits(g.scale), bits(r.scale), err_msg=f"both {label}")

@@ -5,8 +5,6 @@ Current scaling scales each tensor by its own amax on its own rank, as Transform
 delayed scaling's amaxes are MAX-reduced across ranks, so its scales are those of the global batch."""
 
 import os
-import socket
-import warnings
 
 import pytest
 
@@ -14,8 +12,9 @@ torch = pytest.importorskip("torch")
 
 import fp8core  # noqa: E402
 from fp8core.torch import Float8Linear, autocast, convert_to_float8  # noqa: E402
+from ranks import WORLD, init_group, spawn  # noqa: E402
 
-WORLD, STEPS, ROWS = 2, 3, 8
+STEPS, ROWS = 3, 8
 RECIPES = {"delayed": fp8core.DelayedScaling(amax_history_len=4), "current": fp8core.Float8CurrentScaling()}
 
 
@@ -50,11 +49,10 @@ def cpu_mesh():
     return init_device_mesh("cpu", (WORLD,))
 
 
-def _rank_main(rank, port, out_dir, wrapper):
+def _rank_main(rank, out_dir, wrapper):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_group(rank, out_dir)
     calls = []
     all_reduce, update = dist.all_reduce, fp8core.ScalingState.update
 
@@ -121,14 +119,7 @@ def bits_equal(a, b):
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_two_ranks_match_one_process_on_the_global_batch(wrapper, tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mp.spawn(_rank_main, args=(port, str(tmp_path), wrapper), nprocs=WORLD, join=True)
+    spawn(_rank_main, tmp_path, wrapper)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for name, recipe in RECIPES.items():
         ref = reference(recipe)
@@ -147,14 +138,13 @@ def test_two_ranks_match_one_process_on_the_global_batch(wrapper, tmp_path):
 
 # ---- FP8 weight all-gather under FSDP2 -----------------------------------------------------------------------
 
-def _fp8_all_gather_main(rank, port, out_dir):
+def _fp8_all_gather_main(rank, out_dir):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from fp8core.torch import enable_fsdp_float8_all_gather
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_group(rank, out_dir)
     sent = []
     # FSDP2 all-gathers through all_gather_single from torch 2.13 (all_gather_into_tensor then calls it), through
     # all_gather_into_tensor before
@@ -195,14 +185,7 @@ def _fp8_all_gather_main(rank, port, out_dir):
 
 
 def test_fsdp2_fp8_all_gather_equals_the_bf16_all_gather_on_half_the_weight_bytes(tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mp.spawn(_fp8_all_gather_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_fp8_all_gather_main, tmp_path)
     model = make(RECIPES["delayed"])
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear)) // WORLD
     biases = sum(m.bias.numel() for m in model.modules() if isinstance(m, Float8Linear)) // WORLD
@@ -256,7 +239,7 @@ def _plain_state(model):
     return {k: full(v).detach().clone() for k, v in get_model_state_dict(model).items()}
 
 
-def _checkpoint_main(rank, port, out_dir):
+def _checkpoint_main(rank, out_dir):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -264,8 +247,7 @@ def _checkpoint_main(rank, port, out_dir):
 
     from fp8core.torch.fsdp import Float8AllGatherWeight
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_group(rank, out_dir)
     results = {}
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for name, recipe in RECIPES.items():
@@ -306,14 +288,7 @@ def test_fsdp2_param_dtype_and_distributed_checkpoints(tmp_path):
     """fp32 master weights with MixedPrecisionPolicy(param_dtype=bfloat16): the fp8 all-gather gives the bf16
     all-gather's bits. get_model_state_dict / dcp.save / dcp.load / set_model_state_dict round-trip a sharded,
     fp8-gathered model into a twin: plain tensors in the checkpoint, every entry equal, the same next steps."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mp.spawn(_checkpoint_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_checkpoint_main, tmp_path)
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for name in RECIPES:
@@ -333,3 +308,24 @@ def test_fsdp2_param_dtype_and_distributed_checkpoints(tmp_path):
                 assert unchanged
             (outs_a, grads_a), (outs_b, grads_b) = r["next"]
             assert all(torch.equal(a, b) for a, b in zip(outs_a + grads_a, outs_b + grads_b)), name
+
+
+# ---- the harness itself ------------------------------------------------------------------------------------------
+
+def _hangs_on_rank_0(rank, out_dir):
+    import time
+
+    if rank == 0:
+        time.sleep(3600)
+
+
+def test_a_hung_rank_fails_its_test_at_the_deadline_instead_of_hanging_the_suite(tmp_path, monkeypatch):
+    import time
+
+    import ranks
+
+    monkeypatch.setattr(ranks, "DEADLINE_S", 10.0)
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"_hangs_on_rank_0: ranks \[0\] still running after 10 s"):
+        spawn(_hangs_on_rank_0, tmp_path)
+    assert time.monotonic() - start < 60

@@ -402,16 +402,16 @@ def test_a_layer_made_on_meta_and_materialised_draws_its_seed_then():
     assert lin.fp4_rng.dtype == torch.int64 and int(lin.fp4_rng[1]) == 4
 
 
-def _fsdp2_main(rank, port, out_dir):
+def _fsdp2_main(rank, out_dir):
     import os
 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from test_torch_distributed import STEPS, WORLD, batch, cpu_mesh, full
+    from ranks import init_group
+    from test_torch_distributed import STEPS, batch, cpu_mesh, full
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_group(rank, out_dir)
     model = fsdp2_model()
     mesh = cpu_mesh()
     fully_shard(model[0], mesh=mesh)
@@ -439,19 +439,10 @@ def fsdp2_model():
 def test_fsdp2_two_ranks_gather_in_high_precision_and_match_one_process(tmp_path):
     # each rank: its micro-batch, the same seed and offsets; the reference: one process, one model per rank's
     # micro-batch, the gradients averaged (FSDP2's reduce-scatter over 2 ranks), the same SGD steps
-    import socket
-    import warnings
+    from ranks import WORLD, spawn
+    from test_torch_distributed import STEPS, batch
 
-    import torch.multiprocessing as mp
-
-    from test_torch_distributed import STEPS, WORLD, batch
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mp.spawn(_fsdp2_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_fsdp2_main, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     twins = [fsdp2_model() for _ in range(WORLD)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in twins]

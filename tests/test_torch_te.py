@@ -5,8 +5,6 @@ TE. Each pattern is checked bit for bit against its twin: a Float8Linear given t
 (the path that does not adopt a recipe), with the same weights and inputs."""
 
 import os
-import socket
-import warnings
 
 import pytest
 
@@ -15,8 +13,8 @@ torch = pytest.importorskip("torch")
 import fp8core  # noqa: E402
 import fp8core.torch as te  # noqa: E402
 from fp8core.torch import Float8Linear  # noqa: E402
+from ranks import WORLD, init_group, spawn  # noqa: E402
 
-WORLD = 2
 HISTORY_MAX = te.recipe.DelayedScaling(fp8_format=te.recipe.Format.HYBRID, amax_history_len=1024,
                                        amax_compute_algo="max")
 
@@ -144,11 +142,10 @@ def rank_batch(step, rank):
     return x[rank * 16:(rank + 1) * 16].to(torch.bfloat16)
 
 
-def _te_rank_main(rank, port, out_dir):
+def _te_rank_main(rank, out_dir):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_group(rank, out_dir)
     group = dist.new_group(ranks=list(range(WORLD)))
     torch.manual_seed(0)
     model = te.Linear(32, 32, bias=True, params_dtype=torch.bfloat16)
@@ -162,14 +159,7 @@ def _te_rank_main(rank, port, out_dir):
 
 
 def test_te_autocast_amax_reduction_group_on_two_processes(tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mp.spawn(_te_rank_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_te_rank_main, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     # the twin: one process, one Float8Linear given the recipe, both ranks' micro-batches in each autocast
     torch.manual_seed(0)
